@@ -1,0 +1,84 @@
+"""torchq: tensor-subclass quantization for PyTorch.
+
+    import torchq
+    torchq.quantize_(model, torchq.int4_weight_only())
+"""
+
+from . import layouts, primitives
+from .activation import PerTokenInt8
+from .canonical import PlainForm, QuantSpec
+from .configs import (
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    LayerNotSupported,
+    QuantConfig,
+    config_from_json,
+    int4_weight_only,
+    int8_dynamic_activation_int8_weight,
+    int8_weight_only,
+    intx_weight_only,
+)
+from .dispatch import (
+    FallbackWarning,
+    LinearKernel,
+    NoKernelError,
+    is_strict,
+    linear_kernels,
+    register_linear_kernel,
+    set_strict,
+    strict,
+    unregister_linear_kernel,
+)
+from .explain import ExplainReport, explain
+from .layouts import Layout, TensorImpl, choose_layout, layout_from_json
+from .primitives import MappingType, ZeroPointDomain
+from .quantize import QuantizationError, SkippedLayerWarning, quantize_
+from .tensor import AffineQuantizedTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AffineQuantizedTensor",
+    "ExplainReport",
+    "FallbackWarning",
+    "Int4WeightOnlyConfig",
+    "Int8DynamicActivationInt8WeightConfig",
+    "Int8WeightOnlyConfig",
+    "IntxWeightOnlyConfig",
+    "Layout",
+    "LayerNotSupported",
+    "LinearKernel",
+    "MappingType",
+    "NoKernelError",
+    "PerTokenInt8",
+    "PlainForm",
+    "QuantConfig",
+    "QuantSpec",
+    "QuantizationError",
+    "SkippedLayerWarning",
+    "TensorImpl",
+    "ZeroPointDomain",
+    "choose_layout",
+    "config_from_json",
+    "explain",
+    "int4_weight_only",
+    "int8_dynamic_activation_int8_weight",
+    "int8_weight_only",
+    "intx_weight_only",
+    "is_strict",
+    "layout_from_json",
+    "layouts",
+    "linear_kernels",
+    "primitives",
+    "quantize_",
+    "register_linear_kernel",
+    "set_strict",
+    "strict",
+    "unregister_linear_kernel",
+]
+for _name in layouts.__all__:
+    if _name.endswith("Layout") and _name != "Layout":
+        globals()[_name] = getattr(layouts, _name)
+        __all__.append(_name)

@@ -1,0 +1,50 @@
+"""Dynamic activation quantization schemes (chosen per call from the activation itself)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine
+
+__all__ = ["PerTokenInt8"]
+
+
+@dataclass(frozen=True)
+class PerTokenInt8:
+    """Symmetric per-token int8: each row of ``[..., K]`` gets ``s = amax(|row|) / 127`` (fp32,
+    clamped to ``eps``) and codes ``clamp(round(x * (1/s)), -127, 127)``.
+
+    The reduced range [-127, 127] (rather than [-128, 127]) keeps negation exact and matches the
+    LLM.int8 convention; ``eps = 1e-5`` keeps all-zero rows finite.
+    """
+
+    quant_min: int = -127
+    quant_max: int = 127
+    eps: float = 1e-5
+
+    def _block(self, x: torch.Tensor) -> tuple[int, ...]:
+        return (1,) * (x.dim() - 1) + (x.shape[-1],)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(int8 codes of x's shape, fp32 scale of shape [..., 1])``."""
+        block = self._block(x)
+        scale, _ = choose_qparams_affine(
+            x, MappingType.SYMMETRIC, block, torch.int8, self.quant_min, self.quant_max, self.eps,
+            torch.float32, None, ZeroPointDomain.NONE,
+        )
+        codes = quantize_affine(x, block, scale, None, torch.int8, self.quant_min, self.quant_max, ZeroPointDomain.NONE)
+        return codes, scale
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scale = self.quantize(x)
+        return dequantize_affine(
+            codes, self._block(x), scale, None, self.quant_min, self.quant_max, ZeroPointDomain.NONE, x.dtype
+        )
+
+    def to_json(self) -> dict:
+        return {"type": "per_token_int8", "quant_min": self.quant_min, "quant_max": self.quant_max, "eps": self.eps}
+
+    def describe(self) -> str:
+        return f"dynamic per-token int8 [{self.quant_min},{self.quant_max}]"

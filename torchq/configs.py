@@ -1,0 +1,263 @@
+"""Quantization configs: frozen dataclasses that say how to quantize one linear weight.
+
+Each config round-trips through JSON (``config.to_json()`` / ``config_from_json``) with a
+``type`` and a format ``version``. ``layout=None`` means "the best registered layout for the
+weight's device" (see :func:`torchq.layouts.choose_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .activation import PerTokenInt8
+from .layouts.base import Layout, layout_from_json
+from .primitives import MappingType, ZeroPointDomain, code_range
+from .tensor import AffineQuantizedTensor
+
+__all__ = [
+    "QuantConfig",
+    "LayerNotSupported",
+    "Int4WeightOnlyConfig",
+    "Int8WeightOnlyConfig",
+    "Int8DynamicActivationInt8WeightConfig",
+    "IntxWeightOnlyConfig",
+    "int4_weight_only",
+    "int8_weight_only",
+    "int8_dynamic_activation_int8_weight",
+    "intx_weight_only",
+    "config_from_json",
+]
+
+_CONFIGS: dict[str, type[QuantConfig]] = {}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class LayerNotSupported(Exception):
+    """The layer's structure cannot take this config; quantize_ skips it with a warning."""
+
+
+def _dtype_to_json(d: torch.dtype | None) -> str | None:
+    return None if d is None else str(d).removeprefix("torch.")
+
+
+def _dtype_from_json(s: str | None) -> torch.dtype | None:
+    if s is None:
+        return None
+    d = getattr(torch, s, None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"config JSON: unknown dtype {s!r}")
+    return d
+
+
+class QuantConfig:
+    """Base of all configs (subclasses are frozen dataclasses)."""
+
+    version: ClassVar[int] = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _CONFIGS[cls.__name__] = cls
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        raise NotImplementedError
+
+    def _check_weight(self, weight: torch.Tensor, label: str | None) -> None:
+        if weight.dim() != 2:
+            raise LayerNotSupported(f"weight is {weight.dim()}-D (shape {tuple(weight.shape)}); {type(self).__name__} quantizes 2-D linear weights")
+        if weight.dtype not in _FLOAT_DTYPES:
+            raise LayerNotSupported(f"weight dtype {weight.dtype} is not fp32/bf16/fp16")
+
+    def _check_layout(self) -> None:
+        if self.layout is not None and not isinstance(self.layout, Layout):  # type: ignore[attr-defined]
+            raise TypeError(f"layout: expected a torchq Layout or None, got {type(self.layout).__name__}")  # type: ignore[attr-defined]
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"type": type(self).__name__, "version": self.version}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, Layout):
+                v = v.to_json()
+            elif isinstance(v, torch.dtype):
+                v = _dtype_to_json(v)
+            elif isinstance(v, (MappingType, ZeroPointDomain)):
+                v = v.value
+            out[f.name] = v
+        return out
+
+    def to_json_str(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+
+def config_from_json(data: dict | str) -> QuantConfig:
+    """Inverse of ``QuantConfig.to_json`` (accepts the dict or its JSON string)."""
+    if isinstance(data, str):
+        data = json.loads(data)
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(f"config JSON: expected an object with a 'type' key, got {data!r}")
+    cls = _CONFIGS.get(data["type"])
+    if cls is None:
+        raise ValueError(f"config JSON: unknown config type {data['type']!r}; known: {sorted(_CONFIGS)}")
+    version = data.get("version", 1)
+    if version > cls.version:
+        raise ValueError(f"config JSON: {data['type']} version {version} is newer than this torchq supports ({cls.version})")
+    kwargs: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for k, v in data.items():
+        if k in ("type", "version"):
+            continue
+        if k not in names:
+            raise ValueError(f"config JSON: {data['type']} has no field {k!r}")
+        if k == "layout" and v is not None:
+            v = layout_from_json(v)
+        elif k.endswith("dtype"):
+            v = _dtype_from_json(v)
+        elif k == "mapping_type":
+            v = MappingType(v)
+        elif k == "zero_point_domain":
+            v = ZeroPointDomain(v)
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Int4WeightOnlyConfig(QuantConfig):
+    """4-bit groupwise weights. ``zero_point_domain``:
+
+    * FLOAT (default): tinygemm numerics, codes 0..15, raw min/max, ``s = (max-min)/15``,
+      ``zero = min + 8s``, computed in ``scale_dtype`` (default: the weight's dtype), eps 1e-6;
+    * INT: asymmetric codes 0..15 with an integer zero point (zero exactly representable);
+    * NONE: symmetric codes -8..7.
+    """
+
+    group_size: int = 128
+    layout: Layout | None = None
+    zero_point_domain: ZeroPointDomain = ZeroPointDomain.FLOAT
+    scale_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.group_size not in (32, 64, 128, 256):
+            raise ValueError(f"group_size: expected one of 32, 64, 128, 256, got {self.group_size!r}")
+        object.__setattr__(self, "zero_point_domain", ZeroPointDomain(self.zero_point_domain))
+        if self.scale_dtype is not None and self.scale_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"scale_dtype: expected fp32/bf16/fp16 or None, got {self.scale_dtype}")
+        self._check_layout()
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        self._check_weight(weight, label)
+        sd = self.scale_dtype or weight.dtype
+        domain = self.zero_point_domain
+        common = dict(layout=self.layout, label=label, config=self, scale_dtype=sd, zero_point_domain=domain)
+        block = (1, self.group_size)
+        if domain is ZeroPointDomain.FLOAT:
+            return AffineQuantizedTensor.from_float(
+                weight, MappingType.ASYMMETRIC, block, 0, 15, eps=1e-6, zero_point_dtype=sd, preserve_zero=False, **common
+            )
+        if domain is ZeroPointDomain.INT:
+            return AffineQuantizedTensor.from_float(weight, MappingType.ASYMMETRIC, block, 0, 15, eps=1e-6, **common)
+        return AffineQuantizedTensor.from_float(weight, MappingType.SYMMETRIC, block, -8, 7, eps=1e-6, **common)
+
+
+@dataclass(frozen=True)
+class Int8WeightOnlyConfig(QuantConfig):
+    """int8 per output channel, symmetric over the full [-128, 127] (``s = amax / 127.5``), no
+    zero point, fp32 scales, ``eps = finfo(float32).eps``."""
+
+    layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        self._check_layout()
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        self._check_weight(weight, label)
+        return AffineQuantizedTensor.from_float(
+            weight, MappingType.SYMMETRIC, (1, weight.shape[1]), -128, 127,
+            eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE,
+            layout=self.layout, label=label, config=self,
+        )
+
+
+@dataclass(frozen=True)
+class Int8DynamicActivationInt8WeightConfig(QuantConfig):
+    """int8 weights per output channel, symmetric [-127, 127], fp32 scales; activations are
+    quantized per token at run time with :class:`~torchq.activation.PerTokenInt8`
+    (symmetric [-127, 127], fp32 scale, eps 1e-5) and multiplied in int32."""
+
+    layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        self._check_layout()
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        self._check_weight(weight, label)
+        return AffineQuantizedTensor.from_float(
+            weight, MappingType.SYMMETRIC, (1, weight.shape[1]), -127, 127,
+            eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE,
+            layout=self.layout, act_quant=PerTokenInt8(), label=label, config=self,
+        )
+
+
+@dataclass(frozen=True)
+class IntxWeightOnlyConfig(QuantConfig):
+    """``bits``-wide (1-8) weights, groupwise (``group_size``) or per channel (``None``).
+
+    ASYMMETRIC (default): unsigned codes ``[0, 2^bits)`` with an integer zero point;
+    SYMMETRIC: signed codes ``[-2^(bits-1), 2^(bits-1))`` with no zero point (bits >= 2).
+    Scales in ``scale_dtype`` (default: the weight's dtype), eps = its machine epsilon.
+    """
+
+    bits: int = 4
+    group_size: int | None = 32
+    mapping_type: MappingType = MappingType.ASYMMETRIC
+    layout: Layout | None = None
+    scale_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ValueError(f"bits: expected an int in 1..8, got {self.bits!r}")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
+            raise ValueError(f"group_size: expected a positive int or None (per channel), got {self.group_size!r}")
+        mt = MappingType(self.mapping_type)
+        object.__setattr__(self, "mapping_type", mt)
+        if mt is MappingType.SYMMETRIC_NO_CLIPPING_ERR:
+            raise ValueError("mapping_type: expected ASYMMETRIC or SYMMETRIC, got SYMMETRIC_NO_CLIPPING_ERR")
+        if mt is MappingType.SYMMETRIC and self.bits < 2:
+            raise ValueError("bits: SYMMETRIC needs at least 2 bits (1-bit signed codes {-1, 0} cannot hold +x)")
+        if self.scale_dtype is not None and self.scale_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"scale_dtype: expected fp32/bf16/fp16 or None, got {self.scale_dtype}")
+        self._check_layout()
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        self._check_weight(weight, label)
+        block = (1, weight.shape[1] if self.group_size is None else self.group_size)
+        sd = self.scale_dtype or weight.dtype
+        if self.mapping_type is MappingType.ASYMMETRIC:
+            qmin, qmax = code_range(self.bits, signed=False)
+            domain = ZeroPointDomain.INT
+        else:
+            qmin, qmax = code_range(self.bits, signed=True)
+            domain = ZeroPointDomain.NONE
+        return AffineQuantizedTensor.from_float(
+            weight, self.mapping_type, block, qmin, qmax, scale_dtype=sd, zero_point_domain=domain,
+            layout=self.layout, label=label, config=self,
+        )
+
+
+def int4_weight_only(group_size: int = 128, layout: Layout | None = None, **kwargs: Any) -> Int4WeightOnlyConfig:
+    return Int4WeightOnlyConfig(group_size=group_size, layout=layout, **kwargs)
+
+
+def int8_weight_only(layout: Layout | None = None) -> Int8WeightOnlyConfig:
+    return Int8WeightOnlyConfig(layout=layout)
+
+
+def int8_dynamic_activation_int8_weight(layout: Layout | None = None) -> Int8DynamicActivationInt8WeightConfig:
+    return Int8DynamicActivationInt8WeightConfig(layout=layout)
+
+
+def intx_weight_only(bits: int = 4, group_size: int | None = 32, **kwargs: Any) -> IntxWeightOnlyConfig:
+    return IntxWeightOnlyConfig(bits=bits, group_size=group_size, **kwargs)

@@ -1,0 +1,207 @@
+"""The linear dispatch table: an ordered list of named ``(condition, impl)`` kernel pairs.
+
+``F.linear``, ``aten.linear``, ``aten.mm`` and ``aten.addmm`` with an ``AffineQuantizedTensor``
+weight arrive at :func:`quantized_linear`, which runs the first kernel whose condition accepts
+``(input, weight, bias)``. A condition returns ``None`` or ``True`` to accept, and a string (the
+reason) or ``False`` to reject. When nothing accepts, the weight is dequantized and the float op
+runs, with a one-time :class:`FallbackWarning` naming the layer and every kernel's reason;
+under :func:`strict` that is a :class:`NoKernelError` instead.
+
+Kernels are ordered by ``priority`` (higher first, then registration order). Built-in kernels
+use priority 0; :func:`register_linear_kernel` defaults to 100 so a user's kernel wins.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "LinearKernel",
+    "FallbackWarning",
+    "NoKernelError",
+    "register_linear_kernel",
+    "unregister_linear_kernel",
+    "linear_kernels",
+    "select_linear_kernel",
+    "quantized_linear",
+    "strict",
+    "set_strict",
+    "is_strict",
+]
+
+Condition = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "bool | str | None"]
+Impl = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
+
+
+class FallbackWarning(UserWarning):
+    """No kernel accepted a quantized linear; it ran as dequantize + float matmul."""
+
+
+class NoKernelError(RuntimeError):
+    """Raised instead of falling back when strict mode is on."""
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    name: str
+    condition: Condition = field(repr=False)
+    impl: Impl = field(repr=False)
+    description: str = ""
+    priority: int = 0
+
+    def check(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> str | None:
+        """None when the kernel accepts, else the reason it rejects."""
+        verdict = self.condition(x, weight, bias)
+        if verdict is None or verdict is True:
+            return None
+        if verdict is False:
+            return "condition returned False"
+        if isinstance(verdict, str):
+            return verdict or "condition returned an empty reason"
+        raise TypeError(f"kernel {self.name!r}: condition must return None/True/False/str, got {type(verdict).__name__}")
+
+
+_TABLE: list[LinearKernel] = []
+_STRICT = [os.environ.get("TORCHQ_STRICT", "") not in ("", "0")]
+_WARNED: set[tuple[str, str]] = set()
+_RECORDERS: list[list] = []
+
+
+def register_linear_kernel(
+    name: str,
+    condition: Condition,
+    impl: Impl,
+    *,
+    description: str = "",
+    priority: int = 100,
+    replace: bool = False,
+) -> LinearKernel:
+    """Add a kernel to the table. ``replace=True`` swaps out an existing kernel of that name."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    if not callable(condition) or not callable(impl):
+        raise TypeError("condition and impl: expected callables (input, weight, bias)")
+    existing = [k for k in _TABLE if k.name == name]
+    if existing and not replace:
+        raise ValueError(f"name: a linear kernel named {name!r} is already registered (pass replace=True)")
+    for k in existing:
+        _TABLE.remove(k)
+    kernel = LinearKernel(name, condition, impl, description, int(priority))
+    _TABLE.append(kernel)
+    _TABLE.sort(key=lambda k: -k.priority)  # stable: ties keep registration order
+    return kernel
+
+
+def unregister_linear_kernel(name: str) -> LinearKernel:
+    """Remove a kernel by name and return it (so it can be registered again later)."""
+    for k in _TABLE:
+        if k.name == name:
+            _TABLE.remove(k)
+            return k
+    raise KeyError(f"name: no linear kernel named {name!r}; registered: {[k.name for k in _TABLE]}")
+
+
+def linear_kernels() -> tuple[LinearKernel, ...]:
+    """The table, in the order it is tried."""
+    return tuple(_TABLE)
+
+
+class strict:
+    """Turn fallbacks into :class:`NoKernelError`. ``with torchq.strict(): ...`` or ``torchq.set_strict(True)``."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = bool(enabled)
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> strict:
+        self._saved.append(_STRICT[0])
+        _STRICT[0] = self.enabled
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _STRICT[0] = self._saved.pop()
+
+
+def set_strict(enabled: bool) -> None:
+    _STRICT[0] = bool(enabled)
+
+
+def is_strict() -> bool:
+    return _STRICT[0]
+
+
+def _layer_name(weight: Any) -> str:
+    return getattr(weight, "label", None) or f"<unnamed {tuple(weight.shape)} weight>"
+
+
+def select_linear_kernel(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, *, evaluate_all: bool = False):
+    """``(chosen kernel or None, [(kernel name, reason or None), ...])``.
+
+    Stops at the first acceptance unless ``evaluate_all`` (then every condition is asked, so a
+    report can show what each later kernel would have said)."""
+    chosen = None
+    verdicts: list[tuple[str, str | None]] = []
+    for k in _TABLE:
+        reason = k.check(x, weight, bias)
+        verdicts.append((k.name, reason))
+        if reason is None and chosen is None:
+            chosen = k
+            if not evaluate_all:
+                break
+    return chosen, verdicts
+
+
+def _validate(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> None:
+    name = _layer_name(weight)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"layer {name!r}: input must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    n, k = weight.shape
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"layer {name!r}: input's last dimension must be in_features={k}, got input shape {tuple(x.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"layer {name!r}: input is on {x.device} but the weight is on {weight.device}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"layer {name!r}: bias must have shape ({n},), got {tuple(bias.shape)}")
+
+
+def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """The reference meaning of a quantized linear: dequantize (and fake-quantize the input for
+    dynamic activation quantization), then ``F.linear`` in the input's dtype."""
+    act = getattr(weight, "act_quant", None)
+    if act is not None:
+        x = act.fake_quantize(x)
+    b = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight.dequantize(x.dtype), b)
+
+
+def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a quantized (non-transposed ``[N, K]``) weight."""
+    _validate(x, weight, bias)
+    kernel, verdicts = select_linear_kernel(x, weight, bias, evaluate_all=bool(_RECORDERS))
+    for rec in _RECORDERS:
+        rec.append((weight, x, kernel, verdicts))
+    if kernel is not None:
+        return kernel.impl(x, weight, bias)
+    name = _layer_name(weight)
+    why = "; ".join(f"{k}: {r}" for k, r in verdicts) or "the kernel table is empty"
+    layout = weight.tensor_impl.layout
+    msg = f"layer {name!r} ({layout!r}, input {x.dtype} {tuple(x.shape)}): no linear kernel accepted ({why})"
+    if _STRICT[0]:
+        raise NoKernelError(msg + "; strict mode forbids the dequantize + F.linear fallback")
+    key = (name, why)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(msg + "; running dequantize + F.linear instead (slow, full-size float weight)", FallbackWarning, stacklevel=3)
+    return dequantized_linear(x, weight, bias)
+
+
+def reset_fallback_warnings() -> None:
+    """Forget which fallbacks were already warned about (mainly for tests)."""
+    _WARNED.clear()

@@ -1,0 +1,136 @@
+"""``explain``: which linear kernel each quantized layer runs, and why the others do not."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import dispatch
+from .tensor import AffineQuantizedTensor
+
+__all__ = ["explain", "ExplainReport", "LinearDecision"]
+
+FALLBACK = "FALLBACK: dequantize + F.linear"
+
+
+@dataclass
+class LinearDecision:
+    layer: str
+    config: str
+    layout: str
+    format: str
+    input: str
+    kernel: str
+    verdicts: list[tuple[str, str | None]] = field(default_factory=list)
+
+    @property
+    def rejected(self) -> list[tuple[str, str]]:
+        return [(k, r) for k, r in self.verdicts if r is not None]
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.kernel == FALLBACK
+
+
+class ExplainReport:
+    """One :class:`LinearDecision` per (layer, input dtype, input shape) seen."""
+
+    def __init__(self, decisions: list[LinearDecision]) -> None:
+        self.decisions = decisions
+
+    def __iter__(self):
+        return iter(self.decisions)
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    def kernels(self) -> dict[str, str]:
+        """layer -> chosen kernel (last input seen wins)."""
+        return {d.layer: d.kernel for d in self.decisions}
+
+    def to_dict(self) -> list[dict]:
+        return [
+            {"layer": d.layer, "config": d.config, "layout": d.layout, "format": d.format, "input": d.input,
+             "kernel": d.kernel, "rejected": dict(d.rejected)}
+            for d in self.decisions
+        ]
+
+    def __str__(self) -> str:
+        if not self.decisions:
+            return "torchq.explain: no quantized linear layers were called"
+        head = ("layer", "input", "config", "layout", "kernel")
+        rows = [(d.layer, d.input, d.config, d.layout, d.kernel) for d in self.decisions]
+        widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+
+        def fmt(r):
+            return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
+        lines = [fmt(head), fmt(tuple("-" * w for w in widths))]
+        for d, r in zip(self.decisions, rows):
+            lines.append(fmt(r))
+            for k, reason in d.verdicts:
+                if k != d.kernel:
+                    lines.append(f"    {k}: {'accepts, but a kernel before it was chosen' if reason is None else reason}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _decision(name: str, w: AffineQuantizedTensor, x: torch.Tensor, kernel, verdicts) -> LinearDecision:
+    cfg = w.config
+    return LinearDecision(
+        layer=name,
+        config=repr(cfg) if cfg is not None else "(none recorded)",
+        layout=repr(w.tensor_impl.layout),
+        format=w.tensor_impl.spec.describe() + (f" + {w.act_quant.describe()}" if w.act_quant is not None else ""),
+        input=f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}",
+        kernel=FALLBACK if kernel is None else kernel.name,
+        verdicts=list(verdicts),
+    )
+
+
+def explain(target: nn.Module | torch.Tensor, *example_inputs, **example_kwargs) -> ExplainReport:
+    """Report the kernel each quantized linear chooses.
+
+    With example inputs, ``target`` (a module, or a quantized weight) is run on them under
+    ``torch.no_grad()`` and every quantized linear call is recorded. Without inputs, each
+    quantized weight is checked against a one-row input in its own dtype.
+    """
+    if isinstance(target, AffineQuantizedTensor):
+        weights = {id(target): ("weight" if not target.label else target.label, target)}
+    elif isinstance(target, nn.Module):
+        weights = {}
+        for mname, mod in target.named_modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if isinstance(p, AffineQuantizedTensor):
+                    full = f"{mname}.{pname}" if mname else pname
+                    weights[id(p)] = (mname if pname == "weight" and mname else full, p)
+    else:
+        raise TypeError(f"target: expected an nn.Module or an AffineQuantizedTensor, got {type(target).__name__}")
+
+    if not example_inputs and not example_kwargs:
+        out = []
+        for name, w in weights.values():
+            x = torch.zeros(1, w.shape[-1], dtype=w.dtype, device=w.device)
+            kernel, verdicts = dispatch.select_linear_kernel(x, w, None, evaluate_all=True)
+            out.append(_decision(name, w, x, kernel, verdicts))
+        return ExplainReport(out)
+
+    records: list = []
+    dispatch._RECORDERS.append(records)
+    try:
+        with torch.no_grad():
+            if isinstance(target, AffineQuantizedTensor):
+                torch.nn.functional.linear(example_inputs[0], target)
+            else:
+                target(*example_inputs, **example_kwargs)
+    finally:
+        dispatch._RECORDERS.remove(records)
+    seen: dict[tuple, LinearDecision] = {}
+    for w, x, kernel, verdicts in records:
+        name = weights.get(id(w), (w.label or f"<unnamed {tuple(w.shape)}>", w))[0]
+        key = (name, x.dtype, tuple(x.shape))
+        seen[key] = _decision(name, w, x, kernel, verdicts)
+    return ExplainReport(list(seen.values()))

@@ -1,0 +1,190 @@
+"""Layout and TensorImpl bases, the layout registry, and automatic layout choice.
+
+A ``Layout`` is a frozen, hashable dataclass that names a storage format and its options; its
+``impl_class`` (a :class:`TensorImpl`) holds the tensors in that format and converts losslessly
+to and from :class:`~torchq.canonical.PlainForm`. A layout module defines both, registers its
+kernels in the dispatch table, and touches nothing else. This module never names a concrete
+layout: automatic choice asks every registered layout whether it accepts a weight and takes
+the accepting one with the highest ``auto_priority``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from ..canonical import PlainForm, QuantSpec
+
+__all__ = ["Layout", "TensorImpl", "layout_from_json", "registered_layouts", "choose_layout", "layout_rejections"]
+
+_LAYOUTS: dict[str, type[Layout]] = {}
+
+
+class Layout:
+    """Base of all layouts. Subclasses are ``@dataclass(frozen=True)`` and set ``name``.
+
+    Class attributes a layout sets:
+
+    * ``name``: registry key used in JSON (``{"type": name, ...fields}``);
+    * ``impl_class``: its :class:`TensorImpl`;
+    * ``auto_priority``: rank for automatic choice (higher wins; < 0 never chosen automatically);
+    * ``device_specific``: True when the packed bytes only make sense on one device type,
+      so moving to another device repacks through the plain form.
+    """
+
+    name: ClassVar[str] = ""
+    impl_class: ClassVar[type[TensorImpl]]
+    auto_priority: ClassVar[int] = -1
+    device_specific: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            if cls.name in _LAYOUTS and _LAYOUTS[cls.name].__qualname__ != cls.__qualname__:
+                raise ValueError(f"layout name {cls.name!r} is already registered by {_LAYOUTS[cls.name]}")
+            _LAYOUTS[cls.name] = cls
+
+    def rejects(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
+        """None if this layout can hold such a weight on ``device``, else the reason it cannot."""
+        return None
+
+    def pack(self, plain: PlainForm) -> TensorImpl:
+        """Convert the plain form into this layout (raises ValueError with the reason if it cannot)."""
+        reason = self.rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device)
+        if reason is not None:
+            raise ValueError(f"layout {self!r} cannot hold this weight: {reason}")
+        return self.impl_class.from_plain(plain, self)
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"type": self.name}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            out[f.name] = getattr(self, f.name)
+        return out
+
+
+def layout_from_json(d: dict) -> Layout:
+    """Inverse of ``Layout.to_json``."""
+    if not isinstance(d, dict) or "type" not in d:
+        raise ValueError(f"layout JSON: expected an object with a 'type' key, got {d!r}")
+    cls = _LAYOUTS.get(d["type"])
+    if cls is None:
+        raise ValueError(f"layout JSON: unknown layout type {d['type']!r}; known: {sorted(_LAYOUTS)}")
+    fields = {k: v for k, v in d.items() if k != "type"}
+    try:
+        return cls(**fields)
+    except TypeError as e:
+        raise ValueError(f"layout JSON for {d['type']!r}: {e}") from None
+
+
+def registered_layouts() -> dict[str, type[Layout]]:
+    return dict(_LAYOUTS)
+
+
+def layout_rejections(spec: QuantSpec, shape, scale_dtype, device) -> dict[str, str | None]:
+    """For every auto-choosable layout with default options: None (accepts) or its reason."""
+    device = torch.device(device)
+    return {name: cls().rejects(spec, tuple(shape), scale_dtype, device) for name, cls in _LAYOUTS.items() if cls.auto_priority >= 0}
+
+
+def choose_layout(spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> Layout:
+    """The accepting registered layout (default options) with the highest ``auto_priority``."""
+    device = torch.device(device)
+    best: Layout | None = None
+    for cls in sorted(_LAYOUTS.values(), key=lambda c: -c.auto_priority):
+        if cls.auto_priority < 0:
+            continue
+        layout = cls()
+        if layout.rejects(spec, tuple(shape), scale_dtype, device) is None:
+            best = layout
+            break
+    if best is None:
+        raise ValueError(f"no registered layout accepts {spec.describe()} of shape {tuple(shape)} on {device}")
+    return best
+
+
+class TensorImpl:
+    """Holds one quantized weight's tensors in one layout.
+
+    Subclasses declare ``tensor_fields`` (inner tensor names, any may be None) and
+    ``attr_fields`` (hashable non-tensor attributes beyond ``layout``, ``spec``, ``shape``);
+    the constructor, flattening, ``map`` (detach / clone / to) and equality of metadata derive
+    from these declarations. ``shape`` is the logical ``[N, K]`` weight shape.
+    """
+
+    tensor_fields: ClassVar[tuple[str, ...]] = ()
+    attr_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, layout: Layout, spec: QuantSpec, shape: tuple[int, ...], **fields: Any) -> None:
+        self.layout = layout
+        self.spec = spec
+        self.shape = tuple(int(s) for s in shape)
+        expected = set(self.tensor_fields) | set(self.attr_fields)
+        if set(fields) != expected:
+            raise TypeError(f"{type(self).__name__}: expected fields {sorted(expected)}, got {sorted(fields)}")
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    # -- generic machinery -----------------------------------------------------------------
+    def tensor_names(self) -> list[str]:
+        """Names of the inner tensors that are present (the flattening order)."""
+        return [n for n in self.tensor_fields if getattr(self, n) is not None]
+
+    def metadata(self) -> tuple:
+        """Everything but the tensors: hashable, compared by guards and by ``copy_``."""
+        return (type(self), self.layout, self.spec, self.shape, tuple(getattr(self, a) for a in self.attr_fields))
+
+    @classmethod
+    def rebuild(cls, metadata: tuple, tensors: dict[str, torch.Tensor]) -> TensorImpl:
+        impl_cls, layout, spec, shape, attrs = metadata
+        fields = {n: tensors.get(n) for n in impl_cls.tensor_fields}
+        fields.update(zip(impl_cls.attr_fields, attrs))
+        return impl_cls(layout, spec, shape, **fields)
+
+    def map(self, fn) -> TensorImpl:
+        """A new impl with ``fn`` applied to every present tensor (metadata unchanged)."""
+        tensors = {n: fn(getattr(self, n)) for n in self.tensor_names()}
+        return self.rebuild(self.metadata(), tensors)
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, self.tensor_names()[0]).device
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.tensor_names())
+
+    def to_device(self, device: torch.device) -> TensorImpl:
+        """Move without re-quantizing: copy the bytes, or repack through the plain form when the
+        layout is device-specific (choosing the target device's best layout if this one cannot
+        live there)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        if not self.layout.device_specific:
+            return self.map(lambda t: t.to(device))
+        plain = self.to_plain().map(lambda t: t.to(device))
+        layout = self.layout
+        if layout.rejects(plain.spec, plain.shape, plain.scale.dtype, device) is not None:
+            layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, device)
+        return layout.pack(plain)
+
+    # -- per-layout hooks --------------------------------------------------------------------
+    @classmethod
+    def from_plain(cls, plain: PlainForm, layout: Layout) -> TensorImpl:
+        raise NotImplementedError
+
+    def to_plain(self) -> PlainForm:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.to_plain().dequantize(dtype)
+
+    def narrow_view(self, dim: int, start: int, length: int) -> TensorImpl | None:
+        """A slice whose tensors are views of this impl's storage, or None if the layout cannot
+        slice there without copying (the caller then goes through the plain form)."""
+        return None
+
+    def __repr__(self) -> str:
+        tensors = ", ".join(f"{n}={tuple(getattr(self, n).shape)}:{getattr(self, n).dtype}" for n in self.tensor_names())
+        return f"{type(self).__name__}({self.layout!r}, {self.spec.describe()}, shape={self.shape}, {tensors})"

@@ -1,0 +1,106 @@
+"""``PackedBitsLayout``: 1-7-bit codes bit-packed along K, portable across devices.
+
+Bytes per ``[N, K]`` weight with ``b``-bit codes: each row holds ``ceil(K / 8) * b`` bytes
+(a row is padded with zero codes to a multiple of 8 codes). Codes are stored offset to unsigned
+(``u = q - quant_min`` in ``[0, 2^b)``) as one big-endian bit stream per row: code ``j`` occupies
+stream bits ``[j*b, (j+1)*b)``, stream bit 0 being the most significant bit of the row's first
+byte. For 4-bit codes this is "element 2j in the high nibble, 2j+1 in the low nibble".
+``scale`` / ``zero_point`` are stored as in the plain form.
+
+No native sub-byte matmul is registered for this layout: a linear on it dequantizes (visible
+as a one-time ``FallbackWarning``). It exists for compact, device-independent storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..canonical import PlainForm, QuantSpec
+from .base import Layout, TensorImpl
+
+__all__ = ["PackedBitsLayout", "PackedBitsImpl", "pack_bits", "unpack_bits"]
+
+
+def pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ``[N, K]`` values < 2^bits into uint8 ``[N, ceil(K/8)*bits]`` (see module doc)."""
+    if not 1 <= bits <= 7:
+        raise ValueError(f"bits: expected 1..7, got {bits}")
+    n, k = u.shape
+    groups = -(-k // 8)
+    v = torch.zeros(n, groups * 8, dtype=torch.int64, device=u.device)
+    v[:, :k] = u.to(torch.int64)
+    v = v.reshape(n, groups, 8)
+    shifts = torch.arange(7, -1, -1, device=u.device, dtype=torch.int64) * bits
+    word = (v << shifts).sum(-1, keepdim=True)  # disjoint bit fields: sum == or
+    byte_shifts = torch.arange(bits - 1, -1, -1, device=u.device, dtype=torch.int64) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(n, groups * bits)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: uint8 ``[N, K]`` values."""
+    n = packed.shape[0]
+    groups = packed.shape[1] // bits
+    b = packed.reshape(n, groups, bits).to(torch.int64)
+    byte_shifts = torch.arange(bits - 1, -1, -1, device=packed.device, dtype=torch.int64) * 8
+    word = (b << byte_shifts).sum(-1, keepdim=True)
+    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.int64) * bits
+    u = (word >> shifts) & ((1 << bits) - 1)
+    return u.reshape(n, groups * 8)[:, :k].to(torch.uint8)
+
+
+class PackedBitsImpl(TensorImpl):
+    tensor_fields = ("packed", "scale", "zero_point")
+
+    @classmethod
+    def from_plain(cls, plain: PlainForm, layout: Layout) -> PackedBitsImpl:
+        spec = plain.spec
+        u = plain.codes.to(torch.int16) - spec.quant_min
+        packed = pack_bits(u, spec.bits)
+        return cls(layout, spec, plain.shape, packed=packed, scale=plain.scale, zero_point=plain.zero_point)
+
+    def to_plain(self) -> PlainForm:
+        spec = self.spec
+        u = unpack_bits(self.packed, spec.bits, self.shape[1]).to(torch.int16)
+        codes = (u + spec.quant_min).to(spec.code_dtype)
+        return PlainForm(codes, self.scale, self.zero_point, spec)
+
+    def narrow_view(self, dim: int, start: int, length: int) -> PackedBitsImpl | None:
+        spec, (n, k) = self.spec, self.shape
+        end = start + length
+        if dim == 0:
+            sub = PlainForm(torch.empty(n, 1, dtype=spec.code_dtype, device=self.device), self.scale[:, :1],
+                            None if self.zero_point is None else self.zero_point[:, :1],
+                            QuantSpec((spec.block_size[0], 1), spec.quant_min, spec.quant_max, spec.zero_point_domain))
+            sub.narrow(0, start, length)  # validates block alignment
+            b0 = spec.block_size[0]
+            gs, ge = start // b0, -(-end // b0)
+            z = None if self.zero_point is None else self.zero_point[gs:ge]
+            return type(self)(self.layout, spec, (length, k), packed=self.packed[start:end], scale=self.scale[gs:ge], zero_point=z)
+        if start % 8 or (end % 8 and end != k):
+            return None
+        g = spec.block_size[1]
+        if start % g or (end % g and end != k):
+            return None
+        bits = spec.bits
+        gs, ge = start // g, -(-end // g)
+        z = None if self.zero_point is None else self.zero_point[:, gs:ge]
+        packed = self.packed[:, start // 8 * bits: -(-end // 8) * bits]
+        return type(self)(self.layout, spec, (n, length), packed=packed, scale=self.scale[:, gs:ge], zero_point=z)
+
+
+@dataclass(frozen=True)
+class PackedBitsLayout(Layout):
+    """Bit-packed 1-7-bit codes (see module doc for the byte order)."""
+
+    name = "packed_bits"
+    impl_class = PackedBitsImpl
+    auto_priority = 10
+
+    def rejects(self, spec, shape, scale_dtype, device):
+        if spec.bits > 7:
+            return f"packs 1-7-bit codes, format has {spec.bits} bits"
+        if len(shape) != 2:
+            return f"needs a 2-D weight, got shape {shape}"
+        return None

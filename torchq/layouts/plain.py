@@ -1,0 +1,106 @@
+"""``PlainLayout``: the canonical plain form stored as it is.
+
+Bytes per ``[N, K]`` weight: ``N*K`` codes of one byte (int8 for signed ranges, uint8 for
+unsigned), plus ``scale`` (and ``zero_point``) of shape ``ceil([N, K] / block_size)`` in their
+own dtypes. Works on every device. Kernels registered here (CPU):
+
+* ``int8_weight_only_cpu``: per-channel symmetric int8 weights ([-128, 127], no zero point)
+  through ``aten._weight_int8pack_mm``, for fp32/bf16/fp16 inputs;
+* ``int8_dynamic_cpu``: per-token dynamic int8 activations x per-channel int8 weights through
+  ``torch._int_mm`` (int32 accumulation), rescaled in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..activation import PerTokenInt8
+from ..canonical import PlainForm
+from ..dispatch import register_linear_kernel
+from ..primitives import ZeroPointDomain
+from .base import Layout, TensorImpl
+
+__all__ = ["PlainLayout", "PlainImpl"]
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class PlainImpl(TensorImpl):
+    tensor_fields = ("codes", "scale", "zero_point")
+
+    @classmethod
+    def from_plain(cls, plain: PlainForm, layout: Layout) -> PlainImpl:
+        return cls(layout, plain.spec, plain.shape, codes=plain.codes, scale=plain.scale, zero_point=plain.zero_point)
+
+    def to_plain(self) -> PlainForm:
+        return PlainForm(self.codes, self.scale, self.zero_point, self.spec)
+
+    def narrow_view(self, dim: int, start: int, length: int) -> PlainImpl:
+        return self.from_plain(self.to_plain().narrow(dim, start, length), self.layout)
+
+
+@dataclass(frozen=True)
+class PlainLayout(Layout):
+    """Unpacked codes, one byte each. Accepts every format on every device."""
+
+    name = "plain"
+    impl_class = PlainImpl
+    auto_priority = 0
+
+
+def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool) -> str | None:
+    impl = w.tensor_impl
+    if not isinstance(impl.layout, PlainLayout):
+        return f"needs PlainLayout, weight has {impl.layout!r}"
+    if x.device.type != "cpu":
+        return f"CPU kernel, input is on {x.device}"
+    if x.dtype not in _FLOAT_INPUTS:
+        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
+    spec = impl.spec
+    if spec.zero_point_domain is not ZeroPointDomain.NONE or spec.quant_min < -128 or spec.quant_max > 127 or not spec.signed:
+        return f"needs symmetric signed int8 codes with no zero point, weight is {spec.describe()}"
+    if spec.block_size != (1, impl.shape[1]):
+        return f"needs per-channel scales (block 1x{impl.shape[1]}), weight has block {spec.block_size}"
+    act = w.act_quant
+    if want_act and not isinstance(act, PerTokenInt8):
+        return "weight-only (no dynamic activation quantization)" if act is None else f"activation scheme {act} unsupported"
+    if not want_act and act is not None:
+        return f"weight has dynamic activation quantization ({act.describe()})"
+    return None
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _int8_weight_only(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = w.tensor_impl.shape
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.ops.aten._weight_int8pack_mm(x2, w.codes, w.scale.reshape(n).to(x.dtype))
+    return _add_bias(y.reshape(*x.shape[:-1], n), bias)
+
+
+def _int8_dynamic(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = w.tensor_impl.shape
+    xq, xs = w.act_quant.quantize(x.reshape(-1, k))
+    acc = torch._int_mm(xq, w.codes.t())
+    y = (acc.to(torch.float32) * xs) * w.scale.reshape(1, n).to(torch.float32)
+    return _add_bias(y.to(x.dtype).reshape(*x.shape[:-1], n), bias)
+
+
+register_linear_kernel(
+    "int8_weight_only_cpu",
+    lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=False),
+    _int8_weight_only,
+    description="aten._weight_int8pack_mm: int8 per-channel weight, float input",
+    priority=0,
+)
+register_linear_kernel(
+    "int8_dynamic_cpu",
+    lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=True),
+    _int8_dynamic,
+    description="per-token int8 input x int8 weight via torch._int_mm, fp32 rescale",
+    priority=0,
+)

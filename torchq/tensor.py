@@ -1,0 +1,454 @@
+"""``AffineQuantizedTensor``: a float-looking weight that holds integer codes in a layout.
+
+The wrapper has the float weight's shape and dtype (the dtype its dequantized values and
+linear outputs take) and owns a :class:`~torchq.layouts.base.TensorImpl`. Its inner tensors are
+mirrored as attributes (``weight.codes``, ``weight.scale``...) so ``__tensor_flatten__`` can
+name them and ``torch.compile`` sees plain tensors. ``F.linear`` goes to the dispatch table;
+the aten ops listed in ``supported_ops()`` work; any other op raises ``NotImplementedError``
+naming the op and the layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from . import dispatch
+from .canonical import PlainForm, QuantSpec, code_dtype_for
+from .layouts.base import Layout, TensorImpl, choose_layout
+from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
+
+__all__ = ["AffineQuantizedTensor"]
+
+aten = torch.ops.aten
+_OPS: dict[Any, Any] = {}
+
+
+def _implements(*ops):
+    def deco(fn):
+        for op in ops:
+            _OPS[op] = fn
+        return fn
+
+    return deco
+
+
+class AffineQuantizedTensor(torch.Tensor):
+    """A quantized ``[N, K]`` linear weight (``[K, N]`` when ``transposed``).
+
+    Attributes: ``tensor_impl`` (codes in a layout), ``transposed``, ``act_quant`` (dynamic
+    activation quantization applied by kernels, or None), ``label`` (the layer's name, used in
+    warnings and errors), ``config`` (the config that produced it, or None).
+    """
+
+    tensor_impl: TensorImpl
+
+    @staticmethod
+    def __new__(
+        cls,
+        tensor_impl: TensorImpl,
+        dtype: torch.dtype,
+        *,
+        transposed: bool = False,
+        act_quant: Any = None,
+        label: str | None = None,
+        config: Any = None,
+    ):
+        n, k = tensor_impl.shape
+        shape, strides = ((k, n), (1, k)) if transposed else ((n, k), (k, 1))
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=strides, dtype=dtype, device=tensor_impl.device, requires_grad=False
+        )
+        r.tensor_impl = tensor_impl
+        for name in tensor_impl.tensor_names():
+            setattr(r, name, getattr(tensor_impl, name))
+        r.transposed = bool(transposed)
+        r.act_quant = act_quant
+        r.label = label
+        r.config = config
+        return r
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # all work is done in __new__
+        pass
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        mapping_type: MappingType | str,
+        block_size: Sequence[int],
+        quant_min: int,
+        quant_max: int,
+        *,
+        eps: float | None = None,
+        scale_dtype: torch.dtype | None = None,
+        zero_point_dtype: torch.dtype | None = None,
+        zero_point_domain: ZeroPointDomain | str = ZeroPointDomain.INT,
+        preserve_zero: bool = True,
+        layout: Layout | None = None,
+        act_quant: Any = None,
+        label: str | None = None,
+        config: Any = None,
+    ) -> AffineQuantizedTensor:
+        """Quantize a float 2-D weight. The layout defaults to the best one for its device."""
+        where = f" (layer {label!r})" if label else ""
+        if not isinstance(weight, torch.Tensor) or isinstance(weight, AffineQuantizedTensor):
+            raise TypeError(f"weight{where}: expected a float torch.Tensor, got {type(weight).__name__}")
+        if not weight.is_floating_point():
+            raise TypeError(f"weight{where}: expected a floating dtype, got {weight.dtype}")
+        if weight.dim() != 2:
+            raise ValueError(f"weight{where}: expected a 2-D [out_features, in_features] tensor, got shape {tuple(weight.shape)}")
+        if weight.numel() == 0:
+            raise ValueError(f"weight{where}: expected a non-empty tensor, got shape {tuple(weight.shape)}")
+        if weight.device.type != "meta" and not bool(torch.isfinite(weight).all()):
+            bad = int((~torch.isfinite(weight)).sum())
+            raise ValueError(f"weight{where}: contains {bad} NaN/inf value(s); quantization needs finite weights")
+        weight = weight.detach()
+        code_dtype = code_dtype_for(quant_min, quant_max)
+        scale, zero = choose_qparams_affine(
+            weight, mapping_type, block_size, code_dtype, quant_min, quant_max, eps,
+            scale_dtype, zero_point_dtype, zero_point_domain, preserve_zero,
+        )
+        codes = quantize_affine(weight, block_size, scale, zero, code_dtype, quant_min, quant_max, zero_point_domain)
+        plain = PlainForm(codes, scale, zero, QuantSpec(tuple(block_size), quant_min, quant_max, ZeroPointDomain(zero_point_domain)))
+        return cls.from_plain(plain, weight.dtype, layout=layout, act_quant=act_quant, label=label, config=config)
+
+    @classmethod
+    def from_plain(
+        cls,
+        plain: PlainForm,
+        dtype: torch.dtype,
+        *,
+        layout: Layout | None = None,
+        act_quant: Any = None,
+        label: str | None = None,
+        config: Any = None,
+    ) -> AffineQuantizedTensor:
+        """Wrap a plain form, packed into ``layout`` (default: best for the plain form's device)."""
+        if len(plain.shape) != 2:
+            raise ValueError(f"plain: expected 2-D codes, got shape {plain.shape}")
+        if layout is None:
+            layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, plain.device)
+        elif not isinstance(layout, Layout):
+            raise TypeError(f"layout: expected a torchq Layout, got {type(layout).__name__}")
+        return cls(layout.pack(plain), dtype, act_quant=act_quant, label=label, config=config)
+
+    def _replace(self, impl: TensorImpl | None = None, **changes: Any) -> AffineQuantizedTensor:
+        kw = dict(transposed=self.transposed, act_quant=self.act_quant, label=self.label, config=self.config)
+        kw.update(changes)
+        dtype = kw.pop("dtype", self.dtype)
+        return AffineQuantizedTensor(self.tensor_impl if impl is None else impl, dtype, **kw)
+
+    # -- public helpers ----------------------------------------------------------------------
+    @property
+    def quant_layout(self) -> Layout:
+        """The torchq layout (``Tensor.layout`` keeps its torch meaning, ``torch.strided``)."""
+        return self.tensor_impl.layout
+
+    @property
+    def spec(self) -> QuantSpec:
+        return self.tensor_impl.spec
+
+    def to_plain(self) -> PlainForm:
+        """The canonical plain form of the underlying ``[N, K]`` weight (lossless)."""
+        return self.tensor_impl.to_plain()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+        """Float values in ``dtype`` (default: this tensor's dtype), in this tensor's shape."""
+        out = self.tensor_impl.dequantize(self.dtype if dtype is None else dtype)
+        return out.t() if self.transposed else out
+
+    def to_layout(self, layout: Layout) -> AffineQuantizedTensor:
+        """The same codes repacked into another layout (lossless; never re-quantizes)."""
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout: expected a torchq Layout, got {type(layout).__name__}")
+        return self._replace(layout.pack(self.to_plain()))
+
+    def nbytes_quantized(self) -> int:
+        """Bytes held by the inner tensors (codes, scales, zeros)."""
+        return self.tensor_impl.nbytes()
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        extra = f", act={self.act_quant.describe()}" if self.act_quant is not None else ""
+        name = f", label={self.label!r}" if self.label else ""
+        t = ", transposed" if self.transposed else ""
+        return (
+            f"AffineQuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+            f"layout={self.tensor_impl.layout!r}, {self.tensor_impl.spec.describe()}{extra}{t}{name})"
+        )
+
+    # -- subclass protocol ---------------------------------------------------------------------
+    def __tensor_flatten__(self):
+        ctx = (self.tensor_impl.metadata(), self.dtype, self.transposed, self.act_quant, self.label, self.config)
+        return self.tensor_impl.tensor_names(), ctx
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride):
+        meta, dtype, transposed, act_quant, label, config = ctx
+        impl = TensorImpl.rebuild(meta, inner)
+        return cls(impl, dtype, transposed=transposed, act_quant=act_quant, label=label, config=config)
+
+    def _stable_hash_for_caching(self) -> str:
+        _, ctx = self.__tensor_flatten__()
+        return hashlib.sha256(repr(ctx).encode()).hexdigest()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs["input"]
+            w = args[1] if len(args) > 1 else kwargs["weight"]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if isinstance(w, cls) and not isinstance(x, cls) and not w.transposed:
+                return dispatch.quantized_linear(x, w, b)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _OPS.get(func)
+        if handler is None:
+            aqt = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, cls))
+            raise NotImplementedError(
+                f"torchq: {func} is not supported on AffineQuantizedTensor with layout "
+                f"{aqt.tensor_impl.layout!r}; call .dequantize() first, or see "
+                f"torchq.AffineQuantizedTensor.supported_ops()"
+            )
+        return handler(func, args, kwargs)
+
+    @staticmethod
+    def supported_ops() -> list[str]:
+        return sorted(str(op) for op in _OPS)
+
+
+AQT = AffineQuantizedTensor
+
+
+def _untransposed(w: AQT) -> AQT:
+    return w._replace(transposed=False) if w.transposed else w
+
+
+def _dequant_op_fallback(what: str, w: AQT) -> None:
+    """Ops that are not a linear but must touch a quantized weight compute on its dequantized
+    values: visible like any fallback (warn once, or raise in strict mode)."""
+    name = w.label or f"<unnamed {tuple(w.shape)} weight>"
+    msg = f"layer {name!r} ({w.tensor_impl.layout!r}): {what} has no quantized kernel"
+    if dispatch.is_strict():
+        raise dispatch.NoKernelError(msg + "; strict mode forbids computing on dequantized weights")
+    key = (name, what)
+    if key not in dispatch._WARNED:
+        dispatch._WARNED.add(key)
+        warnings.warn(msg + "; computing with the dequantized weight", dispatch.FallbackWarning, stacklevel=4)
+
+
+# -- metadata-only and copying ops ---------------------------------------------------------------
+@_implements(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    self = args[0]
+    return return_and_correct_aliasing(func, args, kwargs, self._replace(self.tensor_impl.map(func)))
+
+
+@_implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    return args[0]._replace(args[0].tensor_impl.map(torch.clone))
+
+
+@_implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    self: AQT = args[0]
+    dtype = kwargs.get("dtype") or self.dtype
+    device = kwargs.get("device") or self.device
+    if not dtype.is_floating_point:
+        raise TypeError(
+            f"to: a quantized weight's dtype is the float dtype of its dequantized values; "
+            f"expected a floating dtype, got {dtype}"
+        )
+    impl = self.tensor_impl
+    moved = impl.to_device(torch.device(device))
+    if moved is impl:
+        moved = impl.map(torch.clone)
+    return self._replace(moved, dtype=dtype)
+
+
+@_implements(aten.t.default, aten.transpose.int, aten.permute.default)
+def _transpose(func, args, kwargs):
+    self: AQT = args[0]
+    if func is aten.permute.default and [d % 2 for d in args[1]] != [1, 0]:
+        return return_and_correct_aliasing(func, args, kwargs, self._replace())
+    if func is aten.transpose.int and args[1] % 2 == args[2] % 2:
+        return return_and_correct_aliasing(func, args, kwargs, self._replace())
+    return return_and_correct_aliasing(func, args, kwargs, self._replace(transposed=not self.transposed))
+
+
+# -- linear ops -----------------------------------------------------------------------------------
+@_implements(aten.linear.default)
+def _linear(func, args, kwargs):
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else kwargs.get("bias")
+    if isinstance(x, AQT) or not isinstance(w, AQT) or w.transposed:
+        return _matmul_on_dequantized("linear", func, args, kwargs)
+    return dispatch.quantized_linear(x, w, b)
+
+
+@_implements(aten.mm.default)
+def _mm(func, args, kwargs):
+    a, b = args
+    if isinstance(b, AQT) and b.transposed and not isinstance(a, AQT):
+        return dispatch.quantized_linear(a, _untransposed(b), None)
+    return _matmul_on_dequantized("mm", func, args, kwargs)
+
+
+@_implements(aten.addmm.default)
+def _addmm(func, args, kwargs):
+    bias, a, b = args[:3]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if isinstance(b, AQT) and b.transposed and not isinstance(a, AQT) and not isinstance(bias, AQT):
+        w = _untransposed(b)
+        if beta == 1 and alpha == 1 and tuple(bias.shape) == (w.shape[0],):
+            return dispatch.quantized_linear(a, w, bias)
+        y = dispatch.quantized_linear(a, w, None)
+        return beta * bias + alpha * y
+    return _matmul_on_dequantized("addmm", func, args, kwargs)
+
+
+def _matmul_on_dequantized(what, func, args, kwargs):
+    qs = [a for a in args if isinstance(a, AQT)]
+    for w in qs:
+        _dequant_op_fallback(f"aten.{what} with this operand order (e.g. the input-gradient matmul)", w)
+    plain_args = [a.dequantize() if isinstance(a, AQT) else a for a in args]
+    return func(*plain_args, **kwargs)
+
+
+# -- slicing and copying ----------------------------------------------------------------------------
+def _norm_range(size: int, start, end) -> tuple[int, int]:
+    start = 0 if start is None else int(start)
+    end = size if end is None else int(end)
+    start = max(0, start + size if start < 0 else start)
+    end = min(size, max(0, end + size if end < 0 else end))
+    return start, max(start, end)
+
+
+@_implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    self: AQT = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    if step != 1:
+        raise NotImplementedError(f"torchq: slicing a quantized weight with step {step} is not supported (only step 1)")
+    dim = dim % 2
+    inner_dim = 1 - dim if self.transposed else dim
+    start, end = _norm_range(self.shape[dim], start, end)
+    impl = self.tensor_impl
+    view = impl.narrow_view(inner_dim, start, end - start)
+    if view is not None:
+        out = self._replace(view)
+        return return_and_correct_aliasing(func, args, kwargs, out)
+    plain = impl.to_plain().narrow(inner_dim, start, end - start)
+    layout = impl.layout
+    if layout.rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device) is not None:
+        layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, plain.device)
+    out = self._replace(layout.pack(plain.map(torch.clone)))
+    # Not a storage view: remember where it came from so copy_ into it reaches the parent.
+    out._narrow_parent = (self, inner_dim, start, end - start)
+    return out
+
+
+def _metadata_diff(dst: AQT, src: AQT) -> list[str]:
+    diffs = []
+    a, b = dst.tensor_impl, src.tensor_impl
+    if tuple(dst.shape) != tuple(src.shape):
+        diffs.append(f"shape {tuple(dst.shape)} vs {tuple(src.shape)}")
+    if dst.transposed != src.transposed:
+        diffs.append(f"transposed {dst.transposed} vs {src.transposed}")
+    if a.spec != b.spec:
+        diffs.append(f"format {a.spec.describe()} vs {b.spec.describe()}")
+    if dst.dtype != src.dtype:
+        diffs.append(f"dtype {dst.dtype} vs {src.dtype}")
+    if dst.act_quant != src.act_quant:
+        diffs.append(f"activation quantization {dst.act_quant} vs {src.act_quant}")
+    return diffs
+
+
+def _copy_impl_tensors(dst: TensorImpl, src: TensorImpl) -> None:
+    if dst.metadata() != src.metadata():
+        raise ValueError(f"copy_: packed metadata differs after repacking: {dst.metadata()} vs {src.metadata()}")
+    for n in dst.tensor_names():
+        getattr(dst, n).copy_(getattr(src, n))
+
+
+@_implements(aten.copy_.default)
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, AQT):
+        raise TypeError(
+            "copy_: cannot copy a quantized weight into a float tensor; use weight.dequantize() "
+            "to get float values"
+        )
+    if not isinstance(src, AQT):
+        raise TypeError(
+            f"copy_: cannot copy a float tensor into quantized weight {dst.label or tuple(dst.shape)!r} "
+            f"({dst.tensor_impl.spec.describe()}); quantize it first (torchq.quantize_) so nothing "
+            f"is re-quantized implicitly"
+        )
+    diffs = _metadata_diff(dst, src)
+    if diffs:
+        raise ValueError(f"copy_: source and destination quantized tensors differ: {'; '.join(diffs)}")
+    src_impl = src.tensor_impl
+    if src_impl.metadata() != dst.tensor_impl.metadata():  # same values, other layout: repack
+        src_impl = dst.tensor_impl.layout.pack(src_impl.to_plain())
+    parent = getattr(dst, "_narrow_parent", None)
+    if parent is not None:
+        p, dim, start, length = parent
+        if getattr(p, "_narrow_parent", None) is not None:
+            raise NotImplementedError("copy_: into a narrow of a narrow of a packed layout; narrow once")
+        full = p.tensor_impl.to_plain().map(torch.clone)
+        region = full.narrow(dim, start, length)
+        for t_dst, t_src in zip(region.tensors().values(), src_impl.to_plain().tensors().values()):
+            if t_dst is not None:
+                t_dst.copy_(t_src)
+        _copy_impl_tensors(p.tensor_impl, p.tensor_impl.layout.pack(full))
+    _copy_impl_tensors(dst.tensor_impl, src_impl)
+    return dst
+
+
+# -- row access (embedding-style use) -------------------------------------------------------------
+@_implements(aten.select.int)
+def _select(func, args, kwargs):
+    self: AQT = args[0]
+    dim, index = args[1] % 2, int(args[2])
+    if dim != 0 or self.transposed:
+        raise NotImplementedError("torchq: select on a quantized weight is supported on dim 0 of an [N, K] weight only")
+    n = self.shape[0]
+    if not -n <= index < n:
+        raise IndexError(f"select: index {index} out of range for dim 0 of size {n}")
+    idx = torch.tensor([index % n], device=self.device)
+    return self.to_plain().rows(idx).dequantize(self.dtype)[0]
+
+
+@_implements(aten.index.Tensor)
+def _index(func, args, kwargs):
+    self: AQT = args[0]
+    indices = args[1]
+    if self.transposed or len(indices) != 1 or indices[0] is None:
+        raise NotImplementedError("torchq: indexing a quantized weight is supported with one index tensor on dim 0")
+    idx = indices[0]
+    if idx.dtype == torch.bool:
+        idx = idx.nonzero().flatten()
+    n = self.shape[0]
+    if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
+        raise IndexError(f"index: indices out of range for dim 0 of size {n}")
+    flat = idx.flatten() % n
+    if flat.numel() == 0:
+        return torch.empty(*idx.shape, self.shape[1], dtype=self.dtype, device=self.device)
+    rows = self.to_plain().rows(flat).dequantize(self.dtype)
+    return rows.reshape(*idx.shape, self.shape[1])
