@@ -188,7 +188,7 @@ def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = N
     for rec in _RECORDERS:
         rec.append((weight, x, kernel, verdicts))
     if kernel is not None:
-        return kernel.impl(x, weight, bias)
+        return _run(kernel.impl, x, weight, bias)
     name = _layer_name(weight)
     why = "; ".join(f"{k}: {r}" for k, r in verdicts) or "the kernel table is empty"
     layout = weight.tensor_impl.layout
@@ -200,6 +200,30 @@ def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = N
         _WARNED.add(key)
         warnings.warn(msg + "; running dequantize + F.linear instead (slow, full-size float weight)", FallbackWarning, stacklevel=3)
     return dequantized_linear(x, weight, bias)
+
+
+class _QuantizedLinearGrad(torch.autograd.Function):
+    """Makes any kernel differentiable in its input: ``grad_x = grad_y @ dequantize(W)``.
+
+    The weight is frozen (no gradient); dynamic activation quantization is treated as identity
+    in the backward pass (straight-through), as QLoRA-style training expects."""
+
+    @staticmethod
+    def forward(ctx, x, weight, impl):
+        ctx.save_for_backward(weight)
+        return impl(x, weight, None)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (weight,) = ctx.saved_tensors
+        return grad_y @ weight.dequantize(grad_y.dtype), None, None
+
+
+def _run(impl: Impl, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
+        return impl(x, weight, bias)
+    y = _QuantizedLinearGrad.apply(x, weight, impl)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def reset_fallback_warnings() -> None:

@@ -452,3 +452,9 @@ def _index(func, args, kwargs):
         return torch.empty(*idx.shape, self.shape[1], dtype=self.dtype, device=self.device)
     rows = self.to_plain().rows(flat).dequantize(self.dtype)
     return rows.reshape(*idx.shape, self.shape[1])
+
+
+@_implements(aten.embedding.default)
+def _embedding(func, args, kwargs):
+    weight, indices = args[0], args[1]
+    return _index(aten.index.Tensor, (weight, [indices]), {})

@@ -5,7 +5,7 @@ symmetric) with group size ``g`` in {32, 64, 128, 256} on the CPU. Codes are shi
 ``q' = q + (8 - mid)`` in 0..15 so that the kernel's ``x̂ = (q' - 8) * s + zero`` equals the
 format's dequantization, with ``zero = z`` (FLOAT), ``(mid - z) * s`` (INT) or ``0`` (NONE).
 
-Bytes per ``[N, K]`` weight, with ``Np = ceil(N/16)*16``, ``Kp = ceil(K/g)*g``:
+Bytes per ``[N, K]`` weight, with ``Np = ceil(N/ROW_BLOCK)*ROW_BLOCK`` (64 with AVX-512), ``Kp = ceil(K/g)*g``:
 
 * ``packed``           uint8 ``[Np, Kp/2]``: ``aten._convert_weight_to_int4pack_for_cpu``'s
                        ISA-blocked nibble order (opaque; differs between CPUs, never saved);
@@ -14,13 +14,13 @@ Bytes per ``[N, K]`` weight, with ``Np = ceil(N/16)*16``, ``Kp = ceil(K/g)*g``:
 * ``int_zero``         the original integer zero points ``[N, Kp/g]`` (INT domain only).
 
 Padding (extra rows, and K up to a multiple of ``g``) is sliced off on output and on unpacking.
-Unpacking is exact: the nibble permutation of the packing op is measured by packing probe
-codes (``log16(Np*Kp)`` calls), so it holds on any CPU whatever order the op uses.
+Unpacking is exact and traceable: at import the packing op's order on this CPU (blocks of
+``ROW_BLOCK`` rows, one nibble permutation per column) is measured with probe codes, and every
+pack is checked to unpack to its input bit for bit.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -43,29 +43,39 @@ def _pack(q: torch.Tensor) -> torch.Tensor:
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Flat nibbles of a byte tensor: nibble ``2i`` is the low half of byte ``i``."""
     flat = packed.reshape(-1)
     return torch.stack([flat & 0xF, flat >> 4], dim=-1).reshape(-1)
 
 
-@functools.lru_cache(maxsize=2)
-def _nibble_sources(n: int, k: int) -> torch.Tensor:
-    """``src[j]``: flat index ``row * k + col`` of the code that packing puts at nibble ``j``
-    (nibble ``2i`` is the low half of byte ``i``). Measured with base-16 digit probes."""
-    total = n * k
-    index = torch.arange(total, dtype=torch.int64)
-    src = torch.zeros(total, dtype=torch.int64)
-    for p in range(max(1, math.ceil(math.log2(total) / 4))):
-        digit = ((index >> (4 * p)) & 0xF).reshape(n, k)
-        src |= _nibbles(_pack(digit)).to(torch.int64) << (4 * p)
-    if not torch.equal(torch.bincount(src, minlength=total), torch.ones(total, dtype=torch.int64)):
-        raise RuntimeError("_convert_weight_to_int4pack_for_cpu is not a nibble permutation on this build; cannot unpack")
-    return src
+def _measure_row_blocks() -> tuple[int, tuple[int, ...]]:
+    """Measure the packing op's order on this CPU: it packs full blocks of ``BN`` rows, column
+    by column, as ``BN`` nibbles holding rows ``perm[0..BN)`` of the block. Returns
+    ``(BN, argsort(perm))``. Found with base-16 digit probes on a small shape, and checked."""
+    n, k = 256, 64
+    index = torch.arange(n * k, dtype=torch.int64)
+    src = torch.zeros(n * k, dtype=torch.int64)
+    for p in range(math.ceil(math.log2(n * k) / 4)):
+        src |= _nibbles(_pack(((index >> (4 * p)) & 0xF).reshape(n, k))).to(torch.int64) << (4 * p)
+    rows, cols = src // k, src % k
+    for bn in (16, 32, 64, 128, 256):
+        j = index
+        block, col, pos = j // (k * bn), (j % (k * bn)) // bn, j % bn
+        perm = (rows % bn).reshape(-1, bn)
+        if (torch.equal(cols, col) and torch.equal(rows // bn, block) and torch.equal(perm, perm[:1].expand_as(perm))
+                and sorted(perm[0].tolist()) == list(range(bn))):
+            return bn, tuple(torch.argsort(perm[0]).tolist())
+    raise RuntimeError("torchq: _convert_weight_to_int4pack_for_cpu uses an order torchq cannot unpack on this build")
+
+
+ROW_BLOCK, _INVERSE_PERM = _measure_row_blocks()
 
 
 def _unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    out = torch.empty(n * k, dtype=torch.uint8)
-    out[_nibble_sources(n, k)] = _nibbles(packed.cpu())
-    return out.reshape(n, k)
+    """uint8 codes ``[n, k]`` from packed bytes (``n`` a multiple of ``ROW_BLOCK``); traceable."""
+    nib = _nibbles(packed).reshape(n // ROW_BLOCK, k, ROW_BLOCK)
+    inv = torch.tensor(_INVERSE_PERM, dtype=torch.int64, device=packed.device)
+    return nib.index_select(2, inv).transpose(1, 2).reshape(n, k)
 
 
 class Int4CPUImpl(TensorImpl):
@@ -80,14 +90,14 @@ class Int4CPUImpl(TensorImpl):
     def padded_shape(self) -> tuple[int, int]:
         n, k = self.shape
         g = self.group_size
-        return -(-n // 16) * 16, -(-k // g) * g
+        return -(-n // ROW_BLOCK) * ROW_BLOCK, -(-k // g) * g
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Int4CPUImpl:
         spec = plain.spec
         n, k = plain.shape
         g = spec.block_size[1]
-        np_, kp = -(-n // 16) * 16, -(-k // g) * g
+        np_, kp = -(-n // ROW_BLOCK) * ROW_BLOCK, -(-k // g) * g
         shift = 8 - spec.mid
         q = torch.full((np_, kp), 8, dtype=torch.int32, device=plain.device)
         q[:n, :k] = plain.codes.to(torch.int32) + shift
@@ -103,9 +113,12 @@ class Int4CPUImpl(TensorImpl):
         sz = torch.zeros(np_, scale.shape[1], 2, dtype=sz_dtype, device=plain.device)
         sz[:n, :, 0] = scale
         sz[:n, :, 1] = zero_f
+        packed = _pack(q)
+        if not torch.equal(_unpack(packed, np_, kp).to(torch.int32), q):
+            raise RuntimeError("torchq: int4 CPU packing did not round-trip exactly on this CPU; use PlainLayout or PackedBitsLayout")
         return cls(
             layout, spec, (n, k),
-            packed=_pack(q),
+            packed=packed,
             scales_and_zeros=sz.transpose(0, 1).contiguous(),
             int_zero=plain.zero_point if domain is ZeroPointDomain.INT else None,
             scale_dtype=scale.dtype,
@@ -167,6 +180,17 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
     return None
 
 
+@torch.library.custom_op("torchq::int4_cpu_mm", mutates_args=())
+def int4_cpu_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """``aten._weight_int4pack_mm_for_cpu`` with ``scales_and_zeros`` cast to x's dtype: ``[M, Np]``."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group_size, scales_and_zeros.to(x.dtype))
+
+
+@int4_cpu_mm.register_fake
+def _(x, packed, group_size, scales_and_zeros):
+    return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
+
+
 def _int4_cpu_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4CPUImpl = w.tensor_impl
     n, k = impl.shape
@@ -174,9 +198,7 @@ def _int4_cpu_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Ten
     x2 = x.reshape(-1, k)
     if kp != k:
         x2 = F.pad(x2, (0, kp - k))
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x2.contiguous(), w.packed, impl.group_size, w.scales_and_zeros.to(x.dtype)
-    )
+    y = int4_cpu_mm(x2, w.packed, impl.group_size, w.scales_and_zeros)
     if np_ != n:
         y = y[:, :n]
     y = y.reshape(*x.shape[:-1], n)

@@ -75,10 +75,20 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.to(y.dtype)
 
 
+@torch.library.custom_op("torchq::int8_weight_only_mm", mutates_args=())
+def int8_weight_only_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ (codes [N, K] * scale [N]).T`` via ``aten._weight_int8pack_mm`` (scale cast to x's dtype)."""
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), codes, scale.reshape(-1).to(x.dtype))
+
+
+@int8_weight_only_mm.register_fake
+def _(x, codes, scale):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
 def _int8_weight_only(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = w.tensor_impl.shape
-    x2 = x.reshape(-1, k).contiguous()
-    y = torch.ops.aten._weight_int8pack_mm(x2, w.codes, w.scale.reshape(n).to(x.dtype))
+    y = int8_weight_only_mm(x.reshape(-1, k), w.codes, w.scale)
     return _add_bias(y.reshape(*x.shape[:-1], n), bias)
 
 

@@ -1,0 +1,70 @@
+"""torch.compile(fullgraph=True) on quantized models: same outputs, and the generated code calls
+the quantized kernel with no dequantize-then-matmul fallback."""
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import torchq
+
+pytestmark = pytest.mark.slow
+
+# Inductor may keep our torchq:: op opaque or lower it to its own int4 kernel: either is a
+# quantized kernel.
+INT4 = ("torchq.int4_cpu_mm", "_weight_int4pack_mm_for_cpu", "int4mm_packed_weight_cpu")
+INT8 = ("torchq.int8_weight_only_mm", "_weight_int8pack_mm")
+CASES = {
+    "int4": (torchq.int4_weight_only(group_size=32), INT4),
+    "int8_weight_only": (torchq.int8_weight_only(), INT8),
+    "int8_dynamic": (torchq.int8_dynamic_activation_int8_weight(), ("_int_mm",)),
+    "intx3": (torchq.intx_weight_only(bits=3, group_size=32), INT4),
+}
+FLOAT_MATMULS = ("extern_kernels.mm(", "extern_kernels.addmm(", "extern_kernels.bmm(", "aten.mm.", "aten.addmm.", "cpp_fused_mm", "mkldnn")
+
+
+def model(dtype):
+    return torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.ReLU(), torch.nn.Linear(96, 64)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_fullgraph_compile_calls_quantized_kernel(name, dtype):
+    cfg, kernel = CASES[name]
+    m = model(dtype)
+    torchq.quantize_(m, cfg)
+    x = torch.randn(3, 128, dtype=dtype)
+    eager = m(x)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        y, codes = run_and_get_code(torch.compile(m, fullgraph=True), x)
+    src = "\n".join(codes)
+    assert any(f"{k}(" in src or f"{k}.default(" in src for k in kernel), f"generated code calls none of {kernel}"
+    calls = [line for line in src.splitlines() if any(f in line for f in FLOAT_MATMULS)]
+    assert not calls, f"generated code has a float matmul: {calls[:3]}"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(y.float(), eager.float(), rtol=tol, atol=tol)
+
+
+def test_compile_with_grad_enabled_and_backward():
+    m = model(torch.float32)
+    torchq.quantize_(m, torchq.int4_weight_only(group_size=32))
+    x = torch.randn(3, 128, requires_grad=True)
+    torch._dynamo.reset()
+    y = torch.compile(m, fullgraph=True)(x)
+    y.sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    m(xr).sum().backward()
+    assert torch.allclose(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_fallback_warns_and_strict_raises():
+    m = torch.nn.Linear(64, 32)
+    torchq.quantize_(m, torchq.intx_weight_only(bits=3, layout=torchq.PackedBitsLayout()))
+    x = torch.randn(2, 64)
+    torch._dynamo.reset()
+    with pytest.warns(torchq.FallbackWarning, match="layer ''|no linear kernel"):
+        y = torch.compile(m, fullgraph=True)(x)
+    assert torch.allclose(y, torch.nn.functional.linear(x, m.weight.dequantize(), m.bias), atol=1e-5)
+    torch._dynamo.reset()
+    with torchq.strict(), pytest.raises(Exception, match="strict mode forbids"):
+        torch.compile(m, fullgraph=True)(x)

@@ -1,0 +1,71 @@
+"""Configs: frozen, hashable, JSON round trips, validation errors."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import torchq
+from torchq.layouts import layout_from_json
+
+CONFIGS = [
+    torchq.int4_weight_only(),
+    torchq.int4_weight_only(group_size=32, layout=torchq.Int4CPULayout(), zero_point_domain="int", scale_dtype=torch.float32),
+    torchq.int8_weight_only(layout=torchq.PlainLayout()),
+    torchq.int8_dynamic_activation_int8_weight(),
+    torchq.intx_weight_only(bits=3, group_size=None, mapping_type="symmetric", layout=torchq.PackedBitsLayout()),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=repr)
+def test_json_round_trip_and_frozen(cfg):
+    d = cfg.to_json()
+    assert d["type"] == type(cfg).__name__ and d["version"] == 1
+    text = json.dumps(d)
+    again = torchq.config_from_json(text)
+    assert again == cfg and hash(again) == hash(cfg)
+    assert torchq.config_from_json(cfg.to_json_str()) == cfg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.layout = None
+    assert type(cfg).__name__ in repr(cfg)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: torchq.int4_weight_only(group_size=100), "group_size: expected one of 32, 64, 128, 256, got 100"),
+        (lambda: torchq.int4_weight_only(zero_point_domain="bogus"), "bogus"),
+        (lambda: torchq.intx_weight_only(bits=9), "bits: expected an int in 1..8, got 9"),
+        (lambda: torchq.intx_weight_only(bits=0), "bits"),
+        (lambda: torchq.intx_weight_only(group_size=0), "group_size: expected a positive int"),
+        (lambda: torchq.intx_weight_only(bits=1, mapping_type="symmetric"), "SYMMETRIC needs at least 2 bits"),
+        (lambda: torchq.int8_weight_only(layout="plain"), "layout: expected a torchq Layout"),
+        (lambda: torchq.int4_weight_only(scale_dtype=torch.int8), "scale_dtype"),
+    ],
+)
+def test_bad_config_arguments(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_bad_json():
+    with pytest.raises(ValueError, match="unknown config type"):
+        torchq.config_from_json({"type": "Nope"})
+    with pytest.raises(ValueError, match="newer than this torchq"):
+        torchq.config_from_json({"type": "Int8WeightOnlyConfig", "version": 99})
+    with pytest.raises(ValueError, match="has no field 'bits'"):
+        torchq.config_from_json({"type": "Int8WeightOnlyConfig", "bits": 3})
+    with pytest.raises(ValueError, match="unknown layout type"):
+        layout_from_json({"type": "nope"})
+    with pytest.raises(ValueError, match="unknown dtype"):
+        torchq.config_from_json({"type": "Int4WeightOnlyConfig", "scale_dtype": "float99"})
+
+
+def test_automatic_layout_choice_by_device():
+    w = torch.randn(64, 64)
+    assert torchq.int4_weight_only(group_size=32).quantize_weight(w).quant_layout == torchq.Int4CPULayout()
+    assert torchq.int8_weight_only().quantize_weight(w).quant_layout == torchq.PlainLayout()
+    assert torchq.intx_weight_only(bits=6).quantize_weight(w).quant_layout == torchq.PackedBitsLayout()
+    meta = torchq.int4_weight_only(group_size=32).quantize_weight(w.to("meta"))
+    assert meta.quant_layout == torchq.PackedBitsLayout()  # the CPU layout only lives on the CPU

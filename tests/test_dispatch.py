@@ -1,0 +1,194 @@
+"""The linear dispatch table, built-in CPU kernels against the reference, fallbacks, explain."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import sqnr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchq
+from torchq.dispatch import dequantized_linear
+from torchq.layouts.packed_bits import PackedBitsLayout
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CONFIGS = {
+    "int4_g128": (torchq.int4_weight_only(group_size=128), "int4_cpu"),
+    "int4_g32": (torchq.int4_weight_only(group_size=32), "int4_cpu"),
+    "int4_int_zero": (torchq.int4_weight_only(group_size=64, zero_point_domain="int"), "int4_cpu"),
+    "int4_symmetric": (torchq.int4_weight_only(group_size=64, zero_point_domain="none"), "int4_cpu"),
+    "int8_wo": (torchq.int8_weight_only(), "int8_weight_only_cpu"),
+    "int8_dyn": (torchq.int8_dynamic_activation_int8_weight(), "int8_dynamic_cpu"),
+    "intx2": (torchq.intx_weight_only(bits=2, group_size=32), "int4_cpu"),
+    "intx4_sym": (torchq.intx_weight_only(bits=4, group_size=64, mapping_type="symmetric"), "int4_cpu"),
+}
+# Bound on |kernel - reference| relative to the output scale, per input dtype: the kernels and
+# the reference round in different places (bf16/fp16 outputs and scales cast to the input dtype).
+REL_TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def _close_to_reference(y, ref, dtype):
+    scale = ref.float().abs().max().clamp(min=1e-6)
+    err = (y.float() - ref.float()).abs().max() / scale
+    assert err <= REL_TOL[dtype], f"max error {float(err):.2e} x output scale"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 7, 32])
+def test_builtin_kernels_match_reference(name, dtype, m):
+    cfg, kernel = CONFIGS[name]
+    w = torch.randn(96, 256, dtype=dtype)
+    q = cfg.quantize_weight(w, label=name)
+    x = torch.randn(m, 256, dtype=dtype)
+    b = torch.randn(96, dtype=dtype)
+    report = torchq.explain(q, x)
+    assert report.decisions[0].kernel == kernel
+    y = F.linear(x, q, b)
+    assert y.dtype == dtype and y.shape == (m, 96)
+    _close_to_reference(y, dequantized_linear(x, q, b), dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 80),
+    k=st.integers(1, 300),
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    name=st.sampled_from(list(CONFIGS)),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_kernels_on_odd_shapes_and_batched_inputs(n, k, lead, name, dtype):
+    cfg, _ = CONFIGS[name]
+    q = cfg.quantize_weight(torch.randn(n, k, dtype=dtype), label="odd")
+    x = torch.randn(*lead, k, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchq.FallbackWarning)  # every built-in config has a kernel
+        y = F.linear(x, q)
+    assert y.shape == (*lead, n)
+    _close_to_reference(y, dequantized_linear(x, q, None), dtype)
+
+
+@pytest.mark.parametrize(
+    "cfg, floor",
+    [
+        (torchq.int8_weight_only(), 40),
+        (torchq.int8_dynamic_activation_int8_weight(), 35),
+        (torchq.int4_weight_only(group_size=128), 18),
+        (torchq.int4_weight_only(group_size=32), 20),
+    ],
+    ids=["int8_wo", "int8_dyn", "int4_g128", "int4_g32"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sqnr_of_quantized_linear_vs_float(cfg, floor, dtype):
+    lin = torch.nn.Linear(1024, 512).to(dtype)
+    x = torch.randn(16, 1024, dtype=dtype)
+    ref = lin(x)
+    torchq.quantize_(lin, cfg)
+    assert sqnr(ref, lin(x)) >= floor
+
+
+def test_fallback_warns_once_names_layer_and_reasons():
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    torchq.quantize_(m, torchq.intx_weight_only(bits=3, layout=PackedBitsLayout()))
+    x = torch.randn(2, 64)
+    with pytest.warns(torchq.FallbackWarning) as rec:
+        y1 = m(x)
+        m(x)
+    msgs = [str(r.message) for r in rec if issubclass(r.category, torchq.FallbackWarning)]
+    assert len(msgs) == 2  # once per layer, not per call
+    assert "layer '0'" in msgs[0] and "layer '1'" in msgs[1]
+    assert "int4_cpu: needs Int4CPULayout" in msgs[0]
+    ref = dequantized_linear(dequantized_linear(x, m[0].weight, m[0].bias), m[1].weight, m[1].bias)
+    assert torch.equal(y1, ref)
+    with torchq.strict(), pytest.raises(torchq.NoKernelError, match="layer '0'"):
+        m(x)
+    torchq.set_strict(True)
+    with pytest.raises(torchq.NoKernelError):
+        m(x)
+
+
+def test_register_user_kernel_takes_priority_and_can_be_removed():
+    calls = []
+
+    def cond(x, w, b):
+        return None if x.shape[0] == 3 else f"wants M=3, got {x.shape[0]}"
+
+    def impl(x, w, b):
+        calls.append(x.shape)
+        return F.linear(x, w.dequantize(x.dtype), b)
+
+    k = torchq.register_linear_kernel("my_kernel", cond, impl, description="test")
+    try:
+        assert torchq.linear_kernels()[0] is k
+        q = torchq.int4_weight_only(group_size=32).quantize_weight(torch.randn(16, 64))
+        F.linear(torch.randn(3, 64), q)
+        assert calls == [torch.Size([3, 64])]
+        report = torchq.explain(q, torch.randn(2, 64))
+        assert report.decisions[0].kernel == "int4_cpu"
+        assert ("my_kernel", "wants M=3, got 2") in report.decisions[0].rejected
+        with pytest.raises(ValueError, match="already registered"):
+            torchq.register_linear_kernel("my_kernel", cond, impl)
+        torchq.register_linear_kernel("my_kernel", lambda x, w, b: False, impl, replace=True)
+        assert torchq.explain(q, torch.randn(3, 64)).decisions[0].rejected[0] == ("my_kernel", "condition returned False")
+    finally:
+        torchq.unregister_linear_kernel("my_kernel")
+    assert "my_kernel" not in [k.name for k in torchq.linear_kernels()]
+    with pytest.raises(KeyError, match="no linear kernel named"):
+        torchq.unregister_linear_kernel("my_kernel")
+
+
+def test_condition_returning_garbage_is_a_clear_error():
+    torchq.register_linear_kernel("bad", lambda x, w, b: 3, lambda x, w, b: x)
+    try:
+        q = torchq.int8_weight_only().quantize_weight(torch.randn(8, 8))
+        with pytest.raises(TypeError, match="condition must return"):
+            F.linear(torch.randn(1, 8), q)
+    finally:
+        torchq.unregister_linear_kernel("bad")
+
+
+def test_input_validation_errors_name_the_layer():
+    q = torchq.int8_weight_only().quantize_weight(torch.randn(8, 16), label="proj")
+    with pytest.raises(ValueError, match="layer 'proj'.*in_features=16"):
+        F.linear(torch.randn(2, 15), q)
+    with pytest.raises(TypeError, match="layer 'proj'.*floating"):
+        F.linear(torch.ones(2, 16, dtype=torch.int32), q)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        F.linear(torch.randn(2, 16), q, torch.randn(7))
+
+
+def test_empty_batch_and_mixed_dtype_input():
+    q = torchq.int4_weight_only(group_size=32).quantize_weight(torch.randn(16, 64, dtype=torch.bfloat16))
+    assert F.linear(torch.randn(0, 64, dtype=torch.bfloat16), q).shape == (0, 16)
+    y = F.linear(torch.randn(2, 64), q)  # fp32 input on a bf16 weight: computes and returns fp32
+    assert y.dtype == torch.float32
+
+
+def test_explain_model_table_and_no_input_mode():
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    torchq.quantize_(m, {"0": torchq.int8_weight_only(), "2": torchq.intx_weight_only(bits=3, layout=PackedBitsLayout())})
+    with pytest.warns(torchq.FallbackWarning):
+        report = torchq.explain(m, torch.randn(2, 64))
+    assert report.kernels() == {"0": "int8_weight_only_cpu", "2": "FALLBACK: dequantize + F.linear"}
+    text = str(report)
+    assert "Int8WeightOnlyConfig" in text and "PackedBitsLayout" in text and "int4_cpu: needs Int4CPULayout" in text
+    static = torchq.explain(m)
+    assert static.kernels() == report.kernels()
+    assert static.to_dict()[0]["layer"] == "0"
+    with pytest.raises(TypeError, match="nn.Module or an AffineQuantizedTensor"):
+        torchq.explain(42)
+
+
+def test_gradient_flows_to_input_and_bias_through_frozen_weight():
+    lin = torch.nn.Linear(64, 32)
+    torchq.quantize_(lin, torchq.int4_weight_only(group_size=32))
+    x = torch.randn(4, 64, requires_grad=True)
+    lin(x).square().sum().backward()
+    assert x.grad is not None and lin.bias.grad is not None
+    xr = x.detach().clone().requires_grad_(True)
+    br = lin.bias.detach().clone().requires_grad_(True)
+    F.linear(xr, lin.weight.dequantize(), br).square().sum().backward()
+    assert torch.allclose(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(lin.bias.grad, br.grad, rtol=1e-4, atol=1e-4)
