@@ -60,7 +60,7 @@ def _measure_row_blocks() -> tuple[int, tuple[int, ...]]:
     rows, cols = src // k, src % k
     for bn in (16, 32, 64, 128, 256):
         j = index
-        block, col, pos = j // (k * bn), (j % (k * bn)) // bn, j % bn
+        block, col = j // (k * bn), (j % (k * bn)) // bn
         perm = (rows % bn).reshape(-1, bn)
         if (torch.equal(cols, col) and torch.equal(rows // bn, block) and torch.equal(perm, perm[:1].expand_as(perm))
                 and sorted(perm[0].tolist()) == list(range(bn))):
