@@ -207,7 +207,8 @@ class IntxWeightOnlyConfig(QuantConfig):
 
     ASYMMETRIC (default): unsigned codes ``[0, 2^bits)`` with an integer zero point;
     SYMMETRIC: signed codes ``[-2^(bits-1), 2^(bits-1))`` with no zero point (bits >= 2).
-    Scales in ``scale_dtype`` (default: the weight's dtype), eps = its machine epsilon.
+    Scales in ``scale_dtype`` (default: the weight's dtype), clamped to at least ``eps``
+    (default ``finfo(float32).eps``: bf16's own epsilon, 0.0078, would clip typical weights).
     """
 
     bits: int = 4
@@ -215,8 +216,11 @@ class IntxWeightOnlyConfig(QuantConfig):
     mapping_type: MappingType = MappingType.ASYMMETRIC
     layout: Layout | None = None
     scale_dtype: torch.dtype | None = None
+    eps: float = float(torch.finfo(torch.float32).eps)
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.eps, float) and self.eps > 0):
+            raise ValueError(f"eps: expected a positive float, got {self.eps!r}")
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
             raise ValueError(f"bits: expected an int in 1..8, got {self.bits!r}")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
@@ -242,7 +246,7 @@ class IntxWeightOnlyConfig(QuantConfig):
             qmin, qmax = code_range(self.bits, signed=True)
             domain = ZeroPointDomain.NONE
         return AffineQuantizedTensor.from_float(
-            weight, self.mapping_type, block, qmin, qmax, scale_dtype=sd, zero_point_domain=domain,
+            weight, self.mapping_type, block, qmin, qmax, eps=self.eps, scale_dtype=sd, zero_point_domain=domain,
             layout=self.layout, label=label, config=self,
         )
 

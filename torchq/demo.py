@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import statistics
 import time
 import warnings
@@ -134,15 +135,18 @@ def check_compile(model: nn.Module, x: torch.Tensor) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchq.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m torchq.demo", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller model and shorter timing (smoke test)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile check")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     dims = (512, 1024, 512, 128) if args.quick else (2048, 4096, 2048, 512)
     budget = 0.1 if args.quick else 0.4
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     print(f"torchq {torchq.__version__} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
-          f"cpu capability {torch.backends.cpu.get_cpu_capability()}")
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()} | load avg {load:.1f} on {os.cpu_count()} cpus")
+    if load > (os.cpu_count() or 1) * 0.75:
+        print("note: the machine is busy; latencies below will be noisy")
     model = build_model(dims)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: bf16 MLP {' -> '.join(map(str, dims))} with GELU, {n_params / 1e6:.1f}M parameters; input: randn, seed 1\n")
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [base, measure("fp32 (reference)", copy.deepcopy(model).float(), xs, ref, budget)]
     quantized: dict[str, nn.Module] = {}
     notes: list[str] = []
+    for _, cfg in CONFIGS:  # warm-up, so the 'quantize s' column does not include one-time setup
+        torchq.quantize_(build_model((256, 256)), cfg)
     for name, cfg in CONFIGS:
         q = copy.deepcopy(model)
         with warnings.catch_warnings(record=True) as caught:

@@ -81,9 +81,13 @@ def register_linear_kernel(
     *,
     description: str = "",
     priority: int = 100,
+    before: str | None = None,
     replace: bool = False,
 ) -> LinearKernel:
-    """Add a kernel to the table. ``replace=True`` swaps out an existing kernel of that name."""
+    """Add a kernel to the table. ``replace=True`` swaps out an existing kernel of that name.
+
+    Kernels are tried by descending ``priority``, ties in registration order; ``before=NAME``
+    instead puts the kernel immediately ahead of kernel NAME (taking its priority)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
     if not callable(condition) or not callable(impl):
@@ -91,11 +95,20 @@ def register_linear_kernel(
     existing = [k for k in _TABLE if k.name == name]
     if existing and not replace:
         raise ValueError(f"name: a linear kernel named {name!r} is already registered (pass replace=True)")
+    anchor = None
+    if before is not None:
+        anchor = next((k for k in _TABLE if k.name == before), None)
+        if anchor is None:
+            raise KeyError(f"before: no linear kernel named {before!r}; registered: {[k.name for k in _TABLE]}")
+        priority = anchor.priority
     for k in existing:
         _TABLE.remove(k)
     kernel = LinearKernel(name, condition, impl, description, int(priority))
-    _TABLE.append(kernel)
-    _TABLE.sort(key=lambda k: -k.priority)  # stable: ties keep registration order
+    if anchor is not None:
+        _TABLE.insert(_TABLE.index(anchor), kernel)
+    else:
+        _TABLE.append(kernel)
+    _TABLE.sort(key=lambda k: -k.priority)  # stable: ties keep their order
     return kernel
 
 

@@ -1,0 +1,27 @@
+"""The README's main job and the benchmark script run end to end (small sizes)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from torchq import demo
+
+pytestmark = pytest.mark.slow
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_demo_quick_runs(capsys):
+    assert demo.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "int4" in out and "int4_cpu" in out and "SQNR" in out
+
+
+def test_bench_linear_quick_runs_and_writes_json(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_linear", ROOT / "benchmarks" / "bench_linear.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "out.json"
+    assert mod.main(["--quick", "--json", str(path)]) == 0
+    assert path.exists() and path.stat().st_size > 0
+    assert "int4_cpu" in capsys.readouterr().out
