@@ -48,6 +48,11 @@ class QuantSpec:
         code_dtype_for(self.quant_min, self.quant_max)
         if self.quant_min >= self.quant_max:
             raise ValueError(f"quant_min/quant_max: expected quant_min < quant_max, got {self.quant_min}, {self.quant_max}")
+        if self.zero_point_domain is ZeroPointDomain.NONE and self.mid != 0:
+            raise ValueError(
+                f"zero_point_domain: NONE means a zero point of 0, which needs a signed code range centred on 0; "
+                f"got [{self.quant_min}, {self.quant_max}]"
+            )
 
     @property
     def bits(self) -> int:

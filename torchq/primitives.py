@@ -152,7 +152,7 @@ def _blockwise(x: torch.Tensor, block_size: tuple[int, ...], fn, *grids: torch.T
     out = fn(_blocked(xp, block_size), *[None if g is None else _grid_view(g) for g in grids])
     out = out.reshape(xp.shape)
     if tuple(xp.shape) != shape:
-        out = out[tuple(slice(0, s) for s in shape)]
+        out = out[tuple(slice(0, s) for s in shape)].contiguous()
     return out
 
 

@@ -118,6 +118,12 @@ class AffineQuantizedTensor(torch.Tensor):
         )
         codes = quantize_affine(weight, block_size, scale, zero, code_dtype, quant_min, quant_max, zero_point_domain)
         plain = PlainForm(codes, scale, zero, QuantSpec(tuple(block_size), quant_min, quant_max, ZeroPointDomain(zero_point_domain)))
+        if weight.device.type != "meta" and not bool(torch.isfinite(plain.dequantize(weight.dtype)).all()):
+            raise ValueError(
+                f"weight{where}: its range overflows {scale.dtype} scale arithmetic (|w| up to "
+                f"{float(weight.abs().max()):.4g}), so some dequantized values are not finite; "
+                f"quantize with scale_dtype=torch.float32"
+            )
         return cls.from_plain(plain, weight.dtype, layout=layout, act_quant=act_quant, label=label, config=config)
 
     @classmethod
