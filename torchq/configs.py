@@ -162,6 +162,15 @@ class Int4WeightOnlyConfig(QuantConfig):
         return AffineQuantizedTensor.from_float(weight, MappingType.SYMMETRIC, block, -8, 7, eps=1e-6, **common)
 
 
+def _int8_per_channel(weight, cfg, qmin: int, qmax: int, act_quant, label) -> AffineQuantizedTensor:
+    """Symmetric per-output-channel int8 codes in [qmin, qmax], fp32 scales, no zero point."""
+    return AffineQuantizedTensor.from_float(
+        weight, MappingType.SYMMETRIC, (1, weight.shape[1]), qmin, qmax,
+        eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE,
+        layout=cfg.layout, act_quant=act_quant, label=label, config=cfg,
+    )
+
+
 @dataclass(frozen=True)
 class Int8WeightOnlyConfig(QuantConfig):
     """int8 per output channel, symmetric over the full [-128, 127] (``s = amax / 127.5``), no
@@ -174,11 +183,7 @@ class Int8WeightOnlyConfig(QuantConfig):
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
-        return AffineQuantizedTensor.from_float(
-            weight, MappingType.SYMMETRIC, (1, weight.shape[1]), -128, 127,
-            eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE,
-            layout=self.layout, label=label, config=self,
-        )
+        return _int8_per_channel(weight, self, -128, 127, None, label)
 
 
 @dataclass(frozen=True)
@@ -194,11 +199,7 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
-        return AffineQuantizedTensor.from_float(
-            weight, MappingType.SYMMETRIC, (1, weight.shape[1]), -127, 127,
-            eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE,
-            layout=self.layout, act_quant=PerTokenInt8(), label=label, config=self,
-        )
+        return _int8_per_channel(weight, self, -127, 127, PerTokenInt8(), label)
 
 
 @dataclass(frozen=True)
