@@ -56,6 +56,9 @@ class MappingType(StrEnum):
     SYMMETRIC_NO_CLIPPING_ERR = "symmetric_no_clipping_err"
     ASYMMETRIC = "asymmetric"
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
 
 class ZeroPointDomain(StrEnum):
     """Where the zero point lives: an integer code, a float offset, or nowhere."""
@@ -63,6 +66,9 @@ class ZeroPointDomain(StrEnum):
     INT = "int"
     FLOAT = "float"
     NONE = "none"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
 
 
 _INTEGER_CODE_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
