@@ -7,6 +7,8 @@
 from . import layouts, primitives
 from .activation import PerTokenInt8
 from .canonical import PlainForm, QuantSpec
+from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
+from .checkpoint.pickling import _rebuild_object, _rebuild_quantized_tensor
 from .configs import (
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
@@ -41,6 +43,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AffineQuantizedTensor",
+    "CheckpointError",
+    "LoadWarning",
+    "load_quantized",
+    "save_quantized",
     "ExplainReport",
     "FallbackWarning",
     "Int4WeightOnlyConfig",

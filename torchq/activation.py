@@ -8,7 +8,7 @@ import torch
 
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine
 
-__all__ = ["PerTokenInt8"]
+__all__ = ["PerTokenInt8", "activation_from_json"]
 
 
 @dataclass(frozen=True)
@@ -48,3 +48,20 @@ class PerTokenInt8:
 
     def describe(self) -> str:
         return f"dynamic per-token int8 [{self.quant_min},{self.quant_max}]"
+
+
+def activation_from_json(d: dict | None) -> PerTokenInt8 | None:
+    """Inverse of ``to_json`` of the activation schemes (None stays None)."""
+    if d is None:
+        return None
+    if not isinstance(d, dict) or d.get("type") != "per_token_int8":
+        raise ValueError(f"activation quantization JSON: expected {{'type': 'per_token_int8', ...}} or null, got {d!r}")
+    extra = set(d) - {"type", "quant_min", "quant_max", "eps"}
+    if extra:
+        raise ValueError(f"activation quantization JSON: unknown fields {sorted(extra)}")
+    qmin, qmax, eps = d.get("quant_min", -127), d.get("quant_max", 127), d.get("eps", 1e-5)
+    if not (isinstance(qmin, int) and isinstance(qmax, int) and -128 <= qmin < 0 < qmax <= 127):
+        raise ValueError(f"activation quantization JSON: expected an int8 range around 0, got [{qmin!r}, {qmax!r}]")
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0):
+        raise ValueError(f"activation quantization JSON: eps must be a positive number, got {eps!r}")
+    return PerTokenInt8(qmin, qmax, float(eps))

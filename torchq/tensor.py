@@ -77,6 +77,12 @@ class AffineQuantizedTensor(torch.Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # all work is done in __new__
         pass
 
+    def requires_grad_(self, requires_grad: bool = True) -> AffineQuantizedTensor:  # type: ignore[override]
+        """Quantized weights are frozen: gradients flow to a linear's input and bias, never to
+        the codes, so ``requires_grad`` stays False (``nn.Parameter(w, requires_grad=True)`` and
+        ``load_state_dict(assign=True)`` into a trainable float model still work)."""
+        return self
+
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def from_float(
@@ -397,8 +403,9 @@ def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, AQT):
         raise TypeError(
-            "copy_: cannot copy a quantized weight into a float tensor; use weight.dequantize() "
-            "to get float values"
+            "copy_: cannot copy a quantized weight into a float tensor. To load a quantized checkpoint "
+            "into a float or meta-device model use model.load_state_dict(sd, assign=True) or "
+            "torchq.load_quantized; for float values use weight.dequantize()"
         )
     if not isinstance(src, AQT):
         raise TypeError(

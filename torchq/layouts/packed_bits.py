@@ -17,37 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..bitpack import pack_bits, unpack_bits
 from ..canonical import PlainForm, QuantSpec
 from .base import Layout, TensorImpl
 
 __all__ = ["PackedBitsLayout", "PackedBitsImpl", "pack_bits", "unpack_bits"]
-
-
-def pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``[N, K]`` values < 2^bits into uint8 ``[N, ceil(K/8)*bits]`` (see module doc)."""
-    if not 1 <= bits <= 7:
-        raise ValueError(f"bits: expected 1..7, got {bits}")
-    n, k = u.shape
-    groups = -(-k // 8)
-    v = torch.zeros(n, groups * 8, dtype=torch.int64, device=u.device)
-    v[:, :k] = u.to(torch.int64)
-    v = v.reshape(n, groups, 8)
-    shifts = torch.arange(7, -1, -1, device=u.device, dtype=torch.int64) * bits
-    word = (v << shifts).sum(-1, keepdim=True)  # disjoint bit fields: sum == or
-    byte_shifts = torch.arange(bits - 1, -1, -1, device=u.device, dtype=torch.int64) * 8
-    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(n, groups * bits)
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: uint8 ``[N, K]`` values."""
-    n = packed.shape[0]
-    groups = packed.shape[1] // bits
-    b = packed.reshape(n, groups, bits).to(torch.int64)
-    byte_shifts = torch.arange(bits - 1, -1, -1, device=packed.device, dtype=torch.int64) * 8
-    word = (b << byte_shifts).sum(-1, keepdim=True)
-    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.int64) * bits
-    u = (word >> shifts) & ((1 << bits) - 1)
-    return u.reshape(n, groups * 8)[:, :k].to(torch.uint8)
 
 
 class PackedBitsImpl(TensorImpl):

@@ -1,0 +1,386 @@
+"""One quantized weight as device-independent plain tensors plus a JSON record (format v1).
+
+Both checkpoint formats (``torch.save`` pickles and safetensors files) store a quantized weight
+this way, never as a layout's packed bytes, so a checkpoint loads on any device and any layout.
+
+The record is a JSON object::
+
+    format      "torchq.aqt"
+    version     1
+    shape       [N, K]          the logical weight shape, before ``transposed``
+    dtype       "bfloat16"      dtype of the dequantized values (and of linear outputs)
+    transposed  false
+    spec        QuantSpec JSON  block size, code range, zero-point domain
+    layout      Layout JSON     the layout it was saved from (a hint: loading may repack)
+    act_quant   null | JSON     dynamic activation quantization (e.g. per-token int8)
+    config      null | JSON     the config that produced it (informational)
+    label       null | "name"   the layer name, used in messages
+    codes_encoding "bitstream" | "bytes"
+    parts       {"codes": P, "scale": P, "zero_point": P}   (no zero_point when the domain is NONE)
+                P = {"dtype": "uint8", "shape": [...], "crc32": int | null}
+
+Bytes of the parts for an ``[N, K]`` weight with ``b``-bit codes and ``G = ceil([N, K] / block)``
+scale entries:
+
+* ``codes``: ``bitstream`` when ``b <= 7``: uint8 ``[N, ceil(K/8)*b]``, the values
+  ``q - quant_min`` as one big-endian bit stream per row (see :mod:`torchq.bitpack`);
+  ``bytes`` when ``b == 8``: the int8/uint8 codes ``[N, K]`` themselves;
+* ``scale``: ``G`` floats of the scale dtype; ``zero_point``: ``G`` entries, integer (INT domain)
+  or float (FLOAT domain).
+
+``crc32`` is zlib's CRC-32 of each part's bytes (little-endian, row-major); loading verifies it,
+so a flipped bit anywhere in the codes or scales is an error rather than a wrong weight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import zlib
+from typing import Any
+
+import torch
+
+from ..activation import activation_from_json
+from ..bitpack import pack_bits, packed_width, unpack_bits
+from ..canonical import PlainForm, QuantSpec
+from ..configs import config_from_json
+from ..layouts.base import Layout, choose_layout, layout_from_json, registered_layouts
+from ..primitives import ZeroPointDomain, scale_shape
+from ..tensor import AffineQuantizedTensor
+
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "encode",
+    "decode",
+    "parse_record",
+    "tensor_crc32",
+    "dtype_name",
+    "dtype_from_name",
+    "resolve_layout",
+    "LayoutPolicy",
+]
+
+FORMAT = "torchq.aqt"
+FORMAT_VERSION = 1
+LayoutPolicy = str | Layout  # "saved", "auto", or a Layout instance
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is unreadable, inconsistent, corrupted or does not fit the model; the
+    message names the tensor (and file) and the problem. Loading left the model unchanged."""
+
+
+# -- small helpers -------------------------------------------------------------------------------
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: Any, what: str) -> torch.dtype:
+    d = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(d, torch.dtype):
+        raise CheckpointError(f"{what}: unknown dtype {name!r}")
+    return d
+
+
+def _has_data(t: torch.Tensor) -> bool:
+    return t.device.type != "meta" and not isinstance(t, torch._subclasses.FakeTensor)
+
+
+def tensor_crc32(t: torch.Tensor) -> int | None:
+    """zlib CRC-32 of a tensor's bytes in row-major order (None for meta/fake tensors)."""
+    if not _has_data(t):
+        return None
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return zlib.crc32(b"")
+    return zlib.crc32((ctypes.c_ubyte * n).from_address(t.data_ptr()))
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor whose storage holds exactly its bytes (savers write whole storages)."""
+    t = t.detach().contiguous()
+    if _has_data(t) and (t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+        t = t.clone()
+    return t
+
+
+def _part(t: torch.Tensor, checksum: bool) -> dict:
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "crc32": tensor_crc32(t) if checksum else None}
+
+
+# -- encoding ------------------------------------------------------------------------------------
+def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(record, tensors)`` for one quantized weight; tensors stay on the weight's device."""
+    if not isinstance(w, AffineQuantizedTensor):
+        raise TypeError(f"encode: expected an AffineQuantizedTensor, got {type(w).__name__}")
+    plain = w.to_plain()
+    spec = plain.spec
+    if spec.bits <= 7:
+        codes = pack_bits((plain.codes.to(torch.int16) - spec.quant_min).to(torch.uint8), spec.bits)
+        encoding = "bitstream"
+    else:
+        codes = plain.codes
+        encoding = "bytes"
+    tensors = {"codes": _own_storage(codes), "scale": _own_storage(plain.scale)}
+    if plain.zero_point is not None:
+        tensors["zero_point"] = _own_storage(plain.zero_point)
+    record = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "shape": list(plain.shape),
+        "dtype": dtype_name(w.dtype),
+        "transposed": bool(w.transposed),
+        "spec": spec.to_json(),
+        "layout": w.tensor_impl.layout.to_json(),
+        "act_quant": None if w.act_quant is None else w.act_quant.to_json(),
+        "config": None if w.config is None else w.config.to_json(),
+        "label": w.label,
+        "codes_encoding": encoding,
+        "parts": {name: _part(t, checksum) for name, t in tensors.items()},
+    }
+    return record, tensors
+
+
+# -- record validation ---------------------------------------------------------------------------
+class ParsedRecord:
+    """A validated record: typed fields and the expected dtype/shape of every part."""
+
+    def __init__(self, record: Any, name: str) -> None:
+        where = f"quantized tensor {name!r}"
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{where}: record must be a JSON object, got {type(record).__name__}")
+        if record.get("format") != FORMAT:
+            raise CheckpointError(f"{where}: not a torchq quantized-tensor record (format {record.get('format')!r})")
+        version = record.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CheckpointError(f"{where}: invalid format version {version!r}")
+        if version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where}: written with quantized-tensor format version {version}; this torchq reads up to "
+                f"version {FORMAT_VERSION}; upgrade torchq"
+            )
+        known = {"format", "version", "shape", "dtype", "transposed", "spec", "layout", "act_quant", "config",
+                 "label", "codes_encoding", "parts"}
+        unknown = set(record) - known
+        if unknown:
+            raise CheckpointError(f"{where}: unknown record fields {sorted(unknown)}")
+        try:
+            shape = record["shape"]
+            if not (isinstance(shape, list) and len(shape) == 2 and all(_is_pos_int(s) for s in shape)):
+                raise CheckpointError(f"{where}: shape must be two positive ints, got {shape!r}")
+            self.shape: tuple[int, int] = (shape[0], shape[1])
+            self.dtype = dtype_from_name(record["dtype"], f"{where}: dtype")
+            if self.dtype not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{where}: dtype must be a floating dtype, got {self.dtype}")
+            if not isinstance(record["transposed"], bool):
+                raise CheckpointError(f"{where}: transposed must be true/false, got {record['transposed']!r}")
+            self.transposed: bool = record["transposed"]
+            try:
+                self.spec = QuantSpec.from_json(record["spec"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{where}: invalid spec {record['spec']!r}: {e}") from None
+            if len(self.spec.block_size) != 2 or not all(_is_pos_int(b) for b in self.spec.block_size):
+                raise CheckpointError(f"{where}: spec block_size must be two positive ints, got {self.spec.block_size}")
+            try:
+                self.act_quant = activation_from_json(record["act_quant"])
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+            self.config = _optional_config(record["config"])
+            label = record["label"]
+            if label is not None and not isinstance(label, str):
+                raise CheckpointError(f"{where}: label must be a string or null, got {label!r}")
+            self.label: str | None = label
+            self.saved_layout = _optional_layout(record["layout"])
+            self.encoding = record["codes_encoding"]
+            parts = record["parts"]
+        except KeyError as e:
+            raise CheckpointError(f"{where}: record is missing field {e.args[0]!r}") from None
+        self.parts = self._expected_parts(parts, where)
+
+    def _expected_parts(self, parts: Any, where: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int | None]]:
+        spec, (n, k) = self.spec, self.shape
+        if self.encoding == "bitstream":
+            if spec.bits > 7:
+                raise CheckpointError(f"{where}: bitstream codes need at most 7 bits, spec has {spec.bits}")
+            codes = (torch.uint8, (n, packed_width(k, spec.bits)))
+        elif self.encoding == "bytes":
+            codes = (spec.code_dtype, (n, k))
+        else:
+            raise CheckpointError(f"{where}: unknown codes_encoding {self.encoding!r} (expected 'bitstream' or 'bytes')")
+        grid = scale_shape((n, k), spec.block_size)
+        want = {"codes": codes, "scale": (None, grid)}
+        if spec.zero_point_domain is not ZeroPointDomain.NONE:
+            want["zero_point"] = (None, grid)
+        if not isinstance(parts, dict) or set(parts) != set(want):
+            got = sorted(parts) if isinstance(parts, dict) else parts
+            raise CheckpointError(f"{where}: parts must be {sorted(want)} for {spec.describe()}, got {got}")
+        out = {}
+        for pname, (dtype, shape) in want.items():
+            p = parts[pname]
+            if not isinstance(p, dict) or set(p) != {"dtype", "shape", "crc32"}:
+                raise CheckpointError(f"{where}: part {pname!r} must have dtype, shape and crc32, got {p!r}")
+            rec_dtype = dtype_from_name(p["dtype"], f"{where}: part {pname!r}")
+            rec_shape = tuple(p["shape"]) if isinstance(p["shape"], list) else None
+            crc = p["crc32"]
+            if crc is not None and not (_is_int(crc) and 0 <= crc < 2**32):
+                raise CheckpointError(f"{where}: part {pname!r} has an invalid crc32 {crc!r}")
+            if rec_shape != shape:
+                raise CheckpointError(f"{where}: part {pname!r} has shape {p['shape']!r}; {spec.describe()} of a {n}x{k} weight needs {list(shape)}")
+            if dtype is not None and rec_dtype != dtype:
+                raise CheckpointError(f"{where}: part {pname!r} has dtype {rec_dtype}; expected {dtype}")
+            if pname == "scale" and not rec_dtype.is_floating_point:
+                raise CheckpointError(f"{where}: scale must be floating point, got {rec_dtype}")
+            if pname == "zero_point":
+                want_float = spec.zero_point_domain is ZeroPointDomain.FLOAT
+                if rec_dtype.is_floating_point != want_float or rec_dtype.is_complex or rec_dtype == torch.bool:
+                    raise CheckpointError(
+                        f"{where}: zero_point dtype {rec_dtype} does not fit zero_point_domain {spec.zero_point_domain.name}"
+                    )
+            out[pname] = (rec_dtype, shape, crc)
+        return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_pos_int(v: Any) -> bool:
+    return _is_int(v) and v > 0
+
+
+def _optional_config(d: Any):
+    """The config, or None when absent or written by a torchq that knows config types this one
+    does not (the config is informational: it never changes how a loaded weight computes)."""
+    if d is None:
+        return None
+    try:
+        return config_from_json(d)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _optional_layout(d: Any) -> Layout | None:
+    """The saved layout, or None when this torchq does not know it (loading then picks the
+    target device's best layout; the values are the same in every layout)."""
+    if not isinstance(d, dict) or d.get("type") not in registered_layouts():
+        return None
+    try:
+        return layout_from_json(d)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_record(record: Any, name: str) -> ParsedRecord:
+    return ParsedRecord(record, name)
+
+
+# -- decoding ------------------------------------------------------------------------------------
+def resolve_layout(policy: LayoutPolicy, saved: Layout | None, plain: PlainForm) -> Layout:
+    """``"saved"``: the saved layout when it can hold the weight on its device, else the best;
+    ``"auto"``: the device's best registered layout; a Layout: exactly that one."""
+    if isinstance(policy, Layout):
+        return policy
+    if policy == "saved" and saved is not None and saved.rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
+        return saved
+    if policy not in ("saved", "auto"):
+        raise ValueError(f"layout: expected 'saved', 'auto' or a torchq Layout, got {policy!r}")
+    return choose_layout(plain.spec, plain.shape, plain.scale.dtype, plain.device)
+
+
+def check_part(rec: ParsedRecord, pname: str, t: Any, name: str, verify: bool) -> torch.Tensor:
+    """The part tensor after checking type, dtype, shape and (when ``verify``) its CRC."""
+    where = f"quantized tensor {name!r}"
+    dtype, shape, crc = rec.parts[pname]
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise CheckpointError(f"{where}: part {pname!r} must be a plain tensor, got {type(t).__name__}")
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        raise CheckpointError(
+            f"{where}: part {pname!r} is {t.dtype} {list(t.shape)}, but its record says {dtype} {list(shape)}"
+        )
+    if verify and crc is not None and _has_data(t):
+        actual = tensor_crc32(t)
+        if actual != crc:
+            raise CheckpointError(
+                f"{where}: part {pname!r} is corrupted (crc32 {actual:#010x}, recorded {crc:#010x})"
+            )
+    return t
+
+
+def decode(
+    record: Any,
+    tensors: dict[str, torch.Tensor],
+    *,
+    name: str,
+    device: torch.device | str | None = None,
+    layout: LayoutPolicy = "saved",
+    verify: bool = True,
+) -> AffineQuantizedTensor:
+    """Rebuild a quantized weight from its record and part tensors, moved to ``device`` (default:
+    where the parts are) and packed per ``layout`` (see :func:`resolve_layout`)."""
+    rec = record if isinstance(record, ParsedRecord) else parse_record(record, name)
+    where = f"quantized tensor {name!r}"
+    if not isinstance(tensors, dict) or set(tensors) != set(rec.parts):
+        got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
+        raise CheckpointError(f"{where}: expected parts {sorted(rec.parts)}, got {got}")
+    parts = {p: check_part(rec, p, tensors[p], name, verify) for p in rec.parts}
+    if device is not None:
+        parts = {p: t.to(device) for p, t in parts.items()}
+    spec = rec.spec
+    codes = parts["codes"]
+    real = _has_data(codes)
+    if rec.encoding == "bitstream":
+        u = unpack_bits(codes, spec.bits, rec.shape[1])
+        if real and spec.quant_max - spec.quant_min + 1 < 2**spec.bits and bool((u > spec.quant_max - spec.quant_min).any()):
+            raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
+        codes = (u.to(torch.int16) + spec.quant_min).to(spec.code_dtype)
+    elif real and bool(((codes < spec.quant_min) | (codes > spec.quant_max)).any()):
+        raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
+    scale, zero = parts["scale"], parts.get("zero_point")
+    if real and not bool(torch.isfinite(scale).all()):
+        raise CheckpointError(f"{where}: scale contains NaN/inf")
+    if real and zero is not None and zero.is_floating_point() and not bool(torch.isfinite(zero).all()):
+        raise CheckpointError(f"{where}: zero_point contains NaN/inf")
+    try:
+        plain = PlainForm(codes.contiguous(), scale, zero, spec)
+        chosen = resolve_layout(layout, rec.saved_layout, plain)
+        impl = chosen.pack(plain)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{where}: {e}") from e
+    return AffineQuantizedTensor(
+        impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config
+    )
+
+
+def logical_shape(rec: ParsedRecord) -> tuple[int, int]:
+    """The tensor's visible shape (``[K, N]`` when transposed)."""
+    n, k = rec.shape
+    return (k, n) if rec.transposed else (n, k)
+
+
+def dumps(obj: Any) -> str:
+    """Canonical JSON (sorted keys, no NaN) used for every record and header torchq writes."""
+    return json.dumps(obj, sort_keys=True, allow_nan=False, separators=(",", ":"))
+
+
+def loads(text: Any, what: str) -> Any:
+    if not isinstance(text, str):
+        raise CheckpointError(f"{what}: expected JSON text, got {type(text).__name__}")
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{what}: not valid JSON ({e})") from None
+
+
+def _reject_constant(c: str) -> Any:
+    raise ValueError(f"{c} is not allowed")
+

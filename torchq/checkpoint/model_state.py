@@ -1,0 +1,202 @@
+"""A model's state-dict entries, and installing checkpoint tensors into them atomically.
+
+Entries are parameters and persistent buffers, named as in ``model.state_dict()``; tied
+tensors (one object under several names) are kept as one tensor plus aliases. Installing
+loads and checks every incoming tensor first and only then touches the model, so a failure
+leaves the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..tensor import AffineQuantizedTensor
+from .codec import CheckpointError
+
+__all__ = ["Slot", "model_slots", "dedupe", "Incoming", "install_checkpoint", "LoadWarning"]
+
+
+class LoadWarning(UserWarning):
+    """Loading finished, but something in the model was not filled from the checkpoint."""
+
+
+@dataclass
+class Slot:
+    """One state-dict entry: ``module.<attr>`` is a parameter or a persistent buffer."""
+
+    name: str
+    module: nn.Module
+    attr: str
+    is_buffer: bool
+    tensor: torch.Tensor
+
+
+def model_slots(model: nn.Module) -> dict[str, Slot]:
+    """Every parameter and persistent buffer under every name it has (tied ones repeat)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    slots: dict[str, Slot] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                slots[prefix + attr] = Slot(prefix + attr, mod, attr, False, p)
+        for attr, b in mod._buffers.items():
+            if b is not None and attr not in mod._non_persistent_buffers_set:
+                slots[prefix + attr] = Slot(prefix + attr, mod, attr, True, b)
+    return slots
+
+
+def dedupe(named: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(unique, aliases)``: the first name of each tensor object, and every other name -> it."""
+    first: dict[int, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in named.items():
+        key = id(t)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+            unique[name] = t
+    return unique, aliases
+
+
+@dataclass
+class Incoming:
+    """What a checkpoint holds for one name: its visible shape, whether it is quantized, and a
+    loader that reads, checks and decodes it onto a device (raising CheckpointError)."""
+
+    name: str
+    shape: tuple[int, ...]
+    quantized: bool
+    describe: str
+    load: Callable[[torch.device], torch.Tensor]
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"
+
+
+def _fmt_names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def install_checkpoint(
+    model: nn.Module,
+    incoming: Mapping[str, Incoming],
+    aliases: Mapping[str, str],
+    *,
+    device: torch.device | str | None,
+    strict: bool,
+    source: str,
+) -> tuple[list[str], list[str]]:
+    """Load every incoming tensor into ``model``; returns ``(missing, unexpected)`` names.
+
+    Quantized tensors replace the entry (a frozen ``nn.Parameter``, or a buffer); float
+    tensors are copied into existing float tensors on the target device (keeping their dtype
+    and identity, as ``load_state_dict`` does) and replace meta or other-device ones.
+    """
+    slots = model_slots(model)
+    ckpt_names = set(incoming) | set(aliases)
+    for alias, target in aliases.items():
+        if target not in incoming:
+            raise CheckpointError(f"{source}: alias {alias!r} points to {target!r}, which the checkpoint does not hold")
+    missing = sorted(n for n in slots if n not in ckpt_names)
+    unexpected = sorted(n for n in ckpt_names if n not in slots)
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_fmt_names(missing)}")
+        if unexpected:
+            parts.append(f"not in the model: {_fmt_names(unexpected)}")
+        raise CheckpointError(
+            f"{source}: checkpoint does not match the model ({'; '.join(parts)}); is it a checkpoint of "
+            f"another model? Pass strict=False to load the matching entries only. The model was not changed"
+        )
+
+    # Which checkpoint entry fills each slot, and the groups of slots the model ties together.
+    groups: dict[int, list[Slot]] = {}
+    for name, slot in slots.items():
+        if name in ckpt_names:
+            groups.setdefault(id(slot.tensor), []).append(slot)
+    plan: list[tuple[str, list[Slot]]] = []
+    for group in groups.values():
+        sources = {aliases.get(s.name, s.name) for s in group}
+        if len(sources) > 1:
+            raise CheckpointError(
+                f"{source}: the model ties {_fmt_names([s.name for s in group])} to one tensor, but the "
+                f"checkpoint stores them as different tensors ({_fmt_names(sorted(sources))})"
+            )
+        plan.append((sources.pop(), group))
+
+    for src, group in plan:  # check compatibility before reading any data
+        inc = incoming[src]
+        for slot in group:
+            if tuple(slot.tensor.shape) != tuple(inc.shape):
+                raise CheckpointError(
+                    f"{source}: {slot.name!r} has shape {list(slot.tensor.shape)} in the model but "
+                    f"{list(inc.shape)} in the checkpoint ({inc.describe}); is it a checkpoint of another model? "
+                    f"The model was not changed"
+                )
+            if isinstance(slot.tensor, AffineQuantizedTensor) and not inc.quantized:
+                raise CheckpointError(
+                    f"{source}: {slot.name!r} is quantized in the model ({slot.tensor.spec.describe()}) but a float "
+                    f"tensor in the checkpoint; load into a float or meta model, or quantize_ the model the "
+                    f"checkpoint came from. The model was not changed"
+                )
+
+    staged: list[tuple[list[Slot], torch.Tensor, bool]] = []  # (slots, value, copy_in_place)
+    for src, group in plan:
+        inc = incoming[src]
+        slot0 = group[0]
+        target = torch.device(device) if device is not None else (
+            torch.device("cpu") if _is_meta(slot0.tensor) else slot0.tensor.device
+        )
+        value = inc.load(target)
+        old = slot0.tensor
+        in_place = (
+            not inc.quantized and not isinstance(old, AffineQuantizedTensor) and not _is_meta(old)
+            and old.device == value.device and type(old) in (torch.Tensor, nn.Parameter)
+        )
+        staged.append((group, value, in_place))
+
+    with torch.no_grad():  # commit: nothing below can fail on checked shapes
+        for group, value, in_place in staged:
+            old = group[0].tensor
+            if in_place:
+                old.copy_(value)
+                continue
+            if not group[0].is_buffer:
+                if isinstance(value, AffineQuantizedTensor):
+                    value = nn.Parameter(value, requires_grad=False)
+                else:
+                    value = nn.Parameter(value, requires_grad=old.requires_grad)
+            for slot in group:
+                table = slot.module._buffers if slot.is_buffer else slot.module._parameters
+                table[slot.attr] = value
+
+    left_on_meta = sorted(
+        n for mod_name, mod in model.named_modules()
+        for n in [f"{mod_name}.{a}" if mod_name else a for a, t in [*mod._parameters.items(), *mod._buffers.items()]
+                  if t is not None and _is_meta(t)]
+    )
+    if left_on_meta:
+        warnings.warn(
+            f"{source}: {len(left_on_meta)} tensor(s) are still on the meta device after loading (not in the "
+            f"checkpoint, e.g. non-persistent buffers): {_fmt_names(left_on_meta)}; initialize them before use",
+            LoadWarning, stacklevel=3,
+        )
+    if not strict and (missing or unexpected):
+        warnings.warn(
+            f"{source}: loaded with strict=False; missing from the checkpoint: {_fmt_names(missing) or 'none'}; "
+            f"not in the model: {_fmt_names(unexpected) or 'none'}",
+            LoadWarning, stacklevel=3,
+        )
+    return missing, unexpected

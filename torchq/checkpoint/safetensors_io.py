@@ -1,0 +1,409 @@
+"""``save_quantized`` / ``load_quantized``: quantized models as safetensors files.
+
+A file holds plain tensors only. Float entries keep their state-dict name. A quantized weight
+``name`` is stored as the parts of its device-independent record (:mod:`torchq.checkpoint.codec`)
+under ``name:codes``, ``name:scale`` and ``name:zero_point``.
+
+The safetensors header's ``__metadata__`` holds ``format = "pt"``, the user's metadata, and
+``torchq``: canonical JSON ::
+
+    {"format": "torchq.checkpoint", "version": 1, "torchq_version": "...",
+     "quantized": {name: record}, "float": {name: {"dtype", "shape", "crc32"}},
+     "aliases": {tied_name: stored_name}, "shard": [index, count], "user": {...}}
+
+with ``torchq_crc32``, the CRC-32 of that text. Loading checks the header CRC, every tensor's
+dtype, shape and CRC, and the codes against their range before changing the model.
+
+A folder checkpoint is either ``model.safetensors`` or, past ``max_shard_size``, shards
+``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``
+(``{"metadata": {...}, "weight_map": {key: file}}``, the layout Hugging Face tools read). All
+parts of one weight stay in one shard. Files are written to a temporary name and renamed, and
+memory-mapped when read; loading reads one tensor at a time, so a model built on the ``meta``
+device never exists in float.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..tensor import AffineQuantizedTensor
+from . import codec
+from .codec import CheckpointError
+from .model_state import Incoming, dedupe, install_checkpoint, model_slots
+
+__all__ = ["save_quantized", "load_quantized", "FILE_FORMAT", "FILE_VERSION", "INDEX_NAME", "SINGLE_NAME"]
+
+FILE_FORMAT = "torchq.checkpoint"
+FILE_VERSION = 1
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_SHARD_SIZE = 5 * 10**9
+_PART_SEP = ":"
+_RESERVED_META = ("format", "torchq", "torchq_crc32")
+
+
+def _part_key(name: str, part: str) -> str:
+    return f"{name}{_PART_SEP}{part}"
+
+
+def parse_size(size: int | str | None) -> int | None:
+    """Bytes from an int or a string like ``"500MB"``, ``"2GiB"`` (None stays None)."""
+    if size is None or (isinstance(size, int) and not isinstance(size, bool)):
+        if size is not None and size <= 0:
+            raise ValueError(f"max_shard_size: expected a positive size, got {size}")
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size: expected bytes (int) or a string like '2GB' / '500MiB', got {size!r}")
+    unit = m.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    power = " KMGT".index(unit[0]) if unit[0] in "KMGT" else 0
+    value = int(float(m.group(1)) * base**power)
+    if value <= 0:
+        raise ValueError(f"max_shard_size: expected a positive size, got {size!r}")
+    return value
+
+
+# -- saving --------------------------------------------------------------------------------------
+def _named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(obj, nn.Module):
+        for name, mod in obj.named_modules():
+            if type(mod).get_extra_state is not nn.Module.get_extra_state:
+                raise TypeError(
+                    f"save_quantized: module {name!r} ({type(mod).__name__}) defines get_extra_state; "
+                    f"safetensors files hold tensors only (save its extra state separately)"
+                )
+        return {name: slot.tensor for name, slot in model_slots(obj).items()}
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+                raise TypeError(f"save_quantized: a state dict must map str to tensors; entry {k!r} is {type(v).__name__}")
+        return dict(obj)
+    raise TypeError(f"save_quantized: expected an nn.Module or a state dict, got {type(obj).__name__}")
+
+
+def _entries(named: dict[str, torch.Tensor]):
+    """``(name, record or None, {key: cpu tensor}, float part or None, nbytes)`` per unique tensor."""
+    unique, aliases = dedupe(named)
+    out = []
+    for name, t in unique.items():
+        if _PART_SEP in name:
+            raise ValueError(f"save_quantized: tensor name {name!r} contains {_PART_SEP!r}, which torchq reserves for parts")
+        if t.device.type == "meta":
+            raise ValueError(f"save_quantized: {name!r} is on the meta device and has no values to save")
+        if isinstance(t, AffineQuantizedTensor):
+            record, parts = codec.encode(t)
+            tensors = {_part_key(name, p): v.cpu() for p, v in parts.items()}
+            out.append((name, record, tensors, None))
+        elif type(t) in (torch.Tensor, nn.Parameter):
+            v = codec._own_storage(t.detach().cpu())
+            out.append((name, None, {name: v}, codec._part(v, True)))
+        else:
+            raise TypeError(f"save_quantized: {name!r} is a {type(t).__name__}; torchq saves float tensors and torchq quantized tensors")
+    return out, aliases
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor], header: dict, user: dict[str, str]) -> None:
+    text = codec.dumps(header)
+    meta = dict(user)
+    meta.update({"format": "pt", "torchq": text, "torchq_crc32": str(codec.zlib.crc32(text.encode()))})
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_quantized(
+    model: nn.Module | Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> list[Path]:
+    """Write ``model`` (or a state dict) as safetensors; returns the files written.
+
+    ``path`` ending in ``.safetensors``: one file. Otherwise a folder: ``model.safetensors``, or
+    shards plus ``model.safetensors.index.json`` when the tensors exceed ``max_shard_size``
+    (default 5 GB; an int in bytes or a string like ``"2GB"``). ``metadata``: extra str -> str
+    header entries. Quantized weights are stored device-independently (see module doc).
+    """
+    path = Path(path)
+    user = dict(metadata or {})
+    for k, v in user.items():
+        if not isinstance(k, str) or not isinstance(v, str) or k in _RESERVED_META:
+            raise ValueError(f"metadata: expected str -> str entries other than {_RESERVED_META}, got {k!r}: {v!r}")
+    limit = parse_size(max_shard_size)
+    entries, aliases = _entries(_named_tensors(model))
+    keys = [k for _, _, tensors, _ in entries for k in tensors]
+    if len(set(keys)) != len(keys):
+        raise ValueError("save_quantized: two entries produce the same stored key; rename the tensors")
+
+    single = path.suffix == ".safetensors"
+    if single and limit is not None:
+        raise ValueError(f"max_shard_size: a single file ({path.name}) cannot be sharded; pass a folder path")
+    limit = limit or DEFAULT_SHARD_SIZE
+    shards: list[list[Any]] = [[]]
+    size = 0
+    for e in entries:
+        n = sum(v.numel() * v.element_size() for v in e[2].values())
+        if shards[-1] and size + n > limit and not single:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+
+    from .. import __version__
+
+    def header(shard: list, index: int, count: int) -> dict:
+        return {
+            "format": FILE_FORMAT, "version": FILE_VERSION, "torchq_version": __version__,
+            "quantized": {name: rec for name, rec, _, _ in shard if rec is not None},
+            "float": {name: part for name, rec, _, part in shard if rec is None},
+            "aliases": aliases, "shard": [index, count], "user": user,
+        }
+
+    if single:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_file(path, {k: v for e in shards[0] for k, v in e[2].items()}, header(shards[0], 1, 1), user)
+        return [path]
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in [path / INDEX_NAME, path / SINGLE_NAME, *path.glob("model-*-of-*.safetensors")]:
+        if stale.exists():
+            stale.unlink()
+    if len(shards) == 1:
+        _write_file(path / SINGLE_NAME, {k: v for e in shards[0] for k, v in e[2].items()}, header(shards[0], 1, 1), user)
+        return [path / SINGLE_NAME]
+    written = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {k: v for e in shard for k, v in e[2].items()}
+        _write_file(path / fname, tensors, header(shard, i, len(shards)), user)
+        written.append(path / fname)
+        for k, v in tensors.items():
+            weight_map[k] = fname
+            total += v.numel() * v.element_size()
+    meta = {"format": FILE_FORMAT, "version": FILE_VERSION, "total_size": total, "shards": len(shards)}
+    meta["crc32"] = codec.zlib.crc32(codec.dumps({"metadata": meta, "weight_map": weight_map}).encode())
+    index = path / INDEX_NAME
+    tmp = index.with_name(index.name + ".tmp")
+    tmp.write_text(codec.dumps({"metadata": meta, "weight_map": weight_map}))
+    os.replace(tmp, index)
+    return [*written, index]
+
+
+# -- loading -------------------------------------------------------------------------------------
+def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint and, for a sharded one, its weight map."""
+    if path.is_dir():
+        if (path / INDEX_NAME).is_file():
+            path = path / INDEX_NAME
+        elif (path / SINGLE_NAME).is_file():
+            return [path / SINGLE_NAME], None
+        else:
+            raise CheckpointError(f"{path}: folder has neither {INDEX_NAME} nor {SINGLE_NAME}")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    if path.suffix != ".json":
+        return [path], None
+    index = codec.loads(_read_text(path), f"{path}")
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise CheckpointError(f"{path}: an index must be a JSON object with a 'weight_map' object")
+    meta, weight_map = index.get("metadata"), index["weight_map"]
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{path}: weight_map must map tensor names to file names")
+    if isinstance(meta, dict) and meta.get("format") == FILE_FORMAT:
+        version = meta.get("version")
+        if not isinstance(version, int) or version > FILE_VERSION:
+            raise CheckpointError(f"{path}: index format version {version!r}; this torchq reads up to {FILE_VERSION}")
+        body = {"metadata": {k: v for k, v in meta.items() if k != "crc32"}, "weight_map": weight_map}
+        if meta.get("crc32") != codec.zlib.crc32(codec.dumps(body).encode()):
+            raise CheckpointError(f"{path}: index is corrupted (crc32 mismatch)")
+    files = []
+    for fname in sorted(set(weight_map.values())):
+        f = path.parent / fname
+        if Path(fname).name != fname or not f.is_file():
+            raise CheckpointError(f"{path}: shard {fname!r} is missing (or not a file name in the checkpoint folder)")
+        files.append(f)
+    return files, weight_map
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+
+
+class _File:
+    """One open safetensors file and its checked torchq header."""
+
+    def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
+        self.path = path
+        try:
+            self.handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            self.keys = set(self.handle.keys())
+            meta = self.handle.metadata() or {}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        if "torchq" not in meta:  # a plain (float) safetensors file
+            self.header: dict = {"quantized": {}, "float": {k: None for k in self.keys}, "aliases": {}, "shard": None}
+            self.plain = True
+            return
+        self.plain = False
+        text = meta["torchq"]
+        if str(codec.zlib.crc32(text.encode())) != meta.get("torchq_crc32"):
+            raise CheckpointError(f"{path}: torchq header is corrupted (crc32 mismatch)")
+        h = codec.loads(text, f"{path}: torchq header")
+        if not isinstance(h, dict) or h.get("format") != FILE_FORMAT:
+            raise CheckpointError(f"{path}: torchq header has format {h.get('format') if isinstance(h, dict) else h!r}")
+        version = h.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CheckpointError(f"{path}: invalid checkpoint format version {version!r}")
+        if version > FILE_VERSION:
+            raise CheckpointError(
+                f"{path}: written with checkpoint format version {version}; this torchq reads up to {FILE_VERSION}; upgrade torchq"
+            )
+        for field in ("quantized", "float", "aliases"):
+            if not isinstance(h.get(field), dict):
+                raise CheckpointError(f"{path}: torchq header field {field!r} must be an object")
+        self.header = h
+        expected = {k for k in h["float"]}
+        for name, rec in h["quantized"].items():
+            parts = rec.get("parts") if isinstance(rec, dict) else None
+            if not isinstance(parts, dict):
+                raise CheckpointError(f"{path}: quantized tensor {name!r}: record has no parts")
+            expected |= {_part_key(name, p) for p in parts}
+        if expected != self.keys:
+            missing, extra = sorted(expected - self.keys), sorted(self.keys - expected)
+            raise CheckpointError(
+                f"{path}: tensors do not match the torchq header (missing: {missing[:8]}, unexpected: {extra[:8]})"
+            )
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            return self.handle.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor {key!r} ({e})") from None
+
+
+def _float_incoming(f: _File, name: str, part: Any) -> Incoming:
+    where = f"{f.path}: tensor {name!r}"
+    if f.plain:
+        try:
+            sl = f.handle.get_slice(name)
+            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{where}: cannot read its header entry ({e})") from None
+        return Incoming(name, shape, False, f"float {dtype}", lambda device: f.get(name).to(device))
+    if not isinstance(part, dict) or set(part) != {"dtype", "shape", "crc32"} or not isinstance(part["shape"], list):
+        raise CheckpointError(f"{where}: header entry must have dtype, shape and crc32, got {part!r}")
+    dtype = codec.dtype_from_name(part["dtype"], where)
+    shape = tuple(part["shape"])
+    crc = part["crc32"]
+
+    def load(device: torch.device) -> torch.Tensor:
+        t = f.get(name)
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise CheckpointError(f"{where}: stored as {t.dtype} {list(t.shape)}, header says {dtype} {list(shape)}")
+        if crc is not None and codec.tensor_crc32(t) != crc:
+            raise CheckpointError(f"{where}: data is corrupted (crc32 mismatch)")
+        return t.to(device)
+
+    return Incoming(name, shape, False, f"float {dtype}", load)
+
+
+def _quantized_incoming(f: _File, name: str, record: Any, layout: codec.LayoutPolicy, verify: bool) -> Incoming:
+    where = f"{f.path}"
+    try:
+        rec = codec.parse_record(record, name)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+    def load(device: torch.device) -> torch.Tensor:
+        parts = {p: f.get(_part_key(name, p)) for p in rec.parts}
+        try:
+            return codec.decode(rec, parts, name=name, device=device, layout=layout, verify=verify)
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+
+    return Incoming(name, codec.logical_shape(rec), True, rec.spec.describe(), load)
+
+
+def load_quantized(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    strict: bool = True,
+    layout: codec.LayoutPolicy = "saved",
+    verify: bool = True,
+) -> nn.Module:
+    """Load a checkpoint written by :func:`save_quantized` into ``model``; returns ``model``.
+
+    ``model`` may be built on the ``meta`` device (nothing float is ever materialized), be a
+    float model (quantized entries replace its float weights: the model becomes quantized), or
+    be already quantized (entries are replaced by the checkpoint's). ``device``: where loaded
+    tensors go (default: each entry's current device, CPU for meta entries). ``layout``:
+    ``"saved"`` keeps each weight's saved layout when it can live on the device, else the
+    device's best; ``"auto"`` always takes the device's best; a Layout forces one.
+    ``strict``: missing or unexpected entries are an error (else a ``LoadWarning``).
+    ``verify``: check CRCs (the JSON header is always checked). On any error the model is
+    left unchanged and a :class:`CheckpointError` names the tensor, file and problem.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(layout, codec.Layout) or layout in ("saved", "auto")):
+        raise ValueError(f"layout: expected 'saved', 'auto' or a torchq Layout, got {layout!r}")
+    if device is not None:
+        device = torch.device(device)
+    path = Path(path)
+    files, weight_map = _checkpoint_files(path)
+    with contextlib.ExitStack() as stack:
+        opened = [_File(f, stack) for f in files]
+        incoming: dict[str, Incoming] = {}
+        aliases: dict[str, str] = {}
+        owner: dict[str, Path] = {}
+        for f in opened:
+            h = f.header
+            if weight_map is not None:
+                if not f.plain and h.get("shard") != [files.index(f.path) + 1, len(files)]:
+                    raise CheckpointError(f"{f.path}: header says shard {h.get('shard')!r}, index lists {len(files)} shards")
+                mine = {k for k, v in weight_map.items() if v == f.path.name}
+                if mine != f.keys:
+                    raise CheckpointError(f"{f.path}: its tensors do not match the index's weight_map for this shard")
+            for name, rec in h["quantized"].items():
+                _claim(owner, name, f.path)
+                incoming[name] = _quantized_incoming(f, name, rec, layout, verify)
+            for name, part in h["float"].items():
+                _claim(owner, name, f.path)
+                incoming[name] = _float_incoming(f, name, part)
+            for alias, target in h["aliases"].items():
+                if not isinstance(target, str) or aliases.get(alias, target) != target:
+                    raise CheckpointError(f"{f.path}: inconsistent alias {alias!r} -> {target!r}")
+                aliases[alias] = target
+        if weight_map is not None and set(weight_map) != {k for f in opened for k in f.keys}:
+            raise CheckpointError(f"{path}: index weight_map does not match the shards' tensors")
+        install_checkpoint(model, incoming, aliases, device=device, strict=strict, source=str(path))
+    return model
+
+
+def _claim(owner: dict[str, Path], name: str, path: Path) -> None:
+    if name in owner:
+        raise CheckpointError(f"{path}: tensor {name!r} is also stored in {owner[name]}")
+    owner[name] = path
+
