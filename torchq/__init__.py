@@ -8,7 +8,8 @@ from . import layouts, primitives
 from .activation import PerTokenInt8
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
-from .checkpoint.pickling import _rebuild_object, _rebuild_quantized_tensor
+from .checkpoint.pickling import _rebuild_object as _rebuild_object  # pinned pickle path
+from .checkpoint.pickling import _rebuild_quantized_tensor as _rebuild_quantized_tensor  # pinned pickle path
 from .configs import (
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
