@@ -85,7 +85,23 @@ class QuantSpec:
 
     @classmethod
     def from_json(cls, d: dict) -> QuantSpec:
-        return cls(tuple(d["block_size"]), int(d["quant_min"]), int(d["quant_max"]), ZeroPointDomain(d["zero_point_domain"]))
+        """Inverse of ``to_json``; strict: exact fields, integers that are ints, a known domain."""
+        if not isinstance(d, dict) or set(d) != {"block_size", "quant_min", "quant_max", "zero_point_domain"}:
+            got = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"spec JSON: expected fields block_size, quant_min, quant_max, zero_point_domain; got {got}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        block = d["block_size"]
+        if not isinstance(block, list) or not block or not all(is_int(b) and b > 0 for b in block):
+            raise ValueError(f"spec JSON: block_size must be a list of positive ints, got {block!r}")
+        for k in ("quant_min", "quant_max"):
+            if not is_int(d[k]):
+                raise ValueError(f"spec JSON: {k} must be an int, got {d[k]!r}")
+        if not isinstance(d["zero_point_domain"], str):
+            raise ValueError(f"spec JSON: zero_point_domain must be a string, got {d['zero_point_domain']!r}")
+        return cls(tuple(block), d["quant_min"], d["quant_max"], ZeroPointDomain(d["zero_point_domain"]))
 
 
 @dataclass(frozen=True, eq=False)

@@ -81,7 +81,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: Any, what: str) -> torch.dtype:
     d = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(d, torch.dtype):
+    if not isinstance(d, torch.dtype) or dtype_name(d) != name:  # canonical names only, no aliases
         raise CheckpointError(f"{what}: unknown dtype {name!r}")
     return d
 
@@ -185,7 +185,7 @@ class ParsedRecord:
             self.transposed: bool = record["transposed"]
             try:
                 self.spec = QuantSpec.from_json(record["spec"])
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
                 raise CheckpointError(f"{where}: invalid spec {record['spec']!r}: {e}") from None
             if len(self.spec.block_size) != 2 or not all(_is_pos_int(b) for b in self.spec.block_size):
                 raise CheckpointError(f"{where}: spec block_size must be two positive ints, got {self.spec.block_size}")
@@ -270,7 +270,7 @@ def _optional_config(d: Any):
 def _optional_layout(d: Any) -> Layout | None:
     """The saved layout, or None when this torchq does not know it (loading then picks the
     target device's best layout; the values are the same in every layout)."""
-    if not isinstance(d, dict) or d.get("type") not in registered_layouts():
+    if not isinstance(d, dict) or not isinstance(d.get("type"), str) or d["type"] not in registered_layouts():
         return None
     try:
         return layout_from_json(d)

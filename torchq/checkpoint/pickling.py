@@ -37,7 +37,9 @@ PINNED_MODULE = "torchq"
 
 
 def _rebuild_quantized_tensor(format_version: int, record_json: str, record_crc32: int, parts: dict, is_param: bool = False):
-    if not isinstance(format_version, int) or format_version > codec.FORMAT_VERSION:
+    if not isinstance(format_version, int) or isinstance(format_version, bool) or format_version < 1:
+        raise codec.CheckpointError(f"quantized tensor: invalid pickle format version {format_version!r}")
+    if format_version > codec.FORMAT_VERSION:
         raise codec.CheckpointError(
             f"quantized tensor: written with pickle format version {format_version!r}; this torchq reads up to "
             f"{codec.FORMAT_VERSION}; upgrade torchq"
@@ -68,7 +70,7 @@ def _rebuild_object(kind: str, text: str) -> Any:
     value = codec.loads(text, f"torchq {kind}")
     try:
         return _OBJECT_KINDS[kind](value)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise codec.CheckpointError(f"torchq {kind}: {e}") from None
 
 
