@@ -501,3 +501,36 @@ def getattr_path(mod: nn.Module, name: str):
     for part in name.split("."):
         mod = getattr(mod, part)
     return mod
+
+
+def test_loaded_tensors_are_aligned_and_independent_of_the_file(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 40)).to(torch.bfloat16)
+    torchq.quantize_(net, torchq.int8_weight_only())
+    torchq.save_quantized(net, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        fresh = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 40)).to(torch.bfloat16)
+    torchq.load_quantized(fresh, tmp_path / "m.safetensors")
+    (tmp_path / "m.safetensors").write_bytes(b"")  # the loaded model must not read the file any more
+    for p in fresh.parameters():
+        for t in [getattr(p, n) for n in p.tensor_impl.tensor_names()] if isinstance(p, torchq.AffineQuantizedTensor) else [p]:
+            assert t.data_ptr() % 16 == 0
+    x = torch.randn(8, 40, dtype=torch.bfloat16)
+    assert torch.equal(fresh(x), net(x))
+
+
+def test_int8_kernel_with_unaligned_codes_does_not_crash():
+    """PyTorch's bf16 int8 weight-only kernel segfaults for M > 1 on codes that are not 16-byte
+    aligned; the op copies such codes (and warns once)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(2048, 64).to(torch.bfloat16)
+    torchq.quantize_(lin, torchq.int8_weight_only())
+    buf = torch.zeros(64 * 2048 + 64, dtype=torch.int8)
+    unaligned = buf[8:8 + 64 * 2048].view(64, 2048)
+    unaligned.copy_(lin.weight.codes)
+    assert unaligned.data_ptr() % 16 == 8
+    x = torch.randn(8, 2048, dtype=torch.bfloat16)
+    ref = torchq.layouts.plain.int8_weight_only_mm(x, lin.weight.codes, lin.weight.scale)
+    with pytest.warns(RuntimeWarning, match="16-byte"):
+        y = torchq.layouts.plain.int8_weight_only_mm(x, unaligned, lin.weight.scale)
+    assert torch.equal(y, ref)
