@@ -124,7 +124,7 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
     plain = w.to_plain()
     spec = plain.spec
     if spec.bits <= 7:
-        codes = pack_bits((plain.codes.to(torch.int16) - spec.quant_min).to(torch.uint8), spec.bits)
+        codes = pack_bits(plain.codes.view(torch.uint8) - spec.quant_min % 256, spec.bits)  # wrap-around: q - quant_min
         encoding = "bitstream"
     else:
         codes = plain.codes
@@ -340,7 +340,9 @@ def decode(
         u = unpack_bits(codes, spec.bits, rec.shape[1])
         if real and spec.quant_max - spec.quant_min + 1 < 2**spec.bits and bool((u > spec.quant_max - spec.quant_min).any()):
             raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
-        codes = (u.to(torch.int16) + spec.quant_min).to(spec.code_dtype)
+        codes = u + (spec.quant_min % 256)  # uint8 wrap-around: two's complement of the int8 code
+        if spec.code_dtype == torch.int8:
+            codes = codes.view(torch.int8)
     elif real and bool(((codes < spec.quant_min) | (codes > spec.quant_max)).any()):
         raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
     scale, zero = parts["scale"], parts.get("zero_point")

@@ -71,8 +71,16 @@ def _measure_row_blocks() -> tuple[int, tuple[int, ...]]:
 ROW_BLOCK, _INVERSE_PERM = _measure_row_blocks()
 
 
+# The common order (AVX2 / AVX-512 builds): byte j of a column block holds row j in its low
+# nibble and row j + ROW_BLOCK/2 in its high nibble; unpacking then needs no gather.
+_HALVES = _INVERSE_PERM == tuple(range(0, ROW_BLOCK, 2)) + tuple(range(1, ROW_BLOCK, 2))
+
+
 def _unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """uint8 codes ``[n, k]`` from packed bytes (``n`` a multiple of ``ROW_BLOCK``); traceable."""
+    if _HALVES:
+        b = packed.reshape(n // ROW_BLOCK, k, ROW_BLOCK // 2)
+        return torch.cat([b & 0xF, b >> 4], dim=2).transpose(1, 2).reshape(n, k)
     nib = _nibbles(packed).reshape(n // ROW_BLOCK, k, ROW_BLOCK)
     inv = torch.tensor(_INVERSE_PERM, dtype=torch.int64, device=packed.device)
     return nib.index_select(2, inv).transpose(1, 2).reshape(n, k)
@@ -98,9 +106,12 @@ class Int4CPUImpl(TensorImpl):
         n, k = plain.shape
         g = spec.block_size[1]
         np_, kp = -(-n // ROW_BLOCK) * ROW_BLOCK, -(-k // g) * g
-        shift = 8 - spec.mid
-        q = torch.full((np_, kp), 8, dtype=torch.int32, device=plain.device)
-        q[:n, :k] = plain.codes.to(torch.int32) + shift
+        shift = (8 - spec.mid) % 256  # codes + shift is in 0..15, so uint8 wrap-around is exact
+        q8 = plain.codes.view(torch.uint8) + shift
+        if (np_, kp) != (n, k):
+            padded = torch.full((np_, kp), 8, dtype=torch.uint8, device=plain.device)
+            padded[:n, :k] = q8
+            q8 = padded
         scale = plain.scale
         domain = spec.zero_point_domain
         if domain is ZeroPointDomain.FLOAT:
@@ -113,8 +124,8 @@ class Int4CPUImpl(TensorImpl):
         sz = torch.zeros(np_, scale.shape[1], 2, dtype=sz_dtype, device=plain.device)
         sz[:n, :, 0] = scale
         sz[:n, :, 1] = zero_f
-        packed = _pack(q)
-        if not torch.equal(_unpack(packed, np_, kp).to(torch.int32), q):
+        packed = _pack(q8)
+        if not torch.equal(_unpack(packed, np_, kp), q8):
             raise RuntimeError("torchq: int4 CPU packing did not round-trip exactly on this CPU; use PlainLayout or PackedBitsLayout")
         return cls(
             layout, spec, (n, k),
@@ -129,8 +140,8 @@ class Int4CPUImpl(TensorImpl):
         spec = self.spec
         n, k = self.shape
         np_, kp = self.padded_shape
-        q = _unpack(self.packed, np_, kp)[:n, :k].to(torch.int16) - (8 - spec.mid)
-        codes = q.to(spec.code_dtype).to(self.packed.device)
+        codes = _unpack(self.packed, np_, kp)[:n, :k] - (8 - spec.mid) % 256  # uint8 wrap-around is exact
+        codes = codes.view(spec.code_dtype) if spec.code_dtype == torch.int8 else codes.contiguous()
         sz = self.scales_and_zeros[:, :n].transpose(0, 1)
         scale = sz[..., 0].to(self.scale_dtype).contiguous()
         domain = spec.zero_point_domain
