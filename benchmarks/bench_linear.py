@@ -30,7 +30,6 @@ import copy
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -46,19 +45,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_CONFIGS = "float,int8wo,int8dq,int4-g128,int4-g32,intx3-g32,fbgemm"
 COLUMNS = [("shape", "<"), ("M", ">"), ("dtype", "<"), ("config", "<"), ("ms", ">"), ("min_ms", ">"), ("speedup", ">"),
            ("vs_best", ">"), ("sqnr", ">"), ("weight", ">"), ("kernel", "<")]
-
-
-def make_config(name: str) -> torchq.QuantConfig:
-    """A torchq config from its short name (see the module docstring)."""
-    if name == "int8wo":
-        return torchq.int8_weight_only()
-    if name == "int8dq":
-        return torchq.int8_dynamic_activation_int8_weight()
-    if m := re.fullmatch(r"int4-g(\d+)", name):
-        return torchq.int4_weight_only(group_size=int(m[1]))
-    if m := re.fullmatch(r"intx(\d)-g(\d+)", name):
-        return torchq.intx_weight_only(bits=int(m[1]), group_size=int(m[2]))
-    raise ValueError(f"unknown config {name!r}; expected float, int8wo, int8dq, int4-g<G>, intx<B>-g<G> or fbgemm")
 
 
 def build_linear(k: int, n: int, dtype: torch.dtype, seed: int = 0) -> nn.Linear:
@@ -141,7 +127,7 @@ def run_shape_dtype(k: int, n: int, dname: str, args) -> list[dict]:
                     cands.append((name, fb, fbgemm_nbytes(fb), f"quantized::linear_dynamic ({torch.backends.quantized.engine})"))
                 continue
             q = copy.deepcopy(lin)
-            torchq.quantize_(q, make_config(name))
+            torchq.quantize_(q, torchq.config_from_name(name))
             cands.append((name, q, q.weight.nbytes_quantized(), ""))
         except Exception as e:  # one broken config must not stop the run
             if name == "fbgemm":  # reference only: note it and go on
@@ -238,7 +224,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.min_reps = a.min_reps if a.min_reps is not None else (2 if a.quick else 3)
     a.warmup = min(a.warmup, 1) if a.quick else a.warmup
     try:
-        [DTYPES[d] for d in a.dtypes] + [make_config(c) for c in a.configs if c not in ("float", "fbgemm")]
+        [DTYPES[d] for d in a.dtypes] + [torchq.config_from_name(c) for c in a.configs if c not in ("float", "fbgemm")]
     except (KeyError, ValueError) as e:
         p.error(f"--dtypes/--configs: {e} (dtypes: {', '.join(DTYPES)})")
     return a

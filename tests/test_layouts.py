@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchq
+from torchq.bitpack import pack_bits, unpack_bits
 from torchq.canonical import PlainForm, QuantSpec, code_dtype_for
 from torchq.layouts import layout_from_json, registered_layouts
-from torchq.bitpack import pack_bits, unpack_bits
 from torchq.primitives import ZeroPointDomain, choose_qparams_affine, code_range, quantize_affine
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]

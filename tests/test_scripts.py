@@ -25,3 +25,14 @@ def test_bench_linear_quick_runs_and_writes_json(tmp_path, capsys):
     assert mod.main(["--quick", "--json", str(path)]) == 0
     assert path.exists() and path.stat().st_size > 0
     assert "int4_cpu" in capsys.readouterr().out
+
+
+def test_bench_serialization_quick_runs_and_writes_json(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_serialization", ROOT / "benchmarks" / "bench_serialization.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "out.json"
+    assert mod.main(["--quick", "--configs", "float,int4-g128,int8wo", "--repeats", "1", "--json", str(path)]) == 0
+    assert path.exists() and path.stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "save_quantized" in out and "FAIL" not in out

@@ -31,6 +31,7 @@ __all__ = [
     "int8_dynamic_activation_int8_weight",
     "intx_weight_only",
     "config_from_json",
+    "config_from_name",
 ]
 
 _CONFIGS: dict[str, type[QuantConfig]] = {}
@@ -266,3 +267,19 @@ def int8_dynamic_activation_int8_weight(layout: Layout | None = None) -> Int8Dyn
 
 def intx_weight_only(bits: int = 4, group_size: int | None = 32, **kwargs: Any) -> IntxWeightOnlyConfig:
     return IntxWeightOnlyConfig(bits=bits, group_size=group_size, **kwargs)
+
+
+def config_from_name(name: str) -> QuantConfig:
+    """A config from its short name, as used by benchmarks and command lines: ``int8wo``,
+    ``int8dq``, ``int4-g<G>`` (e.g. ``int4-g128``) or ``intx<B>-g<G>`` (e.g. ``intx3-g32``)."""
+    import re
+
+    if name == "int8wo":
+        return int8_weight_only()
+    if name == "int8dq":
+        return int8_dynamic_activation_int8_weight()
+    if m := re.fullmatch(r"int4-g(\d+)", name):
+        return int4_weight_only(group_size=int(m[1]))
+    if m := re.fullmatch(r"intx(\d)-g(\d+)", name):
+        return intx_weight_only(bits=int(m[1]), group_size=int(m[2]))
+    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int4-g<G> or intx<B>-g<G>")
