@@ -34,13 +34,19 @@ def pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
         for j in range(1, per):
             out |= v[..., j] << (8 - bits * (j + 1))
         return out
-    v = torch.zeros(n, groups * 8, dtype=torch.int64, device=u.device)
-    v[:, :k] = u.to(torch.int64)
+    # 3, 5, 6, 7 bits: 8 values fill ``bits`` bytes; build byte i from the (at most three) values
+    # whose bit fields overlap it, in int16 so shifted values never overflow.
+    v = torch.zeros(n, groups * 8, dtype=torch.int16, device=u.device)
+    v[:, :k] = u
     v = v.reshape(n, groups, 8)
-    shifts = torch.arange(7, -1, -1, device=u.device, dtype=torch.int64) * bits
-    word = (v << shifts).sum(-1, keepdim=True)  # disjoint bit fields: sum == or
-    byte_shifts = torch.arange(bits - 1, -1, -1, device=u.device, dtype=torch.int64) * 8
-    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(n, groups * bits)
+    out = torch.zeros(n, groups, bits, dtype=torch.int16, device=u.device)
+    for j in range(8):
+        lo, hi = j * bits, (j + 1) * bits  # stream bits of value j
+        for i in range(lo // 8, (hi - 1) // 8 + 1):
+            shift = 8 * (i + 1) - hi  # where value j's last bit lands relative to byte i's last bit
+            part = v[..., j] << shift if shift >= 0 else v[..., j] >> -shift
+            out[..., i] |= part & 0xFF
+    return out.to(torch.uint8).reshape(n, groups * bits)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -54,9 +60,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
         shifts = [8 - bits * (j + 1) for j in range(per)]
         u = torch.stack([(packed >> s) & mask for s in shifts], dim=-1)
         return u.reshape(n, groups * 8)[:, :k]
-    b = packed.reshape(n, groups, bits).to(torch.int64)
-    byte_shifts = torch.arange(bits - 1, -1, -1, device=packed.device, dtype=torch.int64) * 8
-    word = (b << byte_shifts).sum(-1, keepdim=True)
-    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.int64) * bits
-    u = (word >> shifts) & ((1 << bits) - 1)
-    return u.reshape(n, groups * 8)[:, :k].to(torch.uint8)
+    b = packed.reshape(n, groups, bits).to(torch.int16)
+    mask = (1 << bits) - 1
+    u = torch.empty(n, groups, 8, dtype=torch.uint8, device=packed.device)
+    for j in range(8):
+        lo, hi = j * bits, (j + 1) * bits
+        i0, i1 = lo // 8, (hi - 1) // 8
+        window = b[..., i0] if i0 == i1 else (b[..., i0] << 8) | b[..., i1]  # value j lies within 1-2 bytes
+        u[..., j] = (window >> (8 * (i1 + 1) - hi)) & mask
+    return u.reshape(n, groups * 8)[:, :k]
