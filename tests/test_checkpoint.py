@@ -316,6 +316,14 @@ def test_safetensors_shards_and_index(tmp_path):
     # re-saving unsharded into the same folder removes the old shards
     torchq.save_quantized(net, tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["model.safetensors"]
+    # and re-saving sharded (with other shard counts) leaves exactly the new checkpoint
+    for size in (3000, 20000):
+        again = torchq.save_quantized(net, tmp_path / "ckpt", max_shard_size=size)
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(f.name for f in again)
+        fresh = meta_net()
+        with pytest.warns(torchq.LoadWarning):
+            torchq.load_quantized(fresh, tmp_path / "ckpt")
+        assert fresh.up.weight.to_plain().equal(net.up.weight.to_plain())
 
 
 def test_missing_shard_is_an_error(tmp_path):

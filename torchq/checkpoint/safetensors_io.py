@@ -180,11 +180,12 @@ def save_quantized(
         _write_file(path, {k: v for e in shards[0] for k, v in e[2].items()}, header(shards[0], 1, 1), user)
         return [path]
     path.mkdir(parents=True, exist_ok=True)
-    for stale in [path / INDEX_NAME, path / SINGLE_NAME, *path.glob("model-*-of-*.safetensors")]:
-        if stale.exists():
-            stale.unlink()
+    # Files of an earlier checkpoint in this folder are removed only after the new one is complete
+    # (the index, written last, is the commit point of a sharded checkpoint).
+    stale = {p for p in [path / INDEX_NAME, path / SINGLE_NAME, *path.glob("model-*-of-*.safetensors")] if p.exists()}
     if len(shards) == 1:
         _write_file(path / SINGLE_NAME, {k: v for e in shards[0] for k, v in e[2].items()}, header(shards[0], 1, 1), user)
+        _remove(stale - {path / SINGLE_NAME})
         return [path / SINGLE_NAME]
     written = []
     weight_map: dict[str, str] = {}
@@ -203,7 +204,13 @@ def save_quantized(
     tmp = index.with_name(index.name + ".tmp")
     tmp.write_text(codec.dumps({"metadata": meta, "weight_map": weight_map}))
     os.replace(tmp, index)
+    _remove(stale - {*written, index})
     return [*written, index]
+
+
+def _remove(paths: set[Path]) -> None:
+    for p in paths:
+        p.unlink(missing_ok=True)
 
 
 # -- loading -------------------------------------------------------------------------------------
