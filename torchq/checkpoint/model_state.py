@@ -8,6 +8,9 @@ leaves the model exactly as it was.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -77,6 +80,38 @@ class Incoming:
     quantized: bool
     describe: str
     load: Callable[[torch.device], torch.Tensor]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _glibc_functions():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2, trim = libc.mallinfo2, libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (or older than 2.33): nothing to do
+        return None, None
+    mallinfo2.restype = _MallInfo2
+    trim.argtypes = [ctypes.c_size_t]
+    return mallinfo2, trim
+
+
+_MALLINFO2, _MALLOC_TRIM = _glibc_functions() if sys.platform.startswith("linux") else (None, None)
+RETAINED_LIMIT = 1 << 30
+
+
+def release_free_memory() -> None:
+    """Give freed heap memory back to the OS once more than ``RETAINED_LIMIT`` bytes of it are
+    retained (glibc only; a no-op elsewhere).
+
+    Decoding a weight allocates temporaries of a few times its size between the long-lived
+    tensors of earlier weights; glibc keeps those holes, so without this the resident memory of
+    a load grows with the model instead of staying near model + one weight's temporaries.
+    Trimming on every weight would cost page faults on the next one, hence the threshold."""
+    if _MALLOC_TRIM is not None and _MALLINFO2().fordblks > RETAINED_LIMIT:
+        _MALLOC_TRIM(0)
 
 
 def _is_meta(t: torch.Tensor) -> bool:
@@ -160,6 +195,7 @@ def install_checkpoint(
             torch.device("cpu") if _is_meta(slot0.tensor) else slot0.tensor.device
         )
         value = inc.load(target)
+        release_free_memory()
         old = slot0.tensor
         in_place = (
             not inc.quantized and not isinstance(old, AffineQuantizedTensor) and not _is_meta(old)

@@ -30,6 +30,7 @@ from ..layouts.base import Layout, layout_from_json, registered_layouts
 from ..primitives import MappingType, ZeroPointDomain
 from ..tensor import AffineQuantizedTensor
 from . import codec
+from .model_state import release_free_memory
 
 __all__ = ["PINNED_MODULE", "install", "_rebuild_quantized_tensor", "_rebuild_object"]
 
@@ -49,6 +50,7 @@ def _rebuild_quantized_tensor(format_version: int, record_json: str, record_crc3
     record = codec.loads(record_json, "quantized tensor record")
     name = record.get("label") if isinstance(record, dict) and isinstance(record.get("label"), str) else "<unnamed>"
     w = codec.decode(record, parts, name=name)
+    release_free_memory()
     if is_param:
         return torch.nn.Parameter(w, requires_grad=False)
     return w
