@@ -340,7 +340,8 @@ def decode(
         u = unpack_bits(codes, spec.bits, rec.shape[1])
         if real and spec.quant_max - spec.quant_min + 1 < 2**spec.bits and bool((u > spec.quant_max - spec.quant_min).any()):
             raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
-        codes = u + (spec.quant_min % 256)  # uint8 wrap-around: two's complement of the int8 code
+        codes = u.contiguous()
+        codes += spec.quant_min % 256  # uint8 wrap-around: two's complement of the int8 code
         if spec.code_dtype == torch.int8:
             codes = codes.view(torch.int8)
     elif real and bool(((codes < spec.quant_min) | (codes > spec.quant_max)).any()):

@@ -76,6 +76,25 @@ ROW_BLOCK, _INVERSE_PERM = _measure_row_blocks()
 _HALVES = _INVERSE_PERM == tuple(range(0, ROW_BLOCK, 2)) + tuple(range(1, ROW_BLOCK, 2))
 
 
+PACK_CHUNK_ROWS = 16 * ROW_BLOCK
+
+
+def _pack_checked(q8: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes ``[Np, Kp]`` (0..15) and check the result unpacks to them bit for bit.
+
+    Blocks of ``ROW_BLOCK`` rows pack independently, so this works on chunks of rows: the int32
+    copy the op needs and the check's temporaries stay a few MB instead of 6x the weight."""
+    np_, kp = q8.shape
+    packed = torch.empty(np_, kp // 2, dtype=torch.uint8, device=q8.device)
+    for r0 in range(0, np_, PACK_CHUNK_ROWS):
+        rows = q8[r0:r0 + PACK_CHUNK_ROWS]
+        chunk = _pack(rows)
+        if chunk.shape != (rows.shape[0], kp // 2) or not torch.equal(_unpack(chunk, rows.shape[0], kp), rows):
+            raise RuntimeError("torchq: int4 CPU packing did not round-trip exactly on this CPU; use PlainLayout or PackedBitsLayout")
+        packed[r0:r0 + rows.shape[0]] = chunk
+    return packed
+
+
 def _unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """uint8 codes ``[n, k]`` from packed bytes (``n`` a multiple of ``ROW_BLOCK``); traceable."""
     if _HALVES:
@@ -124,9 +143,7 @@ class Int4CPUImpl(TensorImpl):
         sz = torch.zeros(np_, scale.shape[1], 2, dtype=sz_dtype, device=plain.device)
         sz[:n, :, 0] = scale
         sz[:n, :, 1] = zero_f
-        packed = _pack(q8)
-        if not torch.equal(_unpack(packed, np_, kp), q8):
-            raise RuntimeError("torchq: int4 CPU packing did not round-trip exactly on this CPU; use PlainLayout or PackedBitsLayout")
+        packed = _pack_checked(q8)
         return cls(
             layout, spec, (n, k),
             packed=packed,
