@@ -890,3 +890,19 @@ def test_from_float_refuses_weights_whose_scale_arithmetic_overflows(values):
     w = torch.tensor([values] * 2, dtype=torch.float16)
     with pytest.raises(ValueError, match="overflows.*scale_dtype=torch.float32"):
         torchq.AffineQuantizedTensor.from_float(w, "asymmetric", (1, 4), 0, 255, label="big")
+
+
+def test_block_longer_than_the_dimension_is_the_whole_dimension():
+    """A group larger than K (e.g. group 128 on K=96) is one partial block: same numbers as a block
+    of exactly K, and no padding up to the block (a huge block must not allocate)."""
+    x = torch.randn(4, 24)
+    ref = choose_qparams_affine(x, MappingType.ASYMMETRIC, (1, 24), torch.uint8, 0, 15)
+    for block in [(1, 32), (1, 2**40), (2**40, 2**40)]:
+        whole = (1 if block[0] < 2**40 else 4, 24)
+        want = choose_qparams_affine(x, MappingType.ASYMMETRIC, whole, torch.uint8, 0, 15)
+        got = choose_qparams_affine(x, MappingType.ASYMMETRIC, block, torch.uint8, 0, 15)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        q = quantize_affine(x, block, *got, torch.uint8, 0, 15)
+        assert torch.equal(q, quantize_affine(x, whole, *want, torch.uint8, 0, 15))
+        assert torch.equal(dequantize_affine(q, block, *got, 0, 15), dequantize_affine(q, whole, *want, 0, 15))
+    assert ref[0].shape == (4, 1)

@@ -125,10 +125,11 @@ def _pad_to_blocks(x: torch.Tensor, block_size: tuple[int, ...]) -> torch.Tensor
     """Pad each dimension up to a multiple of its block by repeating the last element.
 
     Repeating an element of the same (partial) block leaves every block's min, max and
-    absmax unchanged; the padded outputs of element-wise ops are sliced off by the caller.
+    absmax unchanged; the padded outputs of element-wise ops are sliced off by the caller. A
+    block longer than its dimension is the whole dimension (never padded up to the block).
     """
     for dim, (s, b) in enumerate(zip(x.shape, block_size)):
-        extra = -s % b
+        extra = -s % min(b, s)
         if extra:
             edge = x.narrow(dim, s - 1, 1)
             x = torch.cat([x, edge.expand(*[extra if d == dim else -1 for d in range(x.dim())])], dim)
@@ -139,6 +140,7 @@ def _blocked(x: torch.Tensor, block_size: tuple[int, ...]) -> torch.Tensor:
     """View a (padded) tensor as ``[n0, b0, n1, b1, ...]``."""
     shape: list[int] = []
     for s, b in zip(x.shape, block_size):
+        b = min(b, s)
         shape += [s // b, b]
     return x.reshape(shape)
 
