@@ -4,7 +4,7 @@
     torchq.quantize_(model, torchq.int4_weight_only())
 """
 
-from . import layouts, primitives
+from . import blockwise, layouts, primitives
 from .activation import PerTokenInt8
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
@@ -78,6 +78,7 @@ __all__ = [
     "intx_weight_only",
     "is_strict",
     "layout_from_json",
+    "blockwise",
     "layouts",
     "linear_kernels",
     "primitives",

@@ -1,0 +1,236 @@
+"""bitsandbytes-compatible blockwise ops: ``torch.ops.torchq.quantize_4bit`` and friends.
+
+Each op has one schema (the bitsandbytes one), a fake implementation for ``torch.compile``, and a
+pure-PyTorch implementation that is the executable spec and the fallback for every device;
+device backends register against the same op.
+
+Formats (``numel = n``, ``blocksize = B``, ``nb = ceil(n / B)``):
+
+* **4-bit (NF4 / FP4).** Blocks of ``B`` consecutive elements of the row-major flattened tensor;
+  ``absmax`` fp32 ``[nb]``; ``s = x * (1 / absmax)`` in fp32; nibble = nearest codebook value
+  (fp32 midpoints of neighbours, a tie goes to the lower value; FP4 rounds the magnitude that
+  way, so a negative tie takes the larger magnitude, and sets bit 3 for negative values). Packed bytes ``ceil(n / 2)``: element ``2j`` in the high
+  nibble, ``2j + 1`` in the low one; an odd tail is padded with the code of 0.0. Returned as
+  ``[ceil(n/2) / itemsize, 1]`` of ``quant_storage`` (uint8 by default).
+* **8-bit blockwise.** The same blocks and absmax; code = index of the nearest value in a sorted
+  256-entry map (the dynamic map by default), one byte per element, in ``A``'s shape.
+* **Dequantize:** ``code[index] * absmax[block]`` in fp32, then one cast to the output dtype.
+
+Choices where the reference implementations disagree (bytes differ, values do not):
+
+* an all-zero block (``absmax = 0``) gets the code of 0.0 (NF4 nibble 7, FP4 nibble 0), as
+  bitsandbytes' reference and CPU code do (its CUDA kernel writes nibble 0);
+* FP4 never writes negative zero (nibble 8): every value whose magnitude rounds to 0 gets
+  nibble 0. bitsandbytes' CPU code writes nibble 8 for tiny positive values and 0 for tiny
+  negative ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .codebooks import FP4_MAGNITUDES, NF4, codebook
+
+__all__ = [
+    "BLOCK_SIZES",
+    "quantize_4bit",
+    "dequantize_4bit",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "check_blocksize",
+]
+
+BLOCK_SIZES = tuple(2**i for i in range(5, 13))  # 32 ... 4096
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_blocksize(blocksize: int) -> None:
+    if not isinstance(blocksize, int) or blocksize not in BLOCK_SIZES:
+        raise ValueError(f"blocksize: expected a power of two in 32..4096, got {blocksize!r}")
+
+
+def _check_input(A: torch.Tensor, what: str = "A") -> None:
+    if A.dtype not in _FLOATS:
+        raise TypeError(f"{what}: expected fp32, bf16 or fp16, got {A.dtype}")
+    if A.numel() == 0:
+        raise ValueError(f"{what}: expected a non-empty tensor, got shape {tuple(A.shape)}")
+
+
+def _midpoints(sorted_values: torch.Tensor) -> torch.Tensor:
+    """fp32 midpoints of neighbouring values (computed in fp64, rounded once to fp32)."""
+    v = sorted_values.double()
+    return ((v[:-1] + v[1:]) / 2).float()
+
+
+_NF4_MIDS = _midpoints(NF4)
+_FP4_MAG_ORDER = torch.argsort(FP4_MAGNITUDES)  # sorted position -> 3-bit magnitude code
+_FP4_MAG_MIDS = _midpoints(FP4_MAGNITUDES[_FP4_MAG_ORDER])
+
+
+def _blocks(A: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(normalised fp32 values [nb, B] padded with 0.0, absmax fp32 [nb])``."""
+    flat = A.reshape(-1).float()
+    n = flat.numel()
+    nb = -(-n // blocksize)
+    if nb * blocksize != n:
+        flat = torch.cat([flat, flat.new_zeros(nb * blocksize - n)])
+    blocks = flat.reshape(nb, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    if not bool(torch.isfinite(absmax).all()):
+        raise ValueError("A: contains NaN or inf; blockwise quantization needs finite values")
+    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))  # all-zero block: s = 0
+    return blocks * inv[:, None], absmax
+
+
+def _nibbles(s: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """4-bit codes (uint8) of normalised values ``s`` in [-1, 1]."""
+    if quant_type == "nf4":
+        return torch.bucketize(s, _NF4_MIDS.to(s.device), right=False).to(torch.uint8)
+    if quant_type == "fp4":
+        mids = _FP4_MAG_MIDS.to(s.device)
+        neg = s < 0
+        # a tie goes to the lower value: the smaller magnitude for s > 0, the larger for s < 0
+        pos = torch.where(neg, torch.bucketize(-s, mids, right=True), torch.bucketize(s, mids, right=False))
+        mag = _FP4_MAG_ORDER.to(s.device)[pos]
+        sign = neg & (mag != 0)
+        return (mag + 8 * sign).to(torch.uint8)
+    codebook(quant_type)  # raises the error naming the argument
+    raise AssertionError
+
+
+def _pack_nibbles(nib: torch.Tensor, n: int) -> torch.Tensor:
+    flat = nib.reshape(-1)[: n + (n % 2)]  # the odd tail keeps one padding code (of 0.0)
+    pairs = flat.reshape(-1, 2)
+    return (pairs[:, 0] << 4) | pairs[:, 1]
+
+
+def _storage_view(packed: torch.Tensor, quant_storage: torch.dtype) -> torch.Tensor:
+    size = torch.empty((), dtype=quant_storage).element_size()
+    if packed.numel() % size:
+        raise ValueError(
+            f"quant_storage: {packed.numel()} packed bytes do not fill whole {quant_storage} elements "
+            f"({size} bytes each); use uint8 or an even number of elements"
+        )
+    return packed.view(quant_storage).reshape(-1, 1)
+
+
+# -- 4-bit ----------------------------------------------------------------------------------------
+@torch.library.custom_op("torchq::quantize_4bit", mutates_args=())
+def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed [ceil(n/2)/itemsize, 1] quant_storage, absmax fp32 [nb])`` (see module doc)."""
+    check_blocksize(blocksize)
+    codebook(quant_type)
+    _check_input(A)
+    s, absmax = _blocks(A, blocksize)
+    packed = _pack_nibbles(_nibbles(s, quant_type), A.numel())
+    return _storage_view(packed, quant_storage), absmax
+
+
+@quantize_4bit.register_fake
+def _(A, blocksize, quant_type, quant_storage):
+    check_blocksize(blocksize)
+    n = A.numel()
+    size = torch.empty((), dtype=quant_storage).element_size()
+    nbytes = (n + 1) // 2
+    packed = A.new_empty((nbytes // size, 1), dtype=quant_storage)
+    return packed, A.new_empty((-(-n // blocksize),), dtype=torch.float32)
+
+
+@torch.library.custom_op("torchq::dequantize_4bit", mutates_args=())
+def dequantize_4bit(
+    A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Values of ``shape`` in ``dtype`` from packed 4-bit codes and fp32 absmax."""
+    check_blocksize(blocksize)
+    table = codebook(quant_type).to(A.device)
+    n = _numel(shape)
+    packed = A.reshape(-1).view(torch.uint8) if A.dtype != torch.uint8 else A.reshape(-1)
+    nb = -(-n // blocksize)
+    if packed.numel() != (n + 1) // 2:
+        raise ValueError(f"A: expected {(n + 1) // 2} packed bytes for shape {list(shape)}, got {packed.numel()}")
+    if absmax.dtype != torch.float32 or absmax.numel() != nb:
+        raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
+    if dtype not in _FLOATS:
+        raise TypeError(f"dtype: expected fp32, bf16 or fp16, got {dtype}")
+    nib = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n]
+    values = table[nib.long()]
+    pad = nb * blocksize - n
+    if pad:
+        values = torch.cat([values, values.new_zeros(pad)])
+    out = (values.reshape(nb, blocksize) * absmax.reshape(nb, 1)).reshape(-1)[:n]
+    return out.to(dtype).reshape(tuple(shape))
+
+
+@dequantize_4bit.register_fake
+def _(A, absmax, blocksize, quant_type, shape, dtype):
+    return A.new_empty(tuple(shape), dtype=dtype)
+
+
+# -- 8-bit blockwise ------------------------------------------------------------------------------
+def _sorted_code(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if code.dtype != torch.float32 or code.dim() != 1 or not 2 <= code.numel() <= 256:
+        raise ValueError(f"code: expected a 1-D fp32 map of at most 256 values, got {code.dtype} {list(code.shape)}")
+    if bool((code[1:] >= code[:-1]).all()):
+        return code, None
+    order = torch.argsort(code, stable=True)
+    return code[order], order
+
+
+@torch.library.custom_op("torchq::quantize_blockwise", mutates_args=())
+def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(uint8 indices into code, A's shape; absmax fp32 [nb])``: nearest code value of
+    ``x * (1 / absmax)`` (exact midpoints, ties to the lower value)."""
+    check_blocksize(blocksize)
+    _check_input(A)
+    values, order = _sorted_code(code.to(A.device))
+    s, absmax = _blocks(A, blocksize)
+    idx = torch.bucketize(s, _midpoints(values), right=False)
+    if order is not None:
+        idx = order[idx]
+    return idx.reshape(-1)[: A.numel()].to(torch.uint8).reshape(A.shape), absmax
+
+
+@quantize_blockwise.register_fake
+def _(A, code, blocksize):
+    check_blocksize(blocksize)
+    return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty((-(-A.numel() // blocksize),), dtype=torch.float32)
+
+
+@torch.library.custom_op("torchq::dequantize_blockwise", mutates_args=())
+def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+    """``code[A] * absmax[block]`` in fp32, cast to ``dtype``, in A's shape."""
+    check_blocksize(blocksize)
+    if A.dtype != torch.uint8:
+        raise TypeError(f"A: expected uint8 indices, got {A.dtype}")
+    n = A.numel()
+    nb = -(-n // blocksize)
+    if absmax.dtype != torch.float32 or absmax.numel() != nb:
+        raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
+    if code.dtype != torch.float32 or code.dim() != 1:
+        raise ValueError(f"code: expected a 1-D fp32 map, got {code.dtype} {list(code.shape)}")
+    if dtype not in _FLOATS:
+        raise TypeError(f"dtype: expected fp32, bf16 or fp16, got {dtype}")
+    values = code.to(A.device)[A.reshape(-1).long()]
+    pad = nb * blocksize - n
+    if pad:
+        values = torch.cat([values, values.new_zeros(pad)])
+    out = (values.reshape(nb, blocksize) * absmax.reshape(nb, 1)).reshape(-1)[:n]
+    return out.to(dtype).reshape(A.shape)
+
+
+@dequantize_blockwise.register_fake
+def _(A, absmax, code, blocksize, dtype):
+    return A.new_empty(A.shape, dtype=dtype)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        if s < 0:
+            raise ValueError(f"shape: expected non-negative sizes, got {list(shape)}")
+        n *= s
+    if n == 0:
+        raise ValueError(f"shape: expected a non-empty shape, got {list(shape)}")
+    return n
