@@ -337,3 +337,43 @@ def test_blockwise_vs_bitsandbytes_differs_only_by_rounding_to_a_neighbour():
     s = (x.reshape(-1) * (1 / absmax).repeat_interleave(256)[: x.numel()]).reshape(x.shape)
     assert bool(((s - code[ours.long()]).abs() <= (s - code[theirs.long()]).abs()).all())
     assert torch.equal(ops.dequantize_blockwise(theirs, absmax, code, 256, torch.float32), bnbf.dequantize_blockwise(theirs, state))
+
+
+# -- double quantization and gemv ---------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 2000), seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["random", "constant", "zeros"]))
+def test_double_quantize_matches_the_spec_formula(n, seed, kind):
+    from torchq.blockwise import double_dequantize, double_quantize
+
+    g = torch.Generator().manual_seed(seed)
+    absmax = torch.rand(n, generator=g) * 3 if kind == "random" else torch.full((n,), 0.7 if kind == "constant" else 0.0)
+    codes, absmax2, offset = double_quantize(absmax)
+    assert codes.dtype == torch.uint8 and codes.shape == (n,) and absmax2.shape == (-(-n // 256),) and offset.dim() == 0
+    assert offset == absmax.mean()
+    dyn = dynamic_map()
+    rq, rabs = ref_quantize_blockwise(absmax - offset, dyn, 256)
+    assert torch.equal(codes, rq) and torch.equal(absmax2, rabs)
+    want = dyn[codes.long()] * absmax2.repeat_interleave(256)[:n] + offset
+    assert torch.equal(double_dequantize(codes, absmax2, offset), want)
+    assert (double_dequantize(codes, absmax2, offset) - absmax).abs().max() <= absmax2.max() * 0.01 + 1e-7
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_4bit_is_dequantize_then_linear(quant_type, dtype, m):
+    w = torch.randn(40, 96)
+    packed, absmax = ops.quantize_4bit(w, 64, quant_type, torch.uint8)
+    x = torch.randn(m, 96).to(dtype)
+    y = ops.gemv_4bit(x, packed, [40, 96], absmax, codebook(quant_type), 64)
+    ref = torch.nn.functional.linear(x, ops.dequantize_4bit(packed, absmax, 64, quant_type, [40, 96], dtype))
+    assert y.dtype == dtype and torch.equal(y, ref)
+    with pytest.raises(ValueError, match="A: expected last dimension 96"):
+        ops.gemv_4bit(torch.randn(1, 95), packed, [40, 96], absmax, codebook(quant_type), 64)
+    with pytest.raises(ValueError, match="code"):
+        ops.gemv_4bit(x, packed, [40, 96], absmax, dynamic_map(), 64)
+
+
+def test_opcheck_gemv_4bit():
+    packed, absmax = ops.quantize_4bit(torch.randn(40, 96), 64, "nf4", torch.uint8)
+    torch.library.opcheck(ops.gemv_4bit.default, (torch.randn(2, 96), packed, [40, 96], absmax, codebook("nf4"), 64))

@@ -4,7 +4,7 @@
     torchq.quantize_(model, torchq.int4_weight_only())
 """
 
-from . import blockwise, layouts, primitives
+from . import blockwise, layouts, primitives, vectorwise
 from .activation import PerTokenInt8
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
@@ -87,6 +87,7 @@ __all__ = [
     "set_strict",
     "strict",
     "unregister_linear_kernel",
+    "vectorwise",
 ]
 for _name in layouts.__all__:
     if _name.endswith("Layout") and _name != "Layout":

@@ -40,6 +40,7 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "check_blocksize",
+    "gemv_4bit",
 ]
 
 BLOCK_SIZES = tuple(2**i for i in range(5, 13))  # 32 ... 4096
@@ -143,24 +144,7 @@ def dequantize_4bit(
     A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
     """Values of ``shape`` in ``dtype`` from packed 4-bit codes and fp32 absmax."""
-    check_blocksize(blocksize)
-    table = codebook(quant_type).to(A.device)
-    n = _numel(shape)
-    packed = A.reshape(-1).view(torch.uint8) if A.dtype != torch.uint8 else A.reshape(-1)
-    nb = -(-n // blocksize)
-    if packed.numel() != (n + 1) // 2:
-        raise ValueError(f"A: expected {(n + 1) // 2} packed bytes for shape {list(shape)}, got {packed.numel()}")
-    if absmax.dtype != torch.float32 or absmax.numel() != nb:
-        raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
-    if dtype not in _FLOATS:
-        raise TypeError(f"dtype: expected fp32, bf16 or fp16, got {dtype}")
-    nib = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n]
-    values = table[nib.long()]
-    pad = nb * blocksize - n
-    if pad:
-        values = torch.cat([values, values.new_zeros(pad)])
-    out = (values.reshape(nb, blocksize) * absmax.reshape(nb, 1)).reshape(-1)[:n]
-    return out.to(dtype).reshape(tuple(shape))
+    return _dequantize_with_table(A, absmax, blocksize, codebook(quant_type).to(A.device), shape, dtype)
 
 
 @dequantize_4bit.register_fake
@@ -234,3 +218,48 @@ def _numel(shape: Sequence[int]) -> int:
     if n == 0:
         raise ValueError(f"shape: expected a non-empty shape, got {list(shape)}")
     return n
+
+
+# -- 4-bit matrix-vector ----------------------------------------------------------------------------
+@torch.library.custom_op("torchq::gemv_4bit", mutates_args=())
+def gemv_4bit(
+    A: torch.Tensor, B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
+) -> torch.Tensor:
+    """``A @ W.T`` in A's dtype, ``W = code[nibbles of B] * absmax`` of shape ``shapeB = [N, K]``
+    (``code``: the 16-value table of the format). Reference: dequantize in fp32, cast once to
+    A's dtype, ``F.linear``."""
+    if len(shapeB) != 2:
+        raise ValueError(f"shapeB: expected [N, K], got {list(shapeB)}")
+    if A.shape[-1] != shapeB[1]:
+        raise ValueError(f"A: expected last dimension {shapeB[1]} (K of shapeB {list(shapeB)}), got shape {list(A.shape)}")
+    if A.dtype not in _FLOATS:
+        raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
+    if code.dtype != torch.float32 or code.shape != (16,):
+        raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
+    w = _dequantize_with_table(B, absmax, blocksize, code.to(A.device), shapeB, A.dtype)
+    return torch.nn.functional.linear(A, w)
+
+
+@gemv_4bit.register_fake
+def _(A, B, shapeB, absmax, code, blocksize):
+    return A.new_empty((*A.shape[:-1], shapeB[0]))
+
+
+def _dequantize_with_table(A, absmax, blocksize, table, shape, dtype):
+    check_blocksize(blocksize)
+    n = _numel(shape)
+    packed = A.reshape(-1).view(torch.uint8) if A.dtype != torch.uint8 else A.reshape(-1)
+    nb = -(-n // blocksize)
+    if packed.numel() != (n + 1) // 2:
+        raise ValueError(f"A: expected {(n + 1) // 2} packed bytes for shape {list(shape)}, got {packed.numel()}")
+    if absmax.dtype != torch.float32 or absmax.numel() != nb:
+        raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
+    if dtype not in _FLOATS:
+        raise TypeError(f"dtype: expected fp32, bf16 or fp16, got {dtype}")
+    nib = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n]
+    values = table[nib.long()]
+    pad = nb * blocksize - n
+    if pad:
+        values = torch.cat([values, values.new_zeros(pad)])
+    out = (values.reshape(nb, blocksize) * absmax.reshape(nb, 1)).reshape(-1)[:n]
+    return out.to(dtype).reshape(tuple(shape))
