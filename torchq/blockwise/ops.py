@@ -256,8 +256,8 @@ def _dequantize_with_table(A, absmax, blocksize, table, shape, dtype):
         raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
     if dtype not in _FLOATS:
         raise TypeError(f"dtype: expected fp32, bf16 or fp16, got {dtype}")
-    nib = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n]
-    values = table[nib.long()]
+    pairs = torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=1)  # byte -> (high, low) values
+    values = torch.embedding(pairs, packed.to(torch.int32)).reshape(-1)[:n]  # a row gather: ~2x an element gather
     pad = nb * blocksize - n
     if pad:
         values = torch.cat([values, values.new_zeros(pad)])
