@@ -14,14 +14,17 @@ A quantized 2-D weight ``[N, K]`` is fully described by:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from .blockwise.codebooks import QUANT_TYPES as CODEBOOKS
+from .blockwise.codebooks import codebook as codebook_values
 from .primitives import ZeroPointDomain, dequantize_affine, scale_shape
 
-__all__ = ["QuantSpec", "PlainForm", "code_dtype_for"]
+__all__ = ["QuantSpec", "PlainForm", "NestedScale", "code_dtype_for"]
 
 
 def code_dtype_for(quant_min: int, quant_max: int) -> torch.dtype:
@@ -41,6 +44,8 @@ class QuantSpec:
     quant_min: int
     quant_max: int
     zero_point_domain: ZeroPointDomain
+    codebook: str | None = None
+    double_quant: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", tuple(int(b) for b in self.block_size))
@@ -48,7 +53,19 @@ class QuantSpec:
         code_dtype_for(self.quant_min, self.quant_max)
         if self.quant_min >= self.quant_max:
             raise ValueError(f"quant_min/quant_max: expected quant_min < quant_max, got {self.quant_min}, {self.quant_max}")
-        if self.zero_point_domain is ZeroPointDomain.NONE and self.mid != 0:
+        if self.codebook is not None:
+            if self.codebook not in CODEBOOKS:
+                raise ValueError(f"codebook: expected one of {sorted(CODEBOOKS)} or None, got {self.codebook!r}")
+            if (self.quant_min, self.quant_max, self.zero_point_domain) != (0, 15, ZeroPointDomain.NONE):
+                raise ValueError(
+                    f"codebook {self.codebook!r}: codes are nibbles [0, 15] with no zero point; got "
+                    f"[{self.quant_min}, {self.quant_max}] zero={self.zero_point_domain.value}"
+                )
+        elif self.double_quant:
+            raise ValueError("double_quant: only codebook formats (nf4, fp4) double-quantize their scales")
+        if not isinstance(self.double_quant, bool):
+            raise TypeError(f"double_quant: expected a bool, got {self.double_quant!r}")
+        if self.zero_point_domain is ZeroPointDomain.NONE and self.mid != 0 and self.codebook is None:
             raise ValueError(
                 f"zero_point_domain: NONE means a zero point of 0, which needs a signed code range centred on 0; "
                 f"got [{self.quant_min}, {self.quant_max}]"
@@ -73,22 +90,32 @@ class QuantSpec:
 
     def describe(self) -> str:
         dims = "x".join(str(b) for b in self.block_size)
+        if self.codebook is not None:
+            return f"{self.codebook} block {dims}" + (" double-quantized scales" if self.double_quant else "")
         return f"{self.bits}-bit [{self.quant_min},{self.quant_max}] block {dims} zero={self.zero_point_domain.value}"
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "block_size": list(self.block_size),
             "quant_min": self.quant_min,
             "quant_max": self.quant_max,
             "zero_point_domain": self.zero_point_domain.value,
         }
+        if self.codebook is not None:  # affine specs keep their original four fields
+            out["codebook"] = self.codebook
+            out["double_quant"] = self.double_quant
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> QuantSpec:
         """Inverse of ``to_json``; strict: exact fields, integers that are ints, a known domain."""
-        if not isinstance(d, dict) or set(d) != {"block_size", "quant_min", "quant_max", "zero_point_domain"}:
+        base = {"block_size", "quant_min", "quant_max", "zero_point_domain"}
+        if not isinstance(d, dict) or set(d) not in (base, base | {"codebook", "double_quant"}):
             got = sorted(d) if isinstance(d, dict) else type(d).__name__
-            raise ValueError(f"spec JSON: expected fields block_size, quant_min, quant_max, zero_point_domain; got {got}")
+            raise ValueError(
+                f"spec JSON: expected fields block_size, quant_min, quant_max, zero_point_domain (and codebook, "
+                f"double_quant for codebook formats); got {got}"
+            )
 
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -101,17 +128,57 @@ class QuantSpec:
                 raise ValueError(f"spec JSON: {k} must be an int, got {d[k]!r}")
         if not isinstance(d["zero_point_domain"], str):
             raise ValueError(f"spec JSON: zero_point_domain must be a string, got {d['zero_point_domain']!r}")
-        return cls(tuple(block), d["quant_min"], d["quant_max"], ZeroPointDomain(d["zero_point_domain"]))
+        codebook, double_quant = d.get("codebook"), d.get("double_quant", False)
+        if "codebook" in d and (not isinstance(codebook, str) or not isinstance(double_quant, bool)):
+            raise ValueError(f"spec JSON: codebook must be a string and double_quant a bool, got {codebook!r}, {double_quant!r}")
+        return cls(tuple(block), d["quant_min"], d["quant_max"], ZeroPointDomain(d["zero_point_domain"]), codebook, double_quant)
+
+
+@dataclass(frozen=True, eq=False)
+class NestedScale:
+    """Double-quantized fp32 scales (bitsandbytes' nested statistics): over the row-major
+    flattened scale grid, ``scale = DYNAMIC[codes] * absmax[i // 256] + offset`` with the signed
+    8-bit dynamic map (see :mod:`torchq.blockwise.nested`).
+
+    Bytes: ``codes`` uint8 in the grid's shape, ``absmax`` fp32 ``[ceil(G / 256)]``, ``offset``
+    one fp32 (0-d)."""
+
+    codes: torch.Tensor
+    absmax: torch.Tensor
+    offset: torch.Tensor
+
+    @classmethod
+    def quantize(cls, scale: torch.Tensor) -> NestedScale:
+        from .blockwise.nested import double_quantize
+
+        codes, absmax, offset = double_quantize(scale.reshape(-1).to(torch.float32))
+        return cls(codes.reshape(scale.shape), absmax, offset)
+
+    def dequantize(self) -> torch.Tensor:
+        from .blockwise.nested import double_dequantize
+
+        return double_dequantize(self.codes.reshape(-1), self.absmax, self.offset).reshape(self.codes.shape)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "absmax": self.absmax, "offset": self.offset}
+
+    def map(self, fn) -> NestedScale:
+        return NestedScale(fn(self.codes), fn(self.absmax), fn(self.offset))
 
 
 @dataclass(frozen=True, eq=False)
 class PlainForm:
-    """Unpacked codes + scale + zero point + spec: the lossless interchange form of all layouts."""
+    """Unpacked codes + scale + zero point + spec: the lossless interchange form of all layouts.
+
+    Codebook formats (``spec.codebook``: nf4 / fp4) hold nibble indices as codes, the fp32 block
+    absmax as ``scale`` and no zero point; with ``spec.double_quant`` the scales are also held
+    double-quantized in ``nested`` (``scale`` is then exactly ``nested.dequantize()``)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     spec: QuantSpec
+    nested: NestedScale | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -152,6 +219,24 @@ class PlainForm:
             t = getattr(self, name)
             if t is not None and t.device != self.codes.device:
                 raise ValueError(f"{name}: expected device {self.codes.device} (the codes' device), got {t.device}")
+        if spec.codebook is not None and self.scale.dtype != torch.float32:
+            raise TypeError(f"scale: codebook formats keep fp32 absmax, got {self.scale.dtype}")
+        if spec.double_quant != (self.nested is not None):
+            raise ValueError(f"nested: expected {'a NestedScale' if spec.double_quant else 'None'} for {spec.describe()}")
+        if self.nested is not None:
+            nq = self.nested
+            want_absmax = (-(-self.scale.numel() // 256),)
+            if nq.codes.dtype != torch.uint8 or tuple(nq.codes.shape) != grid:
+                raise ValueError(f"nested.codes: expected uint8 of shape {grid}, got {nq.codes.dtype} {tuple(nq.codes.shape)}")
+            if nq.absmax.dtype != torch.float32 or tuple(nq.absmax.shape) != want_absmax:
+                raise ValueError(f"nested.absmax: expected fp32 of shape {want_absmax}, got {nq.absmax.dtype} {tuple(nq.absmax.shape)}")
+            if nq.offset.dtype != torch.float32 or nq.offset.dim() != 0:
+                raise ValueError(f"nested.offset: expected a 0-d fp32 tensor, got {nq.offset.dtype} {tuple(nq.offset.shape)}")
+            if any(t.device != self.codes.device for t in nq.tensors().values()):
+                raise ValueError(f"nested: expected device {self.codes.device} (the codes' device)")
+            concrete = self.codes.device.type != "meta" and not torch.compiler.is_compiling()
+            if concrete and not torch.equal(nq.dequantize(), self.scale):
+                raise ValueError("scale: differs from the reconstruction of its double-quantized form")
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return {"codes": self.codes, "scale": self.scale, "zero_point": self.zero_point}
@@ -159,10 +244,17 @@ class PlainForm:
     def map(self, fn) -> PlainForm:
         """Apply ``fn`` to every tensor (e.g. ``.to(device)``, ``.clone()``)."""
         z = None if self.zero_point is None else fn(self.zero_point)
-        return PlainForm(fn(self.codes), fn(self.scale), z, self.spec)
+        nested = None if self.nested is None else self.nested.map(fn)
+        return PlainForm(fn(self.codes), fn(self.scale), z, self.spec, nested)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         s = self.spec
+        if s.codebook is not None:  # code value * absmax in fp32, one cast
+            values = codebook_values(s.codebook).to(self.codes.device)[self.codes.long()]
+            n, k = self.codes.shape
+            b0, b1 = s.block_size
+            full = self.scale.repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
+            return (values * full).to(dtype)
         return dequantize_affine(
             self.codes, s.block_size, self.scale, self.zero_point, s.quant_min, s.quant_max, s.zero_point_domain, dtype
         )
@@ -171,7 +263,10 @@ class PlainForm:
         """Bit equality of tensors (dtypes included) and spec."""
         if self.spec != other.spec:
             return False
-        for a, b in zip(self.tensors().values(), other.tensors().values()):
+        pairs = list(zip(self.tensors().values(), other.tensors().values()))
+        if self.nested is not None and other.nested is not None:
+            pairs += list(zip(self.nested.tensors().values(), other.nested.tensors().values()))
+        for a, b in pairs:
             if (a is None) != (b is None):
                 return False
             if a is not None and (a.dtype != b.dtype or not torch.equal(a, b)):
@@ -196,12 +291,17 @@ class PlainForm:
             return t.narrow(dim, lo, hi - lo)
 
         z = None if self.zero_point is None else cut(self.zero_point, gs, ge)
-        return PlainForm(cut(self.codes, start, end), cut(self.scale, gs, ge), z, self.spec)
+        if self.nested is not None and (start, end) == (0, size):
+            return self
+        # A slice of double-quantized scales is no longer whole 256-blocks of the grid: it keeps the
+        # (identical) reconstructed fp32 scales as plain scales.
+        spec = dataclasses.replace(self.spec, double_quant=False) if self.nested is not None else self.spec
+        return PlainForm(cut(self.codes, start, end), cut(self.scale, gs, ge), z, spec)
 
     def rows(self, index: torch.Tensor) -> PlainForm:
         """Gather rows (dim 0) by an index tensor; each row keeps its own block of scales."""
         b = self.spec.block_size[0]
         gi = torch.div(index, b, rounding_mode="floor")
         z = None if self.zero_point is None else self.zero_point[gi]
-        spec = QuantSpec((1,) + self.spec.block_size[1:], self.spec.quant_min, self.spec.quant_max, self.spec.zero_point_domain)
+        spec = dataclasses.replace(self.spec, block_size=(1,) + self.spec.block_size[1:], double_quant=False)
         return PlainForm(self.codes[index], self.scale[gi], z, spec)

@@ -30,6 +30,9 @@ __all__ = [
     "int8_weight_only",
     "int8_dynamic_activation_int8_weight",
     "intx_weight_only",
+    "NF4WeightOnlyConfig",
+    "nf4_weight_only",
+    "fp4_weight_only",
     "config_from_json",
     "config_from_name",
 ]
@@ -253,6 +256,54 @@ class IntxWeightOnlyConfig(QuantConfig):
         )
 
 
+@dataclass(frozen=True)
+class NF4WeightOnlyConfig(QuantConfig):
+    """bitsandbytes-compatible 4-bit blockwise weights (QLoRA's NF4, or bitsandbytes' FP4).
+
+    Blocks of ``block_size`` (a power of two in 32..4096 dividing ``in_features``) get an fp32
+    absmax; each weight becomes the nibble of the nearest ``quant_type`` codebook value of
+    ``w / absmax``. ``double_quant`` stores the absmax double-quantized (8-bit dynamic map in
+    blocks of 256 with a mean offset: 4.127 instead of 4.5 bits per weight at block 64).
+    Numerics: ``torch.ops.torchq.quantize_4bit``; bytes equal bitsandbytes'.
+    """
+
+    block_size: int = 64
+    double_quant: bool = True
+    quant_type: str = "nf4"
+    layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        from .blockwise.ops import BLOCK_SIZES
+
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size: expected a power of two in 32..4096, got {self.block_size!r}")
+        if self.quant_type not in ("nf4", "fp4"):
+            raise ValueError(f"quant_type: expected 'nf4' or 'fp4', got {self.quant_type!r}")
+        if not isinstance(self.double_quant, bool):
+            raise TypeError(f"double_quant: expected a bool, got {self.double_quant!r}")
+        self._check_layout()
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        from .canonical import NestedScale, PlainForm, QuantSpec
+
+        self._check_weight(weight, label)
+        n, k = weight.shape
+        if k % self.block_size:
+            raise LayerNotSupported(f"in_features {k} is not a multiple of block_size {self.block_size}")
+        if weight.device.type != "meta" and not bool(torch.isfinite(weight).all()):
+            raise ValueError(f"weight contains {int((~torch.isfinite(weight)).sum())} NaN/inf value(s)")
+        packed, absmax = torch.ops.torchq.quantize_4bit(weight.detach(), self.block_size, self.quant_type, torch.uint8)
+        packed = packed.reshape(n, k // 2)
+        codes = torch.stack([packed >> 4, packed & 0xF], dim=2).reshape(n, k)
+        scale = absmax.reshape(n, k // self.block_size)
+        nested = NestedScale.quantize(scale) if self.double_quant else None
+        if nested is not None:
+            scale = nested.dequantize()
+        spec = QuantSpec((1, self.block_size), 0, 15, ZeroPointDomain.NONE, codebook=self.quant_type, double_quant=self.double_quant)
+        plain = PlainForm(codes, scale, None, spec, nested)
+        return AffineQuantizedTensor.from_plain(plain, weight.dtype, layout=self.layout, label=label, config=self)
+
+
 def int4_weight_only(group_size: int = 128, layout: Layout | None = None, **kwargs: Any) -> Int4WeightOnlyConfig:
     return Int4WeightOnlyConfig(group_size=group_size, layout=layout, **kwargs)
 
@@ -283,3 +334,11 @@ def config_from_name(name: str) -> QuantConfig:
     if m := re.fullmatch(r"intx(\d)-g(\d+)", name):
         return intx_weight_only(bits=int(m[1]), group_size=int(m[2]))
     raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int4-g<G> or intx<B>-g<G>")
+
+
+def nf4_weight_only(block_size: int = 64, double_quant: bool = True, layout: Layout | None = None) -> NF4WeightOnlyConfig:
+    return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="nf4", layout=layout)
+
+
+def fp4_weight_only(block_size: int = 64, double_quant: bool = True, layout: Layout | None = None) -> NF4WeightOnlyConfig:
+    return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="fp4", layout=layout)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import zlib
 from typing import Any
 
@@ -43,7 +44,7 @@ import torch
 
 from ..activation import activation_from_json
 from ..bitpack import pack_bits, packed_width, unpack_bits
-from ..canonical import PlainForm, QuantSpec
+from ..canonical import NestedScale, PlainForm, QuantSpec
 from ..configs import config_from_json
 from ..layouts.base import Layout, choose_layout, layout_from_json, registered_layouts
 from ..primitives import ZeroPointDomain, scale_shape
@@ -129,7 +130,11 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
     else:
         codes = plain.codes
         encoding = "bytes"
-    tensors = {"codes": _own_storage(codes), "scale": _own_storage(plain.scale)}
+    tensors = {"codes": _own_storage(codes)}
+    if plain.nested is None:
+        tensors["scale"] = _own_storage(plain.scale)
+    else:  # the fp32 scales are exactly the reconstruction of these
+        tensors.update({f"scale_{k}": _own_storage(v) for k, v in plain.nested.tensors().items()})
     if plain.zero_point is not None:
         tensors["zero_point"] = _own_storage(plain.zero_point)
     record = {
@@ -216,7 +221,11 @@ class ParsedRecord:
         else:
             raise CheckpointError(f"{where}: unknown codes_encoding {self.encoding!r} (expected 'bitstream' or 'bytes')")
         grid = scale_shape((n, k), spec.block_size)
-        want = {"codes": codes, "scale": (None, grid)}
+        if spec.double_quant:
+            want = {"codes": codes, "scale_codes": (torch.uint8, grid),
+                    "scale_absmax": (torch.float32, (-(-math.prod(grid) // 256),)), "scale_offset": (torch.float32, ())}
+        else:
+            want = {"codes": codes, "scale": (torch.float32 if spec.codebook else None, grid)}
         if spec.zero_point_domain is not ZeroPointDomain.NONE:
             want["zero_point"] = (None, grid)
         if not isinstance(parts, dict) or set(parts) != set(want):
@@ -288,7 +297,7 @@ def resolve_layout(policy: LayoutPolicy, saved: Layout | None, plain: PlainForm)
     ``"auto"``: the device's best registered layout; a Layout: exactly that one."""
     if isinstance(policy, Layout):
         return policy
-    if policy == "saved" and saved is not None and saved.rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
+    if policy == "saved" and saved is not None and saved.check(plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
         return saved
     if policy not in ("saved", "auto"):
         raise ValueError(f"layout: expected 'saved', 'auto' or a torchq Layout, got {policy!r}")
@@ -346,13 +355,21 @@ def decode(
             codes = codes.view(torch.int8)
     elif real and bool(((codes < spec.quant_min) | (codes > spec.quant_max)).any()):
         raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
-    scale, zero = parts["scale"], parts.get("zero_point")
+    nested = None
+    if spec.double_quant:
+        nested = NestedScale(parts["scale_codes"], parts["scale_absmax"], parts["scale_offset"])
+        if real and not bool(torch.isfinite(nested.absmax).all() and torch.isfinite(nested.offset)):
+            raise CheckpointError(f"{where}: double-quantized scale statistics contain NaN/inf")
+        scale = nested.dequantize() if real else torch.empty(nested.codes.shape, dtype=torch.float32, device=codes.device)
+    else:
+        scale = parts["scale"]
+    zero = parts.get("zero_point")
     if real and not bool(torch.isfinite(scale).all()):
         raise CheckpointError(f"{where}: scale contains NaN/inf")
     if real and zero is not None and zero.is_floating_point() and not bool(torch.isfinite(zero).all()):
         raise CheckpointError(f"{where}: zero_point contains NaN/inf")
     try:
-        plain = PlainForm(codes.contiguous(), scale, zero, spec)
+        plain = PlainForm(codes.contiguous(), scale, zero, spec, nested)
         chosen = resolve_layout(layout, rec.saved_layout, plain)
         impl = chosen.pack(plain)
     except (TypeError, ValueError) as e:

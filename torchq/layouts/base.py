@@ -31,13 +31,17 @@ class Layout:
     * ``impl_class``: its :class:`TensorImpl`;
     * ``auto_priority``: rank for automatic choice (higher wins; < 0 never chosen automatically);
     * ``device_specific``: True when the packed bytes only make sense on one device type,
-      so moving to another device repacks through the plain form.
+      so moving to another device repacks through the plain form;
+    * ``holds_codebooks`` / ``holds_nested_scales``: whether it stores codebook formats (nf4,
+      fp4) and double-quantized scales losslessly (checked for every layout by :meth:`check`).
     """
 
     name: ClassVar[str] = ""
     impl_class: ClassVar[type[TensorImpl]]
     auto_priority: ClassVar[int] = -1
     device_specific: ClassVar[bool] = False
+    holds_codebooks: ClassVar[bool] = False
+    holds_nested_scales: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -50,9 +54,17 @@ class Layout:
         """None if this layout can hold such a weight on ``device``, else the reason it cannot."""
         return None
 
+    def check(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
+        """:meth:`rejects` after the capability checks every layout shares (what generic code calls)."""
+        if spec.codebook is not None and not self.holds_codebooks:
+            return f"does not hold codebook formats ({spec.codebook})"
+        if spec.double_quant and not self.holds_nested_scales:
+            return "does not hold double-quantized scales"
+        return self.rejects(spec, tuple(shape), scale_dtype, torch.device(device))
+
     def pack(self, plain: PlainForm) -> TensorImpl:
         """Convert the plain form into this layout (raises ValueError with the reason if it cannot)."""
-        reason = self.rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device)
+        reason = self.check(plain.spec, plain.shape, plain.scale.dtype, plain.device)
         if reason is not None:
             raise ValueError(f"layout {self!r} cannot hold this weight: {reason}")
         return self.impl_class.from_plain(plain, self)
@@ -85,7 +97,7 @@ def registered_layouts() -> dict[str, type[Layout]]:
 def layout_rejections(spec: QuantSpec, shape, scale_dtype, device) -> dict[str, str | None]:
     """For every auto-choosable layout with default options: None (accepts) or its reason."""
     device = torch.device(device)
-    return {name: cls().rejects(spec, tuple(shape), scale_dtype, device) for name, cls in _LAYOUTS.items() if cls.auto_priority >= 0}
+    return {name: cls().check(spec, tuple(shape), scale_dtype, device) for name, cls in _LAYOUTS.items() if cls.auto_priority >= 0}
 
 
 def choose_layout(spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> Layout:
@@ -96,7 +108,7 @@ def choose_layout(spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> L
         if cls.auto_priority < 0:
             continue
         layout = cls()
-        if layout.rejects(spec, tuple(shape), scale_dtype, device) is None:
+        if layout.check(spec, tuple(shape), scale_dtype, device) is None:
             best = layout
             break
     if best is None:
@@ -165,7 +177,7 @@ class TensorImpl:
             return self.map(lambda t: t.to(device))
         plain = self.to_plain().map(lambda t: t.to(device))
         layout = self.layout
-        if layout.rejects(plain.spec, plain.shape, plain.scale.dtype, device) is not None:
+        if layout.check(plain.spec, plain.shape, plain.scale.dtype, device) is not None:
             layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, device)
         return layout.pack(plain)
 

@@ -71,6 +71,7 @@ class PackedBitsLayout(Layout):
     name = "packed_bits"
     impl_class = PackedBitsImpl
     auto_priority = 10
+    holds_codebooks = True
 
     def rejects(self, spec, shape, scale_dtype, device):
         if spec.bits > 7:

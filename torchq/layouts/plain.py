@@ -45,11 +45,13 @@ class PlainImpl(TensorImpl):
 
 @dataclass(frozen=True)
 class PlainLayout(Layout):
-    """Unpacked codes, one byte each. Accepts every format on every device."""
+    """Unpacked codes, one byte each. Accepts every format on every device (codebook formats too,
+    but not double-quantized scales)."""
 
     name = "plain"
     impl_class = PlainImpl
     auto_priority = 0
+    holds_codebooks = True
 
 
 def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool) -> str | None:

@@ -1,0 +1,117 @@
+"""``Blockwise4bitLayout``: bitsandbytes' NF4 / FP4 storage, bit for bit.
+
+Holds codebook formats (``spec.codebook`` nf4 or fp4) of a ``[N, K]`` weight with blocks
+``(1, B)``, ``B`` a power of two in 32..4096 dividing ``K`` (bitsandbytes' blocks run over the
+flattened weight, so they coincide with row groups exactly when ``B`` divides ``K``). Bytes:
+
+* ``packed``  uint8 ``[N, K/2]``: the flattened nibbles, element ``2j`` in the high nibble;
+  the same bytes as ``bitsandbytes.functional.quantize_4bit``;
+* plain scales: ``absmax`` fp32 ``[N, K/B]``;
+* double-quantized scales (``spec.double_quant``): ``nested_codes`` uint8 ``[N, K/B]``,
+  ``nested_absmax`` fp32 ``[ceil(N*K/B / 256)]``, ``nested_offset`` fp32 0-d
+  (``absmax = DYNAMIC[codes] * nested_absmax[i // 256] + offset``).
+
+Linear: ``torch.ops.torchq.dequantize_4bit`` into the input's dtype, then ``F.linear`` (the
+reference path; a native kernel is future work); gradients flow to the input and bias through
+the frozen weight (QLoRA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..blockwise.ops import BLOCK_SIZES
+from ..canonical import NestedScale, PlainForm
+from ..dispatch import register_linear_kernel
+from .base import Layout, TensorImpl
+
+__all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Blockwise4bitImpl(TensorImpl):
+    tensor_fields = ("packed", "absmax", "nested_codes", "nested_absmax", "nested_offset")
+
+    @classmethod
+    def from_plain(cls, plain: PlainForm, layout: Layout) -> Blockwise4bitImpl:
+        c = plain.codes
+        packed = (c[:, 0::2] << 4) | c[:, 1::2]
+        nq = plain.nested
+        return cls(
+            layout, plain.spec, plain.shape, packed=packed.contiguous(),
+            absmax=None if nq is not None else plain.scale,
+            nested_codes=None if nq is None else nq.codes,
+            nested_absmax=None if nq is None else nq.absmax,
+            nested_offset=None if nq is None else nq.offset,
+        )
+
+    def nested(self) -> NestedScale | None:
+        if self.nested_codes is None:
+            return None
+        return NestedScale(self.nested_codes, self.nested_absmax, self.nested_offset)
+
+    def scale(self) -> torch.Tensor:
+        """fp32 absmax ``[N, K/B]`` (reconstructed from the double-quantized form if need be)."""
+        nq = self.nested()
+        return self.absmax if nq is None else nq.dequantize()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        n, k = self.shape
+        spec = self.spec
+        return torch.ops.torchq.dequantize_4bit(self.packed, self.scale().reshape(-1), spec.block_size[1], spec.codebook, [n, k], dtype)
+
+    def to_plain(self) -> PlainForm:
+        n, k = self.shape
+        p = self.packed
+        codes = torch.stack([p >> 4, p & 0xF], dim=2).reshape(n, k)
+        return PlainForm(codes, self.scale(), None, self.spec, self.nested())
+
+
+@dataclass(frozen=True)
+class Blockwise4bitLayout(Layout):
+    """bitsandbytes-compatible NF4 / FP4 storage (see module doc for the bytes)."""
+
+    name = "blockwise_4bit"
+    impl_class = Blockwise4bitImpl
+    auto_priority = 30
+    holds_codebooks = True
+    holds_nested_scales = True
+
+    def rejects(self, spec, shape, scale_dtype, device):
+        if spec.codebook is None:
+            return f"holds nf4/fp4 codebook formats only, weight is {spec.describe()}"
+        if len(shape) != 2:
+            return f"needs a 2-D weight, got shape {shape}"
+        b0, b1 = spec.block_size
+        if b0 != 1 or b1 not in BLOCK_SIZES:
+            return f"needs blocks (1, B) with B a power of two in 32..4096, got {spec.block_size}"
+        if shape[1] % b1:
+            return f"K={shape[1]} is not a multiple of the block size {b1}"
+        return None
+
+
+def _check(x: torch.Tensor, w, bias) -> str | None:
+    if not isinstance(w.tensor_impl.layout, Blockwise4bitLayout):
+        return f"needs Blockwise4bitLayout, weight has {w.tensor_impl.layout!r}"
+    if x.dtype not in _FLOAT_INPUTS:
+        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
+    if w.act_quant is not None:
+        return f"weight has dynamic activation quantization ({w.act_quant.describe()})"
+    return None
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl: Blockwise4bitImpl = w.tensor_impl
+    return torch.nn.functional.linear(x, impl.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+register_linear_kernel(
+    "blockwise_4bit_dequant_linear",
+    _check,
+    _linear,
+    description="torchq::dequantize_4bit into the input dtype, then F.linear (pure-PyTorch reference path)",
+    priority=0,
+)
