@@ -69,3 +69,13 @@ def test_automatic_layout_choice_by_device():
     assert torchq.intx_weight_only(bits=6).quantize_weight(w).quant_layout == torchq.PackedBitsLayout()
     meta = torchq.int4_weight_only(group_size=32).quantize_weight(w.to("meta"))
     assert meta.quant_layout == torchq.PackedBitsLayout()  # the CPU layout only lives on the CPU
+
+
+def test_config_from_name():
+    assert torchq.config_from_name("int4-g64") == torchq.int4_weight_only(group_size=64)
+    assert torchq.config_from_name("intx3-g32") == torchq.intx_weight_only(bits=3, group_size=32)
+    assert torchq.config_from_name("int8wo") == torchq.int8_weight_only()
+    assert torchq.config_from_name("nf4") == torchq.nf4_weight_only()
+    assert torchq.config_from_name("fp4-b128") == torchq.fp4_weight_only(block_size=128)
+    with pytest.raises(ValueError, match="config name"):
+        torchq.config_from_name("int3")
