@@ -4,7 +4,7 @@
     torchq.quantize_(model, torchq.int4_weight_only())
 """
 
-from . import blockwise, layouts, primitives, vectorwise
+from . import blockwise, interop, layouts, primitives, vectorwise
 from .activation import PerTokenInt8
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
@@ -85,6 +85,7 @@ __all__ = [
     "is_strict",
     "layout_from_json",
     "blockwise",
+    "interop",
     "layouts",
     "linear_kernels",
     "primitives",
