@@ -5,7 +5,7 @@
 """
 
 from . import blockwise, interop, layouts, primitives, vectorwise
-from .activation import PerTokenInt8
+from .activation import OutlierInt8, PerTokenInt8
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
 from .checkpoint.pickling import _rebuild_object as _rebuild_object  # pinned pickle path
@@ -16,6 +16,7 @@ from .configs import (
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
     LayerNotSupported,
+    LLMInt8Config,
     NF4WeightOnlyConfig,
     QuantConfig,
     config_from_json,
@@ -25,6 +26,7 @@ from .configs import (
     int8_dynamic_activation_int8_weight,
     int8_weight_only,
     intx_weight_only,
+    llm_int8,
     nf4_weight_only,
 )
 from .dispatch import (
@@ -58,12 +60,14 @@ __all__ = [
     "Int8DynamicActivationInt8WeightConfig",
     "Int8WeightOnlyConfig",
     "IntxWeightOnlyConfig",
+    "LLMInt8Config",
     "NF4WeightOnlyConfig",
     "Layout",
     "LayerNotSupported",
     "LinearKernel",
     "MappingType",
     "NoKernelError",
+    "OutlierInt8",
     "PerTokenInt8",
     "PlainForm",
     "QuantConfig",
@@ -80,6 +84,7 @@ __all__ = [
     "int8_dynamic_activation_int8_weight",
     "int8_weight_only",
     "intx_weight_only",
+    "llm_int8",
     "nf4_weight_only",
     "fp4_weight_only",
     "is_strict",

@@ -8,7 +8,7 @@ import torch
 
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine
 
-__all__ = ["PerTokenInt8", "activation_from_json"]
+__all__ = ["PerTokenInt8", "OutlierInt8", "activation_from_json"]
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,35 @@ class PerTokenInt8:
         return f"dynamic per-token int8 [{self.quant_min},{self.quant_max}]"
 
 
-def activation_from_json(d: dict | None) -> PerTokenInt8 | None:
+@dataclass(frozen=True)
+class OutlierInt8:
+    """LLM.int8 activations (``torch.ops.torchq.int8_vectorwise_quant``): elements with
+    ``|x| >= threshold`` are outliers; their columns are computed in floating point and zeroed
+    in the int8 codes; the other values are quantized per row, ``round(x * (127 / absmax))``
+    with the row absmax taken over non-outliers."""
+
+    threshold: float = 6.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool) and self.threshold > 0):
+            raise ValueError(f"threshold: expected a positive number, got {self.threshold!r}")
+        object.__setattr__(self, "threshold", float(self.threshold))
+
+    def to_json(self) -> dict:
+        return {"type": "outlier_int8", "threshold": self.threshold}
+
+    def describe(self) -> str:
+        return f"LLM.int8 activations (outliers >= {self.threshold:g} in float)"
+
+
+def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | None:
     """Inverse of ``to_json`` of the activation schemes (None stays None)."""
     if d is None:
         return None
+    if isinstance(d, dict) and d.get("type") == "outlier_int8":
+        if set(d) != {"type", "threshold"}:
+            raise ValueError(f"activation quantization JSON: outlier_int8 takes a threshold only, got {sorted(d)}")
+        return OutlierInt8(d["threshold"])
     if not isinstance(d, dict) or d.get("type") != "per_token_int8":
         raise ValueError(f"activation quantization JSON: expected {{'type': 'per_token_int8', ...}} or null, got {d!r}")
     extra = set(d) - {"type", "quant_min", "quant_max", "eps"}

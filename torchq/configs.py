@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .activation import PerTokenInt8
+from .activation import OutlierInt8, PerTokenInt8
 from .layouts.base import Layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain, code_range
 from .tensor import AffineQuantizedTensor
@@ -31,6 +31,8 @@ __all__ = [
     "int8_dynamic_activation_int8_weight",
     "intx_weight_only",
     "NF4WeightOnlyConfig",
+    "LLMInt8Config",
+    "llm_int8",
     "nf4_weight_only",
     "fp4_weight_only",
     "config_from_json",
@@ -304,6 +306,26 @@ class NF4WeightOnlyConfig(QuantConfig):
         return AffineQuantizedTensor.from_plain(plain, weight.dtype, layout=self.layout, label=label, config=self)
 
 
+@dataclass(frozen=True)
+class LLMInt8Config(QuantConfig):
+    """LLM.int8 (bitsandbytes semantics): int8 weights per output channel, symmetric [-127, 127]
+    with fp32 scales; at run time, activation columns holding a value with ``|x| >= threshold``
+    are multiplied in floating point and the rest per row in int8 (see
+    :class:`~torchq.activation.OutlierInt8`)."""
+
+    threshold: float = 6.0
+    layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        OutlierInt8(self.threshold)  # validates
+        object.__setattr__(self, "threshold", float(self.threshold))
+        self._check_layout()
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        self._check_weight(weight, label)
+        return _int8_per_channel(weight, self, -127, 127, OutlierInt8(self.threshold), label)
+
+
 def int4_weight_only(group_size: int = 128, layout: Layout | None = None, **kwargs: Any) -> Int4WeightOnlyConfig:
     return Int4WeightOnlyConfig(group_size=group_size, layout=layout, **kwargs)
 
@@ -345,3 +367,7 @@ def nf4_weight_only(block_size: int = 64, double_quant: bool = True, layout: Lay
 
 def fp4_weight_only(block_size: int = 64, double_quant: bool = True, layout: Layout | None = None) -> NF4WeightOnlyConfig:
     return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="fp4", layout=layout)
+
+
+def llm_int8(threshold: float = 6.0, layout: Layout | None = None) -> LLMInt8Config:
+    return LLMInt8Config(threshold=threshold, layout=layout)

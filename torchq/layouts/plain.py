@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..activation import PerTokenInt8
+from ..activation import OutlierInt8, PerTokenInt8
 from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
 from ..primitives import ZeroPointDomain
@@ -164,5 +164,57 @@ register_linear_kernel(
     lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=True),
     _int8_dynamic,
     description="per-token int8 input x int8 weight via torch._int_mm, fp32 rescale",
+    priority=0,
+)
+
+
+def _check_llm_int8(x: torch.Tensor, w, bias) -> str | None:
+    if not isinstance(w.act_quant, OutlierInt8):
+        return "weight is not LLM.int8 (no outlier activation scheme)"
+    impl = w.tensor_impl
+    if not isinstance(impl.layout, PlainLayout):
+        return f"needs PlainLayout, weight has {impl.layout!r}"
+    if x.dtype not in _FLOAT_INPUTS:
+        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
+    spec = impl.spec
+    if (spec.quant_min, spec.quant_max) != (-127, 127) or spec.zero_point_domain is not ZeroPointDomain.NONE:
+        return f"needs symmetric int8 [-127, 127] codes with no zero point, weight is {spec.describe()}"
+    if spec.block_size != (1, impl.shape[1]):
+        return f"needs per-channel scales (block 1x{impl.shape[1]}), weight has block {spec.block_size}"
+    return None
+
+
+def _llm_int8(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """``torchq::int8_vectorwise_quant`` semantics: int8 x int8 -> int32 for the non-outlier
+    columns, rescaled by row absmax / 127 and the weight scales in fp32; the outlier columns in
+    fp32 against the dequantized weight columns.
+
+    The outlier columns are found here as a fixed-size mask (their number is data-dependent,
+    which a compiled graph cannot carry): outliers are zeroed before the op (so the row absmax
+    skips them) and their columns zeroed in the codes, exactly as the op's threshold does."""
+    n, k = w.tensor_impl.shape
+    x2 = x.reshape(-1, k)
+    outlier = x2.abs() >= w.act_quant.threshold
+    col_mask = outlier.any(dim=0)
+    codes, row_absmax, _ = torch.ops.torchq.int8_vectorwise_quant(torch.where(outlier, 0.0, x2), 0.0)
+    codes = codes.masked_fill(col_mask, 0)
+    acc = torch.ops.torchq.int8_linear_matmul(codes, w.codes)
+    scale = w.scale.reshape(1, n).to(torch.float32)
+    y = acc.to(torch.float32) * (row_absmax / 127).reshape(-1, 1) * scale
+    if torch.compiler.is_compiling():  # dense fp32 matmul of the masked input (no data-dependent gather)
+        xo = torch.where(col_mask, x2.to(torch.float32), 0.0)
+        y = y + xo @ (w.codes.to(torch.float32) * scale.reshape(n, 1)).t()
+    else:  # gather the outlier columns (0 columns add 0)
+        cols = col_mask.nonzero().reshape(-1)
+        w_cols = w.codes.index_select(1, cols).to(torch.float32) * scale.reshape(n, 1)
+        y = y + x2.index_select(1, cols).to(torch.float32) @ w_cols.t()
+    return _add_bias(y.to(x.dtype).reshape(*x.shape[:-1], n), bias)
+
+
+register_linear_kernel(
+    "llm_int8_cpu",
+    _check_llm_int8,
+    _llm_int8,
+    description="LLM.int8: outlier columns in fp32, the rest int8 x int8 via torchq::int8_linear_matmul",
     priority=0,
 )
