@@ -76,6 +76,15 @@ def test_int8_matmul_is_exact_and_dequant_follows_the_formula():
     assert torch.equal(ops.int8_linear_dequant(a, b, rs, cs, bias, torch.bfloat16), want)
 
 
+@pytest.mark.parametrize("m,k", [(1, 1), (3, 1), (33, 1), (2, 2), (1, 7)])
+def test_int8_matmul_small_k_is_exact(m, k):
+    """torch._int_mm returns wrong sums on CPU for K == 1; the op must not."""
+    g = torch.Generator().manual_seed(k)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (5, k), dtype=torch.int8, generator=g)
+    assert torch.equal(ops.int8_linear_matmul(a, b).long(), a.long() @ b.long().t())
+
+
 def test_llm_int8_linear_close_to_float():
     """The full LLM.int8 recipe (outlier columns in float) reproduces a float linear closely."""
     g = torch.Generator().manual_seed(1)

@@ -7,7 +7,8 @@
   columns (empty when there are none); with ``threshold == 0`` it is None. Codes are
   ``round(a * (127 / absmax))`` in fp32 (round half to even); an all-zero row gets codes 0.
 * ``int8_vectorwise_dequant(A, stats) = A * stats[:, None] / 127`` (fp32).
-* ``int8_linear_matmul(A, B) = A @ B.T`` exactly, int32 (``A [M, K]``, ``B [N, K]`` int8).
+* ``int8_linear_matmul(A, B) = A @ B.T`` exactly, int32 (``A [M, K]``, ``B [N, K]`` int8), via
+  ``torch._int_mm`` (an outer product for K = 1, where ``_int_mm`` is wrong on CPU).
 * ``int8_mm_dequant(C, row_stats, col_stats, dtype=fp16, bias=None) = C * (row * col) / 127^2``
   (+ bias) in fp32, cast once to ``dtype``. bitsandbytes multiplies by the literal 6.200124e-05
   where 1/127^2 = 6.2000124e-05, so its results differ from these by ~2e-5 relative.
@@ -91,7 +92,12 @@ def _check_int8_pair(A: torch.Tensor, B: torch.Tensor) -> None:
 def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     _check_int8_pair(A, B)
     a = _rows(A)
-    out = torch._int_mm(a, B.t()) if a.device.type in ("cpu", "cuda") else (a.long() @ B.long().t()).to(torch.int32)
+    if a.shape[1] == 1:  # torch._int_mm on CPU returns wrong sums for K == 1 (torch 2.13): an outer product
+        out = a.to(torch.int32) * B.to(torch.int32).reshape(1, -1)
+    elif a.device.type in ("cpu", "cuda"):
+        out = torch._int_mm(a, B.t())
+    else:
+        out = (a.long() @ B.long().t()).to(torch.int32)
     return out.reshape(*A.shape[:-1], B.shape[0])
 
 

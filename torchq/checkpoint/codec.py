@@ -198,7 +198,7 @@ class ParsedRecord:
                 self.act_quant = activation_from_json(record["act_quant"])
             except ValueError as e:
                 raise CheckpointError(f"{where}: {e}") from None
-            self.config = _optional_config(record["config"])
+            self.config = _optional_config(record["config"], where)
             label = record["label"]
             if label is not None and not isinstance(label, str):
                 raise CheckpointError(f"{where}: label must be a string or null, got {label!r}")
@@ -265,15 +265,21 @@ def _is_pos_int(v: Any) -> bool:
     return _is_int(v) and v > 0
 
 
-def _optional_config(d: Any):
-    """The config, or None when absent or written by a torchq that knows config types this one
-    does not (the config is informational: it never changes how a loaded weight computes)."""
+def _optional_config(d: Any, where: str):
+    """The config; None when absent, or when a newer torchq wrote a config type or version this
+    one does not know (the config is informational: it never changes how a loaded weight
+    computes). A known config with invalid fields is an error, not silently dropped."""
     if d is None:
+        return None
+    from ..configs import _CONFIGS
+
+    cls = _CONFIGS.get(d.get("type")) if isinstance(d, dict) and isinstance(d.get("type"), str) else None
+    if cls is None or (_is_int(d.get("version", 1)) and d.get("version", 1) > cls.version):
         return None
     try:
         return config_from_json(d)
-    except (KeyError, TypeError, ValueError):
-        return None
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"{where}: invalid config {d!r}: {e}") from None
 
 
 def _optional_layout(d: Any) -> Layout | None:

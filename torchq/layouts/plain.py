@@ -126,7 +126,7 @@ def _int8_weight_only(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
 def _int8_dynamic(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = w.tensor_impl.shape
     xq, xs = w.act_quant.quantize(x.reshape(-1, k))
-    acc = torch._int_mm(xq, w.codes.t())
+    acc = torch.ops.torchq.int8_linear_matmul(xq, w.codes)  # torch._int_mm, exact also for K == 1
     y = (acc.to(torch.float32) * xs) * w.scale.reshape(1, n).to(torch.float32)
     return _add_bias(y.to(x.dtype).reshape(*x.shape[:-1], n), bias)
 
