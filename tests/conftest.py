@@ -1,7 +1,13 @@
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 from torchq import dispatch
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(autouse=True)
