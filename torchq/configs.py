@@ -295,8 +295,9 @@ class NF4WeightOnlyConfig(QuantConfig):
         if weight.device.type != "meta" and not bool(torch.isfinite(weight).all()):
             raise ValueError(f"weight contains {int((~torch.isfinite(weight)).sum())} NaN/inf value(s)")
         packed, absmax = torch.ops.torchq.quantize_4bit(weight.detach(), self.block_size, self.quant_type, torch.uint8)
-        packed = packed.reshape(n, k // 2)
-        codes = torch.stack([packed >> 4, packed & 0xF], dim=2).reshape(n, k)
+        from .bitpack import unpack_bits
+
+        codes = unpack_bits(packed.reshape(n, k // 2), 4, k).contiguous()
         scale = absmax.reshape(n, k // self.block_size)
         nested = NestedScale.quantize(scale) if self.double_quant else None
         if nested is not None:

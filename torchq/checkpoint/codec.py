@@ -164,14 +164,7 @@ class ParsedRecord:
             raise CheckpointError(f"{where}: record must be a JSON object, got {type(record).__name__}")
         if record.get("format") != FORMAT:
             raise CheckpointError(f"{where}: not a torchq quantized-tensor record (format {record.get('format')!r})")
-        version = record.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise CheckpointError(f"{where}: invalid format version {version!r}")
-        if version > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{where}: written with quantized-tensor format version {version}; this torchq reads up to "
-                f"version {FORMAT_VERSION}; upgrade torchq"
-            )
+        check_version(record.get("version"), FORMAT_VERSION, f"{where}: quantized-tensor format")
         known = {"format", "version", "shape", "dtype", "transposed", "spec", "layout", "act_quant", "config",
                  "label", "codes_encoding", "parts"}
         unknown = set(record) - known
@@ -255,6 +248,14 @@ class ParsedRecord:
                     )
             out[pname] = (rec_dtype, shape, crc)
         return out
+
+
+def check_version(version: Any, supported: int, what: str) -> None:
+    """A format version must be an int from 1 to ``supported``; a newer one asks for an upgrade."""
+    if not _is_int(version) or version < 1:
+        raise CheckpointError(f"{what}: invalid version {version!r}")
+    if version > supported:
+        raise CheckpointError(f"{what} version {version} is newer than this torchq reads (up to {supported}); upgrade torchq")
 
 
 def _is_int(v: Any) -> bool:

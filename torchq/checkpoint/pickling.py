@@ -38,13 +38,7 @@ PINNED_MODULE = "torchq"
 
 
 def _rebuild_quantized_tensor(format_version: int, record_json: str, record_crc32: int, parts: dict, is_param: bool = False):
-    if not isinstance(format_version, int) or isinstance(format_version, bool) or format_version < 1:
-        raise codec.CheckpointError(f"quantized tensor: invalid pickle format version {format_version!r}")
-    if format_version > codec.FORMAT_VERSION:
-        raise codec.CheckpointError(
-            f"quantized tensor: written with pickle format version {format_version!r}; this torchq reads up to "
-            f"{codec.FORMAT_VERSION}; upgrade torchq"
-        )
+    codec.check_version(format_version, codec.FORMAT_VERSION, "quantized tensor: pickle format")
     if not isinstance(record_json, str) or zlib.crc32(record_json.encode()) != record_crc32:
         raise codec.CheckpointError("quantized tensor: its metadata record is corrupted (crc32 mismatch)")
     record = codec.loads(record_json, "quantized tensor record")

@@ -234,9 +234,7 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise CheckpointError(f"{path}: weight_map must map tensor names to file names")
     if isinstance(meta, dict) and meta.get("format") == FILE_FORMAT:
-        version = meta.get("version")
-        if not isinstance(version, int) or version > FILE_VERSION:
-            raise CheckpointError(f"{path}: index format version {version!r}; this torchq reads up to {FILE_VERSION}")
+        codec.check_version(meta.get("version"), FILE_VERSION, f"{path}: index format")
         body = {"metadata": {k: v for k, v in meta.items() if k != "crc32"}, "weight_map": weight_map}
         if meta.get("crc32") != codec.zlib.crc32(codec.dumps(body).encode()):
             raise CheckpointError(f"{path}: index is corrupted (crc32 mismatch)")
@@ -278,13 +276,7 @@ class _File:
         h = codec.loads(text, f"{path}: torchq header")
         if not isinstance(h, dict) or h.get("format") != FILE_FORMAT:
             raise CheckpointError(f"{path}: torchq header has format {h.get('format') if isinstance(h, dict) else h!r}")
-        version = h.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise CheckpointError(f"{path}: invalid checkpoint format version {version!r}")
-        if version > FILE_VERSION:
-            raise CheckpointError(
-                f"{path}: written with checkpoint format version {version}; this torchq reads up to {FILE_VERSION}; upgrade torchq"
-            )
+        codec.check_version(h.get("version"), FILE_VERSION, f"{path}: checkpoint format")
         for field in ("quantized", "float", "aliases"):
             if not isinstance(h.get(field), dict):
                 raise CheckpointError(f"{path}: torchq header field {field!r} must be an object")

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.codebooks import codebook, dynamic_map
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..canonical import NestedScale, PlainForm, QuantSpec
@@ -84,8 +85,7 @@ def _weight_from_group(sd: Mapping[str, torch.Tensor], name: str, state_key: str
     packed = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
     if packed.numel() != n * k // 2:
         raise CheckpointError(f"{where}: expected {n * k // 2} packed bytes for shape {shape}, got {packed.numel()}")
-    p = packed.reshape(n, k // 2)
-    codes = torch.stack([p >> 4, p & 0xF], dim=2).reshape(n, k)
+    codes = unpack_bits(packed.reshape(n, k // 2), 4, k).contiguous()
     grid = (n, k // block)
     if nested:
         if meta.get("nested_blocksize") != NESTED_BLOCKSIZE or meta.get("nested_dtype") != "float32":
@@ -145,7 +145,7 @@ def to_bitsandbytes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
             raise ValueError(f"to_bitsandbytes: {name!r} is {spec.describe()}; only NF4/FP4 weights have a bitsandbytes form")
         n, k = plain.shape
         c = plain.codes
-        packed = ((c[:, 0::2] << 4) | c[:, 1::2]).reshape(-1, 1).contiguous()
+        packed = pack_bits(c, 4).reshape(-1, 1).contiguous()
         meta = {"quant_type": spec.codebook, "blocksize": spec.block_size[1], "dtype": str(w.dtype).removeprefix("torch."),
                 "shape": [n, k]}
         out[name] = packed

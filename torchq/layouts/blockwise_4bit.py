@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
 from ..dispatch import register_linear_kernel
@@ -37,8 +38,7 @@ class Blockwise4bitImpl(TensorImpl):
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Blockwise4bitImpl:
-        c = plain.codes
-        packed = (c[:, 0::2] << 4) | c[:, 1::2]
+        packed = pack_bits(plain.codes, 4)  # K is a multiple of the block (>= 32): [N, K/2], high nibble first
         nq = plain.nested
         return cls(
             layout, plain.spec, plain.shape, packed=packed.contiguous(),
@@ -65,8 +65,7 @@ class Blockwise4bitImpl(TensorImpl):
 
     def to_plain(self) -> PlainForm:
         n, k = self.shape
-        p = self.packed
-        codes = torch.stack([p >> 4, p & 0xF], dim=2).reshape(n, k)
+        codes = unpack_bits(self.packed, 4, k)
         return PlainForm(codes, self.scale(), None, self.spec, self.nested())
 
 
