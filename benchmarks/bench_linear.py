@@ -20,7 +20,8 @@ For reference, fp32 also gets a ``fbgemm`` row: PyTorch's own dynamic int8 Linea
     python benchmarks/bench_linear.py --quick              # small shapes, few reps (smoke test)
     python benchmarks/bench_linear.py --shapes 4096x11008 --m 1 --dtypes bf16 --configs float,int4-g128 --json out.json
 
-Config names: float, int8wo, int8dq, int4-g<G>, intx<B>-g<G>, fbgemm.
+Config names: float, int8wo, int8dq, int4-g<G>, intx<B>-g<G>, nf4[-b<B>], fp4[-b<B>], fbgemm, and, when
+bitsandbytes is installed, bnb-nf4 / bnb-fp4 (its Linear4bit, the alternative to torchq's NF4/FP4).
 """
 
 from __future__ import annotations
@@ -64,6 +65,23 @@ def build_fbgemm(lin: nn.Linear) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return tq.quantize_dynamic(nn.Sequential(copy.deepcopy(lin).float()), {nn.Linear: qconfig}, dtype=torch.qint8)
+
+
+def build_bnb_4bit(lin: nn.Linear, quant_type: str) -> nn.Module:
+    """bitsandbytes' Linear4bit (double-quantized statistics, compute in the weight's dtype);
+    raises ImportError when bitsandbytes is not installed."""
+    import bitsandbytes as bnb
+
+    out = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=lin.weight.dtype,
+                            compress_statistics=True, quant_type=quant_type)
+    out.weight = bnb.nn.Params4bit(lin.weight.detach().clone(), requires_grad=False, compress_statistics=True, quant_type=quant_type)
+    return out.to("cpu")  # bitsandbytes quantizes on the move
+
+
+def bnb_nbytes(model: nn.Module) -> int:
+    qs = model.weight.quant_state
+    stats = [qs.absmax] + ([qs.state2.absmax] if getattr(qs, "nested", False) else [])
+    return model.weight.data.numel() + sum(t.numel() * t.element_size() for t in stats)
 
 
 def fbgemm_nbytes(model: nn.Module) -> int:
@@ -121,6 +139,10 @@ def run_shape_dtype(k: int, n: int, dname: str, args) -> list[dict]:
         try:
             if name == "float":
                 continue
+            if name in ("bnb-nf4", "bnb-fp4"):
+                bl = build_bnb_4bit(lin, name[4:])
+                cands.append((name, bl, bnb_nbytes(bl), "bitsandbytes Linear4bit"))
+                continue
             if name == "fbgemm":
                 if dtype == torch.float32:
                     fb = build_fbgemm(lin)
@@ -130,8 +152,8 @@ def run_shape_dtype(k: int, n: int, dname: str, args) -> list[dict]:
             torchq.quantize_(q, torchq.config_from_name(name))
             cands.append((name, q, q.weight.nbytes_quantized(), ""))
         except Exception as e:  # one broken config must not stop the run
-            if name == "fbgemm":  # reference only: note it and go on
-                print(f"note: fbgemm baseline unavailable ({type(e).__name__}: {e})")
+            if name in ("fbgemm", "bnb-nf4", "bnb-fp4"):  # references only: note it and go on
+                print(f"note: {name} baseline unavailable ({type(e).__name__}: {e})")
             else:
                 errors.append({"config": name, "error": f"{type(e).__name__}: {e}"})
     rows = []
@@ -224,7 +246,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.min_reps = a.min_reps if a.min_reps is not None else (2 if a.quick else 3)
     a.warmup = min(a.warmup, 1) if a.quick else a.warmup
     try:
-        [DTYPES[d] for d in a.dtypes] + [torchq.config_from_name(c) for c in a.configs if c not in ("float", "fbgemm")]
+        [DTYPES[d] for d in a.dtypes] + [torchq.config_from_name(c) for c in a.configs if c not in ("float", "fbgemm", "bnb-nf4", "bnb-fp4")]
     except (KeyError, ValueError) as e:
         p.error(f"--dtypes/--configs: {e} (dtypes: {', '.join(DTYPES)})")
     return a
