@@ -105,7 +105,7 @@ def tensor_crc32(t: torch.Tensor) -> int | None:
     return zlib.crc32((ctypes.c_ubyte * n).from_address(t.data_ptr()))
 
 
-def _own_storage(t: torch.Tensor) -> torch.Tensor:
+def own_storage(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor whose storage holds exactly its bytes (savers write whole storages)."""
     t = t.detach().contiguous()
     if _has_data(t) and (t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
@@ -113,7 +113,7 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _part(t: torch.Tensor, checksum: bool) -> dict:
+def part_record(t: torch.Tensor, checksum: bool) -> dict:
     return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "crc32": tensor_crc32(t) if checksum else None}
 
 
@@ -130,13 +130,13 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
     else:
         codes = plain.codes
         encoding = "bytes"
-    tensors = {"codes": _own_storage(codes)}
+    tensors = {"codes": own_storage(codes)}
     if plain.nested is None:
-        tensors["scale"] = _own_storage(plain.scale)
+        tensors["scale"] = own_storage(plain.scale)
     else:  # the fp32 scales are exactly the reconstruction of these
-        tensors.update({f"scale_{k}": _own_storage(v) for k, v in plain.nested.tensors().items()})
+        tensors.update({f"scale_{k}": own_storage(v) for k, v in plain.nested.tensors().items()})
     if plain.zero_point is not None:
-        tensors["zero_point"] = _own_storage(plain.zero_point)
+        tensors["zero_point"] = own_storage(plain.zero_point)
     record = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -149,7 +149,7 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
         "config": None if w.config is None else w.config.to_json(),
         "label": w.label,
         "codes_encoding": encoding,
-        "parts": {name: _part(t, checksum) for name, t in tensors.items()},
+        "parts": {name: part_record(t, checksum) for name, t in tensors.items()},
     }
     return record, tensors
 

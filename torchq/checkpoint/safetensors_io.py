@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -106,8 +107,8 @@ def _entries(named: dict[str, torch.Tensor]):
             tensors = {_part_key(name, p): v.cpu() for p, v in parts.items()}
             out.append((name, record, tensors, None))
         elif type(t) in (torch.Tensor, nn.Parameter):
-            v = codec._own_storage(t.detach().cpu())
-            out.append((name, None, {name: v}, codec._part(v, True)))
+            v = codec.own_storage(t.detach().cpu())
+            out.append((name, None, {name: v}, codec.part_record(v, True)))
         else:
             raise TypeError(f"save_quantized: {name!r} is a {type(t).__name__}; torchq saves float tensors and torchq quantized tensors")
     return out, aliases
@@ -116,7 +117,7 @@ def _entries(named: dict[str, torch.Tensor]):
 def _write_file(path: Path, tensors: dict[str, torch.Tensor], header: dict, user: dict[str, str]) -> None:
     text = codec.dumps(header)
     meta = dict(user)
-    meta.update({"format": "pt", "torchq": text, "torchq_crc32": str(codec.zlib.crc32(text.encode()))})
+    meta.update({"format": "pt", "torchq": text, "torchq_crc32": str(zlib.crc32(text.encode()))})
     tmp = path.with_name(path.name + ".tmp")
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
@@ -199,7 +200,7 @@ def save_quantized(
             weight_map[k] = fname
             total += v.numel() * v.element_size()
     meta = {"format": FILE_FORMAT, "version": FILE_VERSION, "total_size": total, "shards": len(shards)}
-    meta["crc32"] = codec.zlib.crc32(codec.dumps({"metadata": meta, "weight_map": weight_map}).encode())
+    meta["crc32"] = zlib.crc32(codec.dumps({"metadata": meta, "weight_map": weight_map}).encode())
     index = path / INDEX_NAME
     tmp = index.with_name(index.name + ".tmp")
     tmp.write_text(codec.dumps({"metadata": meta, "weight_map": weight_map}))
@@ -236,7 +237,7 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     if isinstance(meta, dict) and meta.get("format") == FILE_FORMAT:
         codec.check_version(meta.get("version"), FILE_VERSION, f"{path}: index format")
         body = {"metadata": {k: v for k, v in meta.items() if k != "crc32"}, "weight_map": weight_map}
-        if meta.get("crc32") != codec.zlib.crc32(codec.dumps(body).encode()):
+        if meta.get("crc32") != zlib.crc32(codec.dumps(body).encode()):
             raise CheckpointError(f"{path}: index is corrupted (crc32 mismatch)")
     files = []
     for fname in sorted(set(weight_map.values())):
@@ -271,7 +272,7 @@ class _File:
             return
         self.plain = False
         text = meta["torchq"]
-        if str(codec.zlib.crc32(text.encode())) != meta.get("torchq_crc32"):
+        if str(zlib.crc32(text.encode())) != meta.get("torchq_crc32"):
             raise CheckpointError(f"{path}: torchq header is corrupted (crc32 mismatch)")
         h = codec.loads(text, f"{path}: torchq header")
         if not isinstance(h, dict) or h.get("format") != FILE_FORMAT:
