@@ -1,4 +1,14 @@
+import atexit
 import os
+import shutil
+import tempfile
+
+# Inductor's on-disk caches outlive code changes: a local run could replay a graph compiled from
+# older code and pass where a clean CI machine fails. Every test session compiles from scratch in
+# its own cache folder (set before torch is imported; an explicit TORCHINDUCTOR_CACHE_DIR wins).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache = tempfile.mkdtemp(prefix="torchq-inductor-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import pytest
 import torch

@@ -16,7 +16,7 @@ INT8 = ("torchq.int8_weight_only_mm", "_weight_int8pack_mm")
 CASES = {
     "int4": (torchq.int4_weight_only(group_size=32), INT4),
     "int8_weight_only": (torchq.int8_weight_only(), INT8),
-    "int8_dynamic": (torchq.int8_dynamic_activation_int8_weight(), ("_int_mm",)),
+    "int8_dynamic": (torchq.int8_dynamic_activation_int8_weight(), ("torchq.int8_linear_matmul", "_int_mm")),
     "intx3": (torchq.intx_weight_only(bits=3, group_size=32), INT4),
 }
 FLOAT_MATMULS = ("extern_kernels.mm(", "extern_kernels.addmm(", "extern_kernels.bmm(", "aten.mm.", "aten.addmm.", "cpp_fused_mm", "mkldnn")
