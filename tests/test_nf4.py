@@ -64,9 +64,16 @@ def test_quantize_matches_the_op_reference(cfg_name, dtype):
     assert torch.equal(w.dequantize(), ref_w)
     x = torch.randn(5, 256).to(dtype)
     with torch.no_grad():  # (with a trainable bias, the bias is added outside the kernel)
-        assert torch.equal(torch.nn.functional.linear(x, w, m[0].bias), torch.nn.functional.linear(x, ref_w, m[0].bias))
+        ref_y = torch.nn.functional.linear(x, ref_w, m[0].bias)
+        with torchq.native.disabled():  # the reference path is the definition, bit for bit
+            assert torch.equal(torch.nn.functional.linear(x, w, m[0].bias), ref_y)
+        # the native paths use the same weight values; their rounding differs (fp32 accumulation
+        # and one rounding for small M; bf16 tiles, then the bias in a second rounding, for larger M)
+        y = torch.nn.functional.linear(x, w, m[0].bias)
+        exact = x.double() @ ref_w.double().T + m[0].bias.double()
+        assert (y.double() - exact).norm() <= 1.5 * (ref_y.double() - exact).norm() + 1e-5 * exact.norm()
     report = torchq.explain(m, x)
-    assert report.kernels() == {"0": "blockwise_4bit_dequant_linear", "2": "blockwise_4bit_dequant_linear"}
+    assert report.kernels() == {"0": "blockwise_4bit_linear", "2": "blockwise_4bit_linear"}
 
 
 def test_bytes_per_weight():
@@ -202,7 +209,11 @@ def test_same_bytes_and_outputs_as_bitsandbytes(quant_type):
     assert torch.equal(impl.absmax.reshape(-1), state.absmax)
     assert torch.equal(m[0].weight.dequantize(), bnbf.dequantize_4bit(packed, state)) or quant_type == "fp4"
     x = torch.randn(1, 256, dtype=torch.bfloat16)
-    assert torch.equal(
-        ops.gemv_4bit(x, impl.packed, [256, 256], impl.absmax.reshape(-1), codebook(quant_type), 64),
-        torch.nn.functional.linear(x, bnbf.dequantize_4bit(packed, state)),
-    ) or quant_type == "fp4"
+    bnb_y = torch.nn.functional.linear(x, bnbf.dequantize_4bit(packed, state))
+    with torchq.native.disabled():  # the reference gemv_4bit is bitsandbytes' arithmetic, bit for bit
+        assert torch.equal(ops.gemv_4bit(x, impl.packed, [256, 256], impl.absmax.reshape(-1), codebook(quant_type), 64), bnb_y) \
+            or quant_type == "fp4"
+    # the native kernel accumulates the same fp32 weights in fp32 and rounds once: within bf16 rounding
+    y = ops.gemv_4bit(x, impl.packed, [256, 256], impl.absmax.reshape(-1), codebook(quant_type), 64)
+    if quant_type == "nf4":
+        assert torch.allclose(y.float(), bnb_y.float(), rtol=2**-7, atol=2**-7)

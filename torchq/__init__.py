@@ -4,7 +4,7 @@
     torchq.quantize_(model, torchq.int4_weight_only())
 """
 
-from . import blockwise, interop, layouts, primitives, vectorwise
+from . import blockwise, interop, layouts, native, primitives, vectorwise
 from .activation import OutlierInt8, PerTokenInt8
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
@@ -91,6 +91,7 @@ __all__ = [
     "layout_from_json",
     "blockwise",
     "interop",
+    "native",
     "layouts",
     "linear_kernels",
     "primitives",

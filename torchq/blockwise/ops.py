@@ -41,6 +41,7 @@ __all__ = [
     "dequantize_blockwise",
     "check_blocksize",
     "gemv_4bit",
+    "gemv_4bit_reference",
 ]
 
 BLOCK_SIZES = tuple(2**i for i in range(5, 13))  # 32 ... 4096
@@ -227,7 +228,15 @@ def gemv_4bit(
 ) -> torch.Tensor:
     """``A @ W.T`` in A's dtype, ``W = code[nibbles of B] * absmax`` of shape ``shapeB = [N, K]``
     (``code``: the 16-value table of the format). Reference: dequantize in fp32, cast once to
-    A's dtype, ``F.linear``."""
+    A's dtype, ``F.linear``. On the CPU the native fused kernel runs instead when built
+    (:mod:`torchq.blockwise.linear`)."""
+    return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
+
+
+def gemv_4bit_reference(
+    A: torch.Tensor, B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
+) -> torch.Tensor:
+    """The pure-PyTorch definition of :func:`gemv_4bit`."""
     if len(shapeB) != 2:
         raise ValueError(f"shapeB: expected [N, K], got {list(shapeB)}")
     if A.shape[-1] != shapeB[1]:

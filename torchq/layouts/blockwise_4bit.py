@@ -11,9 +11,9 @@ flattened weight, so they coincide with row groups exactly when ``B`` divides ``
   ``nested_absmax`` fp32 ``[ceil(N*K/B / 256)]``, ``nested_offset`` fp32 0-d
   (``absmax = DYNAMIC[codes] * nested_absmax[i // 256] + offset``).
 
-Linear: ``torch.ops.torchq.dequantize_4bit`` into the input's dtype, then ``F.linear`` (the
-reference path; a native kernel is future work); gradients flow to the input and bias through
-the frozen weight (QLoRA).
+Linear: ``torch.ops.torchq.blockwise_4bit_linear`` (:mod:`torchq.blockwise.linear`): the fused
+native kernel on the CPU, dequantize + ``F.linear`` elsewhere; gradients flow to the input and
+bias through the frozen weight (QLoRA).
 """
 
 from __future__ import annotations
@@ -104,13 +104,18 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Blockwise4bitImpl = w.tensor_impl
-    return torch.nn.functional.linear(x, impl.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+    spec = impl.spec
+    return torch.ops.torchq.blockwise_4bit_linear(
+        x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset,
+        list(impl.shape), spec.block_size[1], spec.codebook, bias,
+    )
 
 
 register_linear_kernel(
-    "blockwise_4bit_dequant_linear",
+    "blockwise_4bit_linear",
     _check,
     _linear,
-    description="torchq::dequantize_4bit into the input dtype, then F.linear (pure-PyTorch reference path)",
+    description="torchq::blockwise_4bit_linear: fused native CPU kernel (unpack + fp32 FMA, no dequantized weight); "
+    "elsewhere dequantize + F.linear",
     priority=0,
 )

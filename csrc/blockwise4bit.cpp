@@ -1,0 +1,124 @@
+// tq_blockwise4bit_linear: argument checks, activation permutation, ISA choice, threading.
+#include "blockwise4bit.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+namespace tq {
+
+// Decode-time linears run back to back (layer after layer): workers wait this long for the next.
+constexpr int kLinearSpinUs = 50;
+
+void b4_rows_scalar(const B4Params& p, int64_t n0, int64_t n1) {
+  const int64_t K = p.K, G = K / p.block;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = p.packed + n * (K / 2);
+    for (int64_t m = 0; m < p.M; ++m) {
+      const float* x = p.xp + m * K;
+      float acc = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        float lut[16];
+        const float s = b4_scale(p, n, g);
+        for (int c = 0; c < 16; ++c) lut[c] = p.codebook[c] * s;
+        for (int64_t k = g * p.block; k < (g + 1) * p.block; k += 32) {
+          const uint8_t* bytes = w + k / 2;
+          for (int j = 0; j < 16; ++j) {
+            acc += lut[bytes[j] >> 4] * x[k + j];
+            acc += lut[bytes[j] & 15] * x[k + 16 + j];
+          }
+        }
+      }
+      p.out[m * p.N + n] = p.bias ? acc + p.bias[n] : acc;
+    }
+  }
+}
+
+void b4_dequant_scalar(const B4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16) {
+  const int64_t K = p.K, G = K / p.block;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = p.packed + n * (K / 2);
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = b4_scale(p, n, g);
+      for (int64_t k = g * p.block; k < (g + 1) * p.block; ++k) {
+        const float v = p.codebook[k & 1 ? w[k / 2] & 15 : w[k / 2] >> 4] * s;
+        const int64_t i = (n - n0) * K + k;
+        if (bf16) static_cast<uint16_t*>(dst)[i] = b4_bf16(v);
+        else static_cast<float*>(dst)[i] = v;
+      }
+    }
+  }
+}
+
+namespace {
+
+struct DequantJob {
+  const B4Params* p;
+  int64_t n0;
+  void* dst;
+  bool bf16;
+};
+
+void run_dequant(void* ctx, int64_t a, int64_t b) {
+  const DequantJob& j = *static_cast<const DequantJob*>(ctx);
+  const int64_t n0 = j.n0 + a, n1 = j.n0 + b;
+  char* dst = static_cast<char*>(j.dst) + a * j.p->K * (j.bf16 ? 2 : 4);
+  switch (active_isa()) {
+    case ISA_AVX512: b4_dequant_avx512(*j.p, n0, n1, dst, j.bf16); break;
+    case ISA_AVX2: b4_dequant_avx2(*j.p, n0, n1, dst, j.bf16); break;
+    default: b4_dequant_scalar(*j.p, n0, n1, dst, j.bf16); break;
+  }
+}
+
+void run_rows(void* ctx, int64_t n0, int64_t n1) {
+  const B4Params& p = *static_cast<const B4Params*>(ctx);
+  switch (active_isa()) {
+    case ISA_AVX512: b4_rows_avx512(p, n0, n1); break;
+    case ISA_AVX2: b4_rows_avx2(p, n0, n1); break;
+    default: b4_rows_scalar(p, n0, n1); break;
+  }
+}
+
+}  // namespace
+}  // namespace tq
+
+// out[M, N] = x[M, K] @ W.T (+ bias), W the 4-bit blockwise weight (see blockwise4bit.h), all
+// activations, bias and output fp32 and contiguous. Pass absmax, or the three nested arrays.
+TQ_API int tq_blockwise4bit_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, int64_t block,
+                                   const float* codebook, const float* absmax, const uint8_t* nested_codes,
+                                   const float* nested_absmax, float nested_offset, const float* nested_map,
+                                   const float* bias, float* out, int threads) {
+  using namespace tq;
+  if (M < 1 || N < 1 || K < 32 || block < 32 || (block & (block - 1)) || K % block) return BAD_ARGUMENT;
+  if (!x || !packed || !codebook || !out) return BAD_ARGUMENT;
+  if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
+  float* xp = static_cast<float*>(aligned_alloc(64, ((M * K * sizeof(float)) + 63) / 64 * 64));
+  if (!xp) return OUT_OF_MEMORY;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 32)
+      for (int j = 0; j < 16; ++j) {
+        xp[m * K + k + j] = x[m * K + k + 2 * j];
+        xp[m * K + k + 16 + j] = x[m * K + k + 2 * j + 1];
+      }
+  B4Params p{xp, M, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, bias, out};
+  parallel_for(N, 4, threads, run_rows, &p, kLinearSpinUs);
+  free(xp);
+  return OK;
+}
+
+// Rows [n0, n1) of the [N, K] 4-bit weight, dequantized into out ([n1 - n0, K], contiguous) as
+// fp32 (out_bf16 = 0) or bf16 (1): exactly torchq::dequantize_4bit's values.
+TQ_API int tq_blockwise4bit_dequantize(const uint8_t* packed, int64_t N, int64_t K, int64_t block, const float* codebook,
+                                       const float* absmax, const uint8_t* nested_codes, const float* nested_absmax,
+                                       float nested_offset, const float* nested_map, int64_t n0, int64_t n1, void* out,
+                                       int out_bf16, int threads) {
+  using namespace tq;
+  if (N < 1 || K < 32 || block < 32 || (block & (block - 1)) || K % block || n0 < 0 || n1 > N || n0 >= n1) return BAD_ARGUMENT;
+  if (!packed || !codebook || !out) return BAD_ARGUMENT;
+  if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
+  B4Params p{nullptr, 0, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, nullptr, nullptr};
+  DequantJob job{&p, n0, out, out_bf16 != 0};
+  parallel_for(n1 - n0, 1, threads, run_dequant, &job);
+  return OK;
+}

@@ -1,0 +1,58 @@
+// Fused dequantize + linear for bitsandbytes' 4-bit blockwise formats (NF4 / FP4).
+//
+// Weight bytes (torchq.layouts.blockwise_4bit): packed uint8 [N, K/2], element 2j of a row in
+// the high nibble of byte j; one fp32 absmax per block of B consecutive elements of a row
+// (B divides K), either plain ([N*K/B]) or double-quantized (uint8 codes [N*K/B], fp32 absmax2
+// per 256 codes, fp32 offset: absmax = map[code] * absmax2[i/256] + offset).
+// Weight value: codebook[nibble] * absmax, one fp32 multiply, exactly torchq::dequantize_4bit.
+//
+// Activations arrive as fp32 rows permuted per chunk of 32 elements: the 16 even elements,
+// then the 16 odd ones (the order in which high and low nibbles of 16 bytes unpack).
+#pragma once
+#include <stdint.h>
+
+namespace tq {
+
+struct B4Params {
+  const float* xp;  // [M, K], permuted per chunk of 32 (see above)
+  int64_t M, K, N, block;
+  const uint8_t* packed;     // [N, K/2]
+  const float* codebook;     // 16 fp32 values
+  const float* absmax;       // [N*K/block], or null when nested
+  const uint8_t* nested_codes;
+  const float* nested_absmax;
+  float nested_offset;
+  const float* nested_map;   // 256 fp32 values
+  const float* bias;         // [N] or null
+  float* out;                // [M, N]
+};
+
+// The absmax of block g of row n, bit-exact to torchq's reference (compiled without FP
+// contraction, so map * absmax2 + offset is two roundings as in PyTorch).
+static inline float b4_scale(const B4Params& p, int64_t n, int64_t g) {
+  const int64_t b = n * (p.K / p.block) + g;
+  if (p.absmax) return p.absmax[b];
+  const float t = p.nested_map[p.nested_codes[b]] * p.nested_absmax[b >> 8];
+  return t + p.nested_offset;
+}
+
+// Rows [n0, n1) of the output, for all M activation rows. One per ISA.
+void b4_rows_scalar(const B4Params& p, int64_t n0, int64_t n1);
+void b4_rows_avx2(const B4Params& p, int64_t n0, int64_t n1);
+void b4_rows_avx512(const B4Params& p, int64_t n0, int64_t n1);
+
+// Weight rows [n0, n1) in natural order into dst (row n at dst + (n - n0) * K elements), as fp32
+// or as bf16 (round to nearest even, as torch's .to(torch.bfloat16)). Uses p's weight fields only.
+void b4_dequant_scalar(const B4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
+void b4_dequant_avx2(const B4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
+void b4_dequant_avx512(const B4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
+
+// fp32 -> bf16, round to nearest even (finite inputs; the weights are never NaN).
+static inline uint16_t b4_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace tq

@@ -1,0 +1,29 @@
+// torchq native CPU kernels: shared declarations.
+//
+// A plain C ABI (no torch or Python headers): torchq/native.py loads the library with ctypes and
+// calls it from torch.library ops whose pure-PyTorch references stay the fallback.
+// Every ISA-specific translation unit keeps its helpers in an anonymous namespace or `static`
+// so that no inline function is shared (and possibly picked with the wrong ISA) across units.
+#pragma once
+#include <stdint.h>
+
+#define TQ_API extern "C" __attribute__((visibility("default")))
+
+namespace tq {
+
+enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+// The widest ISA both supported by the CPU and allowed by tq_set_isa / TORCHQ_NATIVE_ISA.
+int active_isa();
+
+// Run fn(ctx, begin, end) over [0, n) split into at most `threads` contiguous ranges whose
+// bounds are multiples of `grain` (except the end). The caller runs the first range itself.
+// Afterwards the workers spin for `spin_us` microseconds before sleeping: worth it between
+// back-to-back kernels, harmful when PyTorch's own threads run next (they share the cores).
+typedef void (*RangeFn)(void* ctx, int64_t begin, int64_t end);
+void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, int spin_us = 0);
+
+// Error codes returned by the exported kernels (0 = success).
+enum Status : int { OK = 0, BAD_ARGUMENT = 1, OUT_OF_MEMORY = 2 };
+
+}  // namespace tq

@@ -1,0 +1,43 @@
+"""Builds torchq's native CPU kernels (csrc/) into torchq/_native*.so at install time.
+
+The library is plain C++ with a C ABI (no torch or Python headers), so the build needs only
+the machine's C++ compiler and setuptools. It is optional: without a compiler the install
+still succeeds, and torchq runs the pure-PyTorch references (torchq.native.status() says why).
+"""
+
+import platform
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+CSRC = Path("csrc")
+SOURCES = sorted(str(p) for p in CSRC.glob("*.cpp"))
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+class BuildNative(build_ext):
+    """Compiles the kernels as a plain shared library and says so in the install log."""
+
+    def get_export_symbols(self, ext):  # no PyInit_*: the library is loaded with ctypes
+        return []
+
+    def build_extension(self, ext):
+        print(f"torchq: building native CPU kernels {ext.name} from {len(ext.sources)} sources ({', '.join(ext.sources)})")
+        super().build_extension(ext)
+        print(f"torchq: built {self.get_ext_fullpath(ext.name)}")
+
+
+flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
+native = Extension(
+    "torchq._native",
+    sources=SOURCES,
+    depends=[str(p) for p in CSRC.glob("*.h")],
+    language="c++",
+    extra_compile_args=flags,
+    extra_link_args=["-pthread"],
+    optional=True,  # a failed build warns and installs the pure-PyTorch paths
+)
+
+setup(ext_modules=[native] if SOURCES and X86 and sys.platform.startswith("linux") else [], cmdclass={"build_ext": BuildNative})

@@ -1,0 +1,305 @@
+"""The native NF4 / FP4 CPU kernels (csrc/blockwise4bit*.cpp) against their pure-PyTorch references.
+
+* one-hot activations make every output an exact weight value: the unpacking, nibble order,
+  codebooks and (double-quantized) absmax are checked bit for bit, on every ISA this CPU has;
+* random activations: within the error bound of fp32 accumulation, for every activation dtype,
+  M on both sides of each path switch, odd N, every block size, 1 and 2 threads;
+* the reference path runs (and says so once) without the library.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchq
+from torchq import native
+from torchq.blockwise import double_dequantize, double_quantize, linear
+from torchq.blockwise.ops import BLOCK_SIZES
+
+ops = torch.ops.torchq
+NATIVE = native.status().available
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"native library not built: {native.status().reason}")
+ISAS = [] if not NATIVE else [isa for isa in native.ISA_NAMES if native.ISA_NAMES.index(isa) <= native.ISA_NAMES.index(native.status().supported_isa)]
+U32 = 2.0**-24
+OUT_ROUNDING = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.fixture
+def isa(request):
+    saved = native.status().isa
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa(saved)
+
+
+@pytest.fixture
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def weight(n: int, k: int, block: int, quant_type: str, nested: bool, seed: int = 0, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * scale
+    w[0, :block] = 0.0  # an all-zero block
+    packed, absmax = ops.quantize_4bit(w, block, quant_type, torch.uint8)
+    packed = packed.reshape(n, k // 2)
+    args = dict(absmax=absmax, nested_codes=None, nested_absmax=None, nested_offset=None)
+    if nested:
+        codes, absmax2, offset = double_quantize(absmax)
+        args = dict(absmax=None, nested_codes=codes, nested_absmax=absmax2, nested_offset=offset)
+        absmax = double_dequantize(codes, absmax2, offset)
+    dense = ops.dequantize_4bit(packed, absmax, block, quant_type, [n, k], torch.float32)
+    return packed, args, dense
+
+
+def run(x, packed, args, n, k, block, quant_type, bias=None):
+    return ops.blockwise_4bit_linear(x, packed, args["absmax"], args["nested_codes"], args["nested_absmax"],
+                                     args["nested_offset"], [n, k], block, quant_type, bias)
+
+
+def test_status_names_the_library_or_the_reason():
+    s = native.status()
+    assert str(s).startswith("native CPU kernels: ")
+    if os.environ.get("TORCHQ_REQUIRE_NATIVE") == "1":  # CI: the install must have built it
+        assert s.available, str(s)
+    if s.available:
+        assert s.isa in native.ISA_NAMES and s.path and s.path.endswith(".so")
+    else:
+        assert s.reason
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested"])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 70], ids=lambda m: f"M{m}")
+def test_one_hot_rows_give_the_exact_weights(isa, quant_type, nested, m):
+    n, k, block = 37, 256, 64
+    packed, args, dense = weight(n, k, block, quant_type, nested)
+    cols = torch.randint(0, k, (m,))
+    x = torch.zeros(m, k)
+    x[torch.arange(m), cols] = 1.0
+    y = run(x, packed, args, n, k, block, quant_type)
+    assert torch.equal(y, dense[:, cols].T)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+def test_one_hot_every_block_size(isa, block):
+    n, k = 5, max(block, 64) * 2
+    packed, args, dense = weight(n, k, block, "nf4", nested=True, seed=block, scale=1e-3)
+    cols = torch.tensor([0, 1, block - 1, block, k - 1])
+    x = torch.zeros(len(cols), k)
+    x[torch.arange(len(cols)), cols] = 1.0
+    assert torch.equal(run(x, packed, args, n, k, block, "nf4"), dense[:, cols].T)
+
+
+@needs_native
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_native_dequantize_matches_the_reference(isa, bf16):
+    n, k, block = 19, 192, 32
+    packed, args, dense = weight(n, k, block, "fp4", nested=True)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    out = torch.empty(n - 3, k, dtype=dtype)
+    lib = native.library()
+    status = lib.tq_blockwise4bit_dequantize(
+        packed.data_ptr(), n, k, block, linear._TABLES["fp4"].data_ptr(), None, args["nested_codes"].data_ptr(),
+        args["nested_absmax"].data_ptr(), float(args["nested_offset"]), linear._DYNAMIC.data_ptr(), 3, n, out.data_ptr(),
+        int(bf16), 2,
+    )
+    assert status == 0
+    assert torch.equal(out, dense[3:].to(dtype))
+
+
+def error_bound(x: torch.Tensor, dense: torch.Tensor, bias, dtype) -> torch.Tensor:
+    """Per-output bound: fp32 accumulation over K terms (any order), the weights' rounding to
+    bf16/fp16 where a path computes in the input dtype, and the output's rounding."""
+    k = x.shape[-1]
+    mag = x.double().abs() @ dense.double().abs().T
+    exact = x.double() @ dense.double().T + (0 if bias is None else bias.double())
+    weight_rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    return (k + 2) * U32 * mag + weight_rounding * mag + OUT_ROUNDING[dtype] * exact.abs() * 2 + 1e-30, exact
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    groups=st.integers(1, 4),
+    block=st.sampled_from([32, 64, 128]),
+    m=st.sampled_from([1, 2, 3, 4, 5, 8, 66]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    quant_type=st.sampled_from(["nf4", "fp4"]),
+    nested=st.booleans(),
+    with_bias=st.booleans(),
+    magnitude=st.sampled_from([1e-6, 1.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_inputs_within_the_accumulation_bound(n, groups, block, m, dtype, quant_type, nested, with_bias, magnitude, seed):
+    k = groups * block
+    packed, args, dense = weight(n, k, block, quant_type, nested, seed=seed, scale=magnitude)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    y = run(x, packed, args, n, k, block, quant_type, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    bound, exact = error_bound(x, dense, bias, dtype)
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("m", [1, 3, 9, 80])
+def test_thread_counts_and_isas_agree_with_the_bound(isa, threads, m):
+    n, k, block = 131, 512, 64
+    packed, args, dense = weight(n, k, block, "nf4", nested=True)
+    x = torch.randn(m, k)
+    y = run(x, packed, args, n, k, block, "nf4")
+    bound, exact = error_bound(x, dense, None, torch.float32)
+    assert bool(((y.double() - exact).abs() <= bound).all())
+
+
+@needs_native
+def test_bf16_prefill_is_as_accurate_as_the_reference():
+    n, k, block = 96, 1024, 64
+    packed, args, dense = weight(n, k, block, "nf4", nested=True)
+    x = torch.randn(100, k, dtype=torch.bfloat16)
+    y = run(x, packed, args, n, k, block, "nf4").double()
+    with native.disabled():
+        ref = run(x, packed, args, n, k, block, "nf4").double()
+    exact = x.double() @ dense.double().T
+    assert (y - exact).norm() <= 1.05 * (ref - exact).norm()
+
+
+@needs_native
+def test_gemv_4bit_uses_the_kernel_and_matches_its_reference():
+    n, k, block = 48, 256, 64
+    packed, args, dense = weight(n, k, block, "nf4", nested=False)
+    x = torch.randn(1, k)
+    from torchq.blockwise import codebook
+    from torchq.blockwise.ops import gemv_4bit_reference
+
+    y = ops.gemv_4bit(x, packed.reshape(-1, 1), [n, k], args["absmax"], codebook("nf4"), block)
+    ref = gemv_4bit_reference(x, packed.reshape(-1, 1), [n, k], args["absmax"], codebook("nf4"), block)
+    bound, exact = error_bound(x, dense, None, torch.float32)
+    assert bool(((y.double() - exact).abs() <= bound).all())
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_runs_the_reference_exactly():
+    n, k, block = 16, 128, 64
+    packed, args, dense = weight(n, k, block, "nf4", nested=True)
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    with native.disabled():
+        assert not native.available()
+        y = run(x, packed, args, n, k, block, "nf4")
+    assert torch.equal(y, torch.nn.functional.linear(x, dense.to(torch.bfloat16)))
+
+
+def test_without_the_library_the_reference_runs_and_warns_once():
+    code = """
+import warnings, torch, torchq
+from torchq import native
+assert not native.status().available and "TORCHQ_NATIVE=0" in native.status().reason, native.status()
+m = torch.nn.Linear(128, 8)
+torchq.quantize_(m, torchq.nf4_weight_only())
+x = torch.randn(2, 128)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    y1, y2 = m(x), m(x)
+hits = [w for w in caught if issubclass(w.category, native.NativeMissingWarning)]
+assert len(hits) == 1 and "blockwise_4bit_linear" in str(hits[0].message), [str(w.message) for w in caught]
+w = m.weight.dequantize(torch.float32)
+assert torch.equal(y1, torch.nn.functional.linear(x, w, m.bias)), "reference path"
+print("ok")
+"""
+    env = dict(os.environ, TORCHQ_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@needs_native
+def test_concurrent_callers_and_a_forked_child():
+    n, k, block = 256, 512, 64
+    packed, args, dense = weight(n, k, block, "nf4", nested=True)
+    x = torch.randn(2, k)
+    want = run(x, packed, args, n, k, block, "nf4")
+    results = []
+
+    def worker():
+        for _ in range(20):
+            results.append(torch.equal(run(x, packed, args, n, k, block, "nf4"), want))
+
+    ts = [threading.Thread(target=worker) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert len(results) == 60 and all(results)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child gets a fresh thread pool (the parent's threads do not exist here)
+        ok = torch.equal(run(x, packed, args, n, k, block, "nf4"), want)
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1" and status == 0
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_opcheck_and_gradients(nested):
+    n, k, block = 24, 128, 64
+    packed, args, dense = weight(n, k, block, "nf4", nested)
+    x = torch.randn(3, k, requires_grad=True)
+    bias = torch.randn(n, requires_grad=True)
+    torch.library.opcheck(ops.blockwise_4bit_linear.default,
+                          (x, packed, args["absmax"], args["nested_codes"], args["nested_absmax"], args["nested_offset"],
+                           [n, k], block, "nf4", bias))
+    y = run(x, packed, args, n, k, block, "nf4", bias)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    assert torch.allclose(x.grad, grad @ dense, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(bias.grad, grad.sum(0))
+
+
+def test_bad_arguments_are_named():
+    n, k, block = 8, 128, 64
+    packed, args, _ = weight(n, k, block, "nf4", nested=False)
+    x = torch.randn(2, k)
+    with pytest.raises(ValueError, match="x: expected last dimension K=128"):
+        run(torch.randn(2, 64), packed, args, n, k, block, "nf4")
+    with pytest.raises(ValueError, match="absmax: expected fp32 with 16 entries"):
+        run(x, packed, dict(args, absmax=args["absmax"][:3]), n, k, block, "nf4")
+    with pytest.raises(ValueError, match="blocksize"):
+        run(x, packed, args, n, k, 48, "nf4")
+    with pytest.raises(TypeError, match="x: expected fp32, bf16 or fp16"):
+        run(x.double(), packed, args, n, k, block, "nf4")
+    with pytest.raises(ValueError, match="packed: expected uint8 with 512 bytes"):
+        run(x, packed[:4], args, n, k, block, "nf4")
+
+
+def test_quantized_model_reports_the_kernel():
+    m = torch.nn.Linear(256, 64)
+    torchq.quantize_(m, torchq.nf4_weight_only())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchq.FallbackWarning)
+        y = m(torch.randn(1, 256))
+    assert y.shape == (1, 64)
+    assert torchq.explain(m, torch.randn(1, 256)).kernels() == {"weight": "blockwise_4bit_linear"}

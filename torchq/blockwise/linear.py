@@ -1,0 +1,229 @@
+"""``torchq::blockwise_4bit_linear``: ``F.linear`` with an NF4 / FP4 weight, plus autograd.
+
+``blockwise_4bit_linear(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape,
+blocksize, quant_type, bias) = x @ W.T + bias`` in ``x``'s dtype, for the ``[N, K]`` weight
+``W = codebook[nibbles of packed] * absmax`` (bitsandbytes' bytes; ``absmax`` fp32 per block, or
+double-quantized in the three ``nested_*`` tensors; see :mod:`torchq.layouts.blockwise_4bit`).
+
+* Reference (every device, the executable spec): dequantize to fp32, cast once to ``x``'s
+  dtype, ``F.linear``.
+* CPU with the native library (:mod:`torchq.native`), up to ``FUSED_MAX_M`` rows (decode): one
+  fused pass that unpacks each weight to the same fp32 value as the reference, multiplies with
+  ``x`` in fp32 and accumulates in fp32, rounding once to ``x``'s dtype (so bf16/fp16 results
+  are at least as accurate as the reference's). More rows (prefill): the same kernel up to 64
+  rows, or weight tiles dequantized natively (exactly the reference's values) and multiplied
+  with ``torch.mm``: in bf16 for bf16 inputs on CPUs with native bf16 matmul (the reference's
+  arithmetic), else in fp32. ``torchq::gemv_4bit`` uses the same paths on the CPU.
+
+Gradients flow to ``x`` (``grad @ W``) and ``bias``; the quantized weight is frozen (QLoRA).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from .. import native
+from .codebooks import codebook, dynamic_map
+from .nested import NESTED_BLOCKSIZE, double_dequantize
+from .ops import BLOCK_SIZES, check_blocksize, dequantize_4bit, gemv_4bit_reference
+
+__all__ = ["blockwise_4bit_linear"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _absmax(absmax, nested_codes, nested_absmax, nested_offset) -> torch.Tensor:
+    if absmax is not None:
+        return absmax
+    return double_dequantize(nested_codes.reshape(-1), nested_absmax, nested_offset)
+
+
+def _check(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias) -> None:
+    check_blocksize(blocksize)
+    if len(shape) != 2:
+        raise ValueError(f"shape: expected [N, K], got {list(shape)}")
+    n, k = shape
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x: expected fp32, bf16 or fp16, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x: expected last dimension K={k}, got shape {list(x.shape)}")
+    if k % blocksize:
+        raise ValueError(f"shape: K={k} must be a multiple of blocksize {blocksize}")
+    if packed.dtype != torch.uint8 or packed.numel() != n * k // 2:
+        raise ValueError(f"packed: expected uint8 with {n * k // 2} bytes for shape {list(shape)}, got {packed.dtype} with {packed.numel()}")
+    groups = n * k // blocksize
+    if (absmax is None) == (nested_codes is None):
+        raise ValueError("absmax, nested_codes: pass exactly one of the plain fp32 absmax and the double-quantized form")
+    if absmax is not None and (absmax.dtype != torch.float32 or absmax.numel() != groups):
+        raise ValueError(f"absmax: expected fp32 with {groups} entries, got {absmax.dtype} with {absmax.numel()}")
+    if nested_codes is not None:
+        if nested_absmax is None or nested_offset is None:
+            raise ValueError("nested_absmax, nested_offset: required with nested_codes")
+        if nested_codes.dtype != torch.uint8 or nested_codes.numel() != groups:
+            raise ValueError(f"nested_codes: expected uint8 with {groups} entries, got {nested_codes.dtype} with {nested_codes.numel()}")
+        want = -(-groups // NESTED_BLOCKSIZE)
+        if nested_absmax.dtype != torch.float32 or nested_absmax.numel() != want:
+            raise ValueError(f"nested_absmax: expected fp32 with {want} entries, got {nested_absmax.dtype} with {nested_absmax.numel()}")
+        if nested_offset.dtype != torch.float32 or nested_offset.numel() != 1:
+            raise ValueError(f"nested_offset: expected one fp32 value, got {nested_offset.dtype} with {nested_offset.numel()}")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"bias: expected {n} entries, got shape {list(bias.shape)}")
+
+
+def _weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, dtype) -> torch.Tensor:
+    scale = _absmax(absmax, nested_codes, nested_absmax, nested_offset).reshape(-1)
+    return dequantize_4bit(packed, scale, blocksize, quant_type, list(shape), dtype)
+
+
+@torch.library.custom_op("torchq::blockwise_4bit_linear", mutates_args=())
+def blockwise_4bit_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor | None,
+    nested_codes: torch.Tensor | None,
+    nested_absmax: torch.Tensor | None,
+    nested_offset: torch.Tensor | None,
+    shape: Sequence[int],
+    blocksize: int,
+    quant_type: str,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference: dequantize to fp32, cast once to x's dtype, ``F.linear``."""
+    _check(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    w = _weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+@blockwise_4bit_linear.register_fake
+def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
+    return x.new_empty((*x.shape[:-1], shape[0]))
+
+
+# M (activation rows) up to which the fused kernel runs; above it, on CPUs with native bf16
+# matmul, bf16 inputs use dequantized bf16 tiles with torch.mm; above _PANEL_MAX_M, fp32 tiles.
+FUSED_MAX_M = 4
+_PANEL_MAX_M = 64
+_TILE_BYTES = 8 << 20
+_SCRATCH = threading.local()
+
+
+def _fast_bf16_matmul() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)() or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+_FAST_BF16 = _fast_bf16_matmul()
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread reusable buffer (fresh large allocations cost more in page faults than the work)."""
+    key = f"buf_{dtype}"
+    buf = getattr(_SCRATCH, key, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_SCRATCH, key, buf)
+    return buf[:numel]
+
+
+def _tiled_gemm(lib, rows, weight_args, n, k, tile_dtype, bias) -> torch.Tensor:
+    """fp32 [M, N]: weight rows dequantized tile by tile (L2-sized, reused buffer) into tile_dtype,
+    each multiplied with torch.mm (oneDNN / MKL) into the transposed output."""
+    x = rows.to(tile_dtype)
+    out_t = torch.empty(n, rows.shape[0], dtype=tile_dtype)
+    tile = max(64, _TILE_BYTES // (k * tile_dtype.itemsize) // 64 * 64)
+    buf = _scratch(min(tile, n) * k, tile_dtype)
+    for n0 in range(0, n, tile):
+        n1 = min(n, n0 + tile)
+        w = buf[: (n1 - n0) * k].view(n1 - n0, k)
+        status = lib.tq_blockwise4bit_dequantize(*weight_args, n0, n1, w.data_ptr(), int(tile_dtype == torch.bfloat16), native.threads())
+        native.check(status, "blockwise_4bit dequantize")
+        torch.mm(w, x.t(), out=out_t[n0:n1])
+    out = out_t.t().to(torch.float32)
+    return out if bias is None else out + bias
+
+
+def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias): fused kernel for small M (fp32 arithmetic, one rounding to
+    x's dtype), dequantized tiles + torch.mm above (see FUSED_MAX_M)."""
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
+    nested_map = _DYNAMIC if nested_codes is not None else None
+    weight = (
+        packed.contiguous().data_ptr(), n, k, blocksize, table.data_ptr(),
+        native.ptr(None if absmax is None else absmax.contiguous()),
+        native.ptr(None if nested_codes is None else nested_codes.contiguous()),
+        native.ptr(None if nested_absmax is None else nested_absmax.contiguous()),
+        0.0 if nested_offset is None else float(nested_offset), native.ptr(nested_map),
+    )
+    if m > FUSED_MAX_M and (x.dtype == torch.bfloat16 and _FAST_BF16 or m > _PANEL_MAX_M):
+        tile_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and _FAST_BF16 else torch.float32
+        out = _tiled_gemm(lib, rows, weight, n, k, tile_dtype, b)
+    else:
+        rows = rows.to(torch.float32).contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        packed_ptr, _, _, _, table_ptr, absmax_ptr, codes_ptr, absmax2_ptr, offset, map_ptr = weight
+        status = lib.tq_blockwise4bit_linear(
+            rows.data_ptr(), m, k, packed_ptr, n, blocksize, table_ptr, absmax_ptr, codes_ptr, absmax2_ptr, offset, map_ptr,
+            native.ptr(b), out.data_ptr(), native.threads(),
+        )
+        native.check(status, "blockwise_4bit_linear")
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+_TABLES = {name: codebook(name).contiguous() for name in ("nf4", "fp4")}
+_DYNAMIC = dynamic_map().contiguous()
+
+
+@torch.library.register_kernel("torchq::blockwise_4bit_linear", "cpu")
+def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
+    _check(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    lib = native.library()
+    if lib is None or x.numel() == 0:
+        if lib is None:
+            native.warn_reference("blockwise_4bit_linear")
+        w = _weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, x.dtype)
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    n, k = shape
+    return _native_linear(lib, x, packed, _TABLES[quant_type], absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias = inputs
+    ctx.save_for_backward(packed, absmax, nested_codes, nested_absmax, nested_offset)
+    ctx.meta = (list(shape), blocksize, quant_type, x.dtype, bias is not None, None if bias is None else bias.dtype)
+
+
+def _backward(ctx, grad):
+    packed, absmax, nested_codes, nested_absmax, nested_offset = ctx.saved_tensors
+    shape, blocksize, quant_type, x_dtype, has_bias, bias_dtype = ctx.meta
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = _weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, grad.dtype)
+        grad_x = (grad @ w).to(x_dtype)
+    if has_bias and ctx.needs_input_grad[9]:
+        grad_bias = grad.reshape(-1, shape[0]).sum(0).to(bias_dtype)
+    return grad_x, None, None, None, None, None, None, None, None, grad_bias
+
+
+torch.library.register_autograd("torchq::blockwise_4bit_linear", _backward, setup_context=_setup)
+
+
+@torch.library.register_kernel("torchq::gemv_4bit", "cpu")
+def _(A, B, shapeB, absmax, code, blocksize):
+    lib = native.library()
+    k_ok = len(shapeB) == 2 and blocksize in BLOCK_SIZES and shapeB[1] % blocksize == 0
+    if lib is None or not k_ok or A.dtype not in _FLOATS or A.numel() == 0 or A.shape[-1] != shapeB[1]:
+        if lib is None:
+            native.warn_reference("gemv_4bit")
+        return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
+    n, k = shapeB
+    packed = B.reshape(-1).view(torch.uint8) if B.dtype != torch.uint8 else B.reshape(-1)
+    if packed.numel() != n * k // 2 or absmax.dtype != torch.float32 or absmax.numel() != n * k // blocksize:
+        return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
+    if code.dtype != torch.float32 or code.shape != (16,):
+        raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
+    return _native_linear(lib, A, packed, code.contiguous(), absmax.reshape(-1), None, None, None, n, k, blocksize, None)

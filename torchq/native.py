@@ -1,0 +1,165 @@
+"""torchq's native CPU kernels: the C++ library built from ``csrc/`` when the package is installed.
+
+The library has a plain C ABI (no torch or Python headers), is loaded here with :mod:`ctypes`,
+and is called from the CPU implementations of ``torchq::`` ops whose pure-PyTorch references
+stay the fallback. It picks AVX-512, AVX2+FMA or a portable path at run time and threads over
+``torch.get_num_threads()``.
+
+* :func:`status` says whether it is active, from where, with which ISA, or why not.
+* ``TORCHQ_NATIVE=0`` keeps it from loading; ``TORCHQ_NATIVE_ISA=avx2|scalar`` caps the ISA.
+* :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
+
+When the library is absent, the first op that would have used it warns once
+(:class:`NativeMissingWarning`) naming the op, so a slow path is never silent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["NativeMissingWarning", "NativeStatus", "available", "disabled", "library", "set_isa", "status", "threads"]
+
+ABI_VERSION = 1
+ISA_NAMES = ("scalar", "avx2", "avx512")
+_c_int64, _c_float, _c_int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+# name -> (restype, argtypes) of every exported function
+_SIGNATURES: dict[str, tuple[object, list]] = {
+    "tq_abi_version": (_c_int, []),
+    "tq_supported_isa": (_c_int, []),
+    "tq_active_isa": (_c_int, []),
+    "tq_set_isa": (_c_int, [_c_int]),
+    "tq_blockwise4bit_linear": (
+        _c_int,
+        [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _ptr, _ptr, _c_int],
+    ),
+    "tq_blockwise4bit_dequantize": (
+        _c_int,
+        [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int],
+    ),
+}
+
+
+class NativeMissingWarning(UserWarning):
+    """An op ran its pure-PyTorch reference because the native library is not available."""
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    available: bool
+    path: str | None
+    isa: str | None  # the ISA in use
+    supported_isa: str | None  # the widest the CPU has
+    reason: str | None  # why it is not available
+
+    def __str__(self) -> str:
+        if self.available:
+            return f"native CPU kernels: active ({self.isa}; CPU supports {self.supported_isa}) from {self.path}"
+        return f"native CPU kernels: not available ({self.reason}); ops run their pure-PyTorch references"
+
+
+def _candidates() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    if os.environ.get("TORCHQ_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None, None, "disabled by TORCHQ_NATIVE=0"
+    found = [p for p in _candidates() if p.is_file()]
+    if not found:
+        return None, None, "torchq/_native library not built (reinstall with a C++ compiler: pip install -e .)"
+    path = found[0]
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, str(path), f"cannot load {path.name}: {e}"
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None, str(path), f"{path.name} lacks {name} (stale build: reinstall)"
+        fn.restype, fn.argtypes = restype, argtypes
+    version = lib.tq_abi_version()
+    if version != ABI_VERSION:
+        return None, str(path), f"{path.name} has ABI {version}, this torchq needs {ABI_VERSION} (stale build: reinstall)"
+    return lib, str(path), None
+
+
+_LIB, _PATH, _REASON = _load()
+_STATE = threading.local()
+_WARNED: set[str] = set()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None when it is missing or :func:`disabled` is in effect."""
+    if _LIB is None or getattr(_STATE, "disabled", 0):
+        return None
+    return _LIB
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def status() -> NativeStatus:
+    if _LIB is None:
+        return NativeStatus(False, _PATH, None, None, _REASON)
+    isa, supported = ISA_NAMES[_LIB.tq_active_isa()], ISA_NAMES[_LIB.tq_supported_isa()]
+    if getattr(_STATE, "disabled", 0):
+        return NativeStatus(False, _PATH, None, supported, "disabled by torchq.native.disabled()")
+    return NativeStatus(True, _PATH, isa, supported, None)
+
+
+def set_isa(name: str) -> str:
+    """Cap the ISA at ``name`` (scalar, avx2, avx512; clamped to the CPU's). Returns the one now active."""
+    if name not in ISA_NAMES:
+        raise ValueError(f"name: expected one of {ISA_NAMES}, got {name!r}")
+    if _LIB is None:
+        raise RuntimeError(f"torchq native library not available: {_REASON}")
+    return ISA_NAMES[_LIB.tq_set_isa(ISA_NAMES.index(name))]
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Within this block (on this thread), ops use their pure-PyTorch references."""
+    _STATE.disabled = getattr(_STATE, "disabled", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.disabled -= 1
+
+
+def threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def warn_reference(op: str) -> None:
+    """Warn once per op that it runs its (slower) reference because the library is missing."""
+    if op in _WARNED or getattr(_STATE, "disabled", 0):
+        return
+    _WARNED.add(op)
+    warnings.warn(
+        f"torchq::{op} runs its pure-PyTorch reference on the CPU: {status().reason}. "
+        "It is correct but several times slower than the native kernel.",
+        NativeMissingWarning,
+        stacklevel=3,
+    )
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def check(code: int, op: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"torchq native {op} failed with status {code} (1: bad argument, 2: out of memory)")
