@@ -22,6 +22,8 @@ For reference, fp32 also gets a ``fbgemm`` row: PyTorch's own dynamic int8 Linea
 
 Config names: float, int8wo, int8dq, int4-g<G>, intx<B>-g<G>, nf4[-b<B>], fp4[-b<B>], fbgemm, and, when
 bitsandbytes is installed, bnb-nf4 / bnb-fp4 (its Linear4bit, the alternative to torchq's NF4/FP4).
+A torchq config with the suffix ``@ref`` (``nf4@ref``) runs the same weights through the pure-PyTorch
+reference ops instead of the native CPU kernels (``torchq.native.status()`` is printed first).
 """
 
 from __future__ import annotations
@@ -92,6 +94,18 @@ def fbgemm_nbytes(model: nn.Module) -> int:
     return n
 
 
+class ReferenceOps(nn.Module):
+    """Runs a quantized module with torchq's native kernels disabled (config suffix ``@ref``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torchq.native.disabled():
+            return self.inner(x)
+
+
 def time_fn(fn, budget_s: float, warmup: int, min_reps: int, max_reps: int) -> tuple[float, float, int]:
     """(median ms, min ms, reps): up to ``warmup`` untimed calls (stopping early past budget/4),
     then timed calls until ``budget_s`` is spent, at least ``min_reps`` and at most ``max_reps``."""
@@ -149,8 +163,11 @@ def run_shape_dtype(k: int, n: int, dname: str, args) -> list[dict]:
                     cands.append((name, fb, fbgemm_nbytes(fb), f"quantized::linear_dynamic ({torch.backends.quantized.engine})"))
                 continue
             q = copy.deepcopy(lin)
-            torchq.quantize_(q, torchq.config_from_name(name))
-            cands.append((name, q, q.weight.nbytes_quantized(), ""))
+            torchq.quantize_(q, torchq.config_from_name(name.removesuffix("@ref")))
+            if name.endswith("@ref"):  # the same weights through the pure-PyTorch reference ops
+                cands.append((name, ReferenceOps(q), q.weight.nbytes_quantized(), "reference ops (torchq.native.disabled())"))
+            else:
+                cands.append((name, q, q.weight.nbytes_quantized(), ""))
         except Exception as e:  # one broken config must not stop the run
             if name in ("fbgemm", "bnb-nf4", "bnb-fp4"):  # references only: note it and go on
                 print(f"note: {name} baseline unavailable ({type(e).__name__}: {e})")
@@ -220,7 +237,7 @@ def format_table(rows: list[dict]) -> str:
 def header() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (f"torch {torch.__version__} | threads {torch.get_num_threads()} | cpu capability {torch.backends.cpu.get_cpu_capability()} | "
-            f"quantized engine {torch.backends.quantized.engine} | load avg {load:.1f} on {os.cpu_count()} cpus")
+            f"quantized engine {torch.backends.quantized.engine} | load avg {load:.1f} on {os.cpu_count()} cpus\n{torchq.native.status()}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -246,7 +263,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.min_reps = a.min_reps if a.min_reps is not None else (2 if a.quick else 3)
     a.warmup = min(a.warmup, 1) if a.quick else a.warmup
     try:
-        [DTYPES[d] for d in a.dtypes] + [torchq.config_from_name(c) for c in a.configs if c not in ("float", "fbgemm", "bnb-nf4", "bnb-fp4")]
+        [DTYPES[d] for d in a.dtypes] + [torchq.config_from_name(c.removesuffix("@ref")) for c in a.configs if c not in ("float", "fbgemm", "bnb-nf4", "bnb-fp4")]
     except (KeyError, ValueError) as e:
         p.error(f"--dtypes/--configs: {e} (dtypes: {', '.join(DTYPES)})")
     return a
