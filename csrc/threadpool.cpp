@@ -1,7 +1,7 @@
 // A small persistent thread pool for tq::parallel_for.
 //
-// Workers wait on a generation counter: they spin briefly (consecutive layers of a model call
-// back within microseconds) and then sleep on a condition variable. One call runs at a time;
+// Workers wait on a generation counter: they spin for the job's spin_us (0 by default) and then
+// sleep on a condition variable. One call runs at a time;
 // a call that finds the pool busy (another Python thread) runs its whole range inline.
 // After fork() the child starts a fresh pool (the parent's threads do not exist there).
 #include <immintrin.h>

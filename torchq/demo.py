@@ -38,6 +38,7 @@ CONFIGS: list[tuple[str, torchq.QuantConfig]] = [
     ("int4 g128", torchq.int4_weight_only(group_size=128)),
     ("int4 g32", torchq.int4_weight_only(group_size=32)),
     ("intx 3-bit g32", torchq.intx_weight_only(bits=3, group_size=32)),
+    ("nf4 (QLoRA)", torchq.nf4_weight_only()),
 ]
 COMPILE_CONFIG = "int4 g128"
 

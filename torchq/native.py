@@ -6,7 +6,8 @@ stay the fallback. It picks AVX-512, AVX2+FMA or a portable path at run time and
 ``torch.get_num_threads()``.
 
 * :func:`status` says whether it is active, from where, with which ISA, or why not.
-* ``TORCHQ_NATIVE=0`` keeps it from loading; ``TORCHQ_NATIVE_ISA=avx2|scalar`` caps the ISA.
+* ``TORCHQ_NATIVE=0`` keeps it from loading; ``TORCHQ_NATIVE_ISA=avx2|scalar`` caps the ISA;
+  ``TORCHQ_NATIVE_SPIN_US`` lets the kernel threads spin that long for the next call (default 0).
 * :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
 
 When the library is absent, the first op that would have used it warns once
