@@ -202,6 +202,33 @@ def test_gemv_4bit_uses_the_kernel_and_matches_its_reference():
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
+@needs_native
+def test_gemv_4bit_with_blocks_crossing_rows_runs_the_reference_and_says_so():
+    n, k, block = 6, 96, 64  # blocks run over the flattened weight, across rows
+    w = torch.randn(n, k)
+    packed, absmax = ops.quantize_4bit(w, block, "nf4", torch.uint8)
+    from torchq.blockwise import codebook
+    from torchq.blockwise.ops import gemv_4bit_reference
+
+    x = torch.randn(1, k)
+    with pytest.warns(native.NativeMissingWarning, match="blocks cross rows"):
+        y = ops.gemv_4bit(x, packed, [n, k], absmax, codebook("nf4"), block)
+    assert torch.equal(y, gemv_4bit_reference(x, packed, [n, k], absmax, codebook("nf4"), block))
+
+
+@needs_native
+def test_non_contiguous_weight_tensors_are_read_correctly():
+    n, k, block = 16, 128, 64
+    packed, args, dense = weight(n, k, block, "nf4", nested=False)
+    strided = torch.empty(n, k, dtype=torch.uint8)[:, ::2]
+    strided.copy_(packed)  # same values, non-contiguous
+    absmax = torch.empty(args["absmax"].numel() * 2)[::2]
+    absmax.copy_(args["absmax"])
+    x = torch.randn(2, k)
+    y = run(x, strided, dict(args, absmax=absmax), n, k, block, "nf4")
+    assert torch.equal(y, run(x, packed, args, n, k, block, "nf4"))
+
+
 def test_disabled_runs_the_reference_exactly():
     n, k, block = 16, 128, 64
     packed, args, dense = weight(n, k, block, "nf4", nested=True)

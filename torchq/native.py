@@ -144,13 +144,15 @@ def threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-def warn_reference(op: str) -> None:
-    """Warn once per op that it runs its (slower) reference because the library is missing."""
-    if op in _WARNED or getattr(_STATE, "disabled", 0):
+def warn_reference(op: str, reason: str | None = None) -> None:
+    """Warn once per op that it runs its (slower) reference: because the library is missing, or
+    for ``reason`` (an input the native kernel does not take)."""
+    key = f"{op}: {reason}" if reason else op
+    if key in _WARNED or getattr(_STATE, "disabled", 0):
         return
-    _WARNED.add(op)
+    _WARNED.add(key)
     warnings.warn(
-        f"torchq::{op} runs its pure-PyTorch reference on the CPU: {status().reason}. "
+        f"torchq::{op} runs its pure-PyTorch reference on the CPU: {reason or status().reason}. "
         "It is correct but several times slower than the native kernel.",
         NativeMissingWarning,
         stacklevel=3,

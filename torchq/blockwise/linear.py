@@ -152,23 +152,23 @@ def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, n
     m = rows.shape[0]
     b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
     nested_map = _DYNAMIC if nested_codes is not None else None
-    weight = (
-        packed.contiguous().data_ptr(), n, k, blocksize, table.data_ptr(),
-        native.ptr(None if absmax is None else absmax.contiguous()),
-        native.ptr(None if nested_codes is None else nested_codes.contiguous()),
-        native.ptr(None if nested_absmax is None else nested_absmax.contiguous()),
+    # contiguous copies stay referenced here until the kernel has returned
+    packed, table, absmax, nested_codes, nested_absmax = (
+        None if t is None else t.contiguous() for t in (packed, table, absmax, nested_codes, nested_absmax)
+    )
+    packed_ptr, table_ptr = packed.data_ptr(), table.data_ptr()
+    scales = (
+        native.ptr(absmax), native.ptr(nested_codes), native.ptr(nested_absmax),
         0.0 if nested_offset is None else float(nested_offset), native.ptr(nested_map),
     )
     if m > FUSED_MAX_M and (x.dtype == torch.bfloat16 and _FAST_BF16 or m > _PANEL_MAX_M):
         tile_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and _FAST_BF16 else torch.float32
-        out = _tiled_gemm(lib, rows, weight, n, k, tile_dtype, b)
+        out = _tiled_gemm(lib, rows, (packed_ptr, n, k, blocksize, table_ptr, *scales), n, k, tile_dtype, b)
     else:
         rows = rows.to(torch.float32).contiguous()
         out = torch.empty(m, n, dtype=torch.float32)
-        packed_ptr, _, _, _, table_ptr, absmax_ptr, codes_ptr, absmax2_ptr, offset, map_ptr = weight
         status = lib.tq_blockwise4bit_linear(
-            rows.data_ptr(), m, k, packed_ptr, n, blocksize, table_ptr, absmax_ptr, codes_ptr, absmax2_ptr, offset, map_ptr,
-            native.ptr(b), out.data_ptr(), native.threads(),
+            rows.data_ptr(), m, k, packed_ptr, n, blocksize, table_ptr, *scales, native.ptr(b), out.data_ptr(), native.threads()
         )
         native.check(status, "blockwise_4bit_linear")
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
@@ -215,10 +215,12 @@ torch.library.register_autograd("torchq::blockwise_4bit_linear", _backward, setu
 @torch.library.register_kernel("torchq::gemv_4bit", "cpu")
 def _(A, B, shapeB, absmax, code, blocksize):
     lib = native.library()
-    k_ok = len(shapeB) == 2 and blocksize in BLOCK_SIZES and shapeB[1] % blocksize == 0
-    if lib is None or not k_ok or A.dtype not in _FLOATS or A.numel() == 0 or A.shape[-1] != shapeB[1]:
+    valid = len(shapeB) == 2 and blocksize in BLOCK_SIZES and A.dtype in _FLOATS and A.numel() > 0 and A.shape[-1] == shapeB[1]
+    if lib is None or not valid or shapeB[1] % blocksize:  # invalid input: the reference raises the error
         if lib is None:
             native.warn_reference("gemv_4bit")
+        elif valid:
+            native.warn_reference("gemv_4bit", f"blocks cross rows (K={shapeB[1]} is not a multiple of blocksize {blocksize})")
         return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
     n, k = shapeB
     packed = B.reshape(-1).view(torch.uint8) if B.dtype != torch.uint8 else B.reshape(-1)
@@ -226,4 +228,4 @@ def _(A, B, shapeB, absmax, code, blocksize):
         return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
     if code.dtype != torch.float32 or code.shape != (16,):
         raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
-    return _native_linear(lib, A, packed, code.contiguous(), absmax.reshape(-1), None, None, None, n, k, blocksize, None)
+    return _native_linear(lib, A, packed, code, absmax.reshape(-1), None, None, None, n, k, blocksize, None)
