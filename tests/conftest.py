@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from torchq import dispatch
+from torchq import dispatch, native
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
@@ -25,6 +25,7 @@ def _clean_state():
     """Each test starts non-strict, with no remembered fallback warnings and a fixed seed."""
     torch.manual_seed(0)
     dispatch.reset_fallback_warnings()
+    native.reset_warnings()
     saved = dispatch.is_strict()
     dispatch.set_strict(False)
     yield

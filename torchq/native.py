@@ -159,6 +159,11 @@ def warn_reference(op: str, reason: str | None = None) -> None:
     )
 
 
+def reset_warnings() -> None:
+    """Forget which ops already warned (each warns once per process otherwise)."""
+    _WARNED.clear()
+
+
 def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
