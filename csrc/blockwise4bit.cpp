@@ -17,6 +17,27 @@ static const int kLinearSpinUs = [] {
   return s && *s ? atoi(s) : 0;
 }();
 
+namespace {
+float round_to(float v, int kind) {
+  if (kind == ROUND_BF16) {
+    const uint32_t u = static_cast<uint32_t>(b4_bf16(v)) << 16;
+    float r;
+    __builtin_memcpy(&r, &u, 4);
+    return r;
+  }
+  if (kind == ROUND_FP16) return static_cast<float>(static_cast<_Float16>(v));  // round to nearest even
+  return v;
+}
+}  // namespace
+
+float b4_value(const B4Params& p, float c, int64_t n, int64_t g) {
+  const int64_t b = n * (p.K / p.block) + g;
+  if (p.shifts) c += p.shifts[b];
+  float v = round_to(c * b4_scale(p, n, g), p.round_mul);
+  if (p.zeros) v = round_to(v + p.zeros[b], p.round_add);
+  return v;
+}
+
 void b4_rows_scalar(const B4Params& p, int64_t n0, int64_t n1) {
   const int64_t K = p.K, G = K / p.block;
   for (int64_t n = n0; n < n1; ++n) {
@@ -26,8 +47,7 @@ void b4_rows_scalar(const B4Params& p, int64_t n0, int64_t n1) {
       float acc = 0.0f;
       for (int64_t g = 0; g < G; ++g) {
         float lut[16];
-        const float s = b4_scale(p, n, g);
-        for (int c = 0; c < 16; ++c) lut[c] = p.codebook[c] * s;
+        for (int c = 0; c < 16; ++c) lut[c] = b4_value(p, p.codebook[c], n, g);
         for (int64_t k = g * p.block; k < (g + 1) * p.block; k += 32) {
           const uint8_t* bytes = w + k / 2;
           for (int j = 0; j < 16; ++j) {
@@ -46,9 +66,10 @@ void b4_dequant_scalar(const B4Params& p, int64_t n0, int64_t n1, void* dst, boo
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.packed + n * (K / 2);
     for (int64_t g = 0; g < G; ++g) {
-      const float s = b4_scale(p, n, g);
+      float lut[16];
+      for (int c = 0; c < 16; ++c) lut[c] = b4_value(p, p.codebook[c], n, g);
       for (int64_t k = g * p.block; k < (g + 1) * p.block; ++k) {
-        const float v = p.codebook[k & 1 ? w[k / 2] & 15 : w[k / 2] >> 4] * s;
+        const float v = lut[k & 1 ? w[k / 2] & 15 : w[k / 2] >> 4];
         const int64_t i = (n - n0) * K + k;
         if (bf16) static_cast<uint16_t*>(dst)[i] = b4_bf16(v);
         else static_cast<float*>(dst)[i] = v;
@@ -89,16 +110,16 @@ void run_rows(void* ctx, int64_t n0, int64_t n1) {
 }  // namespace
 }  // namespace tq
 
-// out[M, N] = x[M, K] @ W.T (+ bias), W the 4-bit blockwise weight (see blockwise4bit.h), all
-// activations, bias and output fp32 and contiguous. Pass absmax, or the three nested arrays.
-TQ_API int tq_blockwise4bit_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, int64_t block,
-                                   const float* codebook, const float* absmax, const uint8_t* nested_codes,
-                                   const float* nested_absmax, float nested_offset, const float* nested_map,
-                                   const float* bias, float* out, int threads) {
-  using namespace tq;
-  if (M < 1 || N < 1 || K < 32 || block < 32 || (block & (block - 1)) || K % block) return BAD_ARGUMENT;
-  if (!x || !packed || !codebook || !out) return BAD_ARGUMENT;
-  if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
+namespace tq {
+namespace {
+
+bool valid_shape(int64_t N, int64_t K, int64_t block) {
+  return N >= 1 && K >= 32 && block >= 32 && !(block & (block - 1)) && K % block == 0;
+}
+
+// p.out = x @ W.T (+ bias): permutes the activations (see blockwise4bit.h), then runs the rows.
+int linear(B4Params p, const float* x, int threads) {
+  const int64_t M = p.M, K = p.K;
   float* xp = static_cast<float*>(aligned_alloc(64, ((M * K * sizeof(float)) + 63) / 64 * 64));
   if (!xp) return OUT_OF_MEMORY;
   for (int64_t m = 0; m < M; ++m)
@@ -107,10 +128,32 @@ TQ_API int tq_blockwise4bit_linear(const float* x, int64_t M, int64_t K, const u
         xp[m * K + k + j] = x[m * K + k + 2 * j];
         xp[m * K + k + 16 + j] = x[m * K + k + 2 * j + 1];
       }
-  B4Params p{xp, M, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, bias, out};
-  parallel_for(N, 4, threads, run_rows, &p, kLinearSpinUs);
+  p.xp = xp;
+  parallel_for(p.N, 4, threads, run_rows, &p, kLinearSpinUs);
   free(xp);
   return OK;
+}
+
+int dequantize(const B4Params& p, int64_t n0, int64_t n1, void* out, int out_bf16, int threads) {
+  DequantJob job{&p, n0, out, out_bf16 != 0};
+  parallel_for(n1 - n0, 1, threads, run_dequant, &job);
+  return OK;
+}
+
+}  // namespace
+}  // namespace tq
+
+// out[M, N] = x[M, K] @ W.T (+ bias), W the 4-bit blockwise weight (see blockwise4bit.h), all
+// activations, bias and output fp32 and contiguous. Pass absmax, or the three nested arrays.
+TQ_API int tq_blockwise4bit_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, int64_t block,
+                                   const float* codebook, const float* absmax, const uint8_t* nested_codes,
+                                   const float* nested_absmax, float nested_offset, const float* nested_map,
+                                   const float* bias, float* out, int threads) {
+  using namespace tq;
+  if (M < 1 || !valid_shape(N, K, block) || !x || !packed || !codebook || !out) return BAD_ARGUMENT;
+  if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
+  B4Params p{nullptr, M, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, bias, out};
+  return linear(p, x, threads);
 }
 
 // Rows [n0, n1) of the [N, K] 4-bit weight, dequantized into out ([n1 - n0, K], contiguous) as
@@ -120,11 +163,33 @@ TQ_API int tq_blockwise4bit_dequantize(const uint8_t* packed, int64_t N, int64_t
                                        float nested_offset, const float* nested_map, int64_t n0, int64_t n1, void* out,
                                        int out_bf16, int threads) {
   using namespace tq;
-  if (N < 1 || K < 32 || block < 32 || (block & (block - 1)) || K % block || n0 < 0 || n1 > N || n0 >= n1) return BAD_ARGUMENT;
-  if (!packed || !codebook || !out) return BAD_ARGUMENT;
+  if (!valid_shape(N, K, block) || n0 < 0 || n1 > N || n0 >= n1 || !packed || !codebook || !out) return BAD_ARGUMENT;
   if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
   B4Params p{nullptr, 0, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, nullptr, nullptr};
-  DequantJob job{&p, n0, out, out_bf16 != 0};
-  parallel_for(n1 - n0, 1, threads, run_dequant, &job);
-  return OK;
+  return dequantize(p, n0, n1, out, out_bf16, threads);
+}
+
+// The same for torchq's groupwise int4 format (torchq.layouts.int4_native): fp32 scales per
+// group of `group` elements, optional per-group shifts (integer zero point) or zeros (float zero
+// point), table entries rounded as round_mul / round_add say (0 none, 1 bf16, 2 fp16).
+TQ_API int tq_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, int64_t group,
+                          const float* codebook, const float* scales, const float* shifts, const float* zeros,
+                          int round_mul, int round_add, const float* bias, float* out, int threads) {
+  using namespace tq;
+  if (M < 1 || !valid_shape(N, K, group) || !x || !packed || !codebook || !scales || !out) return BAD_ARGUMENT;
+  if (round_mul < 0 || round_mul > 2 || round_add < 0 || round_add > 2) return BAD_ARGUMENT;
+  B4Params p{nullptr, M, K, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, bias, out,
+             shifts, zeros, round_mul, round_add};
+  return linear(p, x, threads);
+}
+
+TQ_API int tq_int4_dequantize(const uint8_t* packed, int64_t N, int64_t K, int64_t group, const float* codebook,
+                              const float* scales, const float* shifts, const float* zeros, int round_mul, int round_add,
+                              int64_t n0, int64_t n1, void* out, int out_bf16, int threads) {
+  using namespace tq;
+  if (!valid_shape(N, K, group) || n0 < 0 || n1 > N || n0 >= n1 || !packed || !codebook || !scales || !out) return BAD_ARGUMENT;
+  if (round_mul < 0 || round_mul > 2 || round_add < 0 || round_add > 2) return BAD_ARGUMENT;
+  B4Params p{nullptr, 0, K, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr,
+             shifts, zeros, round_mul, round_add};
+  return dequantize(p, n0, n1, out, out_bf16, threads);
 }

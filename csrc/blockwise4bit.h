@@ -1,10 +1,18 @@
-// Fused dequantize + linear for bitsandbytes' 4-bit blockwise formats (NF4 / FP4).
+// Fused dequantize + linear for 4-bit weights whose 16 values per block come from a table:
+// bitsandbytes' NF4 / FP4 blockwise formats and torchq's groupwise int4 (affine) format.
 //
-// Weight bytes (torchq.layouts.blockwise_4bit): packed uint8 [N, K/2], element 2j of a row in
-// the high nibble of byte j; one fp32 absmax per block of B consecutive elements of a row
-// (B divides K), either plain ([N*K/B]) or double-quantized (uint8 codes [N*K/B], fp32 absmax2
-// per 256 codes, fp32 offset: absmax = map[code] * absmax2[i/256] + offset).
-// Weight value: codebook[nibble] * absmax, one fp32 multiply, exactly torchq::dequantize_4bit.
+// Weight bytes: packed uint8 [N, K/2], element 2j of a row in the high nibble of byte j; one
+// fp32 scale per block of B consecutive elements of a row (B divides K), either plain
+// ([N*K/B]) or double-quantized (uint8 codes [N*K/B], fp32 absmax2 per 256 codes, fp32 offset:
+// scale = map[code] * absmax2[i/256] + offset).
+// Weight value of nibble c in block b (compiled without FP contraction, so each step is one
+// rounding, as in PyTorch):
+//   v = codebook[c] (+ shifts[b]);  v = R_mul(v * scale[b]);  (v = R_add(v + zeros[b]))
+// with R the rounding to the reference's arithmetic dtype (none for fp32, bf16 or fp16).
+// NF4 / FP4: codebook = the format's values, no shifts / zeros / rounding: exactly
+// torchq::dequantize_4bit. int4 (torchq.layouts.int4_native): codebook[c] = c + qmin - mid
+// (float zero point: zeros = z, ``(q - mid) * s + z``) or c + qmin with shifts = -z (integer
+// zero point, ``(q - z) * s``), rounded in the scale / zero dtypes: exactly dequantize_affine.
 //
 // Activations arrive as fp32 rows permuted per chunk of 32 elements: the 16 even elements,
 // then the 16 odd ones (the order in which high and low nibbles of 16 bytes unpack).
@@ -25,7 +33,12 @@ struct B4Params {
   const float* nested_map;   // 256 fp32 values
   const float* bias;         // [N] or null
   float* out;                // [M, N]
+  const float* shifts;       // [N*K/block] added to the codebook value before scaling, or null
+  const float* zeros;        // [N*K/block] added after scaling, or null
+  int round_mul, round_add;  // Round kinds after the multiply / the add
 };
+
+enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
 
 // The absmax of block g of row n, bit-exact to torchq's reference (compiled without FP
 // contraction, so map * absmax2 + offset is two roundings as in PyTorch).
@@ -35,6 +48,9 @@ static inline float b4_scale(const B4Params& p, int64_t n, int64_t g) {
   const float t = p.nested_map[p.nested_codes[b]] * p.nested_absmax[b >> 8];
   return t + p.nested_offset;
 }
+
+// The table entry v for code value `c` (scalar form of every ISA's table builder).
+float b4_value(const B4Params& p, float c, int64_t n, int64_t g);
 
 // Rows [n0, n1) of the output, for all M activation rows. One per ISA.
 void b4_rows_scalar(const B4Params& p, int64_t n0, int64_t n1);

@@ -2,7 +2,7 @@
 //
 // Same structure as the AVX-512 file with 8-lane vectors. A 16-entry table takes two 8-entry
 // vpermps lookups and a blend on bit 3 of the nibble.
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include <stdlib.h>
 
@@ -19,9 +19,29 @@ struct Table {
   __m256 lo, hi;  // codebook[0..8) * absmax, codebook[8..16) * absmax
 };
 
+inline __m256 round_to(__m256 v, int kind) {
+  if (kind == ROUND_BF16) {  // round to nearest even, keep the result in fp32
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  if (kind == ROUND_FP16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return v;
+}
+
+inline __m256 entries(const B4Params& p, __m256 code, __m256 s, int64_t b) {
+  if (!p.shifts && !p.zeros && p.round_mul == ROUND_NONE) return _mm256_mul_ps(code, s);
+  const __m256 c = p.shifts ? _mm256_add_ps(code, _mm256_set1_ps(p.shifts[b])) : code;
+  const __m256 v = round_to(_mm256_mul_ps(c, s), p.round_mul);
+  return p.zeros ? round_to(_mm256_add_ps(v, _mm256_set1_ps(p.zeros[b])), p.round_add) : v;
+}
+
+// The block's 16 weight values (see blockwise4bit.h).
 inline Table table(const B4Params& p, int64_t n, int64_t g) {
   const __m256 s = _mm256_set1_ps(b4_scale(p, n, g));
-  return {_mm256_mul_ps(_mm256_loadu_ps(p.codebook), s), _mm256_mul_ps(_mm256_loadu_ps(p.codebook + 8), s)};
+  const int64_t b = n * (p.K / p.block) + g;
+  return {entries(p, _mm256_loadu_ps(p.codebook), s, b), entries(p, _mm256_loadu_ps(p.codebook + 8), s, b)};
 }
 
 // Values of 8 nibbles (the low 4 bits of each 32-bit lane; higher bits are ignored).
@@ -56,10 +76,16 @@ void fused_tile(const B4Params& p, int64_t n, int64_t m0) {
   __m256 acc[NT][MT][2];
   for (int t = 0; t < NT; ++t)
     for (int m = 0; m < MT; ++m) acc[t][m][0] = acc[t][m][1] = _mm256_setzero_ps();
+  // Fetch the next tile's rows (they follow these in memory) one line per NT steps' worth of
+  // bytes, so memory streams while this tile computes (see the AVX-512 file).
+  const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));
+  const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
   for (int64_t g = 0; g < G; ++g) {
     Table lut[NT];
     for (int t = 0; t < NT; ++t) lut[t] = table(p, n + t, g);
     for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
+      if (ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
+      ahead += 16 * NT;
       for (int t = 0; t < NT; ++t) {
         __m256 w[4];
         unpack_chunk(lut[t], p.packed + (n + t) * (K / 2) + k / 2, w);

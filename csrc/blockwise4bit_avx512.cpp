@@ -25,8 +25,25 @@ inline float hsum(__m512 v) {  // (GCC 12's _mm512_reduce_add_ps trips -Wuniniti
   return _mm_cvtss_f32(s);
 }
 
+inline __m512 round_to(__m512 v, int kind) {
+  if (kind == ROUND_BF16) {  // round to nearest even, keep the result in fp32
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  if (kind == ROUND_FP16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return v;
+}
+
+// The block's 16 weight values (see blockwise4bit.h); NF4 / FP4 take the first line only.
 inline __m512 table(const B4Params& p, const __m512 code, int64_t n, int64_t g) {
-  return _mm512_mul_ps(code, _mm512_set1_ps(b4_scale(p, n, g)));
+  const __m512 s = _mm512_set1_ps(b4_scale(p, n, g));
+  if (!p.shifts && !p.zeros && p.round_mul == ROUND_NONE) return _mm512_mul_ps(code, s);
+  const int64_t b = n * (p.K / p.block) + g;
+  const __m512 c = p.shifts ? _mm512_add_ps(code, _mm512_set1_ps(p.shifts[b])) : code;
+  const __m512 v = round_to(_mm512_mul_ps(c, s), p.round_mul);
+  return p.zeros ? round_to(_mm512_add_ps(v, _mm512_set1_ps(p.zeros[b])), p.round_add) : v;
 }
 
 // out[m0..m0+MT, n..n+NT] for rows whose weights unpack into registers chunk by chunk.
@@ -41,10 +58,18 @@ void fused_tile(const B4Params& p, int64_t n, int64_t m0) {
   for (int t = 0; t < NT; ++t) w[t] = p.packed + (n + t) * (K / 2);
   const float* x[MT];
   for (int m = 0; m < MT; ++m) x[m] = p.xp + (m0 + m) * K;
+  // The next tile's rows follow these in memory: fetch them one line per step (NT rows of
+  // K/2 bytes take NT*K/64 lines, which is exactly one per 32-element step of this tile), so
+  // memory streams while this tile computes; rows of a few KB are too short for the hardware
+  // prefetchers to ramp up on their own.
+  const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));
+  const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
   for (int64_t g = 0; g < G; ++g) {
     __m512 lut[NT];
     for (int t = 0; t < NT; ++t) lut[t] = table(p, code, n + t, g);
     for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
+      if (ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
+      ahead += 16 * NT;
       for (int t = 0; t < NT; ++t) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[t] + k / 2)));
         const __m512 we = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[t]);

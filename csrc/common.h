@@ -16,6 +16,9 @@ enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 // The widest ISA both supported by the CPU and allowed by tq_set_isa / TORCHQ_NATIVE_ISA.
 int active_isa();
 
+// Whether the CPU has AVX-512 VNNI (vpdpbusd), used by the int8 x int8 kernels under ISA_AVX512.
+bool has_avx512_vnni();
+
 // Run fn(ctx, begin, end) over [0, n) split into at most `threads` contiguous ranges whose
 // bounds are multiples of `grain` (except the end). The caller runs the first range itself.
 // Afterwards the workers spin for `spin_us` microseconds before sleeping: worth it between

@@ -14,7 +14,7 @@ int detect() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
     return ISA_AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return ISA_AVX2;
   return ISA_SCALAR;
 }
 
@@ -35,10 +35,15 @@ std::atomic<int> g_active{from_environment(g_supported)};
 
 int active_isa() { return g_active.load(std::memory_order_relaxed); }
 
+bool has_avx512_vnni() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));
+  return yes;
+}
+
 }  // namespace tq
 
 // Bumped whenever an exported signature changes; torchq/native.py refuses a mismatch.
-TQ_API int tq_abi_version() { return 1; }
+TQ_API int tq_abi_version() { return 2; }
 TQ_API int tq_supported_isa() { return tq::g_supported; }
 TQ_API int tq_active_isa() { return tq::active_isa(); }
 // Use at most `isa` (clamped to what the CPU supports); returns the ISA now active.

@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["NativeMissingWarning", "NativeStatus", "available", "disabled", "library", "set_isa", "status", "threads"]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ISA_NAMES = ("scalar", "avx2", "avx512")
 _c_int64, _c_float, _c_int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -47,6 +47,20 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_blockwise4bit_dequantize": (
         _c_int,
         [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int],
+    ),
+    "tq_int4_linear": (
+        _c_int,
+        [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr, _ptr, _c_int],
+    ),
+    "tq_int4_dequantize": (
+        _c_int,
+        [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int64, _c_int64, _ptr, _c_int, _c_int],
+    ),
+    "tq_int8_linear": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int]),
+    "tq_int8_dequantize": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int]),
+    "tq_int8_dynamic_linear": (
+        _c_int,
+        [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _ptr, _c_float, _c_float, _c_int, _c_int, _ptr, _c_int],
     ),
 }
 

@@ -20,12 +20,12 @@ Gradients flow to ``x`` (``grad @ W``) and ``bias``; the quantized weight is fro
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
 
 from .. import native
+from ..prefill import FUSED_MAX_M, tile_dtype, tiled_linear
 from .codebooks import codebook, dynamic_map
 from .nested import NESTED_BLOCKSIZE, double_dequantize
 from .ops import BLOCK_SIZES, check_blocksize, dequantize_4bit, gemv_4bit_reference
@@ -102,47 +102,9 @@ def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, bloc
     return x.new_empty((*x.shape[:-1], shape[0]))
 
 
-# M (activation rows) up to which the fused kernel runs; above it, on CPUs with native bf16
-# matmul, bf16 inputs use dequantized bf16 tiles with torch.mm; above _PANEL_MAX_M, fp32 tiles.
-FUSED_MAX_M = 4
+# Above FUSED_MAX_M rows: the panel kernel for fp32 GEMMs up to _PANEL_MAX_M rows, else (and
+# for bf16 GEMMs) dequantized tiles with torch.mm (torchq.prefill).
 _PANEL_MAX_M = 64
-_TILE_BYTES = 8 << 20
-_SCRATCH = threading.local()
-
-
-def _fast_bf16_matmul() -> bool:
-    cpu = getattr(torch, "cpu", None)
-    return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)() or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
-
-
-_FAST_BF16 = _fast_bf16_matmul()
-
-
-def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A per-thread reusable buffer (fresh large allocations cost more in page faults than the work)."""
-    key = f"buf_{dtype}"
-    buf = getattr(_SCRATCH, key, None)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype)
-        setattr(_SCRATCH, key, buf)
-    return buf[:numel]
-
-
-def _tiled_gemm(lib, rows, weight_args, n, k, tile_dtype, bias) -> torch.Tensor:
-    """fp32 [M, N]: weight rows dequantized tile by tile (L2-sized, reused buffer) into tile_dtype,
-    each multiplied with torch.mm (oneDNN / MKL) into the transposed output."""
-    x = rows.to(tile_dtype)
-    out_t = torch.empty(n, rows.shape[0], dtype=tile_dtype)
-    tile = max(64, _TILE_BYTES // (k * tile_dtype.itemsize) // 64 * 64)
-    buf = _scratch(min(tile, n) * k, tile_dtype)
-    for n0 in range(0, n, tile):
-        n1 = min(n, n0 + tile)
-        w = buf[: (n1 - n0) * k].view(n1 - n0, k)
-        status = lib.tq_blockwise4bit_dequantize(*weight_args, n0, n1, w.data_ptr(), int(tile_dtype == torch.bfloat16), native.threads())
-        native.check(status, "blockwise_4bit dequantize")
-        torch.mm(w, x.t(), out=out_t[n0:n1])
-    out = out_t.t().to(torch.float32)
-    return out if bias is None else out + bias
 
 
 def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
@@ -161,9 +123,16 @@ def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, n
         native.ptr(absmax), native.ptr(nested_codes), native.ptr(nested_absmax),
         0.0 if nested_offset is None else float(nested_offset), native.ptr(nested_map),
     )
-    if m > FUSED_MAX_M and (x.dtype == torch.bfloat16 and _FAST_BF16 or m > _PANEL_MAX_M):
-        tile_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and _FAST_BF16 else torch.float32
-        out = _tiled_gemm(lib, rows, (packed_ptr, n, k, blocksize, table_ptr, *scales), n, k, tile_dtype, b)
+    dtype = tile_dtype(x.dtype)
+    if m > FUSED_MAX_M and (dtype == torch.bfloat16 or m > _PANEL_MAX_M):
+
+        def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
+            status = lib.tq_blockwise4bit_dequantize(
+                packed_ptr, n, k, blocksize, table_ptr, *scales, n0, n1, w.data_ptr(), int(w.dtype == torch.bfloat16), native.threads()
+            )
+            native.check(status, "blockwise_4bit dequantize")
+
+        out = tiled_linear(rows, n, k, dequant_rows, dtype, b)
     else:
         rows = rows.to(torch.float32).contiguous()
         out = torch.empty(m, n, dtype=torch.float32)

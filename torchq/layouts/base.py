@@ -54,6 +54,11 @@ class Layout:
         """None if this layout can hold such a weight on ``device``, else the reason it cannot."""
         return None
 
+    def auto_rejects(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why automatic choice passes over this layout although it can hold the weight (for
+        instance: the native kernel it exists for is not available here). None by default."""
+        return None
+
     def check(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
         """:meth:`rejects` after the capability checks every layout shares (what generic code calls)."""
         if spec.codebook is not None and not self.holds_codebooks:
@@ -97,7 +102,12 @@ def registered_layouts() -> dict[str, type[Layout]]:
 def layout_rejections(spec: QuantSpec, shape, scale_dtype, device) -> dict[str, str | None]:
     """For every auto-choosable layout with default options: None (accepts) or its reason."""
     device = torch.device(device)
-    return {name: cls().check(spec, tuple(shape), scale_dtype, device) for name, cls in _LAYOUTS.items() if cls.auto_priority >= 0}
+    out: dict[str, str | None] = {}
+    for name, cls in _LAYOUTS.items():
+        if cls.auto_priority >= 0:
+            layout = cls()
+            out[name] = layout.check(spec, tuple(shape), scale_dtype, device) or layout.auto_rejects(spec, tuple(shape), scale_dtype, device)
+    return out
 
 
 def choose_layout(spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> Layout:
@@ -108,7 +118,7 @@ def choose_layout(spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> L
         if cls.auto_priority < 0:
             continue
         layout = cls()
-        if layout.check(spec, tuple(shape), scale_dtype, device) is None:
+        if layout.check(spec, tuple(shape), scale_dtype, device) is None and layout.auto_rejects(spec, tuple(shape), scale_dtype, device) is None:
             best = layout
             break
     if best is None:

@@ -9,6 +9,10 @@ own dtypes. Works on every device. Kernels registered here (CPU):
   ``int8_weight_only_cpu_bf16_compute`` (the same op in bf16, ~10x faster on CPU);
 * ``int8_dynamic_cpu``: per-token dynamic int8 activations x per-channel int8 weights through
   ``torch._int_mm`` (int32 accumulation), rescaled in fp32.
+
+Ahead of those, when torchq's native library is available (:mod:`torchq.native`):
+``int8_weight_only_native`` (``torchq::int8_weight_linear``, every activation dtype) and
+``int8_dynamic_native`` (``torchq::int8_dynamic_linear``, bit-equal to ``int8_dynamic_cpu``).
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..activation import OutlierInt8, PerTokenInt8
 from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
+from ..int8_linear import NATIVE_MIN_CODE, int8_dynamic_linear, int8_weight_linear
 from ..primitives import ZeroPointDomain
 from .base import Layout, TensorImpl
 
@@ -140,6 +146,42 @@ def _check_bf16_compute(x: torch.Tensor, w, b) -> str | None:
     if x.dtype not in (torch.float32, torch.float16):
         return f"only for fp32/fp16 inputs, input is {x.dtype}"
     return _cpu_plain_int8_check(x, w, want_act=False)
+
+
+def _check_native(x: torch.Tensor, w, bias, *, want_act: bool) -> str | None:
+    reason = _cpu_plain_int8_check(x, w, want_act=want_act)
+    if reason is not None:
+        return reason
+    if not native.available():
+        return f"native library not available ({native.status().reason})"
+    if want_act and w.act_quant.quant_min < NATIVE_MIN_CODE:
+        return f"activation codes [{w.act_quant.quant_min}, {w.act_quant.quant_max}]: the native kernel takes [-127, 127]"
+    return None
+
+
+def _int8_weight_only_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    return int8_weight_linear(x, w.codes, w.scale, bias)
+
+
+def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    act = w.act_quant
+    return int8_dynamic_linear(x, w.codes, w.scale, act.quant_min, act.quant_max, act.eps, bias)
+
+
+register_linear_kernel(
+    "int8_weight_only_native",
+    lambda x, w, b: _check_native(x, w, b, want_act=False),
+    _int8_weight_only_native,
+    description="torchq::int8_weight_linear: native fused dequantize + dot (fp32/bf16/fp16 input)",
+    priority=0,
+)
+register_linear_kernel(
+    "int8_dynamic_native",
+    lambda x, w, b: _check_native(x, w, b, want_act=True),
+    _int8_dynamic_native,
+    description="torchq::int8_dynamic_linear: native per-token int8 quantization + int8 dot (VNNI/AVX2), fp32 rescale",
+    priority=0,
+)
 
 
 # aten._weight_int8pack_mm is ~10x slower for fp32/fp16 inputs than for bf16 (13.2 ms vs

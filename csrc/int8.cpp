@@ -1,0 +1,187 @@
+// int8 kernels: portable paths, ISA choice, threading and the exported entry points.
+#include "int8.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+namespace tq {
+
+void i8_weight_rows_scalar(const I8Params& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.w + n * p.K;
+    const float s = p.scale[n];
+    for (int64_t m = 0; m < p.M; ++m) {
+      const float* x = p.x + m * p.Kp;
+      float acc = 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) acc += (static_cast<float>(w[k]) * s) * x[k];
+      p.out[m * p.N + n] = p.bias ? acc + p.bias[n] : acc;
+    }
+  }
+}
+
+void i8_dynamic_rows_scalar(const I8Params& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.w + n * p.K;
+    for (int64_t m = 0; m < p.M; ++m) {
+      const int8_t* x = p.xq + m * p.Kp;
+      int32_t acc = 0;
+      for (int64_t k = 0; k < p.K; ++k) acc += static_cast<int32_t>(w[k]) * x[k];
+      p.out[m * p.N + n] = (static_cast<float>(acc) * p.xs[m]) * p.scale[n];
+    }
+  }
+}
+
+void i8_quantize_rows_scalar(const float* x, int64_t K, int64_t Kp, const I8Quant& q, int offset, void* codes, float* xs,
+                             int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* row = x + m * K;
+    float amax = 0.0f;
+    bool nan = false;
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = fabsf(row[k]);
+      nan |= a != a;
+      amax = a > amax ? a : amax;
+    }
+    float s = nan ? NAN : amax / q.denom;
+    s = s < q.eps ? q.eps : s;  // a NaN scale stays NaN, as torch.clamp
+    xs[m] = s;
+    const float r = 1.0f / s;
+    for (int64_t k = 0; k < Kp; ++k) {
+      float v = k < K ? rintf(row[k] * r) : 0.0f;  // rint: round half to even (default rounding mode)
+      v = v != v ? 0.0f : v < q.qmin ? q.qmin : v > q.qmax ? q.qmax : v;
+      const int c = static_cast<int>(v);
+      if (offset) static_cast<uint8_t*>(codes)[m * Kp + k] = static_cast<uint8_t>(c + 128);
+      else static_cast<int8_t*>(codes)[m * Kp + k] = static_cast<int8_t>(c);
+    }
+  }
+}
+
+namespace {
+
+// In a model, PyTorch's own ops run between two linears: workers sleep right away (see
+// blockwise4bit.cpp).
+constexpr int kSpinUs = 0;
+
+void weight_rows(void* ctx, int64_t n0, int64_t n1) {
+  const I8Params& p = *static_cast<const I8Params*>(ctx);
+  switch (active_isa()) {
+    case ISA_AVX512: i8_weight_rows_avx512(p, n0, n1); break;
+    case ISA_AVX2: i8_weight_rows_avx2(p, n0, n1); break;
+    default: i8_weight_rows_scalar(p, n0, n1); break;
+  }
+}
+
+bool use_vnni() { return active_isa() == ISA_AVX512 && has_avx512_vnni(); }
+
+void dynamic_rows(void* ctx, int64_t n0, int64_t n1) {
+  const I8Params& p = *static_cast<const I8Params*>(ctx);
+  if (p.xu) i8_dynamic_rows_vnni(p, n0, n1);
+  else if (active_isa() >= ISA_AVX2) i8_dynamic_rows_avx2(p, n0, n1);
+  else i8_dynamic_rows_scalar(p, n0, n1);
+}
+
+struct QuantJob {
+  const float* x;
+  int64_t K, Kp;
+  I8Quant q;
+  int offset;
+  void* codes;
+  float* xs;
+};
+
+void quantize_rows(void* ctx, int64_t m0, int64_t m1) {
+  const QuantJob& j = *static_cast<const QuantJob*>(ctx);
+  switch (active_isa()) {
+    case ISA_AVX512: i8_quantize_rows_avx512(j.x, j.K, j.Kp, j.q, j.offset, j.codes, j.xs, m0, m1); break;
+    case ISA_AVX2: i8_quantize_rows_avx2(j.x, j.K, j.Kp, j.q, j.offset, j.codes, j.xs, m0, m1); break;
+    default: i8_quantize_rows_scalar(j.x, j.K, j.Kp, j.q, j.offset, j.codes, j.xs, m0, m1); break;
+  }
+}
+
+struct DequantJob {
+  const int8_t* w;
+  const float* scale;
+  int64_t K, n0;
+  void* out;
+  bool bf16;
+};
+
+uint16_t to_bf16(float f) {  // round to nearest even (finite values)
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+void dequant_rows(void* ctx, int64_t a, int64_t b) {
+  const DequantJob& j = *static_cast<const DequantJob*>(ctx);
+  for (int64_t r = a; r < b; ++r) {
+    const int8_t* w = j.w + (j.n0 + r) * j.K;
+    const float s = j.scale[j.n0 + r];
+    if (j.bf16) {
+      uint16_t* o = static_cast<uint16_t*>(j.out) + r * j.K;
+      for (int64_t k = 0; k < j.K; ++k) o[k] = to_bf16(static_cast<float>(w[k]) * s);
+    } else {
+      float* o = static_cast<float*>(j.out) + r * j.K;
+      for (int64_t k = 0; k < j.K; ++k) o[k] = static_cast<float>(w[k]) * s;
+    }
+  }
+}
+
+int64_t padded(int64_t K) { return (K + 63) / 64 * 64; }
+
+}  // namespace
+}  // namespace tq
+
+// out[M, N] = x[M, K] @ (q * s).T (+ bias): fp32 activations, int8 codes [N, K], fp32 scales [N].
+TQ_API int tq_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
+                          const float* bias, float* out, int threads) {
+  using namespace tq;
+  if (M < 1 || K < 1 || N < 1 || !x || !codes || !scale || !out) return BAD_ARGUMENT;
+  const int64_t Kp = padded(K);
+  float* xp = static_cast<float*>(aligned_alloc(64, M * Kp * sizeof(float)));
+  if (!xp) return OUT_OF_MEMORY;
+  for (int64_t m = 0; m < M; ++m) {
+    memcpy(xp + m * Kp, x + m * K, K * sizeof(float));
+    memset(xp + m * Kp + K, 0, (Kp - K) * sizeof(float));
+  }
+  I8Params p{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, out};
+  parallel_for(N, 4, threads, weight_rows, &p, kSpinUs);
+  free(xp);
+  return OK;
+}
+
+// Rows [n0, n1) of the weight, q * s, into out ([n1 - n0, K]) as fp32 (out_bf16 = 0) or bf16.
+TQ_API int tq_int8_dequantize(const int8_t* codes, int64_t N, int64_t K, const float* scale, int64_t n0, int64_t n1,
+                              void* out, int out_bf16, int threads) {
+  using namespace tq;
+  if (K < 1 || N < 1 || n0 < 0 || n1 > N || n0 >= n1 || !codes || !scale || !out) return BAD_ARGUMENT;
+  DequantJob job{codes, scale, K, n0, out, out_bf16 != 0};
+  parallel_for(n1 - n0, 1, threads, dequant_rows, &job);
+  return OK;
+}
+
+// out[M, N] = per-token int8(x) @ q.T rescaled (see int8.h); x fp32 [M, K]. No bias (the
+// reference adds it after rounding to the activation dtype). Codes are symmetric in
+// [qmin, qmax] with qmin >= -127 (the AVX2 sign trick needs |x| <= 127).
+TQ_API int tq_int8_dynamic_linear(const float* x, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
+                                  float denom, float eps, int qmin, int qmax, float* out, int threads) {
+  using namespace tq;
+  if (M < 1 || K < 1 || N < 1 || !x || !codes || !scale || !out) return BAD_ARGUMENT;
+  if (qmin < -127 || qmax > 127 || qmin >= qmax || !(denom > 0.0f) || !(eps > 0.0f)) return BAD_ARGUMENT;
+  const int64_t Kp = padded(K);
+  const bool vnni = use_vnni();
+  void* buf = aligned_alloc(64, M * Kp + (M * sizeof(float) + 63) / 64 * 64);
+  if (!buf) return OUT_OF_MEMORY;
+  float* xs = reinterpret_cast<float*>(static_cast<char*>(buf) + (M * Kp + 63) / 64 * 64);
+  QuantJob q{x, K, Kp, I8Quant{denom, eps, qmin, qmax}, vnni ? 128 : 0, buf, xs};
+  parallel_for(M, 1, threads, quantize_rows, &q, 0);
+  I8Params p{M, K, N, Kp, nullptr, vnni ? nullptr : static_cast<const int8_t*>(buf), vnni ? static_cast<const uint8_t*>(buf) : nullptr,
+             xs, codes, scale, nullptr, out};
+  parallel_for(N, 4, threads, dynamic_rows, &p, kSpinUs);
+  free(buf);
+  return OK;
+}
