@@ -34,6 +34,25 @@ void i8_dynamic_rows_scalar(const I8Params& p, int64_t n0, int64_t n1) {
   }
 }
 
+void i8_dequant_rows_scalar(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    const float s = scale[n];
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = static_cast<float>(row[k]) * s;
+      const int64_t i = (n - n0) * K + k;
+      if (bf16) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even (finite values)
+        static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(u >> 16);
+      } else {
+        static_cast<float*>(out)[i] = v;
+      }
+    }
+  }
+}
+
 void i8_quantize_rows_scalar(const float* x, int64_t K, int64_t Kp, const I8Quant& q, int offset, void* codes, float* xs,
                              int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; ++m) {
@@ -109,25 +128,13 @@ struct DequantJob {
   bool bf16;
 };
 
-uint16_t to_bf16(float f) {  // round to nearest even (finite values)
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 void dequant_rows(void* ctx, int64_t a, int64_t b) {
   const DequantJob& j = *static_cast<const DequantJob*>(ctx);
-  for (int64_t r = a; r < b; ++r) {
-    const int8_t* w = j.w + (j.n0 + r) * j.K;
-    const float s = j.scale[j.n0 + r];
-    if (j.bf16) {
-      uint16_t* o = static_cast<uint16_t*>(j.out) + r * j.K;
-      for (int64_t k = 0; k < j.K; ++k) o[k] = to_bf16(static_cast<float>(w[k]) * s);
-    } else {
-      float* o = static_cast<float*>(j.out) + r * j.K;
-      for (int64_t k = 0; k < j.K; ++k) o[k] = static_cast<float>(w[k]) * s;
-    }
+  char* out = static_cast<char*>(j.out) + a * j.K * (j.bf16 ? 2 : 4);
+  switch (active_isa()) {
+    case ISA_AVX512: i8_dequant_rows_avx512(j.w, j.scale, j.K, j.n0 + a, j.n0 + b, out, j.bf16); break;
+    case ISA_AVX2: i8_dequant_rows_avx2(j.w, j.scale, j.K, j.n0 + a, j.n0 + b, out, j.bf16); break;
+    default: i8_dequant_rows_scalar(j.w, j.scale, j.K, j.n0 + a, j.n0 + b, out, j.bf16); break;
   }
 }
 

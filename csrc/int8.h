@@ -39,6 +39,11 @@ void i8_dynamic_rows_scalar(const I8Params& p, int64_t n0, int64_t n1);
 void i8_dynamic_rows_avx2(const I8Params& p, int64_t n0, int64_t n1);
 void i8_dynamic_rows_vnni(const I8Params& p, int64_t n0, int64_t n1);
 
+// Weight rows [n0, n1) as q * s into out (row r - n0 at out + (r - n0) * K), fp32 or bf16 (RNE).
+void i8_dequant_rows_scalar(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16);
+void i8_dequant_rows_avx2(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16);
+void i8_dequant_rows_avx512(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16);
+
 // Quantize activation rows [m0, m1) of x ([M, K] fp32) into codes (row stride Kp, zero padded;
 // `offset` 128 stores codes + 128 as uint8, padded with 128) and scales.
 void i8_quantize_rows_scalar(const float* x, int64_t K, int64_t Kp, const I8Quant& q, int offset, void* codes, float* xs,

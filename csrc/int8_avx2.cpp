@@ -150,6 +150,38 @@ void i8_dynamic_rows_avx2(const I8Params& p, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) rows_of<1, DynamicTile>(p, n);
 }
 
+void i8_dequant_rows_avx2(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16) {
+  const int64_t kfull = K / 8 * 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    const __m256 s = _mm256_set1_ps(scale[n]);
+    const int64_t base = (n - n0) * K;
+    for (int64_t k = 0; k < kfull; k += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)))), s);
+      if (bf16) {
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + base + k),
+                         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+      } else {
+        _mm256_storeu_ps(static_cast<float*>(out) + base + k, v);
+      }
+    }
+    for (int64_t k = kfull; k < K; ++k) {
+      const float v = static_cast<float>(row[k]) * scale[n];
+      if (bf16) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        u += 0x7FFFu + ((u >> 16) & 1u);
+        static_cast<uint16_t*>(out)[base + k] = static_cast<uint16_t>(u >> 16);
+      } else {
+        static_cast<float*>(out)[base + k] = v;
+      }
+    }
+  }
+}
+
 void i8_quantize_rows_avx2(const float* x, int64_t K, int64_t Kp, const I8Quant& q, int offset, void* codes, float* xs,
                            int64_t m0, int64_t m1) {
   const int64_t kfull = K / 8 * 8;

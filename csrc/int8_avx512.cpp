@@ -154,6 +154,26 @@ void i8_dynamic_rows_vnni(const I8Params& p, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) rows_of<1, DynamicTile>(p, n);
 }
 
+void i8_dequant_rows_avx512(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16) {
+  const __m512i round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    const __m512 s = _mm512_set1_ps(scale[n]);
+    const int64_t base = (n - n0) * K;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 in = k + 16 <= K ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(in, row + k))), s);
+      if (bf16) {
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + base + k, in, _mm512_cvtepi32_epi16(r));
+      } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(out) + base + k, in, v);
+      }
+    }
+  }
+}
+
 void i8_quantize_rows_avx512(const float* x, int64_t K, int64_t Kp, const I8Quant& q, int offset, void* codes, float* xs,
                              int64_t m0, int64_t m1) {
   const int64_t kfull = K / 16 * 16;

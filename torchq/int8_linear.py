@@ -4,10 +4,10 @@ The weight is symmetric per output channel: int8 codes ``[N, K]`` (one byte each
 ``PlainLayout`` stores them) and one fp32 scale per row, ``W = q * s``.
 
 * ``int8_weight_linear(x, codes, scale, bias) = x @ W.T + bias``. Reference: ``W`` in fp32, cast
-  once to x's dtype, ``F.linear``. Native CPU kernel: up to ``FUSED_MAX_M`` rows, every weight
-  the same fp32 ``q * s`` multiplied with x and summed in fp32 (one rounding to x's dtype at
-  the end, so bf16 / fp16 results are at least as accurate as the reference's); more rows:
-  dequantized tiles + ``torch.mm`` (:mod:`torchq.prefill`).
+  once to x's dtype, ``F.linear``. Native CPU kernel (fused; see :func:`torchq.prefill.use_tiles`): every
+  weight the same fp32 ``q * s`` multiplied with x and summed in fp32 (one rounding to x's dtype at
+  the end, so bf16 / fp16 results are at least as accurate as the reference's); prefill-sized
+  inputs: dequantized tiles + ``torch.mm`` (:mod:`torchq.prefill`).
 * ``int8_dynamic_linear(x, codes, scale, quant_min, quant_max, eps, bias)``: each row of x is
   quantized per token (:class:`torchq.activation.PerTokenInt8` with that range and eps), the
   int8 x int8 products accumulate exactly in int32, ``y = (acc * s_x) * s_w`` in fp32, cast to
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from . import native
 from .activation import PerTokenInt8
-from .prefill import FUSED_MAX_M, tile_dtype, tiled_linear
+from .prefill import tile_dtype, tiled_linear, use_tiles
 
-__all__ = ["int8_weight_linear", "int8_dynamic_linear"]
+__all__ = ["int8_weight_linear", "int8_dynamic_linear", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -60,7 +60,7 @@ def _(x, codes, scale, bias=None):
 
 
 @torch.library.register_kernel("torchq::int8_weight_linear", "cpu")
-def _(x, codes, scale, bias=None):
+def int8_weight_linear_cpu(x, codes, scale, bias=None):
     _check_weight(x, codes, scale, bias)
     lib = native.library()
     if lib is None or x.numel() == 0:
@@ -73,7 +73,7 @@ def _(x, codes, scale, bias=None):
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
     b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
-    if m > FUSED_MAX_M:
+    if use_tiles(m, x.dtype):
 
         def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
             status = lib.tq_int8_dequantize(codes.data_ptr(), n, k, scale.data_ptr(), n0, n1, w.data_ptr(),
@@ -92,8 +92,8 @@ def _(x, codes, scale, bias=None):
 
 def _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias) -> None:
     _check_weight(x, codes, scale, bias)
-    if not -128 <= quant_min < 0 < quant_max <= 127:
-        raise ValueError(f"quant_min, quant_max: expected an int8 range around 0, got [{quant_min}, {quant_max}]")
+    if not (-128 <= quant_min < 0 < quant_max <= 127 and quant_min + quant_max in (0, -1)):
+        raise ValueError(f"quant_min, quant_max: expected a symmetric int8 range ([-q, q] or [-q-1, q]), got [{quant_min}, {quant_max}]")
     if not eps > 0:
         raise ValueError(f"eps: expected > 0, got {eps}")
 
@@ -127,7 +127,7 @@ NATIVE_MIN_CODE = -127
 
 
 @torch.library.register_kernel("torchq::int8_dynamic_linear", "cpu")
-def _(x, codes, scale, quant_min, quant_max, eps, bias=None):
+def int8_dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias=None):
     _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias)
     lib = native.library()
     if lib is None or x.numel() == 0 or quant_min < NATIVE_MIN_CODE:

@@ -178,6 +178,13 @@ def reset_warnings() -> None:
     _WARNED.clear()
 
 
+def eager_cpu(x: torch.Tensor) -> bool:
+    """True when a CPU op can be called as a plain function: ``x`` is on the CPU and no graph is
+    being traced. Dispatch kernels then skip the custom-op dispatcher (tens of microseconds per
+    call, a tenth of a decode-sized linear); torch.compile still sees the ``torchq::`` op."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 

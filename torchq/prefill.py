@@ -16,10 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FUSED_MAX_M", "FAST_BF16_MATMUL", "tile_dtype", "tiled_linear"]
+__all__ = ["FUSED_MAX_M", "PANEL_MAX_M", "FAST_BF16_MATMUL", "tile_dtype", "use_tiles", "tiled_linear"]
 
-# Activation rows up to which the fused (decode) kernels run; above, tiles + GEMM.
+# Activation rows up to which the fused (decode) kernels run. Above, fp32 GEMMs up to
+# PANEL_MAX_M rows still run the native kernels (register-tiled over activation rows, each weight
+# decoded once per 4 rows), which beat dequantize + GEMM there; everything else takes tiles + GEMM.
 FUSED_MAX_M = 4
+PANEL_MAX_M = 16
 _TILE_BYTES = 8 << 20
 _SCRATCH = threading.local()
 
@@ -35,6 +38,11 @@ FAST_BF16_MATMUL = _fast_bf16_matmul()
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     """The GEMM dtype for activations of ``x_dtype``: bf16 for bf16 on fast-bf16 CPUs, else fp32."""
     return torch.bfloat16 if x_dtype == torch.bfloat16 and FAST_BF16_MATMUL else torch.float32
+
+
+def use_tiles(m: int, x_dtype: torch.dtype) -> bool:
+    """Whether ``m`` activation rows of ``x_dtype`` go to dequantized tiles + GEMM."""
+    return m > FUSED_MAX_M and (tile_dtype(x_dtype) == torch.bfloat16 or m > PANEL_MAX_M)
 
 
 def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,7 @@ double-quantized in the three ``nested_*`` tensors; see :mod:`torchq.layouts.blo
 
 * Reference (every device, the executable spec): dequantize to fp32, cast once to ``x``'s
   dtype, ``F.linear``.
-* CPU with the native library (:mod:`torchq.native`), up to ``FUSED_MAX_M`` rows (decode): one
+* CPU with the native library (:mod:`torchq.native`), for decode-sized inputs: one
   fused pass that unpacks each weight to the same fp32 value as the reference, multiplies with
   ``x`` in fp32 and accumulates in fp32, rounding once to ``x``'s dtype (so bf16/fp16 results
   are at least as accurate as the reference's). More rows (prefill): the same kernel up to 64
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import native
-from ..prefill import FUSED_MAX_M, tile_dtype, tiled_linear
+from ..prefill import tile_dtype, tiled_linear, use_tiles
 from .codebooks import codebook, dynamic_map
 from .nested import NESTED_BLOCKSIZE, double_dequantize
 from .ops import BLOCK_SIZES, check_blocksize, dequantize_4bit, gemv_4bit_reference
@@ -102,14 +102,9 @@ def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, bloc
     return x.new_empty((*x.shape[:-1], shape[0]))
 
 
-# Above FUSED_MAX_M rows: the panel kernel for fp32 GEMMs up to _PANEL_MAX_M rows, else (and
-# for bf16 GEMMs) dequantized tiles with torch.mm (torchq.prefill).
-_PANEL_MAX_M = 64
-
-
 def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias): fused kernel for small M (fp32 arithmetic, one rounding to
-    x's dtype), dequantized tiles + torch.mm above (see FUSED_MAX_M)."""
+    x's dtype), dequantized tiles + torch.mm (see torchq.prefill.use_tiles)."""
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
@@ -124,7 +119,7 @@ def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, n
         0.0 if nested_offset is None else float(nested_offset), native.ptr(nested_map),
     )
     dtype = tile_dtype(x.dtype)
-    if m > FUSED_MAX_M and (dtype == torch.bfloat16 or m > _PANEL_MAX_M):
+    if use_tiles(m, x.dtype):
 
         def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
             status = lib.tq_blockwise4bit_dequantize(
@@ -148,7 +143,7 @@ _DYNAMIC = dynamic_map().contiguous()
 
 
 @torch.library.register_kernel("torchq::blockwise_4bit_linear", "cpu")
-def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
+def blockwise_4bit_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
     _check(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
     lib = native.library()
     if lib is None or x.numel() == 0:

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..bitpack import pack_bits, unpack_bits
+from ..blockwise.linear import blockwise_4bit_linear_cpu
 from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
 from ..dispatch import register_linear_kernel
@@ -105,7 +107,8 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Blockwise4bitImpl = w.tensor_impl
     spec = impl.spec
-    return torch.ops.torchq.blockwise_4bit_linear(
+    op = blockwise_4bit_linear_cpu if native.eager_cpu(x) else torch.ops.torchq.blockwise_4bit_linear
+    return op(
         x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset,
         list(impl.shape), spec.block_size[1], spec.codebook, bias,
     )

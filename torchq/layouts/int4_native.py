@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .. import native
 from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
-from ..prefill import FUSED_MAX_M, tile_dtype, tiled_linear
+from ..prefill import tile_dtype, tiled_linear, use_tiles
 from ..primitives import ZeroPointDomain
 from .base import Layout, TensorImpl
 
@@ -233,9 +233,9 @@ def _codebook(code_base: float) -> torch.Tensor:
 
 
 @torch.library.register_kernel("torchq::int4_groupwise_linear", "cpu")
-def _(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
-    """Native: fused dequantize + dot in fp32 for up to FUSED_MAX_M rows (weights exactly the
-    reference's values, one rounding to x's dtype at the end), dequantized tiles + torch.mm above."""
+def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
+    """Native: fused dequantize + dot in fp32 (weights exactly the reference's values, one
+    rounding to x's dtype at the end), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
     _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     lib = native.library()
     if lib is None or x.numel() == 0:
@@ -252,7 +252,7 @@ def _(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, ro
     table = _codebook(code_base)
     weight = (packed.data_ptr(), n, kp, group_size, table.data_ptr(), scale.data_ptr(), native.ptr(shift), native.ptr(zero),
               round_mul, round_add)
-    if m > FUSED_MAX_M:
+    if use_tiles(m, x.dtype):
 
         def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
             bf16 = w.dtype == torch.bfloat16
@@ -309,7 +309,8 @@ def _check_linear(x: torch.Tensor, w, bias) -> str | None:
 def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4NativeImpl = w.tensor_impl
     round_mul, round_add = impl.round_kinds
-    return int4_groupwise_linear(
+    op = int4_groupwise_linear_cpu if native.eager_cpu(x) else int4_groupwise_linear
+    return op(
         x, w.packed, w.scale, getattr(w, "shift", None), getattr(w, "zero", None), list(impl.shape), impl.group_size, impl.code_base, round_mul, round_add, bias
     )
 

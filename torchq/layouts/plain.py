@@ -26,7 +26,13 @@ from .. import native
 from ..activation import OutlierInt8, PerTokenInt8
 from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
-from ..int8_linear import NATIVE_MIN_CODE, int8_dynamic_linear, int8_weight_linear
+from ..int8_linear import (
+    NATIVE_MIN_CODE,
+    int8_dynamic_linear,
+    int8_dynamic_linear_cpu,
+    int8_weight_linear,
+    int8_weight_linear_cpu,
+)
 from ..primitives import ZeroPointDomain
 from .base import Layout, TensorImpl
 
@@ -160,12 +166,14 @@ def _check_native(x: torch.Tensor, w, bias, *, want_act: bool) -> str | None:
 
 
 def _int8_weight_only_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    return int8_weight_linear(x, w.codes, w.scale, bias)
+    op = int8_weight_linear_cpu if native.eager_cpu(x) else int8_weight_linear
+    return op(x, w.codes, w.scale, bias)
 
 
 def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     act = w.act_quant
-    return int8_dynamic_linear(x, w.codes, w.scale, act.quant_min, act.quant_max, act.eps, bias)
+    op = int8_dynamic_linear_cpu if native.eager_cpu(x) else int8_dynamic_linear
+    return op(x, w.codes, w.scale, act.quant_min, act.quant_max, act.eps, bias)
 
 
 register_linear_kernel(

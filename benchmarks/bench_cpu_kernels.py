@@ -1,0 +1,240 @@
+"""torchq's native CPU kernels against the memory bandwidth, float F.linear and PyTorch's own ops.
+
+One run measures:
+
+1. the machine's read bandwidth: ``torch.sum`` over a 1 GiB fp32 tensor (best of 5), with the
+   threads torch uses;
+2. for every shape ``KxN`` (a ``Linear(K, N)``; default 4096x4096, 4096x11008, 11008x4096),
+   activation dtype (fp32, bf16, fp16) and M (1, 4, 16, 64, 256), the median time of
+
+   * ``float``: ``F.linear`` in the activation dtype, and ``float32``: upcast to fp32 and back
+     (the faster of the two is the "fastest float" every quantized path is compared with);
+   * PyTorch's own quantized ops: ``aten-int4`` (``_weight_int4pack_mm_for_cpu``, g128),
+     ``aten-int8`` (``_weight_int8pack_mm``), both in the activation dtype; ``fbgemm``
+     (``torch.ao.quantization.quantize_dynamic``, per-channel qint8, fp32 activations: the input
+     is cast to fp32 and the output back, included in the time); ``int_mm``: per-token int8
+     activations through ``torch._int_mm`` (torchq's reference path for int8 dynamic);
+   * torchq through ``nn.Linear`` (the whole user-facing path: subclass dispatch, the kernel
+     table, the op): ``int4`` (int4 g128, tinygemm numerics, ``Int4NativeLayout``), ``nf4``
+     (NF4 b64, double-quantized absmax), ``int8wo`` (int8 weight-only), ``int8dq`` (int8 dynamic).
+
+Weights are rotated through enough copies that every call reads its weight from DRAM, not from
+a cache (at least ``--rotate-mb`` MB of weights per config; the L3 of a server CPU holds 8-100 MB).
+
+Columns: ``ms`` (median per call), ``x best float`` (fastest float / this, >1 = faster) and, at
+M=1, ``%bw``: the weight's bytes (codes + scales) / time / measured bandwidth.
+
+    python benchmarks/bench_cpu_kernels.py                         # full run (~10 minutes on 2 cores)
+    python benchmarks/bench_cpu_kernels.py --quick                 # one shape, M in {1, 16}
+    python benchmarks/bench_cpu_kernels.py --shapes 4096x4096 --m 1 --dtypes bf16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchq
+from torchq.int8_linear import int8_dynamic_linear
+from torchq.layouts import Int4CPULayout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CONFIGS = ("float", "float32", "aten-int4", "aten-int8", "fbgemm", "int_mm", "int4", "nf4", "int8wo", "int8dq")
+TORCHQ = {"int4": "int4", "nf4": "nf4", "int8wo": "int8wo", "int8dq": "int8dq"}
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """GB/s of torch.sum over a ``gib`` GiB fp32 tensor (best of ``reps``)."""
+    big = torch.ones(int(gib * (1 << 30)) // 4)
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t)
+    return big.numel() * 4 / best / 1e9
+
+
+def _quantized(k: int, n: int, name: str, dtype: torch.dtype) -> nn.Linear:
+    lin = nn.Linear(k, n, bias=False).to(dtype)
+    cfg = {
+        "int4": torchq.int4_weight_only(group_size=128),
+        "nf4": torchq.nf4_weight_only(),
+        "int8wo": torchq.int8_weight_only(),
+        "int8dq": torchq.int8_dynamic_activation_int8_weight(),
+    }[name]
+    torchq.quantize_(lin, cfg)
+    return lin
+
+
+def _weight_bytes(lin: nn.Linear) -> int:
+    w = lin.weight
+    return w.nbytes_quantized() if hasattr(w, "nbytes_quantized") else w.numel() * w.element_size()
+
+
+class Case:
+    """One config on one shape and dtype: ``copies`` independent weights and a call(x, i)."""
+
+    def __init__(self, name: str, k: int, n: int, dtype: torch.dtype, rotate_bytes: int) -> None:
+        self.name, self.nbytes = name, 0
+        torch.manual_seed(0)
+        make, self.call = self._build(name, k, n, dtype)
+        first = make()
+        copies = max(1, min(64, math.ceil(rotate_bytes / max(1, self.nbytes))))
+        self.weights = [first] + [make() for _ in range(copies - 1)]
+
+    def _build(self, name, k, n, dtype):
+        if name in ("float", "float32"):
+            def make():
+                w = torch.randn(n, k, dtype=dtype) * 0.02
+                self.nbytes = w.numel() * w.element_size()
+                return w.float() if name == "float32" else w
+            call = (lambda x, w: F.linear(x, w)) if name == "float" else (lambda x, w: F.linear(x.float(), w).to(x.dtype))
+            return make, call
+        if name == "aten-int4":
+            def make():
+                lin = _quantized_int4_cpu(k, n, dtype)
+                self.nbytes = lin.weight.nbytes_quantized()
+                impl = lin.weight.tensor_impl
+                return impl.packed, impl.scales_and_zeros.to(dtype), impl.padded_shape
+            def call(x, w):
+                packed, sz, (np_, kp) = w
+                return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 128, sz)[:, :n]
+            return make, call
+        if name == "aten-int8":
+            def make():
+                codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+                scale = torch.rand(n) * 1e-3
+                self.nbytes = codes.numel() + scale.numel() * 4
+                return codes, scale.to(dtype)
+            return make, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w[0], w[1])
+        if name == "fbgemm":
+            def make():
+                lin = nn.Linear(k, n, bias=False)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    q = torch.ao.quantization.quantize_dynamic(
+                        nn.Sequential(lin), {nn.Linear}, dtype=torch.qint8
+                    )
+                self.nbytes = n * k + n * 8
+                return q
+            return make, lambda x, w: w(x.float()).to(x.dtype)
+        if name == "int_mm":
+            def make():
+                codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+                self.nbytes = codes.numel() + n * 4
+                return codes, torch.rand(n) * 1e-3
+            def call(x, w):
+                with torchq.native.disabled():
+                    return int8_dynamic_linear(x, w[0], w[1], -127, 127, 1e-5)
+            return make, call
+        def make():
+            lin = _quantized(k, n, TORCHQ[name], dtype)
+            self.nbytes = _weight_bytes(lin)
+            return lin
+        return make, lambda x, lin: lin(x)
+
+
+def _quantized_int4_cpu(k: int, n: int, dtype: torch.dtype) -> nn.Linear:
+    lin = nn.Linear(k, n, bias=False).to(dtype)
+    torchq.quantize_(lin, torchq.int4_weight_only(group_size=128, layout=Int4CPULayout()))
+    return lin
+
+
+def time_case(case: Case, x: torch.Tensor, budget_s: float, min_reps: int) -> float:
+    """Median seconds per call, cycling through the case's weights."""
+    ws = case.weights
+    for i in range(min(3, len(ws)) or 1):
+        case.call(x, ws[i % len(ws)])
+    samples: list[float] = []
+    start = time.perf_counter()
+    i = 0
+    while len(samples) < min_reps or (time.perf_counter() - start < budget_s and len(samples) < 2000):
+        w = ws[i % len(ws)]
+        t = time.perf_counter()
+        case.call(x, w)
+        samples.append(time.perf_counter() - t)
+        i += 1
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4096x4096,4096x11008,11008x4096", help="KxN list (in_features x out_features)")
+    ap.add_argument("--m", default="1,4,16,64,256", help="activation rows")
+    ap.add_argument("--dtypes", default="fp32,bf16,fp16")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--budget", type=float, default=0.25, help="seconds of timing per cell")
+    ap.add_argument("--min-reps", type=int, default=5)
+    ap.add_argument("--rotate-mb", type=float, default=320.0, help="weights per config to rotate through (MB)")
+    ap.add_argument("--quick", action="store_true", help="4096x4096, M in {1, 16}, short budget")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.m, args.budget, args.rotate_mb = "4096x4096", "1,16", 0.1, 160.0
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.m.split(",")]
+    dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        ap.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; {torchq.native.status()}")
+    bw = read_bandwidth()
+    print(f"read bandwidth (torch.sum over 1 GiB fp32): {bw:.1f} GB/s\n")
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "native": str(torchq.native.status()),
+               "read_bandwidth_gbs": bw, "rows": []}
+    torch.set_grad_enabled(False)
+    for k, n in shapes:
+        for dtype in dtypes:
+            dname = str(dtype).replace("torch.", "")
+            cases = {}
+            for c in configs:
+                try:
+                    cases[c] = Case(c, k, n, dtype, int(args.rotate_mb * 1e6))
+                except Exception as e:  # an op PyTorch lacks on this build: say so, go on
+                    print(f"  {c} on {k}x{n} {dname}: unavailable ({type(e).__name__}: {e})")
+            header = f"{'M':>4} " + " ".join(f"{c:>17}" for c in cases)
+            print(f"== Linear({k}, {n}), {dname} activations: ms (x fastest float){'; %bw at M=1' if 1 in ms else ''}")
+            print(header)
+            for m in ms:
+                x = torch.randn(m, k).to(dtype)
+                times = {}
+                for c, case in cases.items():
+                    try:
+                        times[c] = time_case(case, x, args.budget, args.min_reps)
+                    except Exception as e:
+                        print(f"  {c} M={m}: failed ({type(e).__name__}: {e})")
+                floats = [times[c] for c in ("float", "float32") if c in times]
+                best = min(floats) if floats else None
+                cells = []
+                for c, t in times.items():
+                    ratio = best / t if best else float("nan")
+                    frac = cases[c].nbytes / t / 1e9 / bw if m == 1 else None
+                    cell = f"{t * 1e3:.3f} ({ratio:.2f}x)" + (f" {100 * frac:.0f}%" if frac is not None else "")
+                    cells.append(f"{cell:>17}")
+                    results["rows"].append({"K": k, "N": n, "dtype": dname, "M": m, "config": c, "ms": t * 1e3,
+                                            "x_fastest_float": ratio, "weight_bytes": cases[c].nbytes,
+                                            "bandwidth_fraction": frac})
+                print(f"{m:>4} " + " ".join(cells))
+            print()
+            del cases
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""The native int4 groupwise, int8 weight-only and int8 dynamic CPU kernels against their references.
+
+* int4 (``Int4NativeLayout``): lossless round trips through the plain form; the layout's
+  pure-PyTorch dequantization equals ``dequantize_affine`` bit for bit (float, integer and no
+  zero point; fp32 / bf16 / fp16 scales); one-hot activations give the exact weights on every
+  ISA and group size; random inputs stay within the fp32 accumulation bound;
+* int8 weight-only: the same (one-hot exact, accumulation bound);
+* int8 dynamic: bit-equal to the reference (per-token quantization, int32 accumulation, fp32
+  rescale) on every ISA, for 1 and 2 threads, odd K and N, zero / constant / tiny / huge rows;
+* without the library the references run and say so once, and automatic layout choice skips
+  the native layout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_native_blockwise import ISAS, NATIVE, error_bound, needs_native
+
+import torchq
+from torchq import native
+from torchq.canonical import PlainForm, QuantSpec
+from torchq.int8_linear import int8_dynamic_linear, int8_weight_linear
+from torchq.layouts import Int4CPULayout, Int4NativeLayout, PlainLayout
+from torchq.layouts.int4_native import GROUP_SIZES, dequantize_int4_native, int4_groupwise_linear
+from torchq.primitives import ZeroPointDomain
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def isa(request):
+    saved = native.status().isa
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa(saved)
+
+
+@pytest.fixture
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+# -- int4 ---------------------------------------------------------------------------------------
+
+def int4_plain(n: int, k: int, g: int, domain: str, scale_dtype: torch.dtype, seed: int = 0, magnitude: float = 1.0) -> PlainForm:
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // g)
+    if domain == "float":  # tinygemm: codes 0..15, float zero
+        spec = QuantSpec((1, g), 0, 15, ZeroPointDomain.FLOAT)
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        zero = (torch.randn(n, groups, generator=gen) * magnitude).to(scale_dtype)
+    elif domain == "int":  # asymmetric uint4 with integer zero points
+        spec = QuantSpec((1, g), 0, 15, ZeroPointDomain.INT)
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        zero = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
+    else:  # symmetric int4, no zero point
+        spec = QuantSpec((1, g), -8, 7, ZeroPointDomain.NONE)
+        codes = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+        zero = None
+    scale = (torch.rand(n, groups, generator=gen) * magnitude + magnitude / 16).to(scale_dtype)
+    plain = PlainForm(codes, scale, zero, spec)
+    plain.validate()
+    return plain
+
+
+def int4_impl(plain: PlainForm):
+    return Int4NativeLayout().pack(plain)
+
+
+def run_int4(x, impl, bias=None):
+    rm, ra = impl.round_kinds
+    return int4_groupwise_linear(x, impl.packed, impl.scale, impl.shift, impl.zero, list(impl.shape), impl.group_size,
+                                 impl.code_base, rm, ra, bias)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 20), k=st.integers(1, 300), g=st.sampled_from(GROUP_SIZES[:4]),
+    domain=st.sampled_from(["float", "int", "none"]), scale_dtype=st.sampled_from(FLOATS), seed=st.integers(0, 2**16),
+)
+def test_int4_layout_round_trips_and_dequantizes_bit_exactly(n, k, g, domain, scale_dtype, seed):
+    plain = int4_plain(n, k, g, domain, scale_dtype, seed)
+    impl = int4_impl(plain)
+    assert impl.to_plain().equal(plain)
+    rm, ra = impl.round_kinds
+    for dtype in FLOATS:
+        ours = dequantize_int4_native(impl.packed, impl.scale, impl.shift, impl.zero, k, g, impl.code_base, rm, ra, dtype)
+        assert torch.equal(ours, plain.dequantize(dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("domain", ["float", "int", "none"])
+@pytest.mark.parametrize("scale_dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 7, 70], ids=lambda m: f"M{m}")
+def test_int4_one_hot_rows_give_the_exact_weights(isa, domain, scale_dtype, m):
+    n, k, g = 37, 256, 64
+    plain = int4_plain(n, k, g, domain, scale_dtype)
+    impl = int4_impl(plain)
+    dense = plain.dequantize(torch.float32)
+    cols = torch.randint(0, k, (m,), generator=torch.Generator().manual_seed(m))
+    x = torch.zeros(m, k)
+    x[torch.arange(m), cols] = 1.0
+    assert torch.equal(run_int4(x, impl), dense[:, cols].T)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("g", GROUP_SIZES)
+def test_int4_one_hot_every_group_size_and_padded_k(isa, g):
+    n, k = 5, g * 2 + 17  # K not a multiple of g: padded columns meet zero activations
+    plain = int4_plain(n, k, g, "float", torch.bfloat16, seed=g)
+    dense = plain.dequantize(torch.float32)
+    cols = torch.tensor([0, 1, g - 1, g, k - 1])
+    x = torch.zeros(len(cols), k)
+    x[torch.arange(len(cols)), cols] = 1.0
+    assert torch.equal(run_int4(x, int4_impl(plain)), dense[:, cols].T)
+
+
+@needs_native
+@settings(max_examples=50, deadline=None)
+@given(
+    n=st.integers(1, 40), k=st.integers(1, 400), g=st.sampled_from([32, 64, 128, 256]),
+    m=st.sampled_from([1, 2, 3, 4, 5, 8, 17, 66]), dtype=st.sampled_from(FLOATS),
+    domain=st.sampled_from(["float", "int", "none"]), scale_dtype=st.sampled_from(FLOATS),
+    with_bias=st.booleans(), magnitude=st.sampled_from([1e-4, 1.0, 30.0]), seed=st.integers(0, 2**16),
+)
+def test_int4_random_inputs_within_the_accumulation_bound(n, k, g, m, dtype, domain, scale_dtype, with_bias, magnitude, seed):
+    plain = int4_plain(n, k, g, domain, scale_dtype, seed, magnitude)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    y = run_int4(x, int4_impl(plain), bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    bound, exact = error_bound(x, plain.dequantize(torch.float32), bias, dtype)
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("m", [1, 4, 9, 80])
+def test_int4_threads_and_isas_within_the_bound(isa, threads, m):
+    plain = int4_plain(131, 512, 128, "float", torch.bfloat16)
+    x = torch.randn(m, 512)
+    y = run_int4(x, int4_impl(plain))
+    bound, exact = error_bound(x, plain.dequantize(torch.float32), None, torch.float32)
+    assert bool(((y.double() - exact).abs() <= bound).all())
+
+
+def test_int4_weight_only_picks_the_native_layout_and_kernel():
+    lin = torch.nn.Linear(256, 64).to(torch.bfloat16)
+    torchq.quantize_(lin, torchq.int4_weight_only(group_size=64))
+    want = Int4NativeLayout if NATIVE else Int4CPULayout
+    assert isinstance(lin.weight.tensor_impl.layout, want)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    kernel, _ = torchq.dispatch.select_linear_kernel(x, lin.weight, lin.bias)
+    assert kernel.name == ("int4_native" if NATIVE else "int4_cpu")
+
+
+def test_int4_native_layout_converts_to_and_from_the_aten_layout():
+    plain = int4_plain(70, 300, 128, "float", torch.bfloat16)
+    aten = Int4CPULayout().pack(plain)
+    assert Int4NativeLayout().pack(aten.to_plain()).to_plain().equal(plain)
+
+
+def test_int4_op_opcheck_and_gradients():
+    plain = int4_plain(12, 96, 32, "int", torch.float16)
+    impl = int4_impl(plain)
+    x = torch.randn(3, 96, requires_grad=True)
+    bias = torch.randn(12, requires_grad=True)
+    rm, ra = impl.round_kinds
+    args = (x, impl.packed, impl.scale, impl.shift, impl.zero, [12, 96], 32, impl.code_base, rm, ra, bias)
+    torch.library.opcheck(torch.ops.torchq.int4_groupwise_linear.default, args)
+    run_int4(x, impl, bias).sum().backward()
+    assert torch.allclose(x.grad, plain.dequantize(torch.float32).sum(0).expand(3, -1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(bias.grad, torch.full((12,), 3.0))
+
+
+def test_int4_op_errors_name_the_argument():
+    impl = int4_impl(int4_plain(4, 64, 32, "float", torch.float32))
+    rm, ra = impl.round_kinds
+    with pytest.raises(ValueError, match="group_size"):
+        int4_groupwise_linear(torch.randn(1, 64), impl.packed, impl.scale, None, impl.zero, [4, 64], 48, 0.0, rm, ra)
+    with pytest.raises(ValueError, match="x: expected last dimension"):
+        int4_groupwise_linear(torch.randn(1, 63), impl.packed, impl.scale, None, impl.zero, [4, 64], 32, 0.0, rm, ra)
+    with pytest.raises(ValueError, match="round_mul"):
+        int4_groupwise_linear(torch.randn(1, 64), impl.packed, impl.scale, None, impl.zero, [4, 64], 32, 0.0, 7, ra)
+
+
+# -- int8 weight-only ---------------------------------------------------------------------------
+
+def int8_weight(n: int, k: int, seed: int = 0, magnitude: float = 1.0):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * magnitude / 127 + 1e-8
+    return codes, scale, codes.float() * scale[:, None]
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("m", [1, 3, 7, 70], ids=lambda m: f"M{m}")
+def test_int8_one_hot_rows_give_the_exact_weights(isa, m):
+    n, k = 37, 203
+    codes, scale, dense = int8_weight(n, k)
+    cols = torch.cat([torch.tensor([0, k - 1]), torch.randint(0, k, (m,))])[:m]
+    x = torch.zeros(m, k)
+    x[torch.arange(m), cols] = 1.0
+    assert torch.equal(int8_weight_linear(x, codes, scale), dense[:, cols].T)
+
+
+@needs_native
+@settings(max_examples=50, deadline=None)
+@given(
+    n=st.integers(1, 40), k=st.integers(1, 300), m=st.sampled_from([1, 2, 3, 4, 5, 8, 17, 66]),
+    dtype=st.sampled_from(FLOATS), with_bias=st.booleans(), magnitude=st.sampled_from([1e-4, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_weight_only_random_inputs_within_the_accumulation_bound(n, k, m, dtype, with_bias, magnitude, seed):
+    codes, scale, dense = int8_weight(n, k, seed, magnitude)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    y = int8_weight_linear(x, codes, scale, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    bound, exact = error_bound(x, dense, bias, dtype)
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("m", [1, 4, 9, 80])
+def test_int8_weight_only_threads_and_isas_within_the_bound(isa, threads, m):
+    codes, scale, dense = int8_weight(131, 515)
+    x = torch.randn(m, 515)
+    y = int8_weight_linear(x, codes, scale)
+    bound, exact = error_bound(x, dense, None, torch.float32)
+    assert bool(((y.double() - exact).abs() <= bound).all())
+
+
+# -- int8 dynamic -------------------------------------------------------------------------------
+
+def dynamic_reference(x, codes, scale, qmin=-127, qmax=127, eps=1e-5, bias=None):
+    with native.disabled():
+        return int8_dynamic_linear(x, codes, scale, qmin, qmax, eps, bias)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 33])
+def test_int8_dynamic_is_bit_equal_to_the_reference(isa, threads, dtype, m):
+    codes, scale, _ = int8_weight(67, 4099 if m == 1 else 131)
+    k = codes.shape[1]
+    x = (torch.randn(m, k) * 3).to(dtype)
+    bias = torch.randn(67).to(dtype)
+    assert torch.equal(int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5, bias), dynamic_reference(x, codes, scale, bias=bias))
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 30), k=st.integers(1, 260), m=st.integers(1, 9), dtype=st.sampled_from(FLOATS),
+    rows=st.lists(st.sampled_from(["randn", "zeros", "constant", "tiny", "huge", "one-spike"]), min_size=1, max_size=9),
+    qrange=st.sampled_from([(-127, 127), (-63, 63), (-8, 7)]), seed=st.integers(0, 2**16),
+)
+def test_int8_dynamic_edge_rows_bit_equal(n, k, m, dtype, rows, qrange, seed):
+    qmin, qmax = qrange
+    codes, scale, _ = int8_weight(n, k, seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    for i in range(m):
+        kind = rows[i % len(rows)]
+        if kind == "zeros":
+            x[i] = 0
+        elif kind == "constant":
+            x[i] = -2.5
+        elif kind == "tiny":
+            x[i] *= 1e-30
+        elif kind == "huge":
+            x[i] *= 1e30 if dtype != torch.float16 else 1e4
+        elif kind == "one-spike":
+            x[i] = 0
+            x[i, seed % k] = 7.0
+    x = x.to(dtype)
+    y = int8_dynamic_linear(x, codes, scale, qmin, qmax, 1e-5)
+    assert torch.equal(y, dynamic_reference(x, codes, scale, qmin, qmax))
+
+
+@needs_native
+def test_int8_dynamic_non_finite_rows_give_non_finite_outputs():
+    codes, scale, _ = int8_weight(8, 40)
+    x = torch.randn(3, 40)
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    y, ref = int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5), dynamic_reference(x, codes, scale)
+    assert torch.equal(y[0], ref[0])
+    assert not torch.isfinite(y[1:]).any() and not torch.isfinite(ref[1:]).any()
+
+
+def test_int8_configs_pick_the_native_kernels():
+    for cfg, name in ((torchq.int8_weight_only(), "int8_weight_only_native"), (torchq.int8_dynamic_activation_int8_weight(), "int8_dynamic_native")):
+        lin = torch.nn.Linear(64, 16)
+        torchq.quantize_(lin, cfg)
+        assert isinstance(lin.weight.tensor_impl.layout, PlainLayout)
+        for dtype in FLOATS:
+            kernel, verdicts = torchq.dispatch.select_linear_kernel(torch.randn(2, 64, dtype=dtype), lin.weight, None)
+            if NATIVE:
+                assert kernel.name == name
+            else:
+                assert kernel.name != name and "native library not available" in dict(verdicts)[name]
+
+
+def test_int8_ops_opcheck():
+    codes, scale, _ = int8_weight(10, 48)
+    x, bias = torch.randn(3, 48), torch.randn(10)
+    torch.library.opcheck(torch.ops.torchq.int8_weight_linear.default, (x, codes, scale, bias))
+    torch.library.opcheck(torch.ops.torchq.int8_dynamic_linear.default, (x, codes, scale, -127, 127, 1e-5, bias))
+
+
+def test_int8_dynamic_with_full_range_runs_the_reference_and_says_why():
+    codes, scale, _ = int8_weight(10, 48)
+    x = torch.randn(2, 48)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = int8_dynamic_linear(x, codes, scale, -128, 127, 1e-5)
+    assert torch.equal(y, dynamic_reference(x, codes, scale, -128, 127))
+    if NATIVE:
+        assert any(issubclass(w.category, native.NativeMissingWarning) and "[-128, 127]" in str(w.message) for w in caught)
+
+
+# -- without the library ------------------------------------------------------------------------
+
+def test_disabled_library_runs_the_references_and_warns_once():
+    plain = int4_plain(8, 64, 32, "float", torch.float32)
+    impl = int4_impl(plain)
+    codes, scale, _ = int8_weight(8, 64)
+    x = torch.randn(2, 64)
+    with native.disabled(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y4 = run_int4(x, impl)
+        run_int4(x, impl)
+        y8 = int8_weight_linear(x, codes, scale)
+    assert torch.equal(y4, torch.nn.functional.linear(x, plain.dequantize(torch.float32)))
+    assert torch.equal(y8, torch.nn.functional.linear(x, codes.float() * scale[:, None]))
+    # inside disabled() the reference is the intended path: no warning; outside, a missing library warns once per op
+    assert not [w for w in caught if issubclass(w.category, native.NativeMissingWarning)]
+
+
+def test_without_the_library_auto_choice_skips_the_native_layout_and_ops_warn():
+    code = (
+        "import warnings, torch, torchq\n"
+        "from torchq.layouts import Int4CPULayout, Int4NativeLayout\n"
+        "assert not torchq.native.status().available\n"
+        "lin = torch.nn.Linear(128, 8)\n"
+        "torchq.quantize_(lin, torchq.int4_weight_only(group_size=32))\n"
+        "assert isinstance(lin.weight.tensor_impl.layout, Int4CPULayout), lin.weight\n"
+        "lin2 = torch.nn.Linear(128, 8)\n"
+        "torchq.quantize_(lin2, torchq.int4_weight_only(group_size=32, layout=Int4NativeLayout()))\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    lin2(torch.randn(1, 128)); lin2(torch.randn(1, 128))\n"
+        "msgs = [str(x.message) for x in w if issubclass(x.category, torchq.native.NativeMissingWarning)]\n"
+        "assert len(msgs) == 1 and 'int4_groupwise_linear' in msgs[0] and 'TORCHQ_NATIVE=0' in msgs[0], msgs\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TORCHQ_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
