@@ -33,6 +33,8 @@ CONFIGS = {
 }
 SUB_BYTE = [k for k in CONFIGS if not k.startswith("int8")]
 LAYOUTS = {"plain": PlainLayout(), "packed": PackedBitsLayout(), "int4cpu": Int4CPULayout()}
+# The CPU's best int4 layout: torchq's native one when its library is built, else PyTorch's.
+BEST_INT4 = torchq.Int4NativeLayout() if torchq.native.available() else Int4CPULayout()
 
 
 def layouts_for(cfg_name: str) -> list[str]:
@@ -289,7 +291,7 @@ def test_safetensors_file_is_plain_and_self_describing(tmp_path):
     header = json.loads(meta["torchq"])
     rec = header["quantized"]["up.weight"]
     assert header["version"] == 1 and rec["version"] == 1 and rec["codes_encoding"] == "bitstream"
-    assert rec["layout"]["type"] == "int4_cpu" and rec["config"]["type"] == "Int4WeightOnlyConfig"
+    assert rec["layout"]["type"] == BEST_INT4.name and rec["config"]["type"] == "Int4WeightOnlyConfig"
     assert rec["shape"] == [72, 96] and rec["dtype"] == "bfloat16"
     # the documented decoding by hand: unpack the bit stream, add quant_min, dequantize
     from torchq.bitpack import unpack_bits
@@ -443,7 +445,7 @@ def test_layout_auto_picks_the_device_best(tmp_path):
     fresh = meta_net()
     with pytest.warns(torchq.LoadWarning):
         torchq.load_quantized(fresh, tmp_path / "m.safetensors", layout="auto")
-    assert fresh.up.weight.quant_layout == Int4CPULayout()
+    assert fresh.up.weight.quant_layout == BEST_INT4
 
 
 def test_unknown_saved_layout_falls_back_to_the_device_best():
@@ -451,7 +453,7 @@ def test_unknown_saved_layout_falls_back_to_the_device_best():
     record, parts = codec.encode(net.up.weight)
     record["layout"] = {"type": "some_future_layout", "tile": 8}
     w = codec.decode(record, parts, name="up.weight")
-    assert w.quant_layout == Int4CPULayout()
+    assert w.quant_layout == BEST_INT4
     assert torch.equal(w.dequantize(), net.up.weight.dequantize())
 
 

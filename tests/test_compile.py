@@ -11,12 +11,12 @@ pytestmark = pytest.mark.slow
 
 # Inductor may keep our torchq:: op opaque or lower it to its own int4 kernel: either is a
 # quantized kernel.
-INT4 = ("torchq.int4_cpu_mm", "_weight_int4pack_mm_for_cpu", "int4mm_packed_weight_cpu")
-INT8 = ("torchq.int8_weight_only_mm", "_weight_int8pack_mm")
+INT4 = ("torchq.int4_groupwise_linear", "torchq.int4_cpu_mm", "_weight_int4pack_mm_for_cpu", "int4mm_packed_weight_cpu")
+INT8 = ("torchq.int8_weight_linear", "torchq.int8_weight_only_mm", "_weight_int8pack_mm")
 CASES = {
     "int4": (torchq.int4_weight_only(group_size=32), INT4),
     "int8_weight_only": (torchq.int8_weight_only(), INT8),
-    "int8_dynamic": (torchq.int8_dynamic_activation_int8_weight(), ("torchq.int8_linear_matmul", "_int_mm")),
+    "int8_dynamic": (torchq.int8_dynamic_activation_int8_weight(), ("torchq.int8_dynamic_linear", "torchq.int8_linear_matmul", "_int_mm")),
     "intx3": (torchq.intx_weight_only(bits=3, group_size=32), INT4),
 }
 FLOAT_MATMULS = ("extern_kernels.mm(", "extern_kernels.addmm(", "extern_kernels.bmm(", "aten.mm.", "aten.addmm.", "cpp_fused_mm", "mkldnn")

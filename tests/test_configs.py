@@ -64,7 +64,8 @@ def test_bad_json():
 
 def test_automatic_layout_choice_by_device():
     w = torch.randn(64, 64)
-    assert torchq.int4_weight_only(group_size=32).quantize_weight(w).quant_layout == torchq.Int4CPULayout()
+    best = torchq.Int4NativeLayout() if torchq.native.available() else torchq.Int4CPULayout()
+    assert torchq.int4_weight_only(group_size=32).quantize_weight(w).quant_layout == best
     assert torchq.int8_weight_only().quantize_weight(w).quant_layout == torchq.PlainLayout()
     assert torchq.intx_weight_only(bits=6).quantize_weight(w).quant_layout == torchq.PackedBitsLayout()
     meta = torchq.int4_weight_only(group_size=32).quantize_weight(w.to("meta"))

@@ -14,15 +14,21 @@ from torchq.dispatch import dequantized_linear
 from torchq.layouts.packed_bits import PackedBitsLayout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# With torchq's native library, int4 weights pack into Int4NativeLayout and int8 ones run the
+# native kernels; without it, PyTorch's aten kernels.
+NATIVE = torchq.native.available()
+INT4 = "int4_native" if NATIVE else "int4_cpu"
+INT8_WO = "int8_weight_only_native" if NATIVE else "int8_weight_only_cpu"
+INT8_DYN = "int8_dynamic_native" if NATIVE else "int8_dynamic_cpu"
 CONFIGS = {
-    "int4_g128": (torchq.int4_weight_only(group_size=128), "int4_cpu"),
-    "int4_g32": (torchq.int4_weight_only(group_size=32), "int4_cpu"),
-    "int4_int_zero": (torchq.int4_weight_only(group_size=64, zero_point_domain="int"), "int4_cpu"),
-    "int4_symmetric": (torchq.int4_weight_only(group_size=64, zero_point_domain="none"), "int4_cpu"),
-    "int8_wo": (torchq.int8_weight_only(), "int8_weight_only_cpu"),
-    "int8_dyn": (torchq.int8_dynamic_activation_int8_weight(), "int8_dynamic_cpu"),
-    "intx2": (torchq.intx_weight_only(bits=2, group_size=32), "int4_cpu"),
-    "intx4_sym": (torchq.intx_weight_only(bits=4, group_size=64, mapping_type="symmetric"), "int4_cpu"),
+    "int4_g128": (torchq.int4_weight_only(group_size=128), INT4),
+    "int4_g32": (torchq.int4_weight_only(group_size=32), INT4),
+    "int4_int_zero": (torchq.int4_weight_only(group_size=64, zero_point_domain="int"), INT4),
+    "int4_symmetric": (torchq.int4_weight_only(group_size=64, zero_point_domain="none"), INT4),
+    "int8_wo": (torchq.int8_weight_only(), INT8_WO),
+    "int8_dyn": (torchq.int8_dynamic_activation_int8_weight(), INT8_DYN),
+    "intx2": (torchq.intx_weight_only(bits=2, group_size=32), INT4),
+    "intx4_sym": (torchq.intx_weight_only(bits=4, group_size=64, mapping_type="symmetric"), INT4),
 }
 # Bound on |kernel - reference| relative to the output scale, per input dtype: the kernels and
 # the reference round in different places (bf16/fp16 outputs and scales cast to the input dtype).
@@ -139,7 +145,7 @@ def test_register_user_kernel_takes_priority_and_can_be_removed():
     k = torchq.register_linear_kernel("my_kernel", cond, impl, description="test")
     try:
         assert torchq.linear_kernels()[0] is k
-        q = torchq.int4_weight_only(group_size=32).quantize_weight(torch.randn(16, 64))
+        q = torchq.int4_weight_only(group_size=32, layout=torchq.Int4CPULayout()).quantize_weight(torch.randn(16, 64))
         F.linear(torch.randn(3, 64), q)
         assert calls == [torch.Size([3, 64])]
         report = torchq.explain(q, torch.randn(2, 64))
@@ -190,7 +196,7 @@ def test_explain_model_table_and_no_input_mode():
     torchq.quantize_(m, {"0": torchq.int8_weight_only(), "2": torchq.intx_weight_only(bits=3, layout=PackedBitsLayout())})
     with pytest.warns(torchq.FallbackWarning):
         report = torchq.explain(m, torch.randn(2, 64))
-    assert report.kernels() == {"0": "int8_weight_only_cpu_bf16_compute", "2": "FALLBACK: dequantize + F.linear"}
+    assert report.kernels() == {"0": INT8_WO if NATIVE else "int8_weight_only_cpu_bf16_compute", "2": "FALLBACK: dequantize + F.linear"}
     text = str(report)
     assert "Int8WeightOnlyConfig" in text and "PackedBitsLayout" in text and "int4_cpu: needs Int4CPULayout" in text
     static = torchq.explain(m)
@@ -201,15 +207,16 @@ def test_explain_model_table_and_no_input_mode():
 
 
 def test_bf16_compute_kernels_can_be_unregistered_for_native_dtype_compute():
-    q = torchq.int8_weight_only().quantize_weight(torch.randn(32, 64))
-    x = torch.randn(2, 64)
-    k = torchq.unregister_linear_kernel("int8_weight_only_cpu_bf16_compute")
-    try:
-        assert torchq.explain(q, x).decisions[0].kernel == "int8_weight_only_cpu"
-        _close_to_reference(F.linear(x, q), dequantized_linear(x, q, None), torch.float32)
-    finally:
-        torchq.register_linear_kernel(k.name, k.condition, k.impl, description=k.description, before="int8_weight_only_cpu")
-    assert torchq.explain(q, x).decisions[0].kernel == "int8_weight_only_cpu_bf16_compute"
+    with torchq.native.disabled():  # the aten kernels (the native one is ahead of them otherwise)
+        q = torchq.int8_weight_only().quantize_weight(torch.randn(32, 64))
+        x = torch.randn(2, 64)
+        k = torchq.unregister_linear_kernel("int8_weight_only_cpu_bf16_compute")
+        try:
+            assert torchq.explain(q, x).decisions[0].kernel == "int8_weight_only_cpu"
+            _close_to_reference(F.linear(x, q), dequantized_linear(x, q, None), torch.float32)
+        finally:
+            torchq.register_linear_kernel(k.name, k.condition, k.impl, description=k.description, before="int8_weight_only_cpu")
+        assert torchq.explain(q, x).decisions[0].kernel == "int8_weight_only_cpu_bf16_compute"
 
 
 def test_gradient_flows_to_input_and_bias_through_frozen_weight():

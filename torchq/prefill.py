@@ -71,5 +71,5 @@ def tiled_linear(rows: torch.Tensor, n: int, k: int, dequant_rows: DequantRows, 
         w = buf[: (n1 - n0) * k].view(n1 - n0, k)
         dequant_rows(n0, n1, w)
         torch.mm(w, x.t(), out=out_t[n0:n1])
-    out = out_t.t().to(torch.float32)
+    out = out_t.t().to(torch.float32, memory_format=torch.contiguous_format)  # ops promise contiguous outputs
     return out if bias is None else out + bias
