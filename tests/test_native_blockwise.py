@@ -127,14 +127,16 @@ def test_native_dequantize_matches_the_reference(isa, bf16):
 
 def error_bound(x: torch.Tensor, dense: torch.Tensor, bias, dtype) -> torch.Tensor:
     """Per-output bound: fp32 accumulation over K terms (any order), the weights' rounding to
-    bf16/fp16 where a path computes in the input dtype, and the output's rounding (relative, plus
-    one subnormal step for outputs below the dtype's normal range)."""
+    bf16/fp16 where a path computes in the input dtype, the rounding of x @ W.T to bf16 before the
+    bias is added (bf16 tiles + GEMM), and the output's rounding (relative, plus one subnormal step
+    for outputs below the dtype's normal range)."""
     k = x.shape[-1]
     mag = x.double().abs() @ dense.double().abs().T
     exact = x.double() @ dense.double().T + (0 if bias is None else bias.double())
     weight_rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # absolute rounding step below the normal range
-    return (k + 2) * U32 * mag + weight_rounding * mag + OUT_ROUNDING[dtype] * exact.abs() * 2 + subnormal, exact
+    gemm_rounding = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    return (k + 2) * U32 * mag + (weight_rounding + gemm_rounding) * mag + OUT_ROUNDING[dtype] * exact.abs() * 2 + subnormal, exact
 
 
 @needs_native
