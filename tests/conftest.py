@@ -33,6 +33,24 @@ def _clean_state():
     dispatch.reset_fallback_warnings()
 
 
+@pytest.fixture
+def isa(request):
+    """Cap the native library at ISA ``request.param`` for one test (indirect parametrization)."""
+    saved = native.status().isa
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa(saved)
+
+
+@pytest.fixture
+def threads(request):
+    """Run one test with ``request.param`` torch threads (indirect parametrization)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
 def sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:
     ref, y = ref.detach().double(), y.detach().double()
     return float(20 * torch.log10(ref.norm() / (ref - y).norm()))

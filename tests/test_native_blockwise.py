@@ -33,22 +33,6 @@ U32 = 2.0**-24
 OUT_ROUNDING = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
-@pytest.fixture
-def isa(request):
-    saved = native.status().isa
-    native.set_isa(request.param)
-    yield request.param
-    native.set_isa(saved)
-
-
-@pytest.fixture
-def threads(request):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
-
-
 def weight(n: int, k: int, block: int, quant_type: str, nested: bool, seed: int = 0, scale: float = 1.0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * scale
@@ -139,6 +123,13 @@ def error_bound(x: torch.Tensor, dense: torch.Tensor, bias, dtype) -> torch.Tens
     return (k + 2) * U32 * mag + (weight_rounding + gemm_rounding) * mag + OUT_ROUNDING[dtype] * exact.abs() * 2 + subnormal, exact
 
 
+def assert_within_bound(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, dtype) -> None:
+    """``y`` (the kernel's [M, N] output) is within :func:`error_bound` of the exact product."""
+    bound, exact = error_bound(x, dense, bias, dtype)
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+
+
 @needs_native
 @settings(max_examples=40, deadline=None)
 @given(
@@ -161,9 +152,7 @@ def test_random_inputs_within_the_accumulation_bound(n, groups, block, m, dtype,
     bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
     y = run(x, packed, args, n, k, block, quant_type, bias)
     assert y.dtype == dtype and y.shape == (m, n)
-    bound, exact = error_bound(x, dense, bias, dtype)
-    err = (y.double() - exact).abs()
-    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+    assert_within_bound(y, x, dense, bias, dtype)
 
 
 @needs_native

@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_native_blockwise import ISAS, NATIVE, error_bound, needs_native
+from test_native_blockwise import ISAS, NATIVE, assert_within_bound, needs_native
 
 import torchq
 from torchq import native
@@ -33,22 +33,6 @@ from torchq.layouts.int4_native import GROUP_SIZES, dequantize_int4_native, int4
 from torchq.primitives import ZeroPointDomain
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture
-def isa(request):
-    saved = native.status().isa
-    native.set_isa(request.param)
-    yield request.param
-    native.set_isa(saved)
-
-
-@pytest.fixture
-def threads(request):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
 
 
 # -- int4 ---------------------------------------------------------------------------------------
@@ -143,9 +127,7 @@ def test_int4_random_inputs_within_the_accumulation_bound(n, k, g, m, dtype, dom
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     y = run_int4(x, int4_impl(plain), bias)
     assert y.dtype == dtype and y.shape == (m, n)
-    bound, exact = error_bound(x, plain.dequantize(torch.float32), bias, dtype)
-    err = (y.double() - exact).abs()
-    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+    assert_within_bound(y, x, plain.dequantize(torch.float32), bias, dtype)
 
 
 @needs_native
@@ -156,8 +138,7 @@ def test_int4_threads_and_isas_within_the_bound(isa, threads, m):
     plain = int4_plain(131, 512, 128, "float", torch.bfloat16)
     x = torch.randn(m, 512)
     y = run_int4(x, int4_impl(plain))
-    bound, exact = error_bound(x, plain.dequantize(torch.float32), None, torch.float32)
-    assert bool(((y.double() - exact).abs() <= bound).all())
+    assert_within_bound(y, x, plain.dequantize(torch.float32), None, torch.float32)
 
 
 def test_int4_weight_only_picks_the_native_layout_and_kernel():
@@ -235,9 +216,7 @@ def test_int8_weight_only_random_inputs_within_the_accumulation_bound(n, k, m, d
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     y = int8_weight_linear(x, codes, scale, bias)
     assert y.dtype == dtype and y.shape == (m, n)
-    bound, exact = error_bound(x, dense, bias, dtype)
-    err = (y.double() - exact).abs()
-    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+    assert_within_bound(y, x, dense, bias, dtype)
 
 
 @needs_native
@@ -248,8 +227,7 @@ def test_int8_weight_only_threads_and_isas_within_the_bound(isa, threads, m):
     codes, scale, dense = int8_weight(131, 515)
     x = torch.randn(m, 515)
     y = int8_weight_linear(x, codes, scale)
-    bound, exact = error_bound(x, dense, None, torch.float32)
-    assert bool(((y.double() - exact).abs() <= bound).all())
+    assert_within_bound(y, x, dense, None, torch.float32)
 
 
 # -- int8 dynamic -------------------------------------------------------------------------------
