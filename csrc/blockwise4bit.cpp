@@ -117,20 +117,31 @@ bool valid_shape(int64_t N, int64_t K, int64_t block) {
   return N >= 1 && K >= 32 && block >= 32 && !(block & (block - 1)) && K % block == 0;
 }
 
-// p.out = x @ W.T (+ bias): permutes the activations (see blockwise4bit.h), then runs the rows.
-int linear(B4Params p, const float* x, int threads) {
-  const int64_t M = p.M, K = p.K;
-  float* xp = static_cast<float*>(aligned_alloc(64, ((M * K * sizeof(float)) + 63) / 64 * 64));
-  if (!xp) return OUT_OF_MEMORY;
-  for (int64_t m = 0; m < M; ++m)
+// out = x @ W.T (+ bias), x [M, K_in] and out [M, N] of `dtype`: converts and zero-pads the
+// activations to fp32 rows of p.K and permutes them (see blockwise4bit.h), runs the rows into an
+// fp32 output, then rounds it to `dtype` (once, at the end).
+int linear(B4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
+  const int64_t M = p.M, K = p.K, N = p.N;
+  const size_t xp_bytes = (M * K * sizeof(float) + 63) / 64 * 64;
+  const size_t out_bytes = dtype == DT_F32 ? 0 : (M * N * sizeof(float) + 63) / 64 * 64;
+  char* buf = static_cast<char*>(aligned_alloc(64, xp_bytes + K * sizeof(float) + out_bytes + 64));
+  if (!buf) return OUT_OF_MEMORY;
+  float* xp = reinterpret_cast<float*>(buf);
+  float* row = reinterpret_cast<float*>(buf + xp_bytes);
+  const size_t esize = dtype_size(dtype);
+  for (int64_t m = 0; m < M; ++m) {
+    to_f32_row(static_cast<const char*>(x) + m * K_in * esize, dtype, K_in, K, row);
     for (int64_t k = 0; k < K; k += 32)
       for (int j = 0; j < 16; ++j) {
-        xp[m * K + k + j] = x[m * K + k + 2 * j];
-        xp[m * K + k + 16 + j] = x[m * K + k + 2 * j + 1];
+        xp[m * K + k + j] = row[k + 2 * j];
+        xp[m * K + k + 16 + j] = row[k + 2 * j + 1];
       }
+  }
   p.xp = xp;
-  parallel_for(p.N, 4, threads, run_rows, &p, kLinearSpinUs);
-  free(xp);
+  p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + (K * sizeof(float) + 63) / 64 * 64);
+  parallel_for(N, 4, threads, run_rows, &p, kLinearSpinUs);
+  if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
+  free(buf);
   return OK;
 }
 
@@ -143,17 +154,18 @@ int dequantize(const B4Params& p, int64_t n0, int64_t n1, void* out, int out_bf1
 }  // namespace
 }  // namespace tq
 
-// out[M, N] = x[M, K] @ W.T (+ bias), W the 4-bit blockwise weight (see blockwise4bit.h), all
-// activations, bias and output fp32 and contiguous. Pass absmax, or the three nested arrays.
-TQ_API int tq_blockwise4bit_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, int64_t block,
-                                   const float* codebook, const float* absmax, const uint8_t* nested_codes,
+// out[M, N] = x[M, K] @ W.T (+ bias), W the 4-bit blockwise weight (see blockwise4bit.h); x and
+// out contiguous of `dtype` (DType), bias fp32 or null; products and sums in fp32, one rounding
+// to `dtype` at the end. Pass absmax, or the three nested arrays.
+TQ_API int tq_blockwise4bit_linear(const void* x, int dtype, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                                   int64_t block, const float* codebook, const float* absmax, const uint8_t* nested_codes,
                                    const float* nested_absmax, float nested_offset, const float* nested_map,
-                                   const float* bias, float* out, int threads) {
+                                   const float* bias, void* out, int threads) {
   using namespace tq;
-  if (M < 1 || !valid_shape(N, K, block) || !x || !packed || !codebook || !out) return BAD_ARGUMENT;
+  if (M < 1 || !valid_shape(N, K, block) || !valid_dtype(dtype) || !x || !packed || !codebook || !out) return BAD_ARGUMENT;
   if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
-  B4Params p{nullptr, M, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, bias, out};
-  return linear(p, x, threads);
+  B4Params p{nullptr, M, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, bias, nullptr};
+  return linear(p, x, dtype, K, out, threads);
 }
 
 // Rows [n0, n1) of the [N, K] 4-bit weight, dequantized into out ([n1 - n0, K], contiguous) as
@@ -172,15 +184,17 @@ TQ_API int tq_blockwise4bit_dequantize(const uint8_t* packed, int64_t N, int64_t
 // The same for torchq's groupwise int4 format (torchq.layouts.int4_native): fp32 scales per
 // group of `group` elements, optional per-group shifts (integer zero point) or zeros (float zero
 // point), table entries rounded as round_mul / round_add say (0 none, 1 bf16, 2 fp16).
-TQ_API int tq_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, int64_t group,
-                          const float* codebook, const float* scales, const float* shifts, const float* zeros,
-                          int round_mul, int round_add, const float* bias, float* out, int threads) {
+// x is [M, K] (K <= Kp < K + group); the weight rows hold Kp = a multiple of `group` columns.
+TQ_API int tq_int4_linear(const void* x, int dtype, int64_t M, int64_t K, int64_t Kp, const uint8_t* packed, int64_t N,
+                          int64_t group, const float* codebook, const float* scales, const float* shifts, const float* zeros,
+                          int round_mul, int round_add, const float* bias, void* out, int threads) {
   using namespace tq;
-  if (M < 1 || !valid_shape(N, K, group) || !x || !packed || !codebook || !scales || !out) return BAD_ARGUMENT;
+  if (M < 1 || !valid_shape(N, Kp, group) || K < 1 || K > Kp || Kp - K >= group || !valid_dtype(dtype)) return BAD_ARGUMENT;
+  if (!x || !packed || !codebook || !scales || !out) return BAD_ARGUMENT;
   if (round_mul < 0 || round_mul > 2 || round_add < 0 || round_add > 2) return BAD_ARGUMENT;
-  B4Params p{nullptr, M, K, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, bias, out,
+  B4Params p{nullptr, M, Kp, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, bias, nullptr,
              shifts, zeros, round_mul, round_add};
-  return linear(p, x, threads);
+  return linear(p, x, dtype, K, out, threads);
 }
 
 TQ_API int tq_int4_dequantize(const uint8_t* packed, int64_t N, int64_t K, int64_t group, const float* codebook,

@@ -5,6 +5,7 @@
 // Every ISA-specific translation unit keeps its helpers in an anonymous namespace or `static`
 // so that no inline function is shared (and possibly picked with the wrong ISA) across units.
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 #define TQ_API extern "C" __attribute__((visibility("default")))
@@ -28,5 +29,14 @@ void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, 
 
 // Error codes returned by the exported kernels (0 = success).
 enum Status : int { OK = 0, BAD_ARGUMENT = 1, OUT_OF_MEMORY = 2 };
+
+// Element types of the activations and outputs of the exported linears (x and out share one).
+enum DType : int { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+size_t dtype_size(int dtype);
+inline bool valid_dtype(int dtype) { return dtype >= DT_F32 && dtype <= DT_F16; }
+// dst[0, K) = row x[0, K) of `dtype` as fp32 (exact); dst[K, Kp) = 0.
+void to_f32_row(const void* x, int dtype, int64_t K, int64_t Kp, float* dst);
+// dst[0, n) = src rounded to `dtype` as torch's .to() rounds (nearest even; NaN stays NaN).
+void from_f32_row(const float* src, int64_t n, int dtype, void* dst);
 
 }  // namespace tq

@@ -43,7 +43,7 @@ bool has_avx512_vnni() {
 }  // namespace tq
 
 // Bumped whenever an exported signature changes; torchq/native.py refuses a mismatch.
-TQ_API int tq_abi_version() { return 2; }
+TQ_API int tq_abi_version() { return 3; }
 TQ_API int tq_supported_isa() { return tq::g_supported; }
 TQ_API int tq_active_isa() { return tq::active_isa(); }
 // Use at most `isa` (clamped to what the CPU supports); returns the ISA now active.

@@ -140,23 +140,46 @@ void dequant_rows(void* ctx, int64_t a, int64_t b) {
 
 int64_t padded(int64_t K) { return (K + 63) / 64 * 64; }
 
+// The fp32 output buffer of a linear whose out has `dtype`: out itself for fp32.
+struct Output {
+  float* f32 = nullptr;
+  void* owned = nullptr;
+  bool init(void* out, int dtype, int64_t count) {
+    if (dtype == DT_F32) {
+      f32 = static_cast<float*>(out);
+      return true;
+    }
+    owned = aligned_alloc(64, (count * sizeof(float) + 63) / 64 * 64);
+    f32 = static_cast<float*>(owned);
+    return owned != nullptr;
+  }
+  void finish(void* out, int dtype, int64_t count) {
+    if (owned) from_f32_row(f32, count, dtype, out);
+  }
+  ~Output() { free(owned); }
+};
+
 }  // namespace
 }  // namespace tq
 
-// out[M, N] = x[M, K] @ (q * s).T (+ bias): fp32 activations, int8 codes [N, K], fp32 scales [N].
-TQ_API int tq_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
-                          const float* bias, float* out, int threads) {
+// out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), int8 codes
+// [N, K], fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end.
+TQ_API int tq_int8_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
+                          const float* bias, void* out, int threads) {
   using namespace tq;
-  if (M < 1 || K < 1 || N < 1 || !x || !codes || !scale || !out) return BAD_ARGUMENT;
+  if (M < 1 || K < 1 || N < 1 || !valid_dtype(dtype) || !x || !codes || !scale || !out) return BAD_ARGUMENT;
   const int64_t Kp = padded(K);
   float* xp = static_cast<float*>(aligned_alloc(64, M * Kp * sizeof(float)));
-  if (!xp) return OUT_OF_MEMORY;
-  for (int64_t m = 0; m < M; ++m) {
-    memcpy(xp + m * Kp, x + m * K, K * sizeof(float));
-    memset(xp + m * Kp + K, 0, (Kp - K) * sizeof(float));
+  Output o;
+  if (!xp || !o.init(out, dtype, M * N)) {
+    free(xp);
+    return OUT_OF_MEMORY;
   }
-  I8Params p{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, out};
+  const size_t esize = dtype_size(dtype);
+  for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * esize, dtype, K, Kp, xp + m * Kp);
+  I8Params p{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32};
   parallel_for(N, 4, threads, weight_rows, &p, kSpinUs);
+  o.finish(out, dtype, M * N);
   free(xp);
   return OK;
 }
@@ -171,24 +194,37 @@ TQ_API int tq_int8_dequantize(const int8_t* codes, int64_t N, int64_t K, const f
   return OK;
 }
 
-// out[M, N] = per-token int8(x) @ q.T rescaled (see int8.h); x fp32 [M, K]. No bias (the
-// reference adds it after rounding to the activation dtype). Codes are symmetric in
-// [qmin, qmax] with qmin >= -127 (the AVX2 sign trick needs |x| <= 127).
-TQ_API int tq_int8_dynamic_linear(const float* x, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
-                                  float denom, float eps, int qmin, int qmax, float* out, int threads) {
+// out[M, N] = per-token int8(x) @ q.T rescaled (see int8.h); x and out contiguous of `dtype`.
+// No bias (the reference adds it after rounding to the activation dtype). Codes are symmetric
+// in [qmin, qmax] with qmin >= -127 (the AVX2 sign trick needs |x| <= 127).
+TQ_API int tq_int8_dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N,
+                                  const float* scale, float denom, float eps, int qmin, int qmax, void* out, int threads) {
   using namespace tq;
-  if (M < 1 || K < 1 || N < 1 || !x || !codes || !scale || !out) return BAD_ARGUMENT;
+  if (M < 1 || K < 1 || N < 1 || !valid_dtype(dtype) || !x || !codes || !scale || !out) return BAD_ARGUMENT;
   if (qmin < -127 || qmax > 127 || qmin >= qmax || !(denom > 0.0f) || !(eps > 0.0f)) return BAD_ARGUMENT;
   const int64_t Kp = padded(K);
   const bool vnni = use_vnni();
-  void* buf = aligned_alloc(64, M * Kp + (M * sizeof(float) + 63) / 64 * 64);
-  if (!buf) return OUT_OF_MEMORY;
-  float* xs = reinterpret_cast<float*>(static_cast<char*>(buf) + (M * Kp + 63) / 64 * 64);
-  QuantJob q{x, K, Kp, I8Quant{denom, eps, qmin, qmax}, vnni ? 128 : 0, buf, xs};
+  const size_t codes_bytes = (M * Kp + 63) / 64 * 64, xs_bytes = (M * sizeof(float) + 63) / 64 * 64;
+  const size_t xf_bytes = dtype == DT_F32 ? 0 : M * K * sizeof(float);
+  char* buf = static_cast<char*>(aligned_alloc(64, codes_bytes + xs_bytes + (xf_bytes + 63) / 64 * 64));
+  Output o;
+  if (!buf || !o.init(out, dtype, M * N)) {
+    free(buf);
+    return OUT_OF_MEMORY;
+  }
+  float* xs = reinterpret_cast<float*>(buf + codes_bytes);
+  const float* xf = static_cast<const float*>(x);
+  if (dtype != DT_F32) {  // widen (exactly) first: the quantization then sees the reference's fp32 values
+    float* w = reinterpret_cast<float*>(buf + codes_bytes + xs_bytes);
+    for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * 2, dtype, K, K, w + m * K);
+    xf = w;
+  }
+  QuantJob q{xf, K, Kp, I8Quant{denom, eps, qmin, qmax}, vnni ? 128 : 0, buf, xs};
   parallel_for(M, 1, threads, quantize_rows, &q, 0);
-  I8Params p{M, K, N, Kp, nullptr, vnni ? nullptr : static_cast<const int8_t*>(buf), vnni ? static_cast<const uint8_t*>(buf) : nullptr,
-             xs, codes, scale, nullptr, out};
+  I8Params p{M, K, N, Kp, nullptr, vnni ? nullptr : reinterpret_cast<const int8_t*>(buf), vnni ? reinterpret_cast<const uint8_t*>(buf) : nullptr,
+             xs, codes, scale, nullptr, o.f32};
   parallel_for(N, 4, threads, dynamic_rows, &p, kSpinUs);
+  o.finish(out, dtype, M * N);
   free(buf);
   return OK;
 }

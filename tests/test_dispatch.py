@@ -231,3 +231,98 @@ def test_gradient_flows_to_input_and_bias_through_frozen_weight():
     # the forward ran in bf16 (int4_cpu_bf16_compute) and the loss is quadratic in it
     assert torch.allclose(x.grad, xr.grad, rtol=2e-2, atol=2e-2)
     assert torch.allclose(lin.bias.grad, br.grad, rtol=2e-2, atol=2e-2)
+
+
+# -- the kernel-choice cache -----------------------------------------------------------------------
+
+def _counting_kernel(name: str, calls: list, accept=lambda x: True):
+    def cond(x, w, b):
+        calls.append(("cond", x.dtype, tuple(x.shape)))
+        return None if accept(x) else "declined"
+
+    def impl(x, w, b):
+        calls.append(("impl", x.dtype, tuple(x.shape)))
+        return F.linear(x, w.dequantize(x.dtype), b)
+
+    return torchq.register_linear_kernel(name, cond, impl)
+
+
+def test_kernel_choice_is_cached_per_weight_and_input_signature():
+    calls: list = []
+    _counting_kernel("counting", calls)
+    try:
+        q = torchq.int8_weight_only().quantize_weight(torch.randn(8, 16))
+        x = torch.randn(2, 16)
+        for _ in range(3):
+            F.linear(x, q)
+        assert [c[0] for c in calls] == ["cond", "impl", "impl", "impl"]  # asked once, run three times
+        calls.clear()
+        F.linear(torch.randn(3, 16), q)  # new shape
+        F.linear(x.to(torch.bfloat16), q)  # new dtype
+        F.linear(x, q, torch.randn(8))  # with a bias
+        assert [c[0] for c in calls] == ["cond", "impl"] * 3
+        calls.clear()
+        q2 = torchq.int8_weight_only().quantize_weight(torch.randn(8, 16))  # another weight: its own entry
+        F.linear(x, q2)
+        assert [c[0] for c in calls] == ["cond", "impl"]
+    finally:
+        torchq.unregister_linear_kernel("counting")
+
+
+def test_table_changes_and_state_providers_invalidate_the_cache():
+    q = torchq.int8_weight_only().quantize_weight(torch.randn(8, 16))
+    x = torch.randn(1, 16)
+    F.linear(x, q)  # cache the built-in choice
+    calls: list = []
+    _counting_kernel("late", calls)  # registering clears the cache: the new kernel wins at once
+    try:
+        F.linear(x, q)
+        assert [c[0] for c in calls] == ["cond", "impl"]
+    finally:
+        torchq.unregister_linear_kernel("late")
+    calls.clear()
+    F.linear(x, q)  # unregistered: not called from a stale cache entry
+    assert calls == []
+
+    flag = [False]
+    torchq.dispatch.add_selection_state(lambda: flag[0])
+    try:
+        _counting_kernel("flagged", calls, accept=lambda x: flag[0])
+        F.linear(x, q)
+        F.linear(x, q)
+        assert [c[0] for c in calls] == ["cond"]  # declined once, the built-in kernel cached
+        flag[0] = True  # part of the key: asked again, now accepts
+        F.linear(x, q)
+        assert [c[0] for c in calls] == ["cond", "cond", "impl"]
+    finally:
+        torchq.dispatch._STATE_PROVIDERS.pop()
+        torchq.unregister_linear_kernel("flagged")
+
+
+@pytest.mark.skipif(not NATIVE, reason="needs the native library")
+def test_native_disabled_is_part_of_the_cache_key():
+    q = torchq.int8_weight_only().quantize_weight(torch.randn(16, 64))
+    x = torch.randn(1, 64)
+    F.linear(x, q)
+    with torchq.native.disabled():
+        F.linear(x, q)
+    F.linear(x, q)
+    chosen = torchq.dispatch._KERNEL_CACHE.get(q)
+    assert sorted(k.name for k in chosen.values()) == ["int8_weight_only_cpu_bf16_compute", "int8_weight_only_native"]
+
+
+def test_invalid_inputs_are_never_cached_and_dead_weights_leave_the_cache():
+    import gc
+
+    q = torchq.int8_weight_only().quantize_weight(torch.randn(8, 16), label="proj")
+    F.linear(torch.randn(2, 16), q)
+    with pytest.raises(ValueError, match="in_features=16"):
+        F.linear(torch.randn(2, 15), q)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        F.linear(torch.randn(2, 16), q, torch.randn(7))
+    with pytest.raises(ValueError, match="bias must have shape"):  # still raised the second time
+        F.linear(torch.randn(2, 16), q, torch.randn(7))
+    before = len(torchq.dispatch._KERNEL_CACHE)
+    del q
+    gc.collect()
+    assert len(torchq.dispatch._KERNEL_CACHE) == before - 1

@@ -101,7 +101,7 @@ def test_native_dequantize_matches_the_reference(isa, bf16):
     out = torch.empty(n - 3, k, dtype=dtype)
     lib = native.library()
     status = lib.tq_blockwise4bit_dequantize(
-        packed.data_ptr(), n, k, block, linear._TABLES["fp4"].data_ptr(), None, args["nested_codes"].data_ptr(),
+        packed.data_ptr(), n, k, block, linear.TABLES["fp4"].data_ptr(), None, args["nested_codes"].data_ptr(),
         args["nested_absmax"].data_ptr(), float(args["nested_offset"]), linear._DYNAMIC.data_ptr(), 3, n, out.data_ptr(),
         int(bf16), 2,
     )

@@ -9,6 +9,14 @@ under :func:`strict` that is a :class:`NoKernelError` instead.
 
 Kernels are ordered by ``priority`` (higher first, then registration order). Built-in kernels
 use priority 0; :func:`register_linear_kernel` defaults to 100 so a user's kernel wins.
+
+The choice is cached per weight object and input signature (dtype, device, shape, subclass; the
+bias's dtype, device and shape), so a decode loop asks the conditions once per shape, not once
+per call. Conditions must therefore depend only on that signature, the weight's own metadata
+and global state that is part of the cache key: the table itself (any change clears the cache)
+and the providers added with :func:`add_selection_state` (``torchq.native`` adds whether the
+native library is enabled in the calling thread). Call :func:`clear_kernel_cache` after
+changing anything else a condition reads.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .identity_cache import IdentityCache
+
 __all__ = [
     "LinearKernel",
     "FallbackWarning",
@@ -34,6 +44,8 @@ __all__ = [
     "strict",
     "set_strict",
     "is_strict",
+    "add_selection_state",
+    "clear_kernel_cache",
 ]
 
 Condition = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "bool | str | None"]
@@ -72,6 +84,23 @@ _TABLE: list[LinearKernel] = []
 _STRICT = [os.environ.get("TORCHQ_STRICT", "") not in ("", "0")]
 _WARNED: set[tuple[str, str]] = set()
 _RECORDERS: list[list] = []
+# weight -> {input signature: kernel}; see the module docstring.
+_KERNEL_CACHE = IdentityCache()
+_STATE_PROVIDERS: list[Callable[[], Any]] = []
+
+
+def clear_kernel_cache() -> None:
+    """Forget every cached kernel choice (the next call of each layer asks the conditions again)."""
+    _KERNEL_CACHE.clear()
+
+
+def add_selection_state(provider: Callable[[], Any]) -> None:
+    """Make ``provider()`` (a cheap, hashable value) part of every kernel-cache key: for global
+    state that kernel conditions read, such as whether an optional library is enabled."""
+    if not callable(provider):
+        raise TypeError(f"provider: expected a callable returning a hashable value, got {provider!r}")
+    _STATE_PROVIDERS.append(provider)
+    clear_kernel_cache()
 
 
 def register_linear_kernel(
@@ -109,6 +138,7 @@ def register_linear_kernel(
     else:
         _TABLE.append(kernel)
     _TABLE.sort(key=lambda k: -k.priority)  # stable: ties keep their order
+    clear_kernel_cache()
     return kernel
 
 
@@ -117,6 +147,7 @@ def unregister_linear_kernel(name: str) -> LinearKernel:
     for k in _TABLE:
         if k.name == name:
             _TABLE.remove(k)
+            clear_kernel_cache()
             return k
     raise KeyError(f"name: no linear kernel named {name!r}; registered: {[k.name for k in _TABLE]}")
 
@@ -194,13 +225,40 @@ def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) 
     return F.linear(x, weight.dequantize(x.dtype), b)
 
 
+def _signature(x: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    b = None if bias is None else (bias.dtype, bias.device, bias.shape)
+    state = tuple(p() for p in _STATE_PROVIDERS) if _STATE_PROVIDERS else None
+    return (type(x), x.dtype, x.device, x.shape, b, state)
+
+
+def _cached_kernel(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> tuple[LinearKernel | None, tuple | None]:
+    """``(kernel, None)`` on a cache hit, else ``(None, key)`` (key None: do not cache)."""
+    if _RECORDERS or torch.compiler.is_compiling():
+        return None, None
+    key = _signature(x, bias)
+    chosen = _KERNEL_CACHE.get(weight)
+    return (None, key) if chosen is None else (chosen.get(key), key)
+
+
+def _remember(weight: Any, key: tuple, kernel: LinearKernel) -> None:
+    chosen = _KERNEL_CACHE.get(weight)
+    if chosen is None:
+        chosen = _KERNEL_CACHE.set(weight, {})
+    chosen[key] = kernel
+
+
 def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a quantized (non-transposed ``[N, K]``) weight."""
+    kernel, key = _cached_kernel(x, weight, bias)
+    if kernel is not None:  # same weight and input signature as an earlier, validated call
+        return _run(kernel.impl, x, weight, bias)
     _validate(x, weight, bias)
     kernel, verdicts = select_linear_kernel(x, weight, bias, evaluate_all=bool(_RECORDERS))
     for rec in _RECORDERS:
         rec.append((weight, x, kernel, verdicts))
     if kernel is not None:
+        if key is not None:
+            _remember(weight, key, kernel)
         return _run(kernel.impl, x, weight, bias)
     name = _layer_name(weight)
     why = "; ".join(f"{k}: {r}" for k, r in verdicts) or "the kernel table is empty"

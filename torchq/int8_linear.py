@@ -24,7 +24,11 @@ from . import native
 from .activation import PerTokenInt8
 from .prefill import tile_dtype, tiled_linear, use_tiles
 
-__all__ = ["int8_weight_linear", "int8_dynamic_linear", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu"]
+__all__ = [
+    "int8_weight_linear", "int8_dynamic_linear", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu", "weight_linear_cpu",
+    "dynamic_linear_cpu",
+    "dynamic_native",
+]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -62,32 +66,32 @@ def _(x, codes, scale, bias=None):
 @torch.library.register_kernel("torchq::int8_weight_linear", "cpu")
 def int8_weight_linear_cpu(x, codes, scale, bias=None):
     _check_weight(x, codes, scale, bias)
+    return weight_linear_cpu(x, codes, scale, bias)
+
+
+def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU kernel of ``torchq::int8_weight_linear`` on checked arguments (dispatch entries
+    call it directly in eager mode)."""
     lib = native.library()
     if lib is None or x.numel() == 0:
         if lib is None:
             native.warn_reference("int8_weight_linear")
         return F.linear(x, _weight(codes, scale, x.dtype), None if bias is None else bias.to(x.dtype))
     n, k = codes.shape
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
+    m = x.numel() // k
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
-    b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
     if use_tiles(m, x.dtype):
+        b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
 
         def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
             status = lib.tq_int8_dequantize(codes.data_ptr(), n, k, scale.data_ptr(), n0, n1, w.data_ptr(),
                                             int(w.dtype == torch.bfloat16), native.threads())
             native.check(status, "int8 dequantize")
 
-        out = tiled_linear(rows, n, k, dequant_rows, tile_dtype(x.dtype), b)
-    else:
-        xf = rows.to(torch.float32).contiguous()
-        out = torch.empty(m, n, dtype=torch.float32)
-        status = lib.tq_int8_linear(xf.data_ptr(), m, k, codes.data_ptr(), n, scale.data_ptr(), native.ptr(b), out.data_ptr(),
-                                    native.threads())
-        native.check(status, "int8_weight_linear")
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+        out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, n, (codes.data_ptr(), n, scale.data_ptr()), bias)
 
 
 def _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias) -> None:
@@ -129,6 +133,11 @@ NATIVE_MIN_CODE = -127
 @torch.library.register_kernel("torchq::int8_dynamic_linear", "cpu")
 def int8_dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias=None):
     _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias)
+    return dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias)
+
+
+def dynamic_linear_cpu(x, codes, scale, quant_min: int, quant_max: int, eps: float, bias=None) -> torch.Tensor:
+    """The CPU kernel of ``torchq::int8_dynamic_linear`` on checked arguments."""
     lib = native.library()
     if lib is None or x.numel() == 0 or quant_min < NATIVE_MIN_CODE:
         if lib is None:
@@ -137,14 +146,13 @@ def int8_dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias=Non
             native.warn_reference("int8_dynamic_linear", f"activation codes [{quant_min}, {quant_max}] (the kernel takes [-127, 127])")
         return _dynamic_reference(x, codes, scale, quant_min, quant_max, eps, bias)
     n, k = codes.shape
-    rows = x.reshape(-1, k).to(torch.float32).contiguous()
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    denom = (quant_max - quant_min) / 2
-    status = lib.tq_int8_dynamic_linear(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), n, scale.data_ptr(), denom, eps,
-                                        quant_min, quant_max, out.data_ptr(), native.threads())
-    native.check(status, "int8_dynamic_linear")
-    y = out.to(x.dtype)
-    y = y if bias is None else y + bias.to(x.dtype)
-    return y.reshape(*x.shape[:-1], n)
+    weight = (codes.data_ptr(), n, scale.data_ptr(), (quant_max - quant_min) / 2, eps, quant_min, quant_max)
+    return dynamic_native(lib, x, k, n, weight, bias)
+
+
+def dynamic_native(lib, x: torch.Tensor, k: int, n: int, weight: tuple, bias: torch.Tensor | None) -> torch.Tensor:
+    """``tq_int8_dynamic_linear`` with the weight's C arguments ``(codes, N, scale, denom, eps, qmin, qmax)``."""
+    y = native.run_linear(lib.tq_int8_dynamic_linear, "int8_dynamic_linear", x, k, n, weight, None, takes_bias=False)
+    return y if bias is None else y + bias.to(x.dtype)  # the reference adds the bias after rounding to x's dtype

@@ -21,16 +21,19 @@ import importlib.machinery
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from torchq import dispatch
+from torchq.identity_cache import IdentityCache
+
 __all__ = ["NativeMissingWarning", "NativeStatus", "available", "disabled", "library", "set_isa", "status", "threads"]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ISA_NAMES = ("scalar", "avx2", "avx512")
 _c_int64, _c_float, _c_int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -42,7 +45,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_set_isa": (_c_int, [_c_int]),
     "tq_blockwise4bit_linear": (
         _c_int,
-        [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _ptr, _ptr, _c_int],
+        [_ptr, _c_int, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _ptr, _ptr, _c_int],
     ),
     "tq_blockwise4bit_dequantize": (
         _c_int,
@@ -50,18 +53,20 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     ),
     "tq_int4_linear": (
         _c_int,
-        [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr, _ptr, _c_int],
+        [_ptr, _c_int, _c_int64, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr, _ptr, _c_int],
     ),
     "tq_int4_dequantize": (
         _c_int,
         [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int64, _c_int64, _ptr, _c_int, _c_int],
     ),
-    "tq_int8_linear": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int]),
+    "tq_int8_linear": (_c_int, [_ptr, _c_int, _c_int64, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int]),
     "tq_int8_dequantize": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int]),
     "tq_int8_dynamic_linear": (
         _c_int,
-        [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _ptr, _c_float, _c_float, _c_int, _c_int, _ptr, _c_int],
+        [_ptr, _c_int, _c_int64, _c_int64, _ptr, _c_int64, _ptr, _c_float, _c_float, _c_int, _c_int, _ptr, _c_int],
     ),
+    "tq_to_f32": (_c_int, [_ptr, _c_int, _c_int64, _ptr]),
+    "tq_from_f32": (_c_int, [_ptr, _c_int64, _c_int, _ptr]),
 }
 
 
@@ -126,6 +131,10 @@ def available() -> bool:
     return library() is not None
 
 
+# Kernel conditions read available(): make it part of the dispatch cache key.
+dispatch.add_selection_state(available)
+
+
 def status() -> NativeStatus:
     if _LIB is None:
         return NativeStatus(False, _PATH, None, None, _REASON)
@@ -183,6 +192,47 @@ def eager_cpu(x: torch.Tensor) -> bool:
     being traced. Dispatch kernels then skip the custom-op dispatcher (tens of microseconds per
     call, a tenth of a decode-sized linear); torch.compile still sees the ``torchq::`` op."""
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+# The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def run_linear(fn: Callable[..., int], op: str, x: torch.Tensor, k: int, n: int, weight: tuple, bias: torch.Tensor | None,
+               takes_bias: bool = True) -> torch.Tensor:
+    """``x [..., K] @ W.T (+ bias)`` through an exported linear ``fn(x, dtype, M, K, *weight,
+    [bias,] out, threads)``: x is read and the output written in x's dtype by the library, so
+    the only tensor op here is the output allocation (and a copy for a non-contiguous x)."""
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    if takes_bias:
+        b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()  # referenced until fn returns
+        status = fn(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, *weight, ptr(b), out.data_ptr(), threads())
+    else:
+        status = fn(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, *weight, out.data_ptr(), threads())
+    check(status, op)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+_ARGS = IdentityCache()
+
+
+def weight_args(owner: object, build: Callable[[object], tuple | None]) -> tuple | None:
+    """The weight's part of a kernel's C arguments (pointers, sizes), built once per live
+    ``owner`` (a layout's tensor impl) so a decode-sized call does not redo it.
+
+    ``build(owner)`` may only point into tensors that ``owner`` holds, never into copies: those
+    pointers stay valid, and see the current values, as long as ``owner`` lives (its tensors are
+    never re-allocated; ``copy_`` into a quantized weight writes in place). A copy of the owner
+    (deepcopy, ``.to``) is a new object and builds its own. ``build`` returns None when the
+    arguments cannot be taken in place (a non-contiguous tensor, scales of another dtype); that
+    is not remembered, and the caller takes its general path."""
+    args = _ARGS.get(owner)
+    if args is None:
+        args = build(owner)
+        if args is not None:
+            _ARGS.set(owner, args)
+    return args
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

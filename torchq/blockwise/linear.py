@@ -102,49 +102,51 @@ def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, bloc
     return x.new_empty((*x.shape[:-1], shape[0]))
 
 
+def weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, blocksize: int) -> tuple:
+    """The weight's C arguments of ``tq_blockwise4bit_linear`` (``packed`` to ``nested_map``), from
+    contiguous tensors; ``table`` is the 16-entry codebook."""
+    nested = nested_codes is not None
+    return (
+        packed.data_ptr(), n, blocksize, table.data_ptr(), native.ptr(absmax), native.ptr(nested_codes),
+        native.ptr(nested_absmax), float(nested_offset) if nested else 0.0, _DYNAMIC.data_ptr() if nested else None,
+    )
+
+
 def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias): fused kernel for small M (fp32 arithmetic, one rounding to
     x's dtype), dequantized tiles + torch.mm (see torchq.prefill.use_tiles)."""
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
+    # contiguous copies (none for the layout's own tensors) stay referenced until the kernel returns
+    packed, table = packed.contiguous(), table.contiguous()
+    absmax = None if absmax is None else absmax.contiguous()
+    nested_codes = None if nested_codes is None else nested_codes.contiguous()
+    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
+    weight = weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, blocksize)
+    m = x.numel() // k
+    if not use_tiles(m, x.dtype):
+        return native.run_linear(lib.tq_blockwise4bit_linear, "blockwise_4bit_linear", x, k, n, weight, bias)
+    dequant_args = (weight[0], n, k, *weight[2:])
+
+    def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
+        status = lib.tq_blockwise4bit_dequantize(*dequant_args, n0, n1, w.data_ptr(), int(w.dtype == torch.bfloat16), native.threads())
+        native.check(status, "blockwise_4bit dequantize")
+
     b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
-    nested_map = _DYNAMIC if nested_codes is not None else None
-    # contiguous copies stay referenced here until the kernel has returned
-    packed, table, absmax, nested_codes, nested_absmax = (
-        None if t is None else t.contiguous() for t in (packed, table, absmax, nested_codes, nested_absmax)
-    )
-    packed_ptr, table_ptr = packed.data_ptr(), table.data_ptr()
-    scales = (
-        native.ptr(absmax), native.ptr(nested_codes), native.ptr(nested_absmax),
-        0.0 if nested_offset is None else float(nested_offset), native.ptr(nested_map),
-    )
-    dtype = tile_dtype(x.dtype)
-    if use_tiles(m, x.dtype):
-
-        def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
-            status = lib.tq_blockwise4bit_dequantize(
-                packed_ptr, n, k, blocksize, table_ptr, *scales, n0, n1, w.data_ptr(), int(w.dtype == torch.bfloat16), native.threads()
-            )
-            native.check(status, "blockwise_4bit dequantize")
-
-        out = tiled_linear(rows, n, k, dequant_rows, dtype, b)
-    else:
-        rows = rows.to(torch.float32).contiguous()
-        out = torch.empty(m, n, dtype=torch.float32)
-        status = lib.tq_blockwise4bit_linear(
-            rows.data_ptr(), m, k, packed_ptr, n, blocksize, table_ptr, *scales, native.ptr(b), out.data_ptr(), native.threads()
-        )
-        native.check(status, "blockwise_4bit_linear")
+    out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-_TABLES = {name: codebook(name).contiguous() for name in ("nf4", "fp4")}
+TABLES = {name: codebook(name).contiguous() for name in ("nf4", "fp4")}
 _DYNAMIC = dynamic_map().contiguous()
 
 
 @torch.library.register_kernel("torchq::blockwise_4bit_linear", "cpu")
 def blockwise_4bit_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
     _check(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    return linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+
+
+def linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None) -> torch.Tensor:
+    """The CPU kernel on checked arguments (a layout's dispatch entry calls it directly in eager mode)."""
     lib = native.library()
     if lib is None or x.numel() == 0:
         if lib is None:
@@ -152,7 +154,7 @@ def blockwise_4bit_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, ne
         w = _weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     n, k = shape
-    return _native_linear(lib, x, packed, _TABLES[quant_type], absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias)
+    return _native_linear(lib, x, packed, TABLES[quant_type], absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias)
 
 
 def _setup(ctx, inputs, output) -> None:

@@ -24,10 +24,11 @@ import torch
 
 from .. import native
 from ..bitpack import pack_bits, unpack_bits
-from ..blockwise.linear import blockwise_4bit_linear_cpu
+from ..blockwise.linear import TABLES, linear_cpu, weight_args
 from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
 from ..dispatch import register_linear_kernel
+from ..prefill import use_tiles
 from .base import Layout, TensorImpl
 
 __all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]
@@ -104,14 +105,29 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
     return None
 
 
+def _cached_weight_args(impl: Blockwise4bitImpl) -> tuple | None:
+    tensors = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax)
+    if not all(t is None or t.is_contiguous() for t in tensors):
+        return None  # pointers into temporary copies cannot be cached
+    return weight_args(impl.packed, TABLES[impl.spec.codebook], impl.absmax, impl.nested_codes, impl.nested_absmax,
+                       impl.nested_offset, impl.shape[0], impl.spec.block_size[1])
+
+
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Blockwise4bitImpl = w.tensor_impl
     spec = impl.spec
-    op = blockwise_4bit_linear_cpu if native.eager_cpu(x) else torch.ops.torchq.blockwise_4bit_linear
-    return op(
-        x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset,
-        list(impl.shape), spec.block_size[1], spec.codebook, bias,
-    )
+    n, k = impl.shape
+    args = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], spec.block_size[1],
+            spec.codebook, bias)
+    if not native.eager_cpu(x):
+        return torch.ops.torchq.blockwise_4bit_linear(x, *args)
+    # eager CPU: the arguments come from a validated layout, so the op's checks are skipped
+    m = x.numel() // k
+    lib = native.library()
+    weight = None if lib is None or not m or use_tiles(m, x.dtype) else native.weight_args(impl, _cached_weight_args)
+    if weight is not None:  # decode-sized: the least Python per call
+        return native.run_linear(lib.tq_blockwise4bit_linear, "blockwise_4bit_linear", x, k, n, weight, bias)
+    return linear_cpu(x, *args)
 
 
 register_linear_kernel(

@@ -237,39 +237,44 @@ def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, 
     """Native: fused dequantize + dot in fp32 (weights exactly the reference's values, one
     rounding to x's dtype at the end), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
     _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    return _linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
+
+
+def _weight_args(packed, scale, shift, zero, n, group_size, code_base, round_mul, round_add) -> tuple:
+    """The weight's C arguments of ``tq_int4_linear``, ``Kp`` to ``round_add`` (contiguous tensors)."""
+    return (packed.shape[1] * 2, packed.data_ptr(), n, group_size, _codebook(code_base).data_ptr(), scale.data_ptr(),
+            native.ptr(shift), native.ptr(zero), round_mul, round_add)
+
+
+def _linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias) -> torch.Tensor:
+    """The CPU kernel on checked arguments."""
     lib = native.library()
     if lib is None or x.numel() == 0:
         if lib is None:
             native.warn_reference("int4_groupwise_linear")
-        w = dequantize_int4_native(packed, scale, shift, zero, shape[1], group_size, code_base, round_mul, round_add, x.dtype)
+        w = dequantize_int4_native(packed, scale, shift, zero, k, group_size, code_base, round_mul, round_add, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-    n, k = shape
-    kp = packed.shape[1] * 2
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
+    packed, scale = packed.contiguous(), scale.contiguous()  # no copies for the layout's own tensors
+    shift = None if shift is None else shift.contiguous()
+    zero = None if zero is None else zero.contiguous()
+    weight = _weight_args(packed, scale, shift, zero, n, group_size, code_base, round_mul, round_add)
+    m = x.numel() // k
+    if not use_tiles(m, x.dtype):
+        return native.run_linear(lib.tq_int4_linear, "int4_groupwise_linear", x, k, n, weight, bias)
+    kp = weight[0]
+    dequant_args = (weight[1], n, kp, *weight[3:])
+
+    def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
+        bf16 = int(w.dtype == torch.bfloat16)
+        if kp == k:
+            native.check(lib.tq_int4_dequantize(*dequant_args, n0, n1, w.data_ptr(), bf16, native.threads()), "int4 dequantize")
+        else:  # padded rows: dequantize into a [rows, Kp] buffer, keep the first K columns
+            full = torch.empty(n1 - n0, kp, dtype=w.dtype)
+            native.check(lib.tq_int4_dequantize(*dequant_args, n0, n1, full.data_ptr(), bf16, native.threads()), "int4 dequantize")
+            w.copy_(full[:, :k])
+
     b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
-    packed, scale, shift, zero = (None if t is None else t.contiguous() for t in (packed, scale, shift, zero))
-    table = _codebook(code_base)
-    weight = (packed.data_ptr(), n, kp, group_size, table.data_ptr(), scale.data_ptr(), native.ptr(shift), native.ptr(zero),
-              round_mul, round_add)
-    if use_tiles(m, x.dtype):
-
-        def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
-            bf16 = w.dtype == torch.bfloat16
-            if kp == k:
-                native.check(lib.tq_int4_dequantize(*weight, n0, n1, w.data_ptr(), int(bf16), native.threads()), "int4 dequantize")
-            else:  # padded rows: dequantize into a [rows, Kp] buffer, keep the first K columns
-                full = torch.empty(n1 - n0, kp, dtype=w.dtype)
-                native.check(lib.tq_int4_dequantize(*weight, n0, n1, full.data_ptr(), int(bf16), native.threads()), "int4 dequantize")
-                w.copy_(full[:, :k])
-
-        out = tiled_linear(rows, n, k, dequant_rows, tile_dtype(x.dtype), b)
-    else:
-        xp = rows.to(torch.float32)
-        xp = (F.pad(xp, (0, kp - k)) if kp != k else xp).contiguous()
-        out = torch.empty(m, n, dtype=torch.float32)
-        status = lib.tq_int4_linear(xp.data_ptr(), m, kp, *weight[:1], n, *weight[3:], native.ptr(b), out.data_ptr(), native.threads())
-        native.check(status, "int4_groupwise_linear")
+    out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -306,13 +311,28 @@ def _check_linear(x: torch.Tensor, w, bias) -> str | None:
     return None
 
 
+def _cached_weight_args(impl: Int4NativeImpl) -> tuple | None:
+    """:func:`_weight_args` of a layout's tensors, or None unless all are contiguous (the
+    pointers are cached for the impl's lifetime by :func:`torchq.native.weight_args`)."""
+    if not all(t is None or t.is_contiguous() for t in (impl.packed, impl.scale, impl.shift, impl.zero)):
+        return None
+    return _weight_args(impl.packed, impl.scale, impl.shift, impl.zero, impl.shape[0], impl.group_size, impl.code_base,
+                        *impl.round_kinds)
+
+
 def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4NativeImpl = w.tensor_impl
-    round_mul, round_add = impl.round_kinds
-    op = int4_groupwise_linear_cpu if native.eager_cpu(x) else int4_groupwise_linear
-    return op(
-        x, w.packed, w.scale, getattr(w, "shift", None), getattr(w, "zero", None), list(impl.shape), impl.group_size, impl.code_base, round_mul, round_add, bias
-    )
+    n, k = impl.shape
+    if native.eager_cpu(x):  # arguments come from a validated layout: the op's checks are skipped
+        m = x.numel() // k
+        lib = native.library()
+        weight = None if lib is None or not m or use_tiles(m, x.dtype) else native.weight_args(impl, _cached_weight_args)
+        if weight is not None:  # decode-sized: the least Python per call
+            return native.run_linear(lib.tq_int4_linear, "int4_groupwise_linear", x, k, n, weight, bias)
+        return _linear_cpu(x, impl.packed, impl.scale, impl.shift, impl.zero, n, k, impl.group_size, impl.code_base,
+                           *impl.round_kinds, bias)
+    return int4_groupwise_linear(x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base,
+                                 *impl.round_kinds, bias)
 
 
 register_linear_kernel(

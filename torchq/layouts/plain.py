@@ -28,11 +28,13 @@ from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
 from ..int8_linear import (
     NATIVE_MIN_CODE,
+    dynamic_linear_cpu,
+    dynamic_native,
     int8_dynamic_linear,
-    int8_dynamic_linear_cpu,
     int8_weight_linear,
-    int8_weight_linear_cpu,
+    weight_linear_cpu,
 )
+from ..prefill import use_tiles
 from ..primitives import ZeroPointDomain
 from .base import Layout, TensorImpl
 
@@ -165,15 +167,51 @@ def _check_native(x: torch.Tensor, w, bias, *, want_act: bool) -> str | None:
     return None
 
 
+def _in_place_int8_args(impl) -> tuple | None:
+    """Codes and fp32 scales of a plain int8 weight as pointers (cached per impl), or None when
+    they cannot be used in place."""
+    codes, scale = impl.codes, impl.scale
+    if not (codes.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
+        return None
+    return (codes.data_ptr(), codes.shape[0], scale.data_ptr())
+
+
+def _decode_args(x: torch.Tensor, w):
+    """``(library, cached weight pointers, k)`` when the fused native kernel takes this call
+    directly (eager, CPU, decode-sized M), else None."""
+    impl = w.tensor_impl
+    k = impl.shape[1]
+    m = x.numel() // k
+    lib = native.library()
+    if lib is None or not m or use_tiles(m, x.dtype):
+        return None
+    args = native.weight_args(impl, _in_place_int8_args)
+    return None if args is None else (lib, args, k)
+
+
 def _int8_weight_only_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    op = int8_weight_linear_cpu if native.eager_cpu(x) else int8_weight_linear
-    return op(x, w.codes, w.scale, bias)
+    impl = w.tensor_impl
+    if not native.eager_cpu(x):
+        return int8_weight_linear(x, impl.codes, impl.scale, bias)
+    # eager CPU: a validated layout's tensors, the op's checks are skipped
+    decode = _decode_args(x, w)
+    if decode is None:
+        return weight_linear_cpu(x, impl.codes, impl.scale, bias)
+    lib, args, k = decode
+    return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, args[1], args, bias)
 
 
 def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     act = w.act_quant
-    op = int8_dynamic_linear_cpu if native.eager_cpu(x) else int8_dynamic_linear
-    return op(x, w.codes, w.scale, act.quant_min, act.quant_max, act.eps, bias)
+    impl = w.tensor_impl
+    if not native.eager_cpu(x):
+        return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
+    decode = _decode_args(x, w)  # the condition guarantees activation codes the kernel takes
+    if decode is None:
+        return dynamic_linear_cpu(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
+    lib, args, k = decode
+    weight = (*args, (act.quant_max - act.quant_min) / 2, act.eps, act.quant_min, act.quant_max)
+    return dynamic_native(lib, x, k, args[1], weight, bias)
 
 
 register_linear_kernel(
