@@ -162,28 +162,33 @@ void b4_dequant_avx512(const B4Params& p, int64_t n0, int64_t n1, void* dst, boo
   const __m512 code = _mm512_loadu_ps(p.codebook);
   const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __m512i round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), low = _mm512_set1_epi32(15);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.packed + n * (K / 2);
     const int64_t row = (n - n0) * K;
     for (int64_t g = 0; g < G; ++g) {
       const __m512 lut = table(p, code, n, g);
+      if (bf16) {
+        // The 16 entries rounded to bf16 once (as the fp32 path would round each weight), then
+        // each dword of nibble indices (byte b -> words b >> 4, b & 15: elements 2j, 2j + 1) picks
+        // two bf16 weights with one vpermw: 32 weights per 16 bytes, in natural order.
+        const __m512i u = _mm512_castps_si512(lut);
+        const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+        const __m512i lut16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(r));
+        uint16_t* o = static_cast<uint16_t*>(dst) + row;
+        for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
+          const __m512i idx = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(_mm512_and_si512(v, low), 16));
+          _mm512_storeu_si512(o + k, _mm512_permutexvar_epi16(idx, lut16));
+        }
+        continue;
+      }
       for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
         const __m512 we = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
         const __m512 wo = _mm512_permutexvar_ps(v, lut);
-        const __m512 a = _mm512_permutex2var_ps(we, first, wo), b = _mm512_permutex2var_ps(we, second, wo);
-        if (!bf16) {
-          _mm512_storeu_ps(static_cast<float*>(dst) + row + k, a);
-          _mm512_storeu_ps(static_cast<float*>(dst) + row + k + 16, b);
-        } else {
-          uint16_t* o = static_cast<uint16_t*>(dst) + row + k;
-          for (int h = 0; h < 2; ++h) {
-            const __m512i u = _mm512_castps_si512(h ? b : a);
-            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * h), _mm512_cvtepi32_epi16(r));
-          }
-        }
+        _mm512_storeu_ps(static_cast<float*>(dst) + row + k, _mm512_permutex2var_ps(we, first, wo));
+        _mm512_storeu_ps(static_cast<float*>(dst) + row + k + 16, _mm512_permutex2var_ps(we, second, wo));
       }
     }
   }

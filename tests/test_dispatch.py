@@ -307,7 +307,7 @@ def test_native_disabled_is_part_of_the_cache_key():
     with torchq.native.disabled():
         F.linear(x, q)
     F.linear(x, q)
-    chosen = torchq.dispatch._KERNEL_CACHE.get(q)
+    chosen = torchq.dispatch._KERNEL_CACHE.get(q.tensor_impl)
     assert sorted(k.name for k in chosen.values()) == ["int8_weight_only_cpu_bf16_compute", "int8_weight_only_native"]
 
 

@@ -10,9 +10,9 @@ under :func:`strict` that is a :class:`NoKernelError` instead.
 Kernels are ordered by ``priority`` (higher first, then registration order). Built-in kernels
 use priority 0; :func:`register_linear_kernel` defaults to 100 so a user's kernel wins.
 
-The choice is cached per weight object and input signature (dtype, device, shape, subclass; the
-bias's dtype, device and shape), so a decode loop asks the conditions once per shape, not once
-per call. Conditions must therefore depend only on that signature, the weight's own metadata
+The choice is cached per weight (its tensor impl, plus its dtype and activation quantization)
+and input signature (dtype, device, shape, subclass; the bias's dtype, device and shape), so a
+decode loop asks the conditions once per shape, not once per call. Conditions must therefore depend only on that signature, the weight's own metadata
 and global state that is part of the cache key: the table itself (any change clears the cache)
 and the providers added with :func:`add_selection_state` (``torchq.native`` adds whether the
 native library is enabled in the calling thread). Call :func:`clear_kernel_cache` after
@@ -84,7 +84,7 @@ _TABLE: list[LinearKernel] = []
 _STRICT = [os.environ.get("TORCHQ_STRICT", "") not in ("", "0")]
 _WARNED: set[tuple[str, str]] = set()
 _RECORDERS: list[list] = []
-# weight -> {input signature: kernel}; see the module docstring.
+# weight.tensor_impl -> {signature: kernel}; see the module docstring and _cached_kernel.
 _KERNEL_CACHE = IdentityCache()
 _STATE_PROVIDERS: list[Callable[[], Any]] = []
 
@@ -225,25 +225,29 @@ def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) 
     return F.linear(x, weight.dequantize(x.dtype), b)
 
 
-def _signature(x: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+def _signature(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> tuple:
     b = None if bias is None else (bias.dtype, bias.device, bias.shape)
     state = tuple(p() for p in _STATE_PROVIDERS) if _STATE_PROVIDERS else None
-    return (type(x), x.dtype, x.device, x.shape, b, state)
+    return (type(x), x.dtype, x.device, x.shape, b, weight.dtype, weight.act_quant, weight.transposed, state)
 
 
 def _cached_kernel(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> tuple[LinearKernel | None, tuple | None]:
-    """``(kernel, None)`` on a cache hit, else ``(None, key)`` (key None: do not cache)."""
+    """``(kernel, None)`` on a cache hit, else ``(None, key)`` (key None: do not cache).
+
+    Entries hang off the weight's tensor impl (the packed data and its format), not the weight
+    tensor: a weak reference to the tensor would block ``torch.utils.swap_tensors`` (``module.to``)
+    and the wrapper-level properties conditions read are part of the key."""
     if _RECORDERS or torch.compiler.is_compiling():
         return None, None
-    key = _signature(x, bias)
-    chosen = _KERNEL_CACHE.get(weight)
+    key = _signature(x, weight, bias)
+    chosen = _KERNEL_CACHE.get(weight.tensor_impl)
     return (None, key) if chosen is None else (chosen.get(key), key)
 
 
 def _remember(weight: Any, key: tuple, kernel: LinearKernel) -> None:
-    chosen = _KERNEL_CACHE.get(weight)
+    chosen = _KERNEL_CACHE.get(weight.tensor_impl)
     if chosen is None:
-        chosen = _KERNEL_CACHE.set(weight, {})
+        chosen = _KERNEL_CACHE.set(weight.tensor_impl, {})
     chosen[key] = kernel
 
 
