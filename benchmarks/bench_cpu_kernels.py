@@ -22,7 +22,9 @@ Weights are rotated through enough copies that every call reads its weight from 
 a cache (at least ``--rotate-mb`` MB of weights per config; the L3 of a server CPU holds 8-100 MB).
 
 Columns: ``ms`` (median per call), ``x best float`` (fastest float / this, >1 = faster) and, at
-M=1, ``%bw``: the weight's bytes (codes + scales) / time / measured bandwidth.
+M=1, ``%bw``: the weight's bytes (codes + scales) / time / the read bandwidth measured next to
+that row (the better of just before and just after it: a shared machine's bandwidth drifts by 2x
+within minutes). The configs of a row are timed in interleaved rounds for the same reason.
 
     python benchmarks/bench_cpu_kernels.py                         # full run (~10 minutes on 2 cores)
     python benchmarks/bench_cpu_kernels.py --quick                 # one shape, M in {1, 16}
@@ -150,21 +152,37 @@ def _quantized_int4_cpu(k: int, n: int, dtype: torch.dtype) -> nn.Linear:
     return lin
 
 
-def time_case(case: Case, x: torch.Tensor, budget_s: float, min_reps: int) -> float:
-    """Median seconds per call, cycling through the case's weights."""
+def time_case(case: Case, x: torch.Tensor, budget_s: float, min_reps: int, start: int = 0) -> list[float]:
+    """Seconds per call for ``min_reps`` calls or ``budget_s`` seconds (at most 2000 calls),
+    cycling through the case's weights from index ``start``."""
     ws = case.weights
-    for i in range(min(3, len(ws)) or 1):
-        case.call(x, ws[i % len(ws)])
     samples: list[float] = []
-    start = time.perf_counter()
-    i = 0
-    while len(samples) < min_reps or (time.perf_counter() - start < budget_s and len(samples) < 2000):
+    t0 = time.perf_counter()
+    i = start
+    while len(samples) < min_reps or (time.perf_counter() - t0 < budget_s and len(samples) < 2000):
         w = ws[i % len(ws)]
         t = time.perf_counter()
         case.call(x, w)
         samples.append(time.perf_counter() - t)
         i += 1
-    return statistics.median(samples)
+    return samples
+
+
+def time_cases(cases: dict, x: torch.Tensor, budget_s: float, min_reps: int, rounds: int = 5) -> dict[str, float]:
+    """Median seconds per call of every case, measured in ``rounds`` interleaved rounds (each case
+    gets a slice of every round), so that a slow phase of a shared machine hits all of them alike."""
+    samples: dict[str, list[float]] = {c: [] for c in cases}
+    for c, case in list(cases.items()):  # warm up; drop cases that cannot run
+        try:
+            for i in range(min(3, len(case.weights)) or 1):
+                case.call(x, case.weights[i % len(case.weights)])
+        except Exception as e:
+            print(f"  {c} M={x.shape[0]}: failed ({type(e).__name__}: {e})")
+            del samples[c]
+    for r in range(rounds):
+        for c in samples:
+            samples[c] += time_case(cases[c], x, budget_s / rounds, max(1, min_reps // rounds), start=len(samples[c]))
+    return {c: statistics.median(v) for c, v in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.25, help="seconds of timing per cell")
     ap.add_argument("--min-reps", type=int, default=5)
     ap.add_argument("--rotate-mb", type=float, default=320.0, help="weights per config to rotate through (MB)")
+    ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the tensor the bandwidth is read from")
     ap.add_argument("--quick", action="store_true", help="4096x4096, M in {1, 16}, short budget")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -190,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; {torchq.native.status()}")
-    bw = read_bandwidth()
-    print(f"read bandwidth (torch.sum over 1 GiB fp32): {bw:.1f} GB/s\n")
+    bw = read_bandwidth(args.bandwidth_gib)
+    print(f"read bandwidth (torch.sum over {args.bandwidth_gib:g} GiB fp32): {bw:.1f} GB/s\n")
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "native": str(torchq.native.status()),
                "read_bandwidth_gbs": bw, "rows": []}
     torch.set_grad_enabled(False)
@@ -209,24 +228,22 @@ def main(argv: list[str] | None = None) -> int:
             print(header)
             for m in ms:
                 x = torch.randn(m, k).to(dtype)
-                times = {}
-                for c, case in cases.items():
-                    try:
-                        times[c] = time_case(case, x, args.budget, args.min_reps)
-                    except Exception as e:
-                        print(f"  {c} M={m}: failed ({type(e).__name__}: {e})")
+                if m == 1:  # shared machines drift: the bandwidth next to the row, the best of before and after
+                    before = read_bandwidth(args.bandwidth_gib / 2, 3)
+                times = time_cases(cases, x, args.budget, args.min_reps)
+                row_bw = max(before, read_bandwidth(args.bandwidth_gib / 2, 3)) if m == 1 else bw
                 floats = [times[c] for c in ("float", "float32") if c in times]
                 best = min(floats) if floats else None
                 cells = []
                 for c, t in times.items():
                     ratio = best / t if best else float("nan")
-                    frac = cases[c].nbytes / t / 1e9 / bw if m == 1 else None
+                    frac = cases[c].nbytes / t / 1e9 / row_bw if m == 1 else None
                     cell = f"{t * 1e3:.3f} ({ratio:.2f}x)" + (f" {100 * frac:.0f}%" if frac is not None else "")
                     cells.append(f"{cell:>17}")
                     results["rows"].append({"K": k, "N": n, "dtype": dname, "M": m, "config": c, "ms": t * 1e3,
                                             "x_fastest_float": ratio, "weight_bytes": cases[c].nbytes,
-                                            "bandwidth_fraction": frac})
-                print(f"{m:>4} " + " ".join(cells))
+                                            "bandwidth_fraction": frac, "row_bandwidth_gbs": row_bw if m == 1 else None})
+                print(f"{m:>4} " + " ".join(cells) + (f"   (bandwidth {row_bw:.1f} GB/s)" if m == 1 else ""))
             print()
             del cases
     if args.json:

@@ -37,3 +37,21 @@ def test_bench_serialization_quick_runs_and_writes_json(tmp_path, capsys):
     assert path.exists() and path.stat().st_size > 0
     out = capsys.readouterr().out
     assert "save_quantized" in out and "FAIL" not in out
+
+
+def test_bench_cpu_kernels_runs_every_config_and_writes_json(tmp_path, capsys):
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_cpu_kernels", ROOT / "benchmarks" / "bench_cpu_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "out.json"
+    args = ["--shapes", "256x192", "--m", "1,5", "--dtypes", "fp32,bf16", "--budget", "0.01", "--min-reps", "2",
+            "--rotate-mb", "1", "--bandwidth-gib", "0.01", "--json", str(path)]
+    assert mod.main(args) == 0
+    rows = json.loads(path.read_text())["rows"]
+    configs = {r["config"] for r in rows}
+    assert {"float", "int4", "nf4", "int8wo", "int8dq"} <= configs
+    assert all(r["ms"] > 0 for r in rows)
+    assert all((r["bandwidth_fraction"] is not None) == (r["M"] == 1) for r in rows)
+    assert "failed" not in capsys.readouterr().out
