@@ -179,7 +179,7 @@ def time_cases(cases: dict, x: torch.Tensor, budget_s: float, min_reps: int, rou
         except Exception as e:
             print(f"  {c} M={x.shape[0]}: failed ({type(e).__name__}: {e})")
             del samples[c]
-    for r in range(rounds):
+    for _ in range(rounds):
         for c in samples:
             samples[c] += time_case(cases[c], x, budget_s / rounds, max(1, min_reps // rounds), start=len(samples[c]))
     return {c: statistics.median(v) for c, v in samples.items()}
