@@ -144,3 +144,16 @@ def test_half_outputs_are_the_fp32_result_rounded_once(cfg, dtype):
         lin32.weight = torch.nn.Parameter(lin.weight.to(torch.float32), requires_grad=False)
         full = lin32(x.to(torch.float32))
     assert same_values(half, full.to(dtype))
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_copy_into_a_weight_after_calls_is_seen_by_the_cached_decode_path(cfg):
+    """The decode path caches the weight's pointers per layout impl: loading new values into the
+    weight in place (``copy_``, as ``load_state_dict`` does) must change the next call's result."""
+    a, b = quantized(cfg, 128, 24, torch.float32, bias=False), quantized(cfg, 128, 24, torch.float32, bias=False)
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        before = a(x)
+        assert not torch.equal(before, b(x))
+        a.load_state_dict(b.state_dict())
+        assert torch.equal(a(x), b(x))

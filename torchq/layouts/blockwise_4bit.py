@@ -105,6 +105,9 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
     return None
 
 
+_OFFSET = 7  # position of the nested offset (passed by value) in weight_args()
+
+
 def _cached_weight_args(impl: Blockwise4bitImpl) -> tuple | None:
     tensors = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax)
     if not all(t is None or t.is_contiguous() for t in tensors):
@@ -126,6 +129,8 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     lib = native.library()
     weight = None if lib is None or not m or use_tiles(m, x.dtype) else native.weight_args(impl, _cached_weight_args)
     if weight is not None:  # decode-sized: the least Python per call
+        if impl.nested_offset is not None:  # a value, not a pointer: read now (copy_ may have changed it)
+            weight = (*weight[:_OFFSET], float(impl.nested_offset), *weight[_OFFSET + 1 :])
         return native.run_linear(lib.tq_blockwise4bit_linear, "blockwise_4bit_linear", x, k, n, weight, bias)
     return linear_cpu(x, *args)
 
