@@ -14,6 +14,11 @@ import pytest
 import torch
 from hypothesis import settings
 
+# Without a GPU, Triton kernels run in triton's CPU interpreter (read when a kernel is defined,
+# so before any torchq.triton_kernels module is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from torchq import dispatch, native
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)

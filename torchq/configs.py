@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from .activation import OutlierInt8, PerTokenInt8
+from .canonical import QuantSpec
 from .layouts.base import Layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain, code_range
 from .tensor import AffineQuantizedTensor
@@ -152,6 +153,19 @@ class Int4WeightOnlyConfig(QuantConfig):
         if self.scale_dtype is not None and self.scale_dtype not in _FLOAT_DTYPES:
             raise ValueError(f"scale_dtype: expected fp32/bf16/fp16 or None, got {self.scale_dtype}")
         self._check_layout()
+        if self.layout is not None:
+            spec = self.spec()
+            reason = self.layout.rejects_format(spec, self.scale_dtype)
+            if reason is not None:
+                raise ValueError(
+                    f"layout: {self.layout!r} cannot hold {spec.describe()} (zero_point_domain={self.zero_point_domain.name}, "
+                    f"scale_dtype={self.scale_dtype}): {reason}"
+                )
+
+    def spec(self) -> QuantSpec:
+        """The format this config produces (the same for every weight)."""
+        qmin, qmax = (-8, 7) if self.zero_point_domain is ZeroPointDomain.NONE else (0, 15)
+        return QuantSpec((1, self.group_size), qmin, qmax, self.zero_point_domain)
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)

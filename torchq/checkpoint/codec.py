@@ -300,11 +300,12 @@ def parse_record(record: Any, name: str) -> ParsedRecord:
 
 # -- decoding ------------------------------------------------------------------------------------
 def resolve_layout(policy: LayoutPolicy, saved: Layout | None, plain: PlainForm) -> Layout:
-    """``"saved"``: the saved layout when it can hold the weight on its device, else the best;
+    """``"saved"``: the saved layout when it belongs on the weight's device (it can hold it there
+    and, if device-specific, its kernels run there), else the device's best;
     ``"auto"``: the device's best registered layout; a Layout: exactly that one."""
     if isinstance(policy, Layout):
         return policy
-    if policy == "saved" and saved is not None and saved.check(plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
+    if policy == "saved" and saved is not None and saved.placement_rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
         return saved
     if policy not in ("saved", "auto"):
         raise ValueError(f"layout: expected 'saved', 'auto' or a torchq Layout, got {policy!r}")

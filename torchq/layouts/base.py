@@ -59,6 +59,22 @@ class Layout:
         instance: the native kernel it exists for is not available here). None by default."""
         return None
 
+    def rejects_format(self, spec: QuantSpec, scale_dtype: torch.dtype | None) -> str | None:
+        """The shape- and device-independent part of :meth:`rejects`: why this layout can never
+        hold ``spec`` with scales of ``scale_dtype`` (None: not known yet). Configs that name a
+        layout call it when they are built, so a mismatch fails before any weight is touched."""
+        return None
+
+    def placement_rejects(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device) -> str | None:
+        """Why a weight moving (or loading) to ``device`` should not stay in this layout: it
+        cannot hold it there, or the layout is ``device_specific`` and automatic choice would
+        pass over it there (its kernels run elsewhere). None: keep the layout."""
+        device = torch.device(device)
+        reason = self.check(spec, tuple(shape), scale_dtype, device)
+        if reason is None and self.device_specific:
+            reason = self.auto_rejects(spec, tuple(shape), scale_dtype, device)
+        return reason
+
     def check(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
         """:meth:`rejects` after the capability checks every layout shares (what generic code calls)."""
         if spec.codebook is not None and not self.holds_codebooks:
@@ -178,8 +194,8 @@ class TensorImpl:
 
     def to_device(self, device: torch.device) -> TensorImpl:
         """Move without re-quantizing: copy the bytes, or repack through the plain form when the
-        layout is device-specific (choosing the target device's best layout if this one cannot
-        live there)."""
+        layout is device-specific (choosing the target device's best layout unless this one
+        belongs there: see :meth:`Layout.placement_rejects`)."""
         device = torch.device(device)
         if device == self.device:
             return self
@@ -187,7 +203,7 @@ class TensorImpl:
             return self.map(lambda t: t.to(device))
         plain = self.to_plain().map(lambda t: t.to(device))
         layout = self.layout
-        if layout.check(plain.spec, plain.shape, plain.scale.dtype, device) is not None:
+        if layout.placement_rejects(plain.spec, plain.shape, plain.scale.dtype, device) is not None:
             layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, device)
         return layout.pack(plain)
 

@@ -12,7 +12,7 @@ flattened weight, so they coincide with row groups exactly when ``B`` divides ``
   (``absmax = DYNAMIC[codes] * nested_absmax[i // 256] + offset``).
 
 Linear: ``torch.ops.torchq.blockwise_4bit_linear`` (:mod:`torchq.blockwise.linear`): the fused
-native kernel on the CPU, dequantize + ``F.linear`` elsewhere; gradients flow to the input and
+native kernel on the CPU, Triton kernels on CUDA (:mod:`torchq.triton_kernels`); gradients flow to the input and
 bias through the frozen weight (QLoRA).
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native
+from .. import native, triton_kernels
 from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.linear import TABLES, linear_cpu, weight_args
 from ..blockwise.ops import BLOCK_SIZES
@@ -102,6 +102,8 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
         return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     if w.act_quant is not None:
         return f"weight has dynamic activation quantization ({w.act_quant.describe()})"
+    if x.device.type != "cpu":
+        return triton_kernels.cuda_rejects(x)
     return None
 
 
@@ -140,6 +142,6 @@ register_linear_kernel(
     _check,
     _linear,
     description="torchq::blockwise_4bit_linear: fused native CPU kernel (unpack + fp32 FMA, no dequantized weight); "
-    "elsewhere dequantize + F.linear",
+    "Triton dequantize-GEMM / split-K GEMV on CUDA",
     priority=0,
 )

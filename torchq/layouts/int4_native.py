@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import native
+from .. import native, triton_kernels
 from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
 from ..prefill import tile_dtype, tiled_linear, use_tiles
@@ -148,8 +148,11 @@ class Int4NativeLayout(Layout):
         return None
 
     def auto_rejects(self, spec, shape, scale_dtype, device):
-        if torch.device(device).type != "cpu":
-            return f"its kernels run on the CPU, weight is on {device}"
+        device = torch.device(device)
+        if device.type == "cuda":
+            return triton_kernels.unavailable_reason()
+        if device.type != "cpu":
+            return f"its kernels run on the CPU (native) and CUDA (Triton), weight is on {device}"
         if not native.available():
             return f"the native library is not available ({native.status().reason})"
         return None
@@ -308,6 +311,8 @@ def _check_linear(x: torch.Tensor, w, bias) -> str | None:
         return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     if w.act_quant is not None:
         return f"weight-only kernel, weight has {w.act_quant.describe()}"
+    if x.device.type != "cpu":
+        return triton_kernels.cuda_rejects(x)
     return None
 
 
@@ -339,6 +344,6 @@ register_linear_kernel(
     "int4_native",
     _check_linear,
     _int4_native_linear,
-    description="torchq::int4_groupwise_linear: native fused dequantize + dot (CPU; reference elsewhere)",
+    description="torchq::int4_groupwise_linear: native fused dequantize + dot (CPU), Triton dequantize-GEMM / split-K GEMV (CUDA)",
     priority=0,
 )

@@ -13,6 +13,7 @@ own dtypes. Works on every device. Kernels registered here (CPU):
 Ahead of those, when torchq's native library is available (:mod:`torchq.native`):
 ``int8_weight_only_native`` (``torchq::int8_weight_linear``, every activation dtype) and
 ``int8_dynamic_native`` (``torchq::int8_dynamic_linear``, bit-equal to ``int8_dynamic_cpu``).
+On CUDA: ``int8_dynamic_triton`` (the same op's Triton kernel, bit-equal as well).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native
+from .. import native, triton_kernels
 from ..activation import OutlierInt8, PerTokenInt8
 from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
@@ -68,12 +69,12 @@ class PlainLayout(Layout):
     holds_codebooks = True
 
 
-def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool) -> str | None:
+def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool, device_type: str = "cpu") -> str | None:
     impl = w.tensor_impl
     if not isinstance(impl.layout, PlainLayout):
         return f"needs PlainLayout, weight has {impl.layout!r}"
-    if x.device.type != "cpu":
-        return f"CPU kernel, input is on {x.device}"
+    if x.device.type != device_type:
+        return f"{device_type.upper()} kernel, input is on {x.device}"
     if x.dtype not in _FLOAT_INPUTS:
         return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     spec = impl.spec
@@ -252,6 +253,26 @@ register_linear_kernel(
     lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=True),
     _int8_dynamic,
     description="per-token int8 input x int8 weight via torch._int_mm, fp32 rescale",
+    priority=0,
+)
+
+
+def _check_triton_dynamic(x: torch.Tensor, w, bias) -> str | None:
+    return _cpu_plain_int8_check(x, w, want_act=True, device_type="cuda") or triton_kernels.cuda_rejects(x)
+
+
+def _int8_dynamic_op(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    act = w.act_quant
+    impl = w.tensor_impl
+    return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
+
+
+register_linear_kernel(
+    "int8_dynamic_triton",
+    _check_triton_dynamic,
+    _int8_dynamic_op,
+    description="torchq::int8_dynamic_linear on CUDA: Triton per-token int8 quantization + int8 tensor-core GEMM, "
+    "scales fused (bit-equal to the reference)",
     priority=0,
 )
 

@@ -1,0 +1,225 @@
+"""Triton kernels (torchq.triton_kernels) against the ops' pure-PyTorch references.
+
+Without a GPU they run in triton's CPU interpreter (``TRITON_INTERPRET=1``, set by conftest) on
+small shapes: the dequantized weights are checked bit for bit through identity inputs (each
+output is then one weight times 1), the products against the reference within fp32 summation
+order, and the int8 path bit for bit. With CUDA the same tests run on the GPU, plus dispatch,
+torch.compile and larger shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import sqnr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchq
+from torchq import ZeroPointDomain as Z
+from torchq import native
+from torchq.layouts import Int4NativeLayout
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from torchq.triton_kernels import cuda_rejects, dequant_linear, int8_linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+SETTINGS = dict(deadline=None, max_examples=12, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def reference(op, *args):
+    """The op's pure-PyTorch reference on the CPU."""
+    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    with native.disabled():
+        return op(*cpu)
+
+
+def int4_args(impl, x, bias=None):
+    n, k = impl.shape
+    return (x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base, *impl.round_kinds, bias)
+
+
+def nf4_args(impl, x, bias=None):
+    spec = impl.spec
+    return (x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, list(impl.shape),
+            spec.block_size[1], spec.codebook, bias)
+
+
+def identity_rows(k: int, m: int, dtype) -> torch.Tensor:
+    """``m`` rows picking columns spread over K (row i is e_j): x @ W.T then holds W[:, j]."""
+    cols = torch.linspace(0, k - 1, m).round().long()
+    return torch.eye(k, dtype=dtype)[cols], cols
+
+
+# -- exact weights: 4-bit affine -----------------------------------------------------------------
+@settings(**SETTINGS)
+@given(domain=st.sampled_from([Z.FLOAT, Z.INT, Z.NONE]), x_dtype=st.sampled_from(FLOATS), scale_dtype=st.sampled_from(FLOATS),
+       g=st.sampled_from([32, 64, 128, 256, 512]), n=st.integers(1, 70), k=st.integers(1, 300), m=st.sampled_from([1, 3, 17]),
+       seed=st.integers(0, 2**31 - 1))
+def test_int4_weights_are_the_references_bit_for_bit(domain, x_dtype, scale_dtype, g, n, k, m, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen) * 3)
+    cfg = torchq.Int4WeightOnlyConfig(group_size=g if g <= 256 else 256, zero_point_domain=domain, scale_dtype=scale_dtype,
+                                      layout=Int4NativeLayout())
+    impl = cfg.quantize_weight(w.to(scale_dtype)).tensor_impl
+    x, cols = identity_rows(k, m, x_dtype)
+    y = dequant_linear.int4_groupwise_linear(*int4_args(impl, x.to(DEVICE)))
+    ref_w = reference(torch.ops.torchq.int4_groupwise_linear, *int4_args(impl, torch.eye(k, dtype=x_dtype)))
+    assert y.dtype == x_dtype and y.shape == (m, n)
+    assert torch.equal(y.cpu(), ref_w[cols])
+
+
+@pytest.mark.parametrize("x_dtype", FLOATS)
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 16, 40])
+def test_int4_products_match_the_reference(x_dtype, m):
+    torch.manual_seed(m)
+    n, k = 96, 384  # several K slices: the split-K paths run
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    impl = torchq.Int4WeightOnlyConfig(group_size=64, layout=Int4NativeLayout()).quantize_weight(w).tensor_impl
+    x = torch.randn(2, m, k, dtype=x_dtype)
+    bias = torch.randn(n, dtype=torch.float32)
+    y = dequant_linear.int4_groupwise_linear(*int4_args(impl, x.to(DEVICE), bias.to(DEVICE)))
+    ref = reference(torch.ops.torchq.int4_groupwise_linear, *int4_args(impl, x.double().to(x_dtype), bias))
+    exact = F.linear(x.double(), impl.dequantize(torch.float64).to(x_dtype).double(), bias.to(x_dtype).double())
+    assert y.shape == (2, m, n) and y.dtype == x_dtype
+    floor = {torch.float32: 120, torch.bfloat16: 45, torch.float16: 60}[x_dtype]
+    assert sqnr(exact, y.cpu()) > floor and sqnr(exact, ref) > floor - 5
+    again = dequant_linear.int4_groupwise_linear(*int4_args(impl, x.to(DEVICE), bias.to(DEVICE)))
+    assert torch.equal(again, y)  # split-K sums in a fixed order: deterministic
+
+
+def test_split_k_and_empty_inputs():
+    impl = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout()).quantize_weight(torch.randn(8, 64)).tensor_impl
+    y = dequant_linear.int4_groupwise_linear(*int4_args(impl, torch.zeros(0, 64, device=DEVICE)))
+    assert y.shape == (0, 8)
+    assert dequant_linear._split_k(1, 4096, 128, torch.device("cpu")) > 1
+    assert dequant_linear._split_k(10_000, 4096, 128, torch.device("cpu")) == 1
+
+
+def test_int4_op_arguments_are_checked():
+    impl = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout()).quantize_weight(torch.randn(8, 64)).tensor_impl
+    with pytest.raises(ValueError, match="last dimension K=64"):
+        dequant_linear.int4_groupwise_linear(*int4_args(impl, torch.zeros(2, 63)))
+
+
+# -- exact weights: NF4 / FP4 ----------------------------------------------------------------------
+@settings(**SETTINGS)
+@given(quant_type=st.sampled_from(["nf4", "fp4"]), nested=st.booleans(), x_dtype=st.sampled_from(FLOATS),
+       block=st.sampled_from([32, 64, 128]), n=st.integers(1, 40), blocks=st.integers(1, 4), m=st.sampled_from([1, 4, 20]),
+       seed=st.integers(0, 2**31 - 1))
+def test_nf4_weights_are_the_references_bit_for_bit(quant_type, nested, x_dtype, block, n, blocks, m, seed):
+    k = block * blocks
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    w[0, :block] = 0  # an all-zero block
+    cfg = (torchq.nf4_weight_only if quant_type == "nf4" else torchq.fp4_weight_only)(block_size=block, double_quant=nested)
+    impl = cfg.quantize_weight(w).tensor_impl
+    x, cols = identity_rows(k, m, x_dtype)
+    y = dequant_linear.blockwise_4bit_linear(*nf4_args(impl, x.to(DEVICE)))
+    ref_w = reference(torch.ops.torchq.blockwise_4bit_linear, *nf4_args(impl, torch.eye(k, dtype=x_dtype)))
+    assert torch.equal(y.cpu(), ref_w[cols])
+
+
+@pytest.mark.parametrize("m", [1, 24])
+def test_nf4_products_match_the_reference(m):
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    impl = torchq.nf4_weight_only(block_size=64, double_quant=True).quantize_weight(w.to(torch.bfloat16)).tensor_impl
+    x = torch.randn(m, 256, dtype=torch.bfloat16)
+    bias = torch.randn(64, dtype=torch.bfloat16)
+    y = dequant_linear.blockwise_4bit_linear(*nf4_args(impl, x.to(DEVICE), bias.to(DEVICE)))
+    exact = F.linear(x.double(), impl.dequantize(torch.bfloat16).double(), bias.double())
+    assert sqnr(exact, y.cpu()) > 45
+
+
+# -- int8 dynamic: bit for bit -----------------------------------------------------------------------
+@settings(**SETTINGS)
+@given(x_dtype=st.sampled_from(FLOATS), m=st.integers(1, 40), n=st.integers(1, 50), k=st.integers(1, 150),
+       qrange=st.sampled_from([(-127, 127), (-128, 127)]), bias=st.booleans(), seed=st.integers(0, 2**31 - 1),
+       edge=st.sampled_from(["none", "zero_row", "nan", "huge", "tiny"]))
+def test_int8_dynamic_is_the_reference_bit_for_bit(x_dtype, m, n, k, qrange, bias, seed, edge):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * 0.02
+    x = (torch.randn(m, k, generator=gen) * 4).to(x_dtype)
+    if edge == "zero_row":
+        x[0] = 0
+    elif edge == "nan":
+        x[0, 0] = float("nan")
+    elif edge == "huge":
+        x[-1] *= torch.finfo(x_dtype).max / 8
+    elif edge == "tiny":
+        x[0] *= 1e-30 if x_dtype != torch.float16 else 1e-6
+    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    y = int8_linear.int8_dynamic_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), *qrange, 1e-5,
+                                        None if b is None else b.to(DEVICE))
+    ref = reference(torch.ops.torchq.int8_dynamic_linear, x, codes, scale, *qrange, 1e-5, b)
+    assert y.dtype == x_dtype
+    assert torch.equal(y.cpu(), ref) or (torch.isnan(ref).any() and torch.equal(y.cpu().isnan(), ref.isnan())
+                                         and torch.equal(y.cpu().nan_to_num(), ref.nan_to_num()))
+
+
+def test_quantize_rows_matches_per_token_int8():
+    x = torch.randn(5, 77, dtype=torch.bfloat16) * 3
+    x[1] = 0
+    x[2, :3] = torch.tensor([0.5, -0.5, 1.5]) * (x[2].abs().max().float() / 127)  # ties after scaling
+    codes, scale = int8_linear.quantize_rows(x.to(DEVICE), -127, 127, 1e-5)
+    ref_codes, ref_scale = torchq.PerTokenInt8().quantize(x)
+    assert torch.equal(codes.cpu()[:, :77], ref_codes) and (codes.cpu()[:, 77:] == 0).all()
+    assert torch.equal(scale.cpu(), ref_scale.reshape(-1))
+
+
+# -- bf16 rounding helper ----------------------------------------------------------------------------
+@triton.jit
+def _round_bf16_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < n)
+    tl.store(o_ptr + i, dequant_linear._round_to(v, 1), mask=i < n)
+
+
+def test_round_to_bf16_is_round_to_nearest_even():
+    bits = torch.randint(-(2**31), 2**31 - 1, (4096,), dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.3895e38, 1.00390625, 1.01171875,
+                                    torch.finfo(torch.float32).tiny / 3])])
+    out = torch.empty_like(x)
+    out = out.to(DEVICE)
+    _round_bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), out, x.numel(), BLOCK=1024)
+    want = x.to(torch.bfloat16).to(torch.float32)
+    assert torch.equal(out.cpu().nan_to_num(), want.nan_to_num()) and torch.equal(out.cpu().isnan(), want.isnan())
+
+
+# -- conditions ---------------------------------------------------------------------------------------
+def test_cuda_rejects_names_the_reason():
+    assert cuda_rejects(torch.empty(1, device="meta")) == "no torchq kernel for meta tensors"
+    kernels = {k.name: k for k in torchq.linear_kernels()}
+    aq = torchq.int8_dynamic_activation_int8_weight().quantize_weight(torch.randn(8, 32))
+    assert kernels["int8_dynamic_triton"].check(torch.randn(2, 32), aq, None) == "CUDA kernel, input is on cpu"
+
+
+# -- CUDA: dispatch, compile, larger shapes --------------------------------------------------------
+@cuda
+@pytest.mark.parametrize("config", ["int4", "nf4", "int8_dynamic"])
+@pytest.mark.parametrize("m", [1, 16, 200])
+def test_cuda_dispatch_runs_the_triton_kernels(config, m):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 512)).to(torch.bfloat16).cuda()
+    ref_model = nn.Sequential(nn.Linear(1024, 512)).to(torch.bfloat16).cuda()
+    ref_model.load_state_dict(model.state_dict())
+    cfg = {"int4": torchq.Int4WeightOnlyConfig(layout=Int4NativeLayout()), "nf4": torchq.nf4_weight_only(),
+           "int8_dynamic": torchq.int8_dynamic_activation_int8_weight()}[config]
+    torchq.quantize_(model, cfg)
+    x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+    with torchq.strict():
+        y = model(x)
+    report = torchq.explain(model, x)
+    assert "triton" in str(report).lower() or "int4_native" in str(report) or "blockwise" in str(report)
+    assert sqnr(ref_model(x).float(), y.float()) > 15
+    compiled = torch.compile(model, fullgraph=True)
+    with torchq.strict():
+        yc = compiled(x)
+    assert sqnr(y.float(), yc.float()) > 40

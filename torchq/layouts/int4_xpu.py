@@ -1,0 +1,241 @@
+"""``Int4XPULayout``: PyTorch's XPU (Intel GPU) int4 weight-only format.
+
+Groupwise <=4-bit weights with an integer zero point (ZeroPointDomain.INT, ``x̂ = (q - z)·s``,
+run by ``aten._weight_int4pack_mm_with_scales_and_zeros``) or a float zero point
+(ZeroPointDomain.FLOAT, tinygemm numerics ``x̂ = (q - 8)·s + zero``, run by
+``aten._weight_int4pack_mm``), group size ``g`` in {32, 64, 128, 256}, scales in bf16 or fp16
+(the XPU kernels read them in the activation dtype). Codes are shifted by ``8 - mid`` into
+0..15 (and integer zero points with them), so ``[0, 15]`` and ``[-8, 7]`` ranges both fit.
+
+Bytes per ``[N, K]`` weight, with ``Np = ceil(N/16)·16`` and ``Kp = ceil(K/g)·g``:
+
+* ``packed`` int32 ``[Np, Kp/8]``: nibble ``i`` (bits ``4i..4i+3``) of word ``j`` of row ``n``
+  holds code ``q'[n, 8j + i]``; as bytes (little-endian), byte ``b`` of a row is
+  ``q'[2b+1] << 4 | q'[2b]``: the reverse of CUDA's nibble order;
+* FLOAT: ``scale_and_zero`` ``[Kp/g, Np, 2]`` in the scale dtype (``[..., 0]`` scale, ``[..., 1]`` zero);
+* INT: ``scale`` ``[Kp/g, Np]`` in the scale dtype and ``zero`` int8 ``[Kp/g, Np]`` (shifted
+  zero points); the original integer dtype is remembered.
+
+Padding holds code 0 with scale 0 (weight 0) and is sliced off. The bytes are device-independent:
+the pure-PyTorch packer runs anywhere; on an XPU the result of ``_convert_weight_to_int4pack``
+is checked once per process to be the same. The kernels are selected only for tensors on an
+XPU device; elsewhere this layout is storage (``torchq::int4_xpu_mm``'s reference computes
+what the XPU kernels compute: every weight formed in fp32 and rounded once to the activation
+dtype, then the matmul).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..canonical import PlainForm
+from ..dispatch import register_linear_kernel
+from ..primitives import ZeroPointDomain
+from .base import Layout, TensorImpl
+
+__all__ = ["Int4XPULayout", "Int4XPUImpl", "pack_xpu", "unpack_xpu", "xpu_dequantize"]
+
+GROUP_SIZES = (32, 64, 128, 256)
+SCALE_DTYPES = (torch.bfloat16, torch.float16)
+N_ALIGN = 16
+
+
+def pack_xpu(q: torch.Tensor) -> torch.Tensor:
+    """Codes ``[Np, Kp]`` (0..15, ``Kp % 8 == 0``) to int32 words ``[Np, Kp/8]`` (see module doc)."""
+    q = q.to(torch.uint8)
+    return ((q[:, 1::2] << 4) | q[:, 0::2]).contiguous().view(torch.int32)
+
+
+def unpack_xpu(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_xpu`: uint8 codes ``[Np, Kp]``."""
+    b = packed.contiguous().view(torch.uint8)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
+
+
+def xpu_dequantize(packed: torch.Tensor, group_size: int, scales: torch.Tensor, int_zeros: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``[Np, Kp]`` weights as the XPU kernels form them: in fp32, one rounding to ``dtype``.
+    ``int_zeros`` None: ``scales`` is ``scale_and_zero`` and ``w = (q - 8)·s + zero``; else
+    ``w = (q - z)·s`` with ``scales`` and ``int_zeros`` ``[Kp/g, Np]``."""
+    q = unpack_xpu(packed).to(torch.float32)
+    full = lambda t: t.to(torch.float32).repeat_interleave(group_size, dim=0).t()  # noqa: E731  [Np, Kp]
+    if int_zeros is None:
+        return ((q - 8) * full(scales[..., 0]) + full(scales[..., 1])).to(dtype)
+    return ((q - full(int_zeros)) * full(scales)).to(dtype)
+
+
+def _shift(spec) -> int:
+    return 8 - spec.mid
+
+
+@functools.cache
+def _xpu_pack_verified(device_index: int) -> bool:
+    device = torch.device("xpu", device_index)
+    q = torch.randint(0, 16, (16, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    got = torch.ops.aten._convert_weight_to_int4pack(((q[:, 1::2] << 4) | q[:, 0::2]).to(device), 8)
+    return tuple(got.shape) == (16, 8) and torch.equal(got.cpu(), pack_xpu(q))
+
+
+def _pack(q8: torch.Tensor) -> torch.Tensor:
+    if q8.device.type == "xpu":
+        if not _xpu_pack_verified(q8.device.index or 0):
+            raise RuntimeError(
+                "torchq: aten._convert_weight_to_int4pack on this XPU build does not produce the [N, K/8] order torchq "
+                "documents (older torch-xpu-ops); use PlainLayout or PackedBitsLayout"
+            )
+        return torch.ops.aten._convert_weight_to_int4pack(((q8[:, 1::2] << 4) | q8[:, 0::2]).contiguous(), 8)
+    return pack_xpu(q8)
+
+
+class Int4XPUImpl(TensorImpl):
+    tensor_fields = ("packed", "scale_and_zero", "scale", "zero")
+    attr_fields = ("zero_dtype",)
+
+    @property
+    def group_size(self) -> int:
+        return self.spec.block_size[1]
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        n, k = self.shape
+        g = self.group_size
+        return -(-n // N_ALIGN) * N_ALIGN, -(-k // g) * g
+
+    @classmethod
+    def from_plain(cls, plain: PlainForm, layout: Layout) -> Int4XPUImpl:
+        spec = plain.spec
+        n, k = plain.shape
+        g = spec.block_size[1]
+        np_, kp = -(-n // N_ALIGN) * N_ALIGN, -(-k // g) * g
+        shift = _shift(spec)
+        q8 = torch.zeros(np_, kp, dtype=torch.uint8, device=plain.device)
+        q8[:n, :k] = plain.codes.view(torch.uint8) + shift % 256  # uint8 wrap-around is exact
+        groups = plain.scale.shape[1]
+        scale = torch.zeros(np_, kp // g, dtype=plain.scale.dtype, device=plain.device)
+        scale[:n, :groups] = plain.scale
+        if spec.zero_point_domain is ZeroPointDomain.FLOAT:
+            if plain.zero_point.dtype != plain.scale.dtype:
+                raise ValueError(f"zero_point: the XPU kernel reads zeros in the scale dtype {plain.scale.dtype}, got {plain.zero_point.dtype}")
+            zero = torch.zeros_like(scale)
+            zero[:n, :groups] = plain.zero_point
+            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+            return cls(layout, spec, (n, k), packed=_pack(q8), scale_and_zero=sz, scale=None, zero=None, zero_dtype=zero.dtype)
+        zero = torch.zeros(np_, kp // g, dtype=torch.int8, device=plain.device)
+        zero[:n, :groups] = (plain.zero_point.to(torch.int16) + shift).to(torch.int8)
+        return cls(layout, spec, (n, k), packed=_pack(q8), scale_and_zero=None, scale=scale.t().contiguous(),
+                   zero=zero.t().contiguous(), zero_dtype=plain.zero_point.dtype)
+
+    def to_plain(self) -> PlainForm:
+        spec = self.spec
+        n, k = self.shape
+        shift = _shift(spec)
+        codes = unpack_xpu(self.packed)[:n, :k] - shift % 256  # uint8 wrap-around is exact
+        codes = codes.view(spec.code_dtype) if spec.code_dtype == torch.int8 else codes.contiguous()
+        groups = -(-k // self.group_size)
+        if self.scale_and_zero is not None:
+            sz = self.scale_and_zero[:groups, :n].transpose(0, 1)
+            return PlainForm(codes, sz[..., 0].contiguous(), sz[..., 1].contiguous(), spec)
+        scale = self.scale[:groups, :n].t().contiguous()
+        zero = (self.zero[:groups, :n].t().to(torch.int16) - shift).to(self.zero_dtype).contiguous()
+        return PlainForm(codes, scale, zero, spec)
+
+
+@dataclass(frozen=True)
+class Int4XPULayout(Layout):
+    """PyTorch's XPU int4 format, integer or float zero point (see the module doc). The zero-point
+    domain is the config's (``Int4WeightOnlyConfig(zero_point_domain=...)``)."""
+
+    name = "int4_xpu"
+    impl_class = Int4XPUImpl
+    auto_priority = 27
+    device_specific = True
+
+    def rejects_format(self, spec, scale_dtype):
+        if spec.codebook is not None or len(spec.block_size) != 2 or spec.block_size[0] != 1:
+            return f"needs a groupwise affine format with blocks (1, g), got {spec.describe()}"
+        if spec.zero_point_domain not in (ZeroPointDomain.INT, ZeroPointDomain.FLOAT):
+            return f"holds an INT or FLOAT zero point (the XPU kernels are asymmetric), got {spec.zero_point_domain.name}"
+        if spec.block_size[1] not in GROUP_SIZES:
+            return f"group size must be one of {GROUP_SIZES}, got {spec.block_size[1]}"
+        shift = _shift(spec)
+        if spec.quant_min + shift < 0 or spec.quant_max + shift > 15:
+            return f"needs at most 4-bit codes centred for the kernel, format is {spec.describe()}"
+        if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
+            return f"the XPU kernels read bf16/fp16 scales (the activation dtype), got {scale_dtype}"
+        return None
+
+    def rejects(self, spec, shape, scale_dtype, device):
+        if len(shape) != 2:
+            return f"needs a 2-D weight, got shape {shape}"
+        return self.rejects_format(spec, scale_dtype)
+
+    def auto_rejects(self, spec, shape, scale_dtype, device):
+        if torch.device(device).type != "xpu":
+            return f"XPU kernels, weight is on {device}"
+        return None
+
+
+@torch.library.custom_op("torchq::int4_xpu_mm", mutates_args=())
+def int4_xpu_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales: torch.Tensor,
+                int_zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, Kp] @ W.T``: ``[M, Np]`` in x's dtype (see :func:`xpu_dequantize` for ``scales`` /
+    ``int_zeros``). Reference: :func:`xpu_dequantize` then ``F.linear``. XPU: the aten kernels."""
+    return F.linear(x, xpu_dequantize(packed, group_size, scales, int_zeros, x.dtype))
+
+
+@int4_xpu_mm.register_fake
+def _(x, packed, group_size, scales, int_zeros=None):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@torch.library.register_kernel("torchq::int4_xpu_mm", "xpu")
+def _int4_xpu_mm_xpu(x, packed, group_size, scales, int_zeros=None):
+    if int_zeros is None:
+        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, group_size, scales)
+    return torch.ops.aten._weight_int4pack_mm_with_scales_and_zeros(x.contiguous(), packed, group_size, scales, int_zeros)
+
+
+def _check(x: torch.Tensor, w, bias) -> str | None:
+    impl = w.tensor_impl
+    if not isinstance(impl.layout, Int4XPULayout):
+        return f"needs Int4XPULayout, weight has {impl.layout!r}"
+    if x.device.type != "xpu":
+        return f"XPU kernel, input is on {x.device}"
+    scale_dtype = (impl.scale if impl.scale is not None else impl.scale_and_zero).dtype
+    if x.dtype != scale_dtype:
+        return f"the XPU kernels take activations in the scale dtype {scale_dtype}, input is {x.dtype}"
+    if w.act_quant is not None:
+        return f"weight-only kernel, weight has {w.act_quant.describe()}"
+    if impl.scale is not None and not hasattr(torch.ops.aten, "_weight_int4pack_mm_with_scales_and_zeros"):
+        return "this torch has no aten._weight_int4pack_mm_with_scales_and_zeros (integer zero points need torch >= 2.8)"
+    return None
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl: Int4XPUImpl = w.tensor_impl
+    n, k = impl.shape
+    np_, kp = impl.padded_shape
+    x2 = x.reshape(-1, k)
+    if kp != k:
+        x2 = F.pad(x2, (0, kp - k))
+    if impl.scale is not None:
+        y = int4_xpu_mm(x2, w.packed, impl.group_size, w.scale, w.zero)
+    else:
+        y = int4_xpu_mm(x2, w.packed, impl.group_size, w.scale_and_zero)
+    if np_ != n:
+        y = y[:, :n]
+    y = y.reshape(*x.shape[:-1], n)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+register_linear_kernel(
+    "int4_xpu",
+    _check,
+    _linear,
+    description="aten._weight_int4pack_mm (float zero) / _weight_int4pack_mm_with_scales_and_zeros (int zero) on XPU",
+    priority=0,
+)

@@ -1,0 +1,295 @@
+"""``TensorCoreTiledLayout``: PyTorch's CUDA tensor-core tiled int4 ("tinygemm") format.
+
+The format of ``aten._convert_weight_to_int4pack`` / ``aten._weight_int4pack_mm`` (CUDA,
+sm80+): groupwise <=4-bit weights, group size ``g`` in {32, 64, 128, 256}, bf16 scales (and
+zeros). Codes are shifted to ``q' = q + (8 - mid)`` in 0..15 so that the kernel's
+``x̂ = (q' - 8)·s + zero`` is the format's value, with ``zero = z`` (FLOAT), ``(mid - z)·s``
+rounded to bf16 (INT) or 0 (NONE).
+
+Bytes per ``[N, K]`` weight, with ``Np = ceil(N/8)·8``, ``Kp = ceil(K/L)·L`` where
+``L = max(g, 16·inner_k_tiles)`` (the kernel needs whole groups and whole packed k-tiles):
+
+* ``packed`` int32 ``[Np/8, Kp/(16·t), 32, t/2]`` (``t = inner_k_tiles``): the m16n8k16 B
+  operand order. Word ``[nt, kt, lane, j]`` holds row ``n = 8·nt + lane // 4`` and, with
+  ``c = lane % 4`` and ``k0 = 16·(kt·t + 2j)``, the codes at ``k0 + {2c, 2c+1, 2c+8, 2c+9}`` and
+  the same offsets from ``k0 + 16``. Nibble slot ``4e + 2·tile + half`` (bits ``4·slot``) holds
+  ``k = k0 + 16·tile + 8·half + 2c + e``;
+* ``scales_and_zeros`` bf16 ``[Kp/g, Np, 2]`` (``[..., 0]`` scale, ``[..., 1]`` float zero);
+* ``int_zero`` the original integer zero points ``[N, ceil(K/g)]`` (INT domain only).
+
+Padding rows and columns hold code 8 with scale 0 and zero 0 (weight 0), and are sliced off.
+
+The bytes are the same on every device: on CUDA they come from ``_convert_weight_to_int4pack``
+(checked once per process against :func:`pack_tiled`, the pure-PyTorch packer used
+elsewhere), and :func:`unpack_tiled` inverts them exactly, so the layout converts to and from
+the plain form without loss and a checkpoint moves between CPU and GPU unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..canonical import PlainForm
+from ..dispatch import register_linear_kernel
+from ..primitives import ZeroPointDomain
+from .base import Layout, TensorImpl
+
+__all__ = ["TensorCoreTiledLayout", "TensorCoreTiledImpl", "pack_tiled", "unpack_tiled", "tinygemm_dequantize"]
+
+GROUP_SIZES = (32, 64, 128, 256)
+INNER_K_TILES = (2, 4, 8)
+N_TILE = 8
+
+
+def _padded(n: int, k: int, group_size: int, inner_k_tiles: int) -> tuple[int, int]:
+    k_unit = max(group_size, 16 * inner_k_tiles)
+    return -(-n // N_TILE) * N_TILE, -(-k // k_unit) * k_unit
+
+
+def _tile_view(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """``[Np, Kp]`` codes viewed as ``[Np/8, Kp/(16t), 8 (row), 4 (c), t/2 (j), 2 (e), 2 (tile), 2 (half)]``."""
+    np_, kp = q.shape
+    t = inner_k_tiles
+    v = q.reshape(np_ // N_TILE, N_TILE, kp // (16 * t), t // 2, 2, 2, 4, 2)  # nt, row, kt, j, tile, half, c, e
+    return v.permute(0, 2, 1, 6, 3, 7, 4, 5)
+
+
+def pack_tiled(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """Codes ``[Np, Kp]`` (0..15, any integer dtype; ``Np % 8 == 0``, ``Kp % (16·t) == 0``) to
+    the tiled int32 words (see the module doc): what ``_convert_weight_to_int4pack`` returns for
+    ``(q[:, 0::2] << 4) | q[:, 1::2]``."""
+    np_, kp = q.shape
+    t = inner_k_tiles
+    nib = _tile_view(q.to(torch.int64), t).reshape(np_ // N_TILE, kp // (16 * t), 32, t // 2, 8)
+    shifts = 4 * torch.arange(8, dtype=torch.int64, device=q.device)
+    words = (nib << shifts).sum(-1)  # slot order e, tile, half = 4e + 2·tile + half
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_tiled(packed: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
+    """Inverse of :func:`pack_tiled`: uint8 codes ``[Np, Kp]`` (traceable, any device)."""
+    t = packed.shape[-1] * 2
+    shifts = 4 * torch.arange(8, dtype=torch.int32, device=packed.device)
+    nib = ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [nt, kt, 32, t/2, 8]
+    nib = nib.reshape(np_ // N_TILE, kp // (16 * t), N_TILE, 4, t // 2, 2, 2, 2)  # nt, kt, row, c, j, e, tile, half
+    return nib.permute(0, 2, 1, 4, 6, 7, 3, 5).reshape(np_, kp)
+
+
+@functools.cache
+def _cuda_pack_verified(device_index: int, inner_k_tiles: int) -> bool:
+    """Whether this build's ``_convert_weight_to_int4pack`` produces :func:`pack_tiled`'s words
+    (probed once per device and tile count with codes that tell every position apart)."""
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (16, 64 * inner_k_tiles), generator=gen, dtype=torch.uint8)
+    got = torch.ops.aten._convert_weight_to_int4pack(((q[:, 0::2] << 4) | q[:, 1::2]).to(device), inner_k_tiles)
+    return torch.equal(got.cpu(), pack_tiled(q, inner_k_tiles))
+
+
+def _pack(q8: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    if q8.device.type == "cuda":
+        if not _cuda_pack_verified(q8.device.index or 0, inner_k_tiles):
+            raise RuntimeError(
+                "torchq: aten._convert_weight_to_int4pack on this CUDA build does not produce the tiled order torchq "
+                "documents; use Int4NativeLayout (Triton kernels) instead of TensorCoreTiledLayout"
+            )
+        return torch.ops.aten._convert_weight_to_int4pack(((q8[:, 0::2] << 4) | q8[:, 1::2]).contiguous(), inner_k_tiles)
+    return pack_tiled(q8, inner_k_tiles)
+
+
+def tinygemm_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, shape: tuple[int, int]) -> torch.Tensor:
+    """bf16 ``[N, K]`` weights exactly as ``_weight_int4pack_mm`` forms them: one bf16 FMA
+    ``(q' - 8)·s + zero`` (a single rounding, unlike the plain form's multiply then add).
+
+    The exact value is formed in fp64 (the product is exact; the sum is exact unless the zero is
+    below ~2^-40 of the product, where only a tie could round differently)."""
+    n, k = shape
+    np_, kp = scales_and_zeros.shape[1], scales_and_zeros.shape[0] * group_size
+    q = unpack_tiled(packed, np_, kp).to(torch.float64) - 8
+    sz = scales_and_zeros.to(torch.float64).repeat_interleave(group_size, dim=0)  # [Kp, Np, 2]
+    w = q * sz[..., 0].t() + sz[..., 1].t()
+    return w.to(torch.bfloat16)[:n, :k]
+
+
+class TensorCoreTiledImpl(TensorImpl):
+    tensor_fields = ("packed", "scales_and_zeros", "int_zero")
+    attr_fields = ("zero_dtype",)
+
+    @property
+    def group_size(self) -> int:
+        return self.spec.block_size[1]
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        return _padded(*self.shape, self.group_size, self.layout.inner_k_tiles)
+
+    @classmethod
+    def from_plain(cls, plain: PlainForm, layout: Layout) -> TensorCoreTiledImpl:
+        spec = plain.spec
+        n, k = plain.shape
+        g = spec.block_size[1]
+        np_, kp = _padded(n, k, g, layout.inner_k_tiles)
+        q8 = torch.full((np_, kp), 8, dtype=torch.uint8, device=plain.device)
+        q8[:n, :k] = plain.codes.view(torch.uint8) + (8 - spec.mid) % 256  # uint8 wrap-around is exact
+        scale = plain.scale
+        domain = spec.zero_point_domain
+        if domain is ZeroPointDomain.FLOAT:
+            if plain.zero_point.dtype != torch.bfloat16:
+                raise ValueError(f"zero_point: the kernel reads bf16 float zeros, got {plain.zero_point.dtype}")
+            zero_f = plain.zero_point
+        elif domain is ZeroPointDomain.INT:
+            zero_f = ((spec.mid - plain.zero_point.to(torch.int32)) * scale).to(torch.bfloat16)
+        else:
+            zero_f = torch.zeros_like(scale)
+        sz = torch.zeros(np_, kp // g, 2, dtype=torch.bfloat16, device=plain.device)
+        sz[:n, : scale.shape[1], 0] = scale
+        sz[:n, : scale.shape[1], 1] = zero_f
+        return cls(
+            layout, spec, (n, k),
+            packed=_pack(q8, layout.inner_k_tiles),
+            scales_and_zeros=sz.transpose(0, 1).contiguous(),
+            int_zero=plain.zero_point if domain is ZeroPointDomain.INT else None,
+            zero_dtype=None if plain.zero_point is None else plain.zero_point.dtype,
+        )
+
+    def to_plain(self) -> PlainForm:
+        spec = self.spec
+        n, k = self.shape
+        np_, kp = self.padded_shape
+        codes = unpack_tiled(self.packed, np_, kp)[:n, :k] - (8 - spec.mid) % 256  # uint8 wrap-around is exact
+        codes = codes.view(spec.code_dtype) if spec.code_dtype == torch.int8 else codes.contiguous()
+        groups = -(-k // self.group_size)
+        sz = self.scales_and_zeros[:groups, :n].transpose(0, 1)
+        domain = spec.zero_point_domain
+        if domain is ZeroPointDomain.FLOAT:
+            zero = sz[..., 1].to(self.zero_dtype).contiguous()
+        elif domain is ZeroPointDomain.INT:
+            zero = self.int_zero
+        else:
+            zero = None
+        return PlainForm(codes, sz[..., 0].contiguous(), zero, spec)
+
+
+@dataclass(frozen=True)
+class TensorCoreTiledLayout(Layout):
+    """PyTorch's CUDA tensor-core tiled int4 format (``_weight_int4pack_mm``); see the module doc.
+
+    ``inner_k_tiles`` (2, 4 or 8): k-tiles of 16 packed per lane, i.e. 4-, 8- or 16-byte loads."""
+
+    inner_k_tiles: int = 8
+
+    name = "tensor_core_tiled"
+    impl_class = TensorCoreTiledImpl
+    auto_priority = 28  # ahead of Int4NativeLayout on sm80+ CUDA devices (bf16 scales)
+    device_specific = True
+
+    def __post_init__(self) -> None:
+        if self.inner_k_tiles not in INNER_K_TILES:
+            raise ValueError(f"inner_k_tiles: expected one of {INNER_K_TILES}, got {self.inner_k_tiles!r}")
+
+    def rejects_format(self, spec, scale_dtype):
+        if spec.codebook is not None or len(spec.block_size) != 2 or spec.block_size[0] != 1:
+            return f"needs a groupwise affine format with blocks (1, g), got {spec.describe()}"
+        if spec.block_size[1] not in GROUP_SIZES:
+            return f"group size must be one of {GROUP_SIZES}, got {spec.block_size[1]}"
+        shift = 8 - spec.mid
+        if spec.quant_min + shift < 0 or spec.quant_max + shift > 15:
+            return f"needs at most 4-bit codes centred for the kernel, format is {spec.describe()}"
+        if scale_dtype is not None and scale_dtype != torch.bfloat16:
+            return f"the kernel reads bf16 scales, got {scale_dtype} (quantize with scale_dtype=torch.bfloat16)"
+        return None
+
+    def rejects(self, spec, shape, scale_dtype, device):
+        if len(shape) != 2:
+            return f"needs a 2-D weight, got shape {shape}"
+        return self.rejects_format(spec, scale_dtype)
+
+    def auto_rejects(self, spec, shape, scale_dtype, device):
+        return _device_rejects(torch.device(device))
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _device_rejects(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"CUDA kernel, tensor is on {device}"
+    if torch.version.hip is not None:
+        return "tinygemm's tiled order is NVIDIA's (ROCm builds use another)"
+    cap = _capability(device)
+    if cap < (8, 0):
+        return f"needs compute capability 8.0+ (bf16 tensor cores), {device} has {cap[0]}.{cap[1]}"
+    return None
+
+
+@torch.library.custom_op("torchq::int4_tensor_core_mm", mutates_args=())
+def int4_tensor_core_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """``x`` bf16 ``[M, Kp]`` @ the tiled weight: bf16 ``[M, Np]``. Reference (any device):
+    :func:`tinygemm_dequantize`, fp32 matmul, one rounding to bf16 (the kernel's arithmetic up to
+    the order of its fp32 sums). CUDA: ``aten._weight_int4pack_mm``."""
+    np_, kp = scales_and_zeros.shape[1], scales_and_zeros.shape[0] * group_size
+    w = tinygemm_dequantize(packed, scales_and_zeros, group_size, (np_, kp))
+    return (x.to(torch.float32) @ w.to(torch.float32).t()).to(torch.bfloat16)
+
+
+@int4_tensor_core_mm.register_fake
+def _(x, packed, group_size, scales_and_zeros):
+    return x.new_empty(x.shape[0], scales_and_zeros.shape[1], dtype=torch.bfloat16)
+
+
+@torch.library.register_kernel("torchq::int4_tensor_core_mm", "cuda")
+def _int4_tensor_core_mm_cuda(x, packed, group_size, scales_and_zeros):
+    return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, group_size, scales_and_zeros)
+
+
+def _check(x: torch.Tensor, w, bias, *, dtypes: tuple[torch.dtype, ...]) -> str | None:
+    impl = w.tensor_impl
+    if not isinstance(impl.layout, TensorCoreTiledLayout):
+        return f"needs TensorCoreTiledLayout, weight has {impl.layout!r}"
+    reason = _device_rejects(x.device)
+    if reason is not None:
+        return reason
+    if x.dtype not in dtypes:
+        return f"input dtype {x.dtype} not in {'/'.join(str(d).removeprefix('torch.') for d in dtypes)}"
+    if w.act_quant is not None:
+        return f"weight-only kernel, weight has {w.act_quant.describe()}"
+    return None
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl: TensorCoreTiledImpl = w.tensor_impl
+    n, k = impl.shape
+    np_, kp = impl.padded_shape
+    x2 = x.reshape(-1, k).to(torch.bfloat16)
+    if kp != k:
+        x2 = F.pad(x2, (0, kp - k))
+    y = int4_tensor_core_mm(x2, w.packed, impl.group_size, w.scales_and_zeros)
+    if np_ != n:
+        y = y[:, :n]
+    y = y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+register_linear_kernel(
+    "tensor_core_tiled",
+    lambda x, w, b: _check(x, w, b, dtypes=(torch.bfloat16,)),
+    _linear,
+    description="aten._weight_int4pack_mm (tinygemm, CUDA sm80+): bf16 input, tiled int4 weight",
+    priority=0,
+)
+# The kernel takes bf16 activations only: fp16/fp32 inputs are cast to bf16 and the output cast
+# back (one extra rounding of the input). Unregister "tensor_core_tiled_bf16_compute" to send them
+# to the fallback instead.
+register_linear_kernel(
+    "tensor_core_tiled_bf16_compute",
+    lambda x, w, b: _check(x, w, b, dtypes=(torch.float16, torch.float32)),
+    _linear,
+    description="fp16/fp32 input cast to bf16, aten._weight_int4pack_mm, output cast back",
+    priority=0,
+)

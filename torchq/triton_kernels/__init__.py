@@ -1,0 +1,82 @@
+"""Triton kernels: the CUDA implementations of torchq's linear ops.
+
+* ``torchq::int4_groupwise_linear`` (:class:`~torchq.layouts.int4_native.Int4NativeLayout`):
+  :mod:`.dequant_linear`, format ``AFFINE``;
+* ``torchq::blockwise_4bit_linear`` (NF4 / FP4): :mod:`.dequant_linear`, format ``CODEBOOK``;
+* ``torchq::int8_dynamic_linear`` (per-token int8 activations x int8 weights): :mod:`.int8_linear`.
+
+Every weight is formed exactly as the op's pure-PyTorch reference forms it (same fp32 operations
+in the same order, no FMA contraction, one rounding to the activation dtype), so the results
+differ from the reference only by the order of the fp32 sums (int8: bit for bit).
+
+Triton is imported on the first CUDA call, not with torchq: CPU users never pay for it. Without
+triton the dispatch conditions reject CUDA inputs with the reason (see :func:`cuda_rejects`), so
+the fallback is visible. Tests run the kernels on CPU tensors with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+__all__ = ["available", "unavailable_reason", "cuda_rejects", "interpreting", "register_cuda_kernels"]
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when triton imports, else why not."""
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("triton.language")
+    except Exception as e:  # ImportError, or a broken install
+        return f"triton is not importable ({type(e).__name__}: {e}); pip install triton"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def interpreting() -> bool:
+    """Whether triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def cuda_rejects(x: torch.Tensor) -> str | None:
+    """Why the Triton kernels cannot run for an input on ``x.device`` (None when they can)."""
+    if x.device.type != "cuda":
+        return f"no torchq kernel for {x.device.type} tensors"
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if x.dtype == torch.bfloat16 and torch.version.hip is None and _capability(x.device) < (8, 0):
+        return f"bf16 tensor-core dot needs compute capability 8.0+, {x.device} has {'.'.join(map(str, _capability(x.device)))}"
+    return None
+
+
+def register_cuda_kernels() -> None:
+    """Register the CUDA implementations of the ops (called once by ``import torchq``, after the
+    ops exist); each imports its Triton module on first use."""
+
+    def lazy(module: str, fn: str):
+        def run(*args, **kwargs):
+            reason = unavailable_reason()
+            if reason is not None:
+                raise RuntimeError(f"torchq: the CUDA kernel of {fn} is a Triton kernel: {reason}")
+            return getattr(importlib.import_module(f"{__name__}.{module}"), fn)(*args, **kwargs)
+
+        run.__name__ = f"{fn}_cuda"
+        return run
+
+    torch.library.register_kernel("torchq::int4_groupwise_linear", "cuda", lazy("dequant_linear", "int4_groupwise_linear"))
+    torch.library.register_kernel("torchq::blockwise_4bit_linear", "cuda", lazy("dequant_linear", "blockwise_4bit_linear"))
+    torch.library.register_kernel("torchq::int8_dynamic_linear", "cuda", lazy("int8_linear", "int8_dynamic_linear"))
+

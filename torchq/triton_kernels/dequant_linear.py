@@ -1,0 +1,254 @@
+"""Triton dequantize-GEMM / split-K GEMV for 4-bit weights (CUDA implementations of
+``torchq::int4_groupwise_linear`` and ``torchq::blockwise_4bit_linear``).
+
+Both formats store a ``[N, K]`` weight as bytes ``[N, Kp/2]`` with element ``2j`` of a row in the
+high nibble of byte ``j``, and one scale per row group:
+
+* ``AFFINE`` (:class:`~torchq.layouts.int4_native.Int4NativeLayout`, tinygemm / integer / symmetric
+  zero points): ``v = R_mul((u + code_base + shift) · scale)``, then ``R_add(v + zero)``, fp32
+  tensors ``[N, G]``, ``R`` the rounding to the scale dtype;
+* ``CODEBOOK`` (NF4 / FP4, bitsandbytes bytes): ``v = codebook[u] · absmax`` with fp32 absmax per
+  block, or double-quantized ``absmax = dyn[c] · absmax2[b // 256] + offset``.
+
+Each weight is then cast once to the activation dtype and multiplied:
+
+* ``M <= GEMV_MAX_M``: a split-K GEMV (one program per row, ``BLOCK_N`` outputs, one K slice),
+  fp32 products summed in fp32; the K slices' partial sums go to an fp32 buffer summed in a
+  fixed order (deterministic, no atomics);
+* larger ``M``: a tiled GEMM on tensor cores (``tl.dot``, fp32 accumulation; fp32 inputs use
+  IEEE fp32 products, not TF32), split over K as well when ``M`` is small.
+
+Kernels are launched with ``enable_fp_fusion=False`` so that no multiply-add of the dequantization
+is contracted into an FMA: the weights are bit for bit the reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..blockwise.codebooks import codebook, dynamic_map
+from ..blockwise.nested import NESTED_BLOCKSIZE
+from . import interpreting
+
+__all__ = ["int4_groupwise_linear", "blockwise_4bit_linear", "dequant_linear", "GEMV_MAX_M"]
+
+AFFINE, CODEBOOK = 0, 1
+GEMV_MAX_M = 4
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # rounding kinds of _round_to
+
+
+@triton.jit
+def _round_to(v, KIND: tl.constexpr):
+    """fp32 ``v`` rounded to nearest even bf16 (KIND 1) or fp16 (KIND 2), back in fp32 (KIND 0:
+    unchanged). The bf16 rounding is done on the bits (what ``cvt.rn.bf16.f32`` and torch do,
+    overflow to inf and NaN kept), since triton's interpreter truncates instead."""
+    if KIND == 1:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    elif KIND == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _weight_tile(n_idx, k_idx, N, K, packed_ptr, stride_pn, stride_gn, group, w0, w1, w2, w3, w4, w5, code_base,
+                 FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, ROUND_MUL: tl.constexpr,
+                 ROUND_ADD: tl.constexpr):
+    """fp32 weights ``W[n_idx, k_idx]`` (``[BLOCK_N, BLOCK_K]``), 0 outside ``[N, K]``.
+
+    AFFINE: ``w0`` scale, ``w1`` shift (OPT_A), ``w2`` zero (OPT_B). CODEBOOK: ``w0`` the 16
+    values, ``w1`` absmax, or (OPT_A, double-quantized) ``w2`` codes, ``w3`` absmax2, ``w4``
+    the 256-value map, ``w5`` the offset."""
+    mask = (n_idx[:, None] < N) & (k_idx[None, :] < K)
+    byte = tl.load(packed_ptr + n_idx[:, None] * stride_pn + k_idx[None, :] // 2, mask=mask, other=0).to(tl.int32)
+    nib = (byte >> ((1 - k_idx[None, :] % 2) * 4)) & 0xF
+    g = n_idx[:, None] * stride_gn + k_idx[None, :] // group
+    if FMT == 0:
+        v = nib.to(tl.float32) + code_base
+        if OPT_A:
+            v = v + tl.load(w1 + g, mask=mask, other=0.0)
+        v = _round_to(v * tl.load(w0 + g, mask=mask, other=0.0), ROUND_MUL)
+        if OPT_B:
+            v = _round_to(v + tl.load(w2 + g, mask=mask, other=0.0), ROUND_ADD)
+    else:
+        if OPT_A:
+            c = tl.load(w2 + g, mask=mask, other=0).to(tl.int32)
+            absmax = tl.load(w4 + c, mask=mask, other=0.0) * tl.load(w3 + g // 256, mask=mask, other=0.0) + tl.load(w5)
+        else:
+            absmax = tl.load(w1 + g, mask=mask, other=0.0)
+        v = tl.load(w0 + nib, mask=mask, other=0.0) * absmax
+    return tl.where(mask, v, 0.0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, k_per_split,
+                 packed_ptr, stride_pn, stride_gn, group, w0, w1, w2, w3, w4, w5, code_base,
+                 FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, ROUND_MUL: tl.constexpr,
+                 ROUND_ADD: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, X_KIND: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n block, K slice, row m): ``sum_k x[m, k] · W[n, k]`` over its slice, in fp32."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + m * stride_xm + k_idx, mask=k_idx < K, other=0.0)
+        w = _weight_tile(n_idx, k_idx, N, K, packed_ptr, stride_pn, stride_gn, group, w0, w1, w2, w3, w4, w5, code_base,
+                         FMT, OPT_A, OPT_B, ROUND_MUL, ROUND_ADD)
+        w = _round_to(w, X_KIND)  # the reference's one cast of each weight to x's dtype
+        acc += tl.sum(w * xv.to(tl.float32)[None, :], axis=1)
+    n_mask = n_idx < N
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_idx, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * N + n_idx, _round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + m) * N + n_idx, acc, mask=n_mask)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, k_per_split,
+                 packed_ptr, stride_pn, stride_gn, group, w0, w1, w2, w3, w4, w5, code_base,
+                 FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, ROUND_MUL: tl.constexpr,
+                 ROUND_ADD: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, X_KIND: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """Program (m block, n block, K slice): ``x[m block] @ W[n block].T`` over its slice."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + m_idx[:, None] * stride_xm + k_idx[None, :], mask=(m_idx[:, None] < M) & (k_idx[None, :] < K),
+                     other=0.0)
+        w = _weight_tile(n_idx, k_idx, N, K, packed_ptr, stride_pn, stride_gn, group, w0, w1, w2, w3, w4, w5, code_base,
+                         FMT, OPT_A, OPT_B, ROUND_MUL, ROUND_ADD)
+        w = _round_to(w, X_KIND)  # the reference's one cast of each weight to x's dtype (exact below)
+        if DOT_F32:  # the interpreter's bf16 dot is broken: the same products in fp32
+            acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc, input_precision=PRECISION)
+    mask = (m_idx[:, None] < M) & (n_idx[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], _round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: a few slices, to exercise the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> int:
+    """K slices so that about 4 programs per SM run, each over at least 4 K blocks."""
+    want = max(1, (4 * _sm_count(device)) // max(programs, 1))
+    return max(1, min(want, k // (4 * block_k), 16))
+
+
+def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride_pn: int, stride_gn: int, group: int,
+                   tensors: tuple, code_base: float, fmt: int, opt_a: bool, opt_b: bool, round_mul: int, round_add: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K] @ W.T (+ bias)`` in x's dtype for a weight in format ``fmt`` (see module doc);
+    ``tensors`` are ``w0..w5`` (None for unused; any tensor stands in for them)."""
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) != k:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.reshape(*x.shape[:-1], n)
+    dummy = packed
+    ws = tuple(dummy if t is None else t for t in tensors)
+    bias = None if bias is None else bias.reshape(-1).to(x.dtype).contiguous()  # the reference adds bias in x's dtype
+    b = dummy if bias is None else bias
+    weight = (packed, stride_pn, stride_gn, group, *ws, float(code_base))
+    flags = dict(FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), ROUND_MUL=round_mul, ROUND_ADD=round_add, HAS_BIAS=bias is not None,
+                 X_KIND=_KIND[x.dtype])
+    if m <= GEMV_MAX_M:
+        block_n, block_k = 32, 128
+        split = _split_k(triton.cdiv(n, block_n) * m, k, block_k, x.device)
+        grid_args = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        kernel, grid0 = _gemv_kernel, triton.cdiv(n, block_n)
+        grid = lambda s: (grid0, s, m)  # noqa: E731
+    else:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        block_n, block_k = (64, 32) if x.dtype == torch.float32 else (128, 64)
+        programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split = _split_k(programs, k, block_k, x.device) if m <= 64 else 1
+        grid_args = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                         DOT_F32=interpreting() and x.dtype == torch.bfloat16,
+                         num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3)
+        kernel = _gemm_kernel
+        grid = lambda s: (triton.cdiv(m, block_m), triton.cdiv(n, block_n), s)  # noqa: E731
+    # slices are whole K blocks; the last one may run past K (masked)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    kernel[grid(split)](x2, target, b, m, n, k, x2.stride(0), k_per_split, *weight, **flags, SPLIT_K=split,
+                        **grid_args, enable_fp_fusion=False)
+    if split > 1:
+        acc = target.sum(0)  # fixed order: deterministic
+        if bias is not None:
+            acc += bias.reshape(1, n).to(torch.float32)
+        out = acc.to(x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    key = (name, device)
+    if key not in _TABLES:
+        _TABLES[key] = (dynamic_map() if name == "dynamic" else codebook(name)).to(device).contiguous()
+    return _TABLES[key]
+
+
+def int4_groupwise_linear(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
+    """``torchq::int4_groupwise_linear`` on Triton."""
+    from ..layouts.int4_native import _check
+
+    _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    n, k = shape
+    packed, scale = packed.contiguous(), scale.contiguous()
+    shift = None if shift is None else shift.contiguous()
+    zero = None if zero is None else zero.contiguous()
+    return dequant_linear(x, n, k, packed, packed.shape[1], scale.shape[1], group_size, (scale, shift, zero, None, None, None),
+                          code_base, AFFINE, shift is not None, zero is not None, round_mul, round_add, bias)
+
+
+def blockwise_4bit_linear(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
+    """``torchq::blockwise_4bit_linear`` on Triton."""
+    from ..blockwise.linear import _check
+
+    _check(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    n, k = shape
+    packed = packed.contiguous()
+    nested = nested_codes is not None
+    tensors = (
+        _table(quant_type, x.device),
+        None if nested else absmax.contiguous(),
+        nested_codes.contiguous() if nested else None,
+        nested_absmax.contiguous() if nested else None,
+        _table("dynamic", x.device) if nested else None,
+        nested_offset.reshape(1).contiguous() if nested else None,
+    )
+    return dequant_linear(x, n, k, packed, k // 2, k // blocksize, blocksize, tensors, 0.0, CODEBOOK, nested, False, 0, 0, bias)
+
+
+assert NESTED_BLOCKSIZE == 256  # _weight_tile indexes absmax2 by block // 256

@@ -1,0 +1,109 @@
+"""Triton per-token int8 activations x int8 weights (CUDA implementation of
+``torchq::int8_dynamic_linear``), bit for bit the reference.
+
+1. ``_quantize_rows_kernel``: one program per row of ``x [M, K]``: ``s = amax|x| / denom`` (fp32;
+   NaN if the row has a NaN), ``s = max(s, eps)``, codes ``clamp(rint(x · (1/s)), qmin, qmax)``
+   (NaN -> 0), stored as int8 ``[M, Kp]`` (``Kp`` = K rounded up to 16, zero-padded) with ``s``.
+2. ``_int8_gemm_kernel``: ``acc = codes_x @ codes_w.T`` in int32 (tensor cores, exact), then the
+   fused epilogue ``y = (acc · s_x) · s_w`` in fp32, one rounding to x's dtype, ``+ bias`` in x's
+   dtype (the reference adds the bias after that rounding).
+
+``rint`` is formed as ``(v + 1.5·2^23) - 1.5·2^23`` on values already clamped to the int8 range,
+exact round-half-to-even in fp32 on any backend (kernels launch without FMA contraction).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dequant_linear import _KIND, _round_to
+
+__all__ = ["int8_dynamic_linear", "quantize_rows"]
+
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, K, Kp, stride_xm, denom, eps, qmin, qmax, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    has_nan = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        a = tl.abs(tl.load(x_ptr + m * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32))
+        has_nan = tl.maximum(has_nan, (a != a).to(tl.int32))
+        amax = tl.where(a > amax, a, amax)
+    s = tl.max(amax, axis=0) / denom
+    s = tl.where(s < eps, eps, s)
+    s = tl.where(tl.max(has_nan, axis=0) > 0, float("nan"), s)
+    tl.store(scale_ptr + m, s)
+    r = 1.0 / s
+    for k0 in range(0, Kp, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + m * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32) * r
+        v = tl.where(v != v, 0.0, v)
+        v = tl.minimum(tl.maximum(v, qmin), qmax)
+        v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 128)
+        tl.store(codes_ptr + m * Kp + k_idx, v.to(tl.int8), mask=k_idx < Kp)
+
+
+@triton.jit
+def _int8_gemm_kernel(a_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, Kp, HAS_BIAS: tl.constexpr,
+                      X_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + m_idx[:, None] * Kp + k_idx[None, :], mask=(m_idx[:, None] < M) & (k_idx[None, :] < K), other=0)
+        w = tl.load(w_ptr + n_idx[:, None] * K + k_idx[None, :], mask=(n_idx[:, None] < N) & (k_idx[None, :] < K), other=0)
+        acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+    m_mask = m_idx < M
+    n_mask = n_idx < N
+    xs = tl.load(xs_ptr + m_idx, mask=m_mask, other=0.0)
+    ws = tl.load(ws_ptr + n_idx, mask=n_mask, other=0.0)
+    y = _round_to((acc.to(tl.float32) * xs[:, None]) * ws[None, :], X_KIND)
+    if HAS_BIAS:
+        y = _round_to(y + tl.load(bias_ptr + n_idx, mask=n_mask, other=0.0).to(tl.float32)[None, :], X_KIND)
+    tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def quantize_rows(x2: torch.Tensor, quant_min: int, quant_max: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 codes ``[M, Kp]`` (zero-padded to a multiple of 16) and fp32 scales ``[M]``
+    of a row-contiguous ``x2 [M, K]``: :class:`torchq.activation.PerTokenInt8` bit for bit."""
+    m, k = x2.shape
+    kp = -(-k // 16) * 16
+    codes = torch.empty(m, kp, dtype=torch.int8, device=x2.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x2, codes, scale, k, kp, x2.stride(0), (quant_max - quant_min) / 2, float(eps),
+                                    float(quant_min), float(quant_max), BLOCK_K=512, enable_fp_fusion=False)
+    return codes, scale
+
+
+def int8_dynamic_linear(x, codes, scale, quant_min, quant_max, eps, bias=None):
+    """``torchq::int8_dynamic_linear`` on Triton."""
+    from ..int8_linear import _check_dynamic
+
+    _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias)
+    n, k = codes.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) != k:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        xq, xs = quantize_rows(x2, quant_min, quant_max, eps)
+        codes = codes.contiguous()
+        ws = scale.reshape(-1).to(torch.float32).contiguous()
+        b = None if bias is None else bias.reshape(-1).to(x.dtype).contiguous()
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        block_n = 64 if m <= 64 else 128
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _int8_gemm_kernel[grid](xq, codes, xs, ws, codes if b is None else b, out, m, n, k, xq.shape[1], HAS_BIAS=b is not None,
+                                X_KIND=_KIND[x.dtype], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+                                num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3, enable_fp_fusion=False)
+    return out.reshape(*x.shape[:-1], n)
