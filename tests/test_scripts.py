@@ -55,3 +55,28 @@ def test_bench_cpu_kernels_runs_every_config_and_writes_json(tmp_path, capsys):
     assert all(r["ms"] > 0 for r in rows)
     assert all((r["bandwidth_fraction"] is not None) == (r["M"] == 1) for r in rows)
     assert "failed" not in capsys.readouterr().out
+
+
+def test_bench_gpu_runs_and_writes_json(tmp_path, capsys):
+    """On a GPU: every config on a small shape. Without one: the Triton configs in the interpreter
+    (TRITON_INTERPRET=1, set by conftest), and a clear exit code for --device cuda."""
+    import json
+
+    import torch
+
+    pytest.importorskip("triton")
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "gpu.json"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        assert mod.main(["--device", "cuda", "--shapes", "64x128", "--m", "1"]) == 2
+    args = ["--device", device, "--shapes", "64x128", "--m", "1,20", "--reps", "1", "--rounds", "1", "--warmup", "0",
+            "--json", str(path)]
+    assert mod.main(args) == 0
+    rows = json.loads(path.read_text())["rows"]
+    configs = {r["config"] for r in rows}
+    assert {"bf16", "triton-int4", "triton-nf4", "triton-int8dq"} <= configs
+    assert all(r["us"] > 0 and r["sqnr"] > 15 for r in rows)
+    assert "vs_bf16" in capsys.readouterr().out

@@ -1,0 +1,254 @@
+"""GPU linear kernels: bf16 ``F.linear`` (cuBLAS) vs PyTorch's ``_weight_int4pack_mm`` (tinygemm,
+``TensorCoreTiledLayout``) vs torchq's Triton kernels, on Llama-style weight shapes.
+
+Every case is a bias-free ``nn.Linear(K, N)`` in bf16 (fixed seed), quantized with
+``torchq.quantize_`` and timed with CUDA events (median over repetitions after warm-up, the
+configs of a row interleaved so clock drift hits them alike). Columns:
+
+* ``us``: median time per call; ``vs_bf16``: bf16 ``F.linear`` time / this (>1 = faster);
+  ``vs_best``: the fastest other config of the row / this;
+* ``hbm%`` (M=1 only): bytes the call must read (weight + scales + activations) / time, as a
+  fraction of the device's peak HBM bandwidth (``--hbm-tbs``, default: the H100 SXM 3.35 TB/s,
+  the H200 4.8 TB/s, else measured with a device-to-device copy);
+* ``sqnr``: output vs the bf16 float layer, dB; ``kernel``: what ``torchq.explain`` reports.
+
+Configs: ``bf16`` (cuBLAS), ``tinygemm`` (int4 g128, TensorCoreTiledLayout), ``triton-int4``
+(int4 g128, Int4NativeLayout on Triton), ``triton-nf4`` (NF4 block 64), ``triton-int8dq``
+(per-token int8 x int8). Target (issue 6): int4 at M=1 >= 3x faster than bf16 on 8192x8192 and
+8192x28672, and no slower than bf16 at M=128.
+
+    python benchmarks/bench_gpu.py                                   # default shapes, M in 1,16,128,1024
+    python benchmarks/bench_gpu.py --shapes 8192x8192 --m 1 --json gpu.json
+    TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --device cpu --shapes 64x128 --m 1,20   # smoke test, no GPU
+
+On ``--device cpu`` (only with ``TRITON_INTERPRET=1``) the Triton configs run in triton's
+interpreter: the table checks the script, not the speed; tinygemm is skipped there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+
+import torchq
+from torchq.layouts import Int4NativeLayout
+from torchq.layouts.tensor_core_tiled import TensorCoreTiledLayout
+
+DEFAULT_SHAPES = "4096x4096,4096x14336,8192x8192,8192x28672,28672x8192"  # KxN (Llama 3 8B / 70B projections)
+DEFAULT_CONFIGS = "bf16,tinygemm,triton-int4,triton-nf4,triton-int8dq"
+PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}
+COLUMNS = [("shape", "<"), ("M", ">"), ("config", "<"), ("us", ">"), ("vs_bf16", ">"), ("vs_best", ">"), ("hbm%", ">"),
+           ("sqnr", ">"), ("kernel", "<")]
+
+
+def make_config(name: str):
+    return {
+        "tinygemm": torchq.Int4WeightOnlyConfig(group_size=128, layout=TensorCoreTiledLayout()),
+        "triton-int4": torchq.Int4WeightOnlyConfig(group_size=128, layout=Int4NativeLayout()),
+        "triton-nf4": torchq.nf4_weight_only(block_size=64),
+        "triton-int8dq": torchq.int8_dynamic_activation_int8_weight(),
+    }[name]
+
+
+def peak_hbm_tbs(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tbs in PEAK_HBM_TBS.items():
+        if key in name:
+            return tbs
+    buf = torch.empty(1 << 28, dtype=torch.uint8, device=device)  # 256 MiB copy: read + write
+    out = torch.empty_like(buf)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out.copy_(buf)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * buf.numel() / min(times) / 1e12
+
+
+def time_call(fn, device: torch.device, reps: int) -> list[float]:
+    """Per-call times in microseconds."""
+    if device.type == "cuda":
+        start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            start[i].record()
+            fn()
+            end[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in zip(start, end)]
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e6)
+    return out
+
+
+def interpreter_call(name: str, lin: nn.Module):
+    """On the CPU (smoke runs) dispatch picks the native kernels: call the Triton function the
+    CUDA dispatch would reach, directly, in the interpreter."""
+    from torchq.triton_kernels import dequant_linear, int8_linear
+
+    w = lin.weight
+    impl = w.tensor_impl
+    n, k = impl.shape
+    if name == "triton-int4":
+        args = (impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base, *impl.round_kinds)
+        return lambda x: dequant_linear.int4_groupwise_linear(x, *args)
+    if name == "triton-nf4":
+        spec = impl.spec
+        args = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], spec.block_size[1],
+                spec.codebook)
+        return lambda x: dequant_linear.blockwise_4bit_linear(x, *args)
+    act = w.act_quant
+    return lambda x: int8_linear.int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps)
+
+
+def weight_bytes(lin: nn.Module) -> int:
+    w = lin.weight
+    return w.nbytes_quantized() if isinstance(w, torchq.AffineQuantizedTensor) else w.numel() * w.element_size()
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    err = (ref - out).norm()
+    return float("inf") if err == 0 else float(20 * torch.log10(ref.norm() / err))
+
+
+def run_shape(k: int, n: int, ms: list[int], configs: list[str], device: torch.device, args) -> list[dict]:
+    torch.manual_seed(0)
+    base = nn.Linear(k, n, bias=False).to(torch.bfloat16).to(device).eval()
+    layers: dict[str, nn.Module] = {}
+    for name in configs:
+        if name == "bf16":
+            layers[name] = base
+            continue
+        if name == "tinygemm" and device.type != "cuda":
+            continue
+        lin = nn.Linear(k, n, bias=False).to(torch.bfloat16).to(device)
+        lin.load_state_dict(base.state_dict())
+        try:
+            torchq.quantize_(lin, make_config(name))
+        except Exception as e:  # a config this device cannot hold: say so in the table
+            print(f"# {name} {k}x{n}: {e}", file=sys.stderr)
+            continue
+        layers[name] = lin
+    rows = []
+    hbm = peak_hbm_tbs(device, args.hbm_tbs)
+    calls = {name: lin if device.type == "cuda" or name == "bf16" else interpreter_call(name, lin) for name, lin in layers.items()}
+    for m in ms:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        with torch.inference_mode():
+            ref = base(x)
+            kernels, outs = {}, {}
+            for name, lin in layers.items():
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    outs[name] = calls[name](x)
+                    report = torchq.explain(lin, x) if name != "bf16" and device.type == "cuda" else None
+                if name == "bf16":
+                    kernels[name] = "cuBLAS F.linear" if device.type == "cuda" else "F.linear"
+                else:
+                    kernels[name] = "triton interpreter (direct call)" if report is None else "; ".join(sorted(set(report.kernels().values())))
+                for _ in range(args.warmup):
+                    calls[name](x)
+            times: dict[str, list[float]] = {name: [] for name in layers}
+            for _ in range(args.rounds):
+                for name in layers:
+                    times[name] += time_call(lambda fn=calls[name], x=x: fn(x), device, args.reps)
+        for name, lin in layers.items():
+            us = statistics.median(times[name])
+            moved = weight_bytes(lin) + 2 * m * (k + n)
+            rows.append(dict(shape=f"{k}x{n}", M=m, config=name, us=us, sqnr=sqnr_db(ref, outs[name]), kernel=kernels[name],
+                             hbm_pct=(100 * moved / (us * 1e-6) / (hbm * 1e12)) if (hbm and m == 1) else None))
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["M"]), []).append(r)
+    for group in groups.values():
+        bf16 = next((r["us"] for r in group if r["config"] == "bf16"), None)
+        for r in group:
+            others = [o["us"] for o in group if o is not r]
+            r["vs_bf16"] = None if bf16 is None else bf16 / r["us"]
+            r["vs_best"] = min(others) / r["us"] if others else None
+
+
+def format_table(rows: list[dict]) -> str:
+    def cell(r, key):
+        v = r.get("hbm_pct" if key == "hbm%" else key)
+        if v is None:
+            return "-"
+        if key == "us":
+            return f"{v:.1f}"
+        if key in ("vs_bf16", "vs_best"):
+            return f"{v:.2f}x"
+        if key in ("hbm%", "sqnr"):
+            return f"{v:.1f}"
+        return str(v)
+
+    table = [[name for name, _ in COLUMNS]] + [[cell(r, name) for name, _ in COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines = []
+    for row in table:
+        lines.append("  ".join(f"{v:{align}{w}}" for v, (_, align), w in zip(row, COLUMNS, widths)))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated KxN weight shapes")
+    p.add_argument("--m", default="1,16,128,1024", help="comma-separated activation rows")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per config and round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--hbm-tbs", type=float, default=None, help="peak HBM bandwidth in TB/s for hbm%%")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)", file=sys.stderr)
+        return 2
+    if device.type == "cpu" and not torchq.triton_kernels.interpreting():
+        print("bench_gpu: --device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    ms = [int(v) for v in args.m.split(",") if v]
+    configs = [c for c in args.configs.split(",") if c]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)"
+    print(f"# device: {name}; torch {torch.__version__}; triton {__import__('triton').__version__}")
+    rows = []
+    for k, n in shapes:
+        rows += run_shape(k, n, ms, configs, device, args)
+    add_ratios(rows)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
