@@ -354,3 +354,16 @@ def test_cuda_model_moves_to_cpu_and_back():
     model.cuda()
     assert isinstance(model[0].weight.quant_layout, TensorCoreTiledLayout)
     assert model[0].weight.to_plain().map(lambda t: t.cpu()).equal(plain)
+
+
+# -- the ops' schemas and fake implementations (what torch.compile traces) -------------------------
+def test_device_ops_pass_opcheck():
+    torch.manual_seed(0)
+    w = torch.randn(24, 128, dtype=torch.bfloat16)
+    tiled = torchq.Int4WeightOnlyConfig(group_size=64, layout=TensorCoreTiledLayout(2)).quantize_weight(w)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.torchq.int4_tensor_core_mm, (x, tiled.packed, 64, tiled.scales_and_zeros))
+    for domain in (Z.INT, Z.FLOAT):
+        xpu = torchq.Int4WeightOnlyConfig(group_size=64, layout=Int4XPULayout(), zero_point_domain=domain).quantize_weight(w)
+        args = (xpu.scale, xpu.zero) if domain is Z.INT else (xpu.scale_and_zero,)
+        torch.library.opcheck(torch.ops.torchq.int4_xpu_mm, (x, xpu.packed, 64, *args))
