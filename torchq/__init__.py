@@ -6,6 +6,7 @@
 
 from . import blockwise, interop, layouts, native, primitives, vectorwise
 from .activation import OutlierInt8, PerTokenInt8
+from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
 from .checkpoint.pickling import _rebuild_object as _rebuild_object  # pinned pickle path
@@ -53,6 +54,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AffineQuantizedTensor",
+    "AutoquantResult",
+    "autoquant",
+    "load_plan",
+    "save_plan",
     "CheckpointError",
     "LoadWarning",
     "load_quantized",
