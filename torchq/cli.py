@@ -1,0 +1,360 @@
+"""The ``torchq`` command: inspect checkpoints, quantize models, benchmark and explain kernels.
+
+    torchq inspect FILE [--json]                    layers, formats, sizes and metadata of a checkpoint
+    torchq quantize TARGET (--config C | --plan P) -o OUT [--dtype bf16]
+    torchq explain TARGET [--config C | --plan P | --checkpoint F] [--input-shape 1x4096] [--dtype bf16]
+    torchq bench [bench options]                    the linear benchmark (torchq bench --help)
+
+``TARGET`` is ``module:factory`` (or ``path/to/file.py:factory``): ``factory()`` returns the
+``nn.Module`` (an ``nn.Module`` attribute is used as is). ``C`` is a config name (``int4-g128``,
+``int8wo``, ``int8dq``, ``nf4``...) or a config's JSON; ``P`` a plan written by ``autoquant``.
+``OUT`` ending in ``.pt``/``.pth`` is written with ``torch.save`` (a state dict), anything else with
+:func:`torchq.save_quantized` (``.safetensors`` file or folder). Errors print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["main"]
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 1."""
+
+
+# -- shared helpers ----------------------------------------------------------------------------------
+def load_target(target: str) -> nn.Module:
+    if ":" not in target:
+        raise CLIError(f"target: expected 'module:factory' or 'file.py:factory', got {target!r}")
+    where, attr = target.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise CLIError(f"target: no such file {where!r}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module
+            spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(where)
+    except CLIError:
+        raise
+    except Exception as e:
+        raise CLIError(f"target: cannot import {where!r}: {type(e).__name__}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise CLIError(f"target: {where!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    model = obj if isinstance(obj, nn.Module) else obj() if callable(obj) else obj
+    if not isinstance(model, nn.Module):
+        raise CLIError(f"target: {target!r} gave a {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def parse_config(text: str):
+    import torchq
+
+    try:
+        if text.lstrip().startswith("{"):
+            return torchq.config_from_json(text)
+        return torchq.config_from_name(text)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CLIError(f"--config: {e}") from None
+
+
+def config_spec(args) -> Any:
+    import torchq
+
+    if getattr(args, "config", None) and getattr(args, "plan", None):
+        raise CLIError("--config and --plan exclude each other")
+    if getattr(args, "plan", None):
+        try:
+            return torchq.load_plan(args.plan)
+        except (OSError, ValueError) as e:
+            raise CLIError(f"--plan: {e}") from None
+    if getattr(args, "config", None):
+        return parse_config(args.config)
+    return None
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(rows: list[tuple], head: tuple) -> str:
+    rows = [tuple(str(v) for v in head)] + [tuple(str(v) for v in r) for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# -- inspect -------------------------------------------------------------------------------------------
+def _inspect_safetensors(files: list[Path]) -> tuple[list[dict], dict]:
+    from safetensors import safe_open
+
+    entries: list[dict] = []
+    meta: dict = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            header = f.metadata() or {}
+            record = json.loads(header["torchq"]) if "torchq" in header else None
+            if record is None:  # a plain safetensors file
+                for key in f.keys():
+                    t = f.get_slice(key)
+                    shape = list(t.get_shape())
+                    dtype = t.get_dtype()
+                    entries.append(dict(name=key, kind="tensor", shape=shape, dtype=dtype, format="-", layout="-",
+                                        bytes=_numel(shape) * _itemsize(dtype)))
+                meta.setdefault("metadata", {}).update({k: v for k, v in header.items() if k != "format"})
+                continue
+            meta.update({k: record.get(k) for k in ("format", "version", "torchq_version", "user")})
+            for name, q in record.get("quantized", {}).items():
+                parts = q.get("parts", {})
+                nbytes = sum(_numel(p["shape"]) * _itemsize(p["dtype"]) for p in parts.values())
+                spec = q.get("spec", {})
+                fmt = _describe_spec(spec)
+                cfg = (q.get("config") or {}).get("type", "-")
+                entries.append(dict(name=name, kind="quantized", shape=q.get("shape"), dtype=q.get("dtype"), format=fmt,
+                                    layout=(q.get("layout") or {}).get("type", "-"), config=cfg, bytes=nbytes))
+            for name, fl in record.get("float", {}).items():
+                entries.append(dict(name=name, kind="float", shape=fl["shape"], dtype=fl["dtype"], format="-", layout="-",
+                                    bytes=_numel(fl["shape"]) * _itemsize(fl["dtype"])))
+            for alias, stored in record.get("aliases", {}).items():
+                entries.append(dict(name=alias, kind=f"alias of {stored}", shape="-", dtype="-", format="-", layout="-", bytes=0))
+    return entries, meta
+
+
+def _describe_spec(spec: dict) -> str:
+    from .canonical import QuantSpec
+
+    try:
+        return QuantSpec.from_json(spec).describe()
+    except (ValueError, TypeError, KeyError):
+        return json.dumps(spec)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    name = str(dtype).lower().removeprefix("torch.")
+    table_ = {"f64": 8, "float64": 8, "f32": 4, "float32": 4, "f16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
+              "i64": 8, "int64": 8, "i32": 4, "int32": 4, "i16": 2, "int16": 2, "i8": 1, "int8": 1, "u8": 1, "uint8": 1,
+              "bool": 1}
+    return table_.get(name, 0)
+
+
+def _inspect_torch(path: Path) -> tuple[list[dict], dict]:
+    import torchq
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CLIError(f"{path}: not a safetensors file and torch.load(weights_only=True) failed: {type(e).__name__}: {e}") from None
+    if isinstance(obj, nn.Module):
+        obj = obj.state_dict()
+    if not isinstance(obj, dict):
+        raise CLIError(f"{path}: expected a state dict (a mapping of names to tensors), got {type(obj).__name__}")
+    entries = []
+    for name, t in obj.items():
+        if isinstance(t, torchq.AffineQuantizedTensor):
+            cfg = type(t.config).__name__ if t.config is not None else "-"
+            entries.append(dict(name=name, kind="quantized", shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                                format=t.tensor_impl.spec.describe(), layout=t.quant_layout.name, config=cfg,
+                                bytes=t.nbytes_quantized()))
+        elif isinstance(t, torch.Tensor):
+            entries.append(dict(name=name, kind="float" if t.is_floating_point() else "tensor", shape=list(t.shape),
+                                dtype=str(t.dtype).removeprefix("torch."), format="-", layout="-",
+                                bytes=t.numel() * t.element_size()))
+        else:
+            entries.append(dict(name=name, kind=type(t).__name__, shape="-", dtype="-", format="-", layout="-", bytes=0))
+    return entries, {"format": "torch.save"}
+
+
+def cmd_inspect(args) -> int:
+    path = Path(args.file)
+    if not path.exists():
+        raise CLIError(f"{path}: no such file or folder")
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CLIError(f"{path}: a folder without .safetensors files")
+        entries, meta = _inspect_safetensors(files)
+    else:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        is_safetensors = len(head) == 8 and 0 < int.from_bytes(head, "little") < 100_000_000 and path.suffix != ".pt"
+        if is_safetensors:
+            try:
+                entries, meta = _inspect_safetensors([path])
+            except Exception:
+                entries, meta = _inspect_torch(path)
+        else:
+            entries, meta = _inspect_torch(path)
+    if args.json:
+        print(json.dumps({"file": str(path), "metadata": meta, "entries": entries}, indent=1))
+        return 0
+    rows = [(e["name"], e["kind"], "x".join(map(str, e["shape"])) if isinstance(e["shape"], list) else e["shape"], e["dtype"],
+             e["format"], e["layout"], fmt_bytes(e["bytes"])) for e in entries]
+    print(table(rows, ("name", "kind", "shape", "dtype", "format", "layout", "bytes")))
+    quant = [e for e in entries if e["kind"] == "quantized"]
+    total = sum(e["bytes"] for e in entries)
+    float_equiv = sum(_numel(e["shape"]) * _itemsize(e["dtype"]) for e in quant)
+    print(f"# {len(entries)} entries, {len(quant)} quantized; {fmt_bytes(total)} in all"
+          + (f"; quantized weights {fmt_bytes(sum(e['bytes'] for e in quant))} (float: {fmt_bytes(float_equiv)})" if quant else ""))
+    if meta:
+        print("# metadata: " + json.dumps(meta, sort_keys=True))
+    return 0
+
+
+# -- quantize ------------------------------------------------------------------------------------------
+def cmd_quantize(args) -> int:
+    import torchq
+
+    spec = config_spec(args)
+    if spec is None:
+        raise CLIError("quantize: pass --config NAME_OR_JSON or --plan FILE")
+    model = load_target(args.target)
+    if args.dtype:
+        model = model.to(DTYPES[args.dtype])
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    try:
+        torchq.quantize_(model, spec)
+    except Exception as e:
+        raise CLIError(f"quantize: {e}") from None
+    quantized = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)]
+    if not quantized:
+        raise CLIError("quantize: no layer was quantized (no float nn.Linear matched)")
+    out = Path(args.output)
+    if out.suffix in (".pt", ".pth"):
+        torch.save(model.state_dict(), out)
+    else:
+        torchq.save_quantized(model, out)
+    after = sum(m.weight.nbytes_quantized() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)
+                else 0 for m in model.modules())
+    float_q = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                  if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor))
+    print(f"quantized {len(quantized)} layers; weights {fmt_bytes(float_q)} -> {fmt_bytes(after)} "
+          f"(model parameters were {fmt_bytes(before)}); wrote {out}")
+    return 0
+
+
+# -- explain -------------------------------------------------------------------------------------------
+def cmd_explain(args) -> int:
+    import torchq
+
+    model = load_target(args.target)
+    if args.dtype:
+        model = model.to(DTYPES[args.dtype])
+    spec = config_spec(args)
+    if spec is not None and args.checkpoint:
+        raise CLIError("--checkpoint excludes --config and --plan (the checkpoint says how each layer is quantized)")
+    if spec is not None:
+        try:
+            torchq.quantize_(model, spec)
+        except Exception as e:
+            raise CLIError(f"quantize: {e}") from None
+    elif args.checkpoint:
+        try:
+            if Path(args.checkpoint).suffix in (".pt", ".pth"):
+                model.load_state_dict(torch.load(args.checkpoint, weights_only=True), assign=True)
+            else:
+                torchq.load_quantized(model, args.checkpoint)
+        except Exception as e:
+            raise CLIError(f"--checkpoint: {type(e).__name__}: {e}") from None
+    if args.input_shape:
+        try:
+            shape = [int(v) for v in args.input_shape.lower().split("x")]
+        except ValueError:
+            raise CLIError(f"--input-shape: expected sizes like 1x4096, got {args.input_shape!r}") from None
+        dtype = DTYPES[args.dtype] if args.dtype else next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        report = torchq.explain(model, torch.randn(*shape).to(dtype))
+    else:
+        report = torchq.explain(model)
+    if not len(report):
+        raise CLIError("explain: the model has no quantized linear layers (pass --config, --plan or --checkpoint)")
+    print(report)
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------------------------
+def cmd_bench(argv: list[str]) -> int:
+    from . import bench_linear
+
+    return bench_linear.main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchq", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("inspect", help="list a checkpoint's layers, formats, sizes and metadata")
+    s.add_argument("file", help="a .safetensors file or folder, or a torch.save file")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s = sub.add_parser("quantize", help="quantize a model and write a checkpoint")
+    s.add_argument("target", help="module:factory returning the nn.Module")
+    s.add_argument("--config", help="a config name (int4-g128, int8wo, int8dq, nf4, ...) or a config's JSON")
+    s.add_argument("--plan", help="a plan JSON written by autoquant")
+    s.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model first")
+    s.add_argument("-o", "--output", required=True, help="out.safetensors, a folder, or out.pt")
+    s = sub.add_parser("explain", help="print the kernel each quantized linear uses and why the others were rejected")
+    s.add_argument("target", help="module:factory returning the nn.Module")
+    s.add_argument("--config")
+    s.add_argument("--plan")
+    s.add_argument("--checkpoint", help="quantized weights to load into the model")
+    s.add_argument("--input-shape", help="run the model on a random input of this shape (e.g. 1x4096)")
+    s.add_argument("--dtype", choices=sorted(DTYPES))
+    sub.add_parser("bench", help="the linear benchmark (options: torchq bench --help)", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return {"inspect": cmd_inspect, "quantize": cmd_quantize, "explain": cmd_explain}[args.command](args)
+    except CLIError as e:
+        print(f"torchq {args.command}: error: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    except Exception as e:  # an unexpected failure still ends in one line
+        print(f"torchq {args.command}: error: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+if __name__ == "__main__":
+    sys.exit(main())
