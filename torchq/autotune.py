@@ -7,7 +7,8 @@ fastest that is accurate enough, and apply it, with a reviewable plan.
 2. Each candidate (a config; its layout is the config's or the device's best, and its kernel is
    the one the dispatch table picks for that weight and input) is timed once per distinct
    ``(weight shape, M, dtype, device, bias)`` against the float layer, with interleaved rounds so
-   drift hits all alike. Timings go to a JSON cache keyed by device kind and model, torch and
+   drift hits all alike, cycling through copies of the weight (64 MiB in all by default) so each
+   call reads its weight from memory as it would inside a model. Timings go to a JSON cache keyed by device kind and model, torch and
    torchq versions, native ISA, shape and candidate (``TORCHQ_CACHE_DIR`` or
    ``~/.cache/torchq``): a second run times nothing it has seen.
 3. Per layer, the SQNR of each candidate's output against the float layer is measured on that
@@ -201,6 +202,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _weight_bytes(w: torch.Tensor) -> int:
+    return w.nbytes_quantized() if isinstance(w, AffineQuantizedTensor) else w.numel() * w.element_size()
+
+
+def _rotation(w: torch.Tensor, rotate_bytes: int) -> list[torch.Tensor]:
+    """``w`` and clones of it, ``rotate_bytes`` in all (at most 64): cycling through them, each
+    call reads its weight from memory, not from a cache the previous call warmed, as a layer in
+    a real model does."""
+    copies = max(1, min(64, -(-rotate_bytes // max(_weight_bytes(w), 1))))
+    return [w] + [w.clone() for _ in range(copies - 1)]
+
+
 def _time_interleaved(fns: dict[str, Any], device: torch.device, budget_s: float, rounds: int = 3) -> dict[str, float]:
     """Median ms per call of each function, timed in ``rounds`` interleaved rounds."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -219,6 +232,18 @@ def _time_interleaved(fns: dict[str, Any], device: torch.device, budget_s: float
                 samples[name].append((time.perf_counter() - t) * 1e3)
                 reps += 1
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+class _Cycle:
+    """Calls ``F.linear(x, w_i, bias)`` with the next weight of a rotation each time."""
+
+    def __init__(self, weights: list[torch.Tensor], x: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weights, self.x, self.bias, self.i = weights, x, bias, 0
+
+    def __call__(self) -> torch.Tensor:
+        w = self.weights[self.i]
+        self.i = (self.i + 1) % len(self.weights)
+        return F.linear(self.x, w, self.bias)
 
 
 def _sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:
@@ -272,6 +297,7 @@ def autoquant(
     apply: bool = True,
     progress: bool = True,
     budget_s: float = 0.2,
+    rotate_bytes: int = 64 << 20,
     filter_fn=None,
     **example_kwargs: Any,
 ) -> AutoquantResult:
@@ -281,6 +307,9 @@ def autoquant(
     :func:`default_candidates`). ``min_sqnr``: the least output SQNR (dB) against the float
     layer a choice may have (None: no floor). ``cache``: True (the default cache file), False,
     or a path. ``apply=False`` only plans. ``budget_s``: timing budget per candidate and shape.
+    ``rotate_bytes``: each candidate is timed cycling through copies of its weight this large in
+    all, so that weights come from memory as in a model too big for the caches (0: one copy,
+    cache-warm timings).
     Returns an :class:`AutoquantResult` (``print(result)`` shows the table)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -355,7 +384,7 @@ def autoquant(
             per[cname] = {"ms": 0.0, "sqnr": _sqnr(ref, y), "kernel": _kernel_name(sample, q, bias), "status": "ok"}
         for (m, dtype_s, device_s), count in seen[name].items():
             device = torch.device(device_s)
-            context = f"{_context(device)}|{n}x{k}|M{m}|{dtype_s}|bias={bias is not None}"
+            context = f"{_context(device)}|{n}x{k}|M{m}|{dtype_s}|bias={bias is not None}|rotate={rotate_bytes}"
             x = torch.randn(m, k, device=device).to(getattr(torch, dtype_s.removeprefix("torch.")))
             fns, keys = {}, {}
             for cname in per:
@@ -365,7 +394,7 @@ def autoquant(
                 keys[cname] = key
                 if key not in timing.entries:
                     w = weight if cname == "float" else quantized[cname]
-                    fns[cname] = lambda w=w, x=x, b=bias: F.linear(x, w, b)
+                    fns[cname] = _Cycle(_rotation(w, rotate_bytes), x, bias)
             if fns:
                 bar.step(f"{name} ({n}x{k}, M={m}): timing {len(fns)} candidates")
                 with torch.no_grad(), warnings.catch_warnings():
