@@ -141,3 +141,13 @@ def test_autoquant_then_compile(tmp_path):
     eager = model(x)
     compiled = torch.compile(model, fullgraph=True)
     assert torch.allclose(compiled(x), eager, rtol=1e-4, atol=1e-4)
+
+
+def test_default_candidates_cover_layouts_and_their_kernels(tmp_path):
+    model = nn.Sequential(nn.Linear(256, 256))
+    result = torchq.autoquant(model, torch.randn(1, 256), cache=tmp_path / "t.json", progress=False, budget_s=0.01, apply=False)
+    per = result.choices[0].candidates
+    assert {"float", "int8wo", "int8dq", "int4-g128", "int4-g32", "nf4", "int4-g128@int4_cpu"} <= set(per)
+    assert per["int4-g128@int4_cpu"]["kernel"].startswith("int4_cpu")
+    assert per["nf4"]["kernel"] == "blockwise_4bit_linear"
+    assert all(v["ms"] > 0 for v in per.values())

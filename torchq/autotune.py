@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch, native
-from .configs import QuantConfig, config_from_json, config_from_name
+from .configs import Int4WeightOnlyConfig, QuantConfig, config_from_json, config_from_name
 from .quantize import default_filter, quantize_
 from .tensor import AffineQuantizedTensor
 
@@ -52,9 +52,17 @@ SAMPLE_ROWS = 16
 
 
 def default_candidates(device: torch.device | str = "cpu") -> dict[str, QuantConfig]:
-    """The configs tried when ``candidates`` is None (names as in :func:`torchq.config_from_name`)."""
-    names = ["int8wo", "int8dq", "int4-g128", "int4-g32", "nf4"]
-    return {name: config_from_name(name) for name in names}
+    """The configs tried when ``candidates`` is None: int8 weight-only and dynamic, int4 g128 / g32
+    and NF4 in the device's default layouts, plus int4 g128 in the device's alternative layout
+    (CPU: PyTorch's own int4 packing; CUDA: the Triton kernel besides tinygemm)."""
+    from .layouts import registered_layouts
+
+    out = {name: config_from_name(name) for name in ["int8wo", "int8dq", "int4-g128", "int4-g32", "nf4"]}
+    alternative = {"cpu": "int4_cpu", "cuda": "int4_native"}.get(torch.device(device).type)
+    layouts = registered_layouts()
+    if alternative in layouts:
+        out[f"int4-g128@{alternative}"] = Int4WeightOnlyConfig(group_size=128, layout=layouts[alternative]())
+    return out
 
 
 @dataclass
@@ -318,7 +326,8 @@ def autoquant(
     if min_sqnr is not None and not isinstance(min_sqnr, (int, float)):
         raise TypeError(f"min_sqnr: expected a number of dB or None, got {min_sqnr!r}")
     if candidates is None:
-        candidates = default_candidates()
+        first = next((p for p in model.parameters()), None)
+        candidates = default_candidates("cpu" if first is None or first.device.type == "meta" else first.device)
     elif isinstance(candidates, Mapping):
         bad = {k: type(v).__name__ for k, v in candidates.items() if not isinstance(v, QuantConfig)}
         if bad:
