@@ -40,6 +40,7 @@ from torch import nn
 
 from . import dispatch, native
 from .configs import Int4WeightOnlyConfig, QuantConfig, config_from_json, config_from_name
+from .layouts import registered_layouts
 from .quantize import default_filter, quantize_
 from .tensor import AffineQuantizedTensor
 
@@ -53,15 +54,23 @@ SAMPLE_ROWS = 16
 
 def default_candidates(device: torch.device | str = "cpu") -> dict[str, QuantConfig]:
     """The configs tried when ``candidates`` is None: int8 weight-only and dynamic, int4 g128 / g32
-    and NF4 in the device's default layouts, plus int4 g128 in the device's alternative layout
-    (CPU: PyTorch's own int4 packing; CUDA: the Triton kernel besides tinygemm)."""
-    from .layouts import registered_layouts
-
+    and NF4 in the device's default layouts, plus int4 g128 in every other registered layout that
+    has a kernel on ``device`` (``"int4-g128@<layout name>"``; on a CPU, PyTorch's own int4
+    packing; on CUDA, the Triton layout beside tinygemm), found by asking the dispatch table."""
     out = {name: config_from_name(name) for name in ["int8wo", "int8dq", "int4-g128", "int4-g32", "nf4"]}
-    alternative = {"cpu": "int4_cpu", "cuda": "int4_native"}.get(torch.device(device).type)
-    layouts = registered_layouts()
-    if alternative in layouts:
-        out[f"int4-g128@{alternative}"] = Int4WeightOnlyConfig(group_size=128, layout=layouts[alternative]())
+    device = torch.device(device)
+    probe = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.bfloat16)
+    default = out["int4-g128"].quantize_weight(probe).quant_layout
+    for name, cls in registered_layouts().items():
+        if cls.auto_priority < 0 or name == default.name:
+            continue
+        try:
+            config = Int4WeightOnlyConfig(group_size=128, layout=cls())
+            kernel, _ = dispatch.select_linear_kernel(probe[:1], config.quantize_weight(probe), None)
+        except (TypeError, ValueError):  # the layout cannot hold int4 g128 weights
+            continue
+        if kernel is not None:
+            out[f"int4-g128@{name}"] = config
     return out
 
 
