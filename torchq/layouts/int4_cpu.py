@@ -25,12 +25,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
 from ..primitives import ZeroPointDomain
 from .base import Layout, TensorImpl
+from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4CPULayout", "Int4CPUImpl"]
 
@@ -116,21 +116,14 @@ class Int4CPUImpl(TensorImpl):
     @property
     def padded_shape(self) -> tuple[int, int]:
         n, k = self.shape
-        g = self.group_size
-        return -(-n // ROW_BLOCK) * ROW_BLOCK, -(-k // g) * g
+        return round_up(n, ROW_BLOCK), round_up(k, self.group_size)
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Int4CPUImpl:
         spec = plain.spec
         n, k = plain.shape
-        g = spec.block_size[1]
-        np_, kp = -(-n // ROW_BLOCK) * ROW_BLOCK, -(-k // g) * g
-        shift = (8 - spec.mid) % 256  # codes + shift is in 0..15, so uint8 wrap-around is exact
-        q8 = plain.codes.view(torch.uint8) + shift
-        if (np_, kp) != (n, k):
-            padded = torch.full((np_, kp), 8, dtype=torch.uint8, device=plain.device)
-            padded[:n, :k] = q8
-            q8 = padded
+        np_, kp = round_up(n, ROW_BLOCK), round_up(k, spec.block_size[1])
+        q8 = kernel_codes(plain, np_, kp, fill=8)
         scale = plain.scale
         domain = spec.zero_point_domain
         if domain is ZeroPointDomain.FLOAT:
@@ -157,8 +150,7 @@ class Int4CPUImpl(TensorImpl):
         spec = self.spec
         n, k = self.shape
         np_, kp = self.padded_shape
-        codes = _unpack(self.packed, np_, kp)[:n, :k] - (8 - spec.mid) % 256  # uint8 wrap-around is exact
-        codes = codes.view(spec.code_dtype) if spec.code_dtype == torch.int8 else codes.contiguous()
+        codes = format_codes(_unpack(self.packed, np_, kp), spec, n, k)
         sz = self.scales_and_zeros[:, :n].transpose(0, 1)
         scale = sz[..., 0].to(self.scale_dtype).contiguous()
         domain = spec.zero_point_domain
@@ -183,13 +175,11 @@ class Int4CPULayout(Layout):
     def rejects(self, spec, shape, scale_dtype, device):
         if torch.device(device).type != "cpu":
             return f"CPU-only layout, weight is on {device}"
-        if len(shape) != 2 or spec.block_size[0] != 1:
-            return f"needs groupwise blocks (1, g) on a 2-D weight, got block {spec.block_size}"
-        if spec.block_size[1] not in GROUP_SIZES:
-            return f"group size must be one of {GROUP_SIZES}, got {spec.block_size[1]}"
-        shift = 8 - spec.mid
-        if spec.quant_min + shift < 0 or spec.quant_max + shift > 15:
-            return f"needs at most 4-bit codes centred for the kernel, format is {spec.describe()}"
+        if len(shape) != 2:
+            return f"needs a 2-D weight, got shape {shape}"
+        reason = groupwise_int4_rejects(spec, GROUP_SIZES)
+        if reason is not None:
+            return reason
         if not scale_dtype.is_floating_point or scale_dtype not in _FLOAT_INPUTS:
             return f"scale dtype must be fp32/bf16/fp16, got {scale_dtype}"
         return None
@@ -221,16 +211,8 @@ def _(x, packed, group_size, scales_and_zeros):
 
 def _int4_cpu_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4CPUImpl = w.tensor_impl
-    n, k = impl.shape
-    np_, kp = impl.padded_shape
-    x2 = x.reshape(-1, k)
-    if kp != k:
-        x2 = F.pad(x2, (0, kp - k))
-    y = int4_cpu_mm(x2, w.packed, impl.group_size, w.scales_and_zeros)
-    if np_ != n:
-        y = y[:, :n]
-    y = y.reshape(*x.shape[:-1], n)
-    return y if bias is None else y + bias.to(y.dtype)
+    mm = lambda x2: int4_cpu_mm(x2, w.packed, impl.group_size, w.scales_and_zeros)  # noqa: E731
+    return padded_linear(x, bias, *impl.shape, *impl.padded_shape, mm)
 
 
 def _check_bf16_compute(x: torch.Tensor, w, bias) -> str | None:

@@ -36,6 +36,7 @@ from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
 from ..primitives import ZeroPointDomain
 from .base import Layout, TensorImpl
+from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4XPULayout", "Int4XPUImpl", "pack_xpu", "unpack_xpu", "xpu_dequantize"]
 
@@ -102,18 +103,16 @@ class Int4XPUImpl(TensorImpl):
     @property
     def padded_shape(self) -> tuple[int, int]:
         n, k = self.shape
-        g = self.group_size
-        return -(-n // N_ALIGN) * N_ALIGN, -(-k // g) * g
+        return round_up(n, N_ALIGN), round_up(k, self.group_size)
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Int4XPUImpl:
         spec = plain.spec
         n, k = plain.shape
         g = spec.block_size[1]
-        np_, kp = -(-n // N_ALIGN) * N_ALIGN, -(-k // g) * g
+        np_, kp = round_up(n, N_ALIGN), round_up(k, g)
         shift = _shift(spec)
-        q8 = torch.zeros(np_, kp, dtype=torch.uint8, device=plain.device)
-        q8[:n, :k] = plain.codes.view(torch.uint8) + shift % 256  # uint8 wrap-around is exact
+        q8 = kernel_codes(plain, np_, kp, fill=0)
         groups = plain.scale.shape[1]
         scale = torch.zeros(np_, kp // g, dtype=plain.scale.dtype, device=plain.device)
         scale[:n, :groups] = plain.scale
@@ -133,8 +132,7 @@ class Int4XPUImpl(TensorImpl):
         spec = self.spec
         n, k = self.shape
         shift = _shift(spec)
-        codes = unpack_xpu(self.packed)[:n, :k] - shift % 256  # uint8 wrap-around is exact
-        codes = codes.view(spec.code_dtype) if spec.code_dtype == torch.int8 else codes.contiguous()
+        codes = format_codes(unpack_xpu(self.packed), spec, n, k)
         groups = -(-k // self.group_size)
         if self.scale_and_zero is not None:
             sz = self.scale_and_zero[:groups, :n].transpose(0, 1)
@@ -155,15 +153,11 @@ class Int4XPULayout(Layout):
     device_specific = True
 
     def rejects_format(self, spec, scale_dtype):
-        if spec.codebook is not None or len(spec.block_size) != 2 or spec.block_size[0] != 1:
-            return f"needs a groupwise affine format with blocks (1, g), got {spec.describe()}"
-        if spec.zero_point_domain not in (ZeroPointDomain.INT, ZeroPointDomain.FLOAT):
+        if spec.codebook is None and spec.zero_point_domain not in (ZeroPointDomain.INT, ZeroPointDomain.FLOAT):
             return f"holds an INT or FLOAT zero point (the XPU kernels are asymmetric), got {spec.zero_point_domain.name}"
-        if spec.block_size[1] not in GROUP_SIZES:
-            return f"group size must be one of {GROUP_SIZES}, got {spec.block_size[1]}"
-        shift = _shift(spec)
-        if spec.quant_min + shift < 0 or spec.quant_max + shift > 15:
-            return f"needs at most 4-bit codes centred for the kernel, format is {spec.describe()}"
+        reason = groupwise_int4_rejects(spec, GROUP_SIZES)
+        if reason is not None:
+            return reason
         if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
             return f"the XPU kernels read bf16/fp16 scales (the activation dtype), got {scale_dtype}"
         return None
@@ -217,19 +211,9 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4XPUImpl = w.tensor_impl
-    n, k = impl.shape
-    np_, kp = impl.padded_shape
-    x2 = x.reshape(-1, k)
-    if kp != k:
-        x2 = F.pad(x2, (0, kp - k))
-    if impl.scale is not None:
-        y = int4_xpu_mm(x2, w.packed, impl.group_size, w.scale, w.zero)
-    else:
-        y = int4_xpu_mm(x2, w.packed, impl.group_size, w.scale_and_zero)
-    if np_ != n:
-        y = y[:, :n]
-    y = y.reshape(*x.shape[:-1], n)
-    return y if bias is None else y + bias.to(y.dtype)
+    scales = (w.scale, w.zero) if impl.scale is not None else (w.scale_and_zero,)
+    mm = lambda x2: int4_xpu_mm(x2, w.packed, impl.group_size, *scales)  # noqa: E731
+    return padded_linear(x, bias, *impl.shape, *impl.padded_shape, mm)
 
 
 register_linear_kernel(

@@ -31,12 +31,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..canonical import PlainForm
 from ..dispatch import register_linear_kernel
 from ..primitives import ZeroPointDomain
 from .base import Layout, TensorImpl
+from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["TensorCoreTiledLayout", "TensorCoreTiledImpl", "pack_tiled", "unpack_tiled", "tinygemm_dequantize"]
 
@@ -46,8 +46,7 @@ N_TILE = 8
 
 
 def _padded(n: int, k: int, group_size: int, inner_k_tiles: int) -> tuple[int, int]:
-    k_unit = max(group_size, 16 * inner_k_tiles)
-    return -(-n // N_TILE) * N_TILE, -(-k // k_unit) * k_unit
+    return round_up(n, N_TILE), round_up(k, max(group_size, 16 * inner_k_tiles))
 
 
 def _tile_view(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
@@ -133,8 +132,7 @@ class TensorCoreTiledImpl(TensorImpl):
         n, k = plain.shape
         g = spec.block_size[1]
         np_, kp = _padded(n, k, g, layout.inner_k_tiles)
-        q8 = torch.full((np_, kp), 8, dtype=torch.uint8, device=plain.device)
-        q8[:n, :k] = plain.codes.view(torch.uint8) + (8 - spec.mid) % 256  # uint8 wrap-around is exact
+        q8 = kernel_codes(plain, np_, kp, fill=8)
         scale = plain.scale
         domain = spec.zero_point_domain
         if domain is ZeroPointDomain.FLOAT:
@@ -160,8 +158,7 @@ class TensorCoreTiledImpl(TensorImpl):
         spec = self.spec
         n, k = self.shape
         np_, kp = self.padded_shape
-        codes = unpack_tiled(self.packed, np_, kp)[:n, :k] - (8 - spec.mid) % 256  # uint8 wrap-around is exact
-        codes = codes.view(spec.code_dtype) if spec.code_dtype == torch.int8 else codes.contiguous()
+        codes = format_codes(unpack_tiled(self.packed, np_, kp), spec, n, k)
         groups = -(-k // self.group_size)
         sz = self.scales_and_zeros[:groups, :n].transpose(0, 1)
         domain = spec.zero_point_domain
@@ -192,13 +189,9 @@ class TensorCoreTiledLayout(Layout):
             raise ValueError(f"inner_k_tiles: expected one of {INNER_K_TILES}, got {self.inner_k_tiles!r}")
 
     def rejects_format(self, spec, scale_dtype):
-        if spec.codebook is not None or len(spec.block_size) != 2 or spec.block_size[0] != 1:
-            return f"needs a groupwise affine format with blocks (1, g), got {spec.describe()}"
-        if spec.block_size[1] not in GROUP_SIZES:
-            return f"group size must be one of {GROUP_SIZES}, got {spec.block_size[1]}"
-        shift = 8 - spec.mid
-        if spec.quant_min + shift < 0 or spec.quant_max + shift > 15:
-            return f"needs at most 4-bit codes centred for the kernel, format is {spec.describe()}"
+        reason = groupwise_int4_rejects(spec, GROUP_SIZES)
+        if reason is not None:
+            return reason
         if scale_dtype is not None and scale_dtype != torch.bfloat16:
             return f"the kernel reads bf16 scales, got {scale_dtype} (quantize with scale_dtype=torch.bfloat16)"
         return None
@@ -264,16 +257,8 @@ def _check(x: torch.Tensor, w, bias, *, dtypes: tuple[torch.dtype, ...]) -> str 
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: TensorCoreTiledImpl = w.tensor_impl
-    n, k = impl.shape
-    np_, kp = impl.padded_shape
-    x2 = x.reshape(-1, k).to(torch.bfloat16)
-    if kp != k:
-        x2 = F.pad(x2, (0, kp - k))
-    y = int4_tensor_core_mm(x2, w.packed, impl.group_size, w.scales_and_zeros)
-    if np_ != n:
-        y = y[:, :n]
-    y = y.to(x.dtype).reshape(*x.shape[:-1], n)
-    return y if bias is None else y + bias.to(y.dtype)
+    mm = lambda x2: int4_tensor_core_mm(x2, w.packed, impl.group_size, w.scales_and_zeros)  # noqa: E731
+    return padded_linear(x, bias, *impl.shape, *impl.padded_shape, mm, compute_dtype=torch.bfloat16)
 
 
 register_linear_kernel(
