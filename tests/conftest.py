@@ -19,7 +19,7 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from torchq import dispatch, native
+from torchq import dispatch, native, prefill
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
@@ -45,6 +45,15 @@ def isa(request):
     native.set_isa(request.param)
     yield request.param
     native.set_isa(saved)
+
+
+@pytest.fixture
+def fast_bf16(request, monkeypatch):
+    """Force :data:`torchq.prefill.FAST_BF16_MATMUL` to ``request.param`` for one test (indirect
+    parametrization): bf16 inputs then take bf16 tiles (AMX / AVX512_BF16 CPUs) or fp32 tiles
+    (every other CPU) whatever this machine has, so both paths run everywhere."""
+    monkeypatch.setattr(prefill, "FAST_BF16_MATMUL", bool(request.param))
+    yield bool(request.param)
 
 
 @pytest.fixture

@@ -3,14 +3,18 @@
 For more than a few activation rows a fused dequantize-and-dot kernel stops being bound by
 memory and loses to a GEMM library, so the native kernels switch to this: weight rows are
 dequantized natively tile by tile (L2-sized, into a reused per-thread buffer) and multiplied with
-``torch.mm`` (oneDNN / MKL) into a transposed output. The tiles hold the reference's weight values
-exactly; the GEMM runs in bf16 for bf16 inputs on CPUs with native bf16 matmul (AMX or
-AVX512_BF16, where that is the fastest float path), else in fp32 (on other CPUs fp32 GEMMs beat
-bf16 ones by 2-4x).
+``torch.mm`` (oneDNN / MKL) straight into the columns of a contiguous ``[M, N]`` output. The tiles
+hold the reference's weight values exactly; the GEMM runs in bf16 for bf16 inputs on CPUs with
+native bf16 matmul (AMX or AVX512_BF16, where that is the fastest float path), else in fp32 (on
+other CPUs fp32 GEMMs beat bf16 ones by 2-4x).
+
+``TORCHQ_FAST_BF16_MATMUL=0|1`` (read at import) overrides the CPU detection, so a machine with
+bf16 matmul can run the path other CPUs take and the reverse; tests set :data:`FAST_BF16_MATMUL`.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -28,6 +32,14 @@ _SCRATCH = threading.local()
 
 
 def _fast_bf16_matmul() -> bool:
+    """``TORCHQ_FAST_BF16_MATMUL`` if set (0/1), else whether the CPU has AMX or AVX512_BF16."""
+    forced = os.environ.get("TORCHQ_FAST_BF16_MATMUL", "").strip().lower()
+    if forced in ("0", "false", "off", "no"):
+        return False
+    if forced in ("1", "true", "on", "yes"):
+        return True
+    if forced:
+        raise ValueError(f"TORCHQ_FAST_BF16_MATMUL: expected 0 or 1 (or unset), got {forced!r}")
     cpu = getattr(torch, "cpu", None)
     return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)() or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
 
@@ -63,13 +75,15 @@ def tiled_linear(rows: torch.Tensor, n: int, k: int, dequant_rows: DequantRows, 
     """fp32 ``[M, N] = rows @ W.T (+ bias)``. ``dequant_rows(n0, n1, out)`` writes weight rows
     ``[n0, n1)`` into ``out`` (``[n1 - n0, k]`` contiguous, in ``dtype``: fp32 or bf16)."""
     x = rows.to(dtype)
-    out_t = torch.empty(n, rows.shape[0], dtype=dtype)
+    # the ops promise contiguous outputs (their fake kernels say so): each tile's GEMM writes its
+    # columns of a row-major [M, N] (as fast as a transposed output, and no copy afterwards)
+    out = torch.empty(rows.shape[0], n, dtype=dtype)
     tile = max(64, _TILE_BYTES // (k * dtype.itemsize) // 64 * 64)
     buf = _scratch(min(tile, n) * k, dtype)
     for n0 in range(0, n, tile):
         n1 = min(n, n0 + tile)
         w = buf[: (n1 - n0) * k].view(n1 - n0, k)
         dequant_rows(n0, n1, w)
-        torch.mm(w, x.t(), out=out_t[n0:n1])
-    out = out_t.t().to(torch.float32, memory_format=torch.contiguous_format)  # ops promise contiguous outputs
-    return out if bias is None else out + bias
+        torch.mm(x, w.t(), out=out[:, n0:n1])
+    out = out.to(torch.float32)  # a fresh tensor either way: the bias goes in in place
+    return out if bias is None else out.add_(bias)
