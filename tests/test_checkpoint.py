@@ -212,12 +212,10 @@ def test_pickled_paths_are_pinned():
 
 
 def test_safe_globals_registered_at_import():
+    """Only the two rebuild functions: an allow-listed class could be built by a pickle without its
+    checks (see tests/test_checkpoint_hardening.py)."""
     safe = {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals() if hasattr(g, "__qualname__")}
-    assert {"torchq._rebuild_quantized_tensor", "torchq._rebuild_object"} <= safe
-    for cls in (torchq.AffineQuantizedTensor, torchq.QuantSpec, torchq.PerTokenInt8, torchq.ZeroPointDomain,
-                torchq.MappingType, PlainLayout, PackedBitsLayout, Int4CPULayout, torchq.Int4WeightOnlyConfig,
-                torchq.Int8WeightOnlyConfig, torchq.Int8DynamicActivationInt8WeightConfig, torchq.IntxWeightOnlyConfig):
-        assert f"{cls.__module__}.{cls.__qualname__}" in safe, cls
+    assert {s for s in safe if s.startswith("torchq")} == {"torchq._rebuild_quantized_tensor", "torchq._rebuild_object"}
 
 
 def test_whole_aqt_and_parameter_pickle():

@@ -11,8 +11,12 @@ its class lives in, so moving code inside the package never breaks a checkpoint:
 * ``torchq._rebuild_object(kind, json)`` for layouts, configs, quant specs, activation
   schemes and the two enums.
 
-Both functions, and every torchq class that can appear in a state dict, are registered with
-``torch.serialization.add_safe_globals`` when torchq is imported.
+Only these two functions are registered with ``torch.serialization.add_safe_globals`` when
+torchq is imported. No torchq class is: an allow-listed class can be instantiated by a pickle
+without running its checks (``NEWOBJ`` + ``BUILD`` with an arbitrary ``__dict__``), so a crafted
+file could build a quantized tensor whose buffers are smaller than its metadata claims. The
+rebuild functions validate everything (CRCs, JSON records, part dtypes and sizes) and construct
+objects through their ordinary constructors.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..activation import PerTokenInt8, activation_from_json
+from ..activation import OutlierInt8, PerTokenInt8, activation_from_json
 from ..canonical import QuantSpec
 from ..configs import QuantConfig, config_from_json
-from ..layouts.base import Layout, layout_from_json, registered_layouts
+from ..layouts.base import Layout, layout_from_json
 from ..primitives import MappingType, ZeroPointDomain
 from ..tensor import AffineQuantizedTensor
 from . import codec
@@ -95,20 +99,13 @@ def _enum_reducer(kind: str):
     return __reduce_ex__
 
 
-def safe_classes() -> list[type]:
-    """Every torchq class that can appear in a state dict or next to one."""
-    return [AffineQuantizedTensor, QuantSpec, PerTokenInt8, MappingType, ZeroPointDomain, QuantConfig,
-            *registered_layouts().values(), *_config_classes()]
-
-
-def _config_classes() -> list[type]:
-    from ..configs import _CONFIGS
-
-    return list(_CONFIGS.values())
+def safe_globals() -> list:
+    """What ``torch.load(weights_only=True)`` may reference: the two rebuild functions, nothing else."""
+    return [_rebuild_quantized_tensor, _rebuild_object]
 
 
 def install() -> None:
-    """Pin the rebuild functions, set the reductions, and allow-list everything (idempotent)."""
+    """Pin the rebuild functions, set the reductions, and allow-list the two functions (idempotent)."""
     for fn in (_rebuild_quantized_tensor, _rebuild_object):
         fn.__module__ = PINNED_MODULE
     AffineQuantizedTensor.__reduce_ex__ = _reduce_quantized_tensor  # type: ignore[method-assign]
@@ -116,6 +113,7 @@ def install() -> None:
     QuantConfig.__reduce__ = _reducer("config", lambda o: o.to_json())  # type: ignore[method-assign]
     QuantSpec.__reduce__ = _reducer("spec", lambda o: o.to_json())  # type: ignore[method-assign]
     PerTokenInt8.__reduce__ = _reducer("act_quant", lambda o: o.to_json())  # type: ignore[method-assign]
+    OutlierInt8.__reduce__ = _reducer("act_quant", lambda o: o.to_json())  # type: ignore[method-assign]
     MappingType.__reduce_ex__ = _enum_reducer("mapping_type")  # type: ignore[method-assign]
     ZeroPointDomain.__reduce_ex__ = _enum_reducer("zero_point_domain")  # type: ignore[method-assign]
-    torch.serialization.add_safe_globals([_rebuild_quantized_tensor, _rebuild_object, *safe_classes()])
+    torch.serialization.add_safe_globals(safe_globals())

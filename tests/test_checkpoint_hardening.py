@@ -1,0 +1,262 @@
+"""Hand-made checkpoints: what ``torch.load(weights_only=True)`` and the loaders refuse, and that
+they do it with a CheckpointError (or UnpicklingError) quickly and without allocating memory in
+proportion to what a file claims (issue 14, items 1, 2 and 10)."""
+
+from __future__ import annotations
+
+import base64
+import copyreg
+import io
+import lzma
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import torchq
+from torchq import AffineQuantizedTensor
+from torchq.checkpoint import codec
+from torchq.layouts.int4_native import Int4NativeLayout
+
+
+# -- crafting pickles -----------------------------------------------------------------------------
+class Reduce:
+    """Pickles as ``fn(*args)`` (then ``BUILD state`` when given)."""
+
+    def __init__(self, fn, args: tuple, state=None) -> None:
+        self.r = (fn, args) if state is None else (fn, args, state)
+
+    def __reduce_ex__(self, proto):
+        return self.r
+
+
+class NewObj:
+    """Pickles as ``NEWOBJ cls`` + ``BUILD state``: an instance made without running ``__init__``."""
+
+    def __init__(self, cls: type, state: dict) -> None:
+        self._cls, self._state = cls, state
+
+    @property
+    def __class__(self):  # what pickle checks for copyreg.__newobj__
+        return self._cls
+
+    def __reduce_ex__(self, proto):
+        return (copyreg.__newobj__, (self._cls,), self._state)
+
+
+def saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def load(blob: bytes):
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def torchq_safe_globals() -> set[str]:
+    return {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
+            if getattr(g, "__module__", "").startswith("torchq")}
+
+
+# -- item 1: the allow-list -------------------------------------------------------------------------
+def test_allow_list_holds_only_the_two_rebuild_functions():
+    assert torchq_safe_globals() == {"torchq._rebuild_quantized_tensor", "torchq._rebuild_object"}
+
+
+def fake_int4_impl() -> NewObj:
+    """An allow-listed class built without its checks, its ``__dict__`` claiming 4096 rows
+    around a 16-byte buffer."""
+    return NewObj(Int4NativeLayout, {"shape": (4096, 32), "packed": torch.zeros(1, 16, dtype=torch.uint8),
+                                     "spec": None, "layout": None})
+
+
+def test_crafted_layout_with_fake_dict_is_refused():
+    with pytest.raises(pickle_error()):
+        load(saved(fake_int4_impl()))
+
+
+def test_crafted_quantized_tensor_around_fake_buffers_is_refused():
+    carrier = torch.zeros(1, 1, dtype=torch.bfloat16)
+    fn, args = carrier.__reduce_ex__(2)
+    state = {"tensor_impl": fake_int4_impl(), "transposed": False, "act_quant": None, "label": "x", "config": None}
+    blob = saved(Reduce(torch._tensor._rebuild_from_type_v2, (fn, AffineQuantizedTensor, args, state)))
+    with pytest.raises(pickle_error(), match="AffineQuantizedTensor|Int4NativeLayout"):
+        load(blob)
+
+
+def test_crafted_config_instance_is_refused():
+    """Configs are rebuilt from JSON by their constructor, never by NEWOBJ + BUILD."""
+    blob = saved(NewObj(torchq.Int4WeightOnlyConfig, {"group_size": -7, "layout": "nonsense"}))
+    with pytest.raises(pickle_error()):
+        load(blob)
+
+
+def pickle_error() -> type[Exception]:
+    import pickle
+
+    return pickle.UnpicklingError
+
+
+def _objects() -> dict:
+    """Every kind of torchq object a state dict, or a file next to one, holds."""
+    from torchq.canonical import QuantSpec
+    from torchq.layouts.base import registered_layouts
+
+    torch.manual_seed(0)
+    configs = {
+        "int4-native": torchq.int4_weight_only(group_size=32),
+        "int4-cpu": torchq.int4_weight_only(group_size=32, layout=torchq.Int4CPULayout()),
+        "int4-packed": torchq.int4_weight_only(group_size=32, layout=torchq.PackedBitsLayout()),
+        "int4-plain-int-zero": torchq.int4_weight_only(group_size=64, layout=torchq.PlainLayout(), zero_point_domain="int"),
+        "int8wo": torchq.int8_weight_only(),
+        "int8dq": torchq.int8_dynamic_activation_int8_weight(),
+        "intx3": torchq.intx_weight_only(bits=3, group_size=32),
+        "intx5-sym": torchq.intx_weight_only(bits=5, group_size=None, mapping_type="symmetric"),
+        "nf4": torchq.nf4_weight_only(block_size=64),
+        "nf4-no-dq": torchq.nf4_weight_only(block_size=32, double_quant=False),
+        "fp4": torchq.fp4_weight_only(block_size=64),
+        "llm_int8": torchq.llm_int8(threshold=5.0),
+    }
+    out: dict = {}
+    for name, cfg in configs.items():
+        m = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 8, bias=False)).to(torch.bfloat16)
+        torchq.quantize_(m, cfg)
+        out[f"sd/{name}"] = m.state_dict()
+        out[f"param/{name}"] = m[0].weight  # an nn.Parameter
+        out[f"tensor/{name}"] = m[0].weight.detach()
+        out[f"transposed/{name}"] = m[1].weight.detach().t()
+        out[f"config/{name}"] = cfg
+        out[f"spec/{name}"] = m[0].weight.spec
+        out[f"act/{name}"] = m[0].weight.act_quant
+    for lname, cls in registered_layouts().items():
+        out[f"layout/{lname}"] = cls()
+    out["act/per_token"] = torchq.PerTokenInt8()
+    out["act/outlier"] = torchq.OutlierInt8(4.0)
+    out["enum/zpd"] = list(torchq.ZeroPointDomain)
+    out["enum/mapping"] = list(torchq.MappingType)
+    out["spec/plain"] = QuantSpec((1, 32), -8, 7, torchq.ZeroPointDomain.NONE)
+    return out
+
+
+def _expected(obj):
+    """A plain description of ``obj`` that loads without torchq (str, plain tensors, lists)."""
+    if isinstance(obj, AffineQuantizedTensor):
+        record, parts = codec.encode(obj)
+        return ["aqt", isinstance(obj, nn.Parameter), codec.dumps(record), parts]
+    if isinstance(obj, dict):
+        return {k: _expected(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_expected(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return ["tensor", obj]
+    return ["object", f"{type(obj).__module__}.{type(obj).__qualname__}", repr(obj)]
+
+
+_CHECK = """
+import sys, torch, torchq
+from torchq.checkpoint import codec
+from torch import nn
+got = torch.load(sys.argv[1], weights_only=True)
+want = torch.load(sys.argv[2], weights_only=True)
+
+def check(g, w, where):
+    if isinstance(w, dict):
+        assert isinstance(g, dict) and g.keys() == w.keys(), where
+        for k in w:
+            check(g[k], w[k], f"{where}/{k}")
+    elif w[0] == "aqt":
+        assert isinstance(g, torchq.AffineQuantizedTensor), (where, type(g))
+        assert isinstance(g, nn.Parameter) == w[1], (where, "Parameter")
+        record, parts = codec.encode(g)
+        assert codec.dumps(record) == w[2], where
+        assert parts.keys() == w[3].keys() and all(torch.equal(parts[k], w[3][k]) for k in parts), where
+    elif w[0] == "tensor":
+        assert type(g) is type(w[1]) and torch.equal(g, w[1]), where
+    elif w[0] == "object":
+        assert f"{type(g).__module__}.{type(g).__qualname__}" == w[1] and repr(g) == w[2], (where, repr(g), w[2])
+    else:
+        assert isinstance(g, list) and len(g) == len(w), where
+        for i, (a, b) in enumerate(zip(g, w)):
+            check(a, b, f"{where}[{i}]")
+
+check(got, want, "")
+safe = {f"{x.__module__}.{x.__qualname__}" for x in torch.serialization.get_safe_globals() if x.__module__.startswith("torchq")}
+print("OK", len(got), sorted(safe))
+"""
+
+
+def test_everything_torchq_pickles_loads_weights_only_with_just_import_torchq(tmp_path):
+    """Every config's state dict, its weights as Parameter, tensor and transposed view, configs,
+    specs, activation schemes, layouts and enums, pickled standalone: a fresh process loads them
+    with ``weights_only=True`` after ``import torchq`` alone, every one equal to what was saved."""
+    objs = _objects()
+    torch.save(objs, tmp_path / "objs.pt")
+    torch.save(_expected(objs), tmp_path / "want.pt")
+    r = subprocess.run([sys.executable, "-c", _CHECK, str(tmp_path / "objs.pt"), str(tmp_path / "want.pt")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "OK" in r.stdout and "'torchq._rebuild_object', 'torchq._rebuild_quantized_tensor']" in r.stdout
+
+
+# Written by torchq before the allow-list shrank (commit 2373bca): a state dict with int4 (native
+# layout), int8 dynamic and NF4 weights, a detached weight, an LLM.int8 config, a layout, a
+# per-token activation scheme, a spec and two enums. torch.save bytes, lzma, base64.
+_GOLDEN = """
+/Td6WFoAAATm1rRGAgAhARYAAAB0L+Wj4B8BCk5dACgSvGAn5w2LqFI1E1uufUG5t7MwMxiuxXflOLahidrkXpqIyP24JTUA+Tft
+K6V9+4eCvwwZpT9KGo3nUrHwh4ug5QpMggObilEntBnXUhglNEhlJJysI24AHOWgYgBbs+IprC5Aqv+GqzfSJ02UMjPhnHchhwUS
+Gyh0lmxlllQwIHtAnKE7/tUjs0KtOAkRNWMd84tvb3FUBbRs6JV0ka056Pxsq9Tpm25310irGtJxAqHSZwtVGg5dnwDuuOHKsOMh
++HGhd1zAULLUwQdzwzlf8RZr+7YSRYonaTNVHL2JPfYgR6xKu0EOHfB/eiVz/DkxGaeNUOLNP3fsADSHuDuSyGXm689JEvep7Db1
+kYknMW6/fYDFsYtm6aKI2KCReDkGZkwkBfmR68LpBJDVReQqTmzt/x2+fEUrencjN+CUYhp2KWalR7az246/yiOhWiAm9AXQ/HVe
+FB1uJ33zxezGx6TGfsWe4uOGrVzXCLqSdzHDQTlBq11zuJZxMrTi1SzEnGjLzHHpxcnG4Y0MsZu11lVYNQJDp1MfqKybe9FKBLtb
+0PJKGSd/AL8y4lgrYYxm7xX3VyRbtx4YlfzAaJTk3O3jWYtOTQDmubTJPMq1RA/YXEnj4N9CdOamC0sHP2MUgC6Z1+xZINi4aCWj
+bHp7hIhrjR47fhyy/CvYuotUh4lWXpUVb9Q56zgbmebNsZJyRB+uUkuw8jp7hGPu78XBFP/chgcPR7QghxBQwa8lvloszIleq/bu
+Na7bApS93PogInRo9r0WaaaAWWIVgBYTxqpI+AL0u3w7+OV3qc3DjMWMEuuOeAqhFKeIdNFrflbSo1eEltglHeu5EGQerHLukHLy
+KTZfTg5NsXT66i02yyVCxm8gId/sdMSF3pSyVxZoSVTEbkZl1TEmFlpxnD9d2Jv2/PbwPjH8ENFaGNe+BL2owlqbPXkxpla80yp3
+YjEajzPBBhp5f6VGaHfIyW+pVUYOT16DQvyvhSArA8XDL4tFfqH/xpIyeQ0qC6qLey1JNfFomoYksFSXmNb0fXLVtCpUOLSsJKRc
+WRJCUoy1U8UYApV947TDRc+bPwrttn8R/aTFQo6ZqyVIS7dRejkXOfr+Y5cP5SxZqa6FDOXGyDIZhW6Yj3Sz5mLiyKPBmrmIth0I
+asrNTeKXTHIHTRfA4DfyJV3jVoFP3bXZMoXfrFgzL9rQWLJTn9YspKB22EmBOYkoBfPWolRHw3h1S/ojLFQeLj7ZYJXYI0H/+N+l
+6s0Hkwwhs7XwlkIZIb/f1y8vrBapTQucmHguJbLj4uD7Jhs7G2VwR6kf7rqWJJ6r8PQwm3NAnp3qS36Mkqp3t8f9xYC/Q8JLDmvW
+D7qm9S8QsWnpSRgR0Ljh+Tm/dpHafA0UXmGIzJ9UP2255oALs9xNoQxYag8p6vLAIDTa6f9dmtUCjc1DEDTULDrmTj3El1nyX2+R
+C+o3/eGPTomnajA7MakSRvlMZKKBpshUahLLpnje1dlURRKnzf1oJvDieN4xVflFT1VxI6YTL/pJE+CWZUt1w9UqGT2iLMLoUWVs
+0g8rXP+RMdfnhtYrvMJGQML+KY570owPW098mc7R4y9yw5boWjSHw6ac1ObmAXTgxNM1rDCZDB5NP6TO+MwKluOf6APfW06Dr2C7
+XXg27NK5q03Yh9I32Tv6pW5CXiRfjiCv7+8bF7q6fzdXTSZKTaL2f1KgexYAdeQxN5Hgs7LPjl/Ue4KBjpQQS4yNHms/kU2tBvZX
+EO+8ThSTk0Z8kcIom84wiVeNHtqEuHFiRJbaPrjUpZUpzKYtuitAFqM2WeDSSDjE/Wv5Y0+I+WtjExwjYXUm1XwxlL6GwFU6ioBw
+kwlIE75lmoZ3Bb6tELpjc3cEIWMxhroyf7+KeXE0+GAV3HmAHpjQVfxY1q0Jbv5thUu2bn4LpB7gfZU56AmQnb0H51dcuEjKnVwj
+HAekIzFnQg5xIdBbIUVuxrrgj3hDjpm3PeUAL3kZkZb/o8In7zRb9EzSe/wWENyQuq9QUINF06MoqiqqAGI8V6KUE1mK8fkcMSQM
+WKD2BuoDLWdW005twD1KAEQRFOfNfrkfY/ci4srpNFakWeYyEJTljUL+j9Yr/+oje1WB7kgLi7l64FL+LXAALhCJv3HwCtKolcpX
+i9mWn4Yu0raaWTha+mq4qx4A3AV/AcE8WWisE4+g6hn0CAbdkmoeDUmt7ijDPKy4E1EpNWDiU4B6HFY900mU1LNp7RutWLidzgHa
+mIvELp0/UhnCkChD5E1zFb6YxfQ1GYu4/rGqyvrq5iZftkz4CS9iFLx0PQuH7nkwzdOAV07JGhzL3GasWqAcXKATMGBU5h37FtIJ
+blZphFsTlpncztPjmCnx5DcBpXvSGwSeaKMxRNsQo0J2fS0lqXlHpwP1rH77y8GPRh5fJPKi5lzR7CDFWWhG9QLkUCsFJRt2Ie7M
+pZXKnc5scm3nPRguoXip8O10QA9jU5Vp4a/NXaWKCa/yvpbxLp6AsE5IKARwLOvFvBhtyP0m/pXYmh0iVVEZlXAKAN4KjywCfnnQ
+AnxY0z6r+h0+wwU977/jG1NOPDWcFOXQ9vQaaqvkFZcY+NEYlQ6Np9KkSba+Snb4D3/wSd7EdHA8bO8vInM5Qq3HsRnTz7F0le47
+A/G7K90cno58nPlvZ2y6PK8FeCI3IJL1JZ7QJ1nf82/q4LbGN4g1LkctIST7J4abpz/DEzBoybJuLX8I0hDh55lDAIYuoBs5Mjvb
+KSKp06g39anS13rTeZtqUuAZboU1zejT9dcvagsBC2I9s+kuZ0463WDf8oNBKYVwL8JjADCeKy4nXOUrG48mk7J3wrqzYOin4yZL
+yy2tmUdju6sND2AtnJwkUuL755sERhMbxL3fZPVV3sOrv2fD5D4qfE+Zlf7PWsU4EsYEfQINAB7bBa+FYYT2YjiLirGEkhYoVOUU
+tb5j/j8LkFsYiT6lxIljnmvUeLVfKvlGkHAFyi65lhzB14qIsvFxHSplYUE+jg3nD7WqRecvETV98NdGvjjOGeyo04Dp+41hDbE2
+KtZCS9tocRDlFzRMFVO69guP/0NfEDOKlKYUPB9dMe8K+FOxOY3UQ6az83Yjb3sU3Jvux2RP1mlKCI6M0zlRl6JQZoRLdvRPxRF2
+Nc/AKzB7FHh+W5Ul4/a1HDppD3w/dDt0tZRjFQdRnvXmJEr4U7gLrYx/FTVVNkZKQjVHRlXNz8P2eBx0rr/MafVGUSWdog3VfrGx
+LyK78VaEchzlGX861KXQlNbhYiM/ZN0GdZEwnFtyKLgeoGIPsvzCmpVrA0kyAGvdY5lVR1BhcN1y3Yk5bOFbwkI/ReRIEeKslQw6
+9dH9sJmlSuwtdXEFceYtz4VjIM0TSCmhNKNvaZAggXYGDsm0yILBMlKqBxpdGryadsNmf2ghQEA6hWb3DyHSZ3YXxNXM3P98W4a4
+R1pAbTnebfTYDItVZRM2rtcTe2f/NTHf2GzF4LGrClRBvP2casfZSnu4EQAAAAAHmTLQuYnH/wAB6hSCPgAAUWtPiLHEZ/sCAAAA
+AARZWg==
+"""
+
+
+def test_checkpoint_written_before_the_change_still_loads():
+    obj = load(lzma.decompress(base64.b64decode("".join(_GOLDEN.split()))))
+    sd = obj["sd"]
+    assert sorted(sd) == ["0.bias", "0.weight", "1.weight", "2.weight"]
+    for k in ("0.weight", "1.weight", "2.weight"):
+        assert isinstance(sd[k], AffineQuantizedTensor) and not isinstance(sd[k], nn.Parameter), k
+    assert sd["0.weight"].spec.bits == 4 and sd["1.weight"].act_quant == torchq.PerTokenInt8()
+    assert sd["2.weight"].spec.codebook == "nf4" and sd["2.weight"].spec.double_quant
+    assert isinstance(obj["t"], AffineQuantizedTensor) and not isinstance(obj["t"], nn.Parameter)
+    assert obj["t"].to_plain().equal(sd["0.weight"].to_plain())
+    assert obj["cfg"] == torchq.llm_int8(5.0) and obj["layout"] == Int4NativeLayout()
+    assert obj["act"] == torchq.PerTokenInt8() and obj["spec"] == sd["1.weight"].spec
+    assert obj["enum"] is torchq.ZeroPointDomain.FLOAT and obj["mt"] is torchq.MappingType.SYMMETRIC
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(torch.nn.functional.linear(x, sd["2.weight"])).all()
