@@ -83,15 +83,6 @@ def test_unknown_module_name_is_an_error_with_suggestions():
         torchq.quantize_(torch.randn(3), torchq.int8_weight_only())
 
 
-def test_filter_fn_and_already_quantized_layers_are_left_alone():
-    m = mlp()
-    torchq.quantize_(m, torchq.int8_weight_only(), filter_fn=lambda mod, name: isinstance(mod, nn.Linear) and name == "3")
-    assert isinstance(m[3].weight, AQT) and not isinstance(m[0].weight, AQT)
-    w3 = m[3].weight
-    torchq.quantize_(m, torchq.int4_weight_only(group_size=32))  # default filter skips quantized layers
-    assert m[3].weight is w3 and isinstance(m[0].weight, AQT)
-
-
 def test_failure_part_way_leaves_model_unchanged():
     m = mlp()
     with torch.no_grad():
@@ -168,3 +159,191 @@ def test_deepcopy_and_module_to_of_quantized_model():
     assert torch.equal(c(x), m(x))
     h = c.to(torch.float16)
     assert h[0].weight.dtype == torch.float16 and h(x.half()).dtype == torch.float16
+
+
+# -- tied weights (issue 14, item 7) ------------------------------------------------------------
+class Tied(nn.Module):
+    """An embedding tied to the LM head, and two Linears sharing one weight."""
+
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d, bias=False)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, i):
+        return self.head(self.b(self.a(self.emb(i))))
+
+
+def tied(seed=0):
+    torch.manual_seed(seed)
+    return Tied()
+
+
+def identities(model):
+    return {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def test_tied_weights_are_quantized_once_and_stay_tied():
+    m = tied()
+    with pytest.warns(torchq.quantize.TiedWeightWarning, match=r"'emb\.weight'"):
+        torchq.quantize_(m, torchq.int8_weight_only())
+    assert isinstance(m.head.weight, AQT) and m.emb.weight is m.head.weight
+    assert isinstance(m.a.weight, AQT) and m.a.weight is m.b.weight
+    assert m.head.weight.label == "head" and m.a.weight.label == "a"
+    assert len(list(m.parameters())) == 3  # emb/head weight, a/b weight, a's bias
+    i = torch.randint(0, 64, (2, 5))
+    w1, w2 = m.a.weight.dequantize(), m.head.weight.dequantize()
+    h = torch.nn.functional.linear(torch.nn.functional.linear(w2[i], w1, m.a.bias), w1)
+    assert torch.allclose(m(i), torch.nn.functional.linear(h, w2), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("cfg", [torchq.int8_weight_only(), torchq.int4_weight_only(group_size=32),
+                                 torchq.intx_weight_only(bits=3, group_size=16)], ids=["int8", "int4", "intx3"])
+def test_embedding_lookup_on_a_quantized_weight_is_exact(cfg):
+    emb = nn.Embedding(64, 64)
+    emb.weight = nn.Parameter(cfg.quantize_weight(emb.weight.detach()), requires_grad=False)
+    idx = torch.tensor([[0, 5, 63], [7, 7, 1]])
+    assert torch.equal(emb(idx), emb.weight.dequantize()[idx])
+
+
+def test_tied_modules_with_different_configs_raise_and_change_nothing():
+    m = tied()
+    before, ids = state(m), identities(m)
+    with pytest.raises(torchq.QuantizationError, match=r"'a' and 'b' share one weight tensor.*different configs"):
+        torchq.quantize_(m, {"a": torchq.int8_weight_only(), "b": torchq.int4_weight_only(group_size=32)})
+    with pytest.raises(torchq.QuantizationError, match=r"'b' is mapped to None"):
+        torchq.quantize_(m, {"b": None, "_default": torchq.int8_weight_only()})
+    assert same_state(before, state(m)) and identities(m) == ids
+
+
+def test_tie_with_an_unselected_partner_is_kept():
+    m = tied()
+    with pytest.warns(torchq.quantize.TiedWeightWarning, match=r"'b\.weight'"):
+        torchq.quantize_(m, torchq.int8_weight_only(), filter_fn=lambda mod, name: name == "a")
+    assert isinstance(m.b.weight, AQT) and m.a.weight is m.b.weight and not isinstance(m.head.weight, AQT)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_tied_model_save_quantized_load_quantized_round_trip(tmp_path, strict):
+    m = tied()
+    with pytest.warns(torchq.quantize.TiedWeightWarning):
+        torchq.quantize_(m, torchq.int4_weight_only(group_size=32))
+    torchq.save_quantized(m, tmp_path / "m.safetensors")
+    i = torch.randint(0, 64, (2, 5))
+    for fresh in (tied(seed=1), m):  # a float model, and the quantized model itself
+        torchq.load_quantized(fresh, tmp_path / "m.safetensors", strict=strict)
+        assert fresh.emb.weight is fresh.head.weight and fresh.a.weight is fresh.b.weight
+        assert isinstance(fresh.head.weight, AQT) and torch.equal(fresh(i), m(i))
+
+
+def test_tied_model_torch_save_weights_only_and_assign(tmp_path):
+    m = tied()
+    with pytest.warns(torchq.quantize.TiedWeightWarning):
+        torchq.quantize_(m, torchq.int8_weight_only())
+    torch.save(m.state_dict(), tmp_path / "sd.pt")
+    sd = torch.load(tmp_path / "sd.pt", weights_only=True)
+    fresh = tied(seed=1)
+    fresh.load_state_dict(sd, assign=True)
+    i = torch.randint(0, 64, (2, 5))
+    assert isinstance(fresh.head.weight, AQT) and torch.equal(fresh(i), m(i))
+
+
+def test_failure_in_a_tied_model_leaves_it_bit_identical():
+    m = tied()
+    with torch.no_grad():
+        m.a.weight[0, 0] = float("inf")
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = identities(m)
+    with pytest.raises(torchq.QuantizationError, match="nothing was changed"):
+        torchq.quantize_(m, torchq.int8_weight_only())
+    assert identities(m) == ids and m.emb.weight is m.head.weight
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in sd.items())
+
+
+# -- parametrized weights (item 10) and already-quantized layers (item 11) ---------------------------
+class Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def with_parametrized():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    torch.nn.utils.parametrize.register_parametrization(m[1], "weight", Double())
+    return m
+
+
+def test_parametrized_weight_is_skipped_visibly():
+    m = with_parametrized()
+    with pytest.warns(torchq.SkippedLayerWarning, match=r"skipped layer '1'.*parametriz.*remove_parametrizations"):
+        torchq.quantize_(m, torchq.int8_weight_only())
+    assert isinstance(m[0].weight, AQT)
+    assert torch.nn.utils.parametrize.is_parametrized(m[1], "weight") and not isinstance(m[1].weight, AQT)
+    assert torch.equal(m[1].weight, 2 * m[1].parametrizations.weight.original)
+
+
+def test_parametrized_weight_in_strict_mode_raises_and_leaves_the_model_bit_identical():
+    m = with_parametrized()
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = identities(m)
+    with torchq.strict(), pytest.raises(torchq.QuantizationError, match=r"'1'.*parametriz.*strict.*nothing was changed"):
+        torchq.quantize_(m, torchq.int8_weight_only())
+    assert identities(m) == ids and m.state_dict().keys() == sd.keys()
+    assert all(type(v) is torch.Tensor and torch.equal(v, sd[k]) for k, v in m.state_dict().items())
+
+
+def test_already_quantized_layers_warn_or_raise_in_strict():
+    m = mlp()
+    torchq.quantize_(m, torchq.int8_weight_only(), filter_fn=lambda mod, name: name == "3")
+    w3 = m[3].weight
+    with pytest.warns(torchq.SkippedLayerWarning, match=r"already quantized.*'3'"):
+        torchq.quantize_(m, torchq.int4_weight_only(group_size=32))
+    assert m[3].weight is w3 and isinstance(m[0].weight, AQT)
+    ids = identities(m)
+    with torchq.strict(), pytest.raises(torchq.QuantizationError, match=r"already quantized.*'0', '2\.0', '3'.*strict"):
+        torchq.quantize_(m, torchq.int4_weight_only(group_size=32))
+    with pytest.warns(torchq.SkippedLayerWarning, match=r"already quantized.*'3'"):  # a torchao-style filter too
+        torchq.quantize_(m, torchq.int8_weight_only(), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
+    assert identities(m) == ids
+
+
+# -- transformers-style Conv1D (GPT-2's transposed linear), matched by duck typing (item 11) -------
+class Conv1D(nn.Module):
+    """The same structure as transformers.pytorch_utils.Conv1D."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+@pytest.mark.parametrize("cfg,min_sqnr", [(torchq.int8_weight_only(), 35), (torchq.int4_weight_only(group_size=32), 15)],
+                         ids=["int8", "int4"])
+def test_conv1d_is_quantized_transposed_and_runs_the_quantized_kernel(cfg, min_sqnr, tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(Conv1D(96, 64), nn.ReLU(), Conv1D(32, 96))
+    x = torch.randn(2, 3, 64)
+    ref = m(x)
+    torchq.quantize_(m, cfg)
+    w = m[0].weight
+    assert isinstance(w, AQT) and w.transposed and tuple(w.shape) == (64, 96) and w.label == "0"
+    assert torch.allclose(w.dequantize(), m[0].weight.dequantize())
+    with torchq.strict():  # no dequantize fallback
+        y = m(x)
+    assert torch.allclose(y, torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(
+        x, m[0].weight.dequantize().t(), m[0].bias)), m[2].weight.dequantize().t(), m[2].bias), atol=3e-2)
+    assert float(20 * torch.log10(ref.norm() / (ref - y).norm()).detach()) > min_sqnr
+    torchq.save_quantized(m, tmp_path / "c.safetensors")
+    torch.manual_seed(1)
+    fresh = nn.Sequential(Conv1D(96, 64), nn.ReLU(), Conv1D(32, 96))
+    torchq.load_quantized(fresh, tmp_path / "c.safetensors")
+    assert fresh[0].weight.transposed and torch.equal(fresh(x), y)

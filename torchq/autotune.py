@@ -41,7 +41,8 @@ from torch import nn
 from . import dispatch, native
 from .configs import Int4WeightOnlyConfig, QuantConfig, config_from_json, config_from_name
 from .layouts import registered_layouts
-from .quantize import default_filter, quantize_
+from .quantize import float_linear_filter as default_filter  # autoquant times nn.Linear layers only
+from .quantize import quantize_
 from .tensor import AffineQuantizedTensor
 
 __all__ = ["autoquant", "AutoquantResult", "LayerChoice", "load_plan", "save_plan", "default_candidates"]

@@ -6,15 +6,17 @@ import difflib
 import re
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import dispatch
 from .configs import LayerNotSupported, QuantConfig
 from .tensor import AffineQuantizedTensor
 
-__all__ = ["quantize_", "QuantizationError", "SkippedLayerWarning", "default_filter"]
+__all__ = ["quantize_", "QuantizationError", "SkippedLayerWarning", "TiedWeightWarning", "default_filter", "is_conv1d"]
 
 ConfigSpec = QuantConfig | Mapping[str, QuantConfig | None]
 
@@ -27,7 +29,21 @@ class SkippedLayerWarning(UserWarning):
     """A selected layer could not take its config and was left in float."""
 
 
-def default_filter(module: nn.Module, name: str) -> bool:
+class TiedWeightWarning(UserWarning):
+    """A module that was not selected shares its weight with a quantized one, so it now holds
+    the quantized weight too (quantize_ keeps ties)."""
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """True for a transformers ``Conv1D`` (GPT-2's transposed linear: weight ``[in, out]``,
+    ``y = x @ W + b``), recognised by duck typing (class name, ``nf``/``nx``, weight shape) so
+    transformers is never imported."""
+    w = getattr(module, "weight", None) if type(module).__name__ == "Conv1D" else None
+    nf, nx = getattr(module, "nf", None), getattr(module, "nx", None)
+    return isinstance(w, torch.Tensor) and isinstance(nf, int) and isinstance(nx, int) and tuple(w.shape) == (nx, nf)
+
+
+def float_linear_filter(module: nn.Module, name: str) -> bool:
     """``nn.Linear`` layers whose weight is a float tensor (not already quantized)."""
     return (
         isinstance(module, nn.Linear)
@@ -36,7 +52,19 @@ def default_filter(module: nn.Module, name: str) -> bool:
     )
 
 
-def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], QuantConfig | None]:
+def default_filter(module: nn.Module, name: str) -> bool:
+    """``nn.Linear`` and transformers ``Conv1D`` layers whose weight is a float tensor (not
+    already quantized)."""
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        return False
+    w = module.weight
+    return isinstance(w, torch.Tensor) and not isinstance(w, AffineQuantizedTensor) and w.is_floating_point()
+
+
+_UNSET = object()  # a mapping config that names no rule for a module (as opposed to an explicit None)
+
+
+def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], object]:
     if isinstance(config, QuantConfig):
         return lambda name: config
     if not isinstance(config, Mapping):
@@ -46,7 +74,7 @@ def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], QuantConf
         )
     exact: dict[str, QuantConfig | None] = {}
     patterns: list[tuple[str, re.Pattern, QuantConfig | None]] = []
-    default = None
+    default: object = _UNSET
     for key, cfg in config.items():
         if cfg is not None and not isinstance(cfg, QuantConfig):
             raise TypeError(f"config[{key!r}]: expected a torchq config or None, got {type(cfg).__name__}")
@@ -72,7 +100,7 @@ def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], QuantConf
         if not any(pat.fullmatch(n) for n in names):
             warnings.warn(f"quantize_: pattern {key!r} matches no quantizable module", SkippedLayerWarning, stacklevel=3)
 
-    def resolve(name: str) -> QuantConfig | None:
+    def resolve(name: str) -> object:  # a config, None (explicitly float) or _UNSET
         if name in exact:
             return exact[name]
         for _, pat, cfg in patterns:
@@ -81,6 +109,42 @@ def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], QuantConf
         return default
 
     return resolve
+
+
+@dataclass
+class _Staged:
+    """One weight tensor to replace: the configs asked of it and the quantized result."""
+
+    old: torch.Tensor
+    cfg: QuantConfig
+    transposed: bool
+    names: list[str]
+    modules: set[int]
+    new: torch.Tensor
+
+
+def _slots(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str, bool]]]:
+    """Every registered parameter and buffer, by tensor identity: ``[(qualified name, module,
+    attribute, is_buffer)]`` (a tied tensor has several)."""
+    out: dict[int, list[tuple[str, nn.Module, str, bool]]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for table, is_buffer in ((mod._parameters, False), (mod._buffers, True)):
+            for attr, t in table.items():
+                if t is not None:
+                    out.setdefault(id(t), []).append((prefix + attr, mod, attr, is_buffer))
+    return out
+
+
+def _skip(msg: str, stacklevel: int = 3) -> None:
+    if dispatch.is_strict():
+        raise QuantizationError(msg + " (strict mode); nothing was changed")
+    warnings.warn(msg, SkippedLayerWarning, stacklevel=stacklevel)
+
+
+def _fmt(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def quantize_(
@@ -93,59 +157,139 @@ def quantize_(
 
     ``config``: one config for every selected module, or a mapping from module names (exact),
     ``"re:<regex>"`` (full match, first match wins) and ``"_default"`` to a config or None
-    (leave in float). ``filter_fn(module, name)`` selects modules (default: float
-    ``nn.Linear``). ``device``: quantize module by module on that device and leave the
-    quantized modules there (bounds peak memory to one float weight on the device).
+    (leave in float). ``filter_fn(module, fqn)`` gets every module and its fully qualified name
+    (as in ``model.named_modules()``) and returns True to select it (default:
+    :func:`default_filter`, float ``nn.Linear`` and transformers ``Conv1D``, whose ``[in, out]``
+    weight is quantized as ``[out, in]`` and installed transposed). ``device``: quantize module
+    by module on that device and leave the quantized modules there (bounds peak memory to one
+    float weight on the device).
 
-    A layer whose structure cannot take the config is skipped with a
-    :class:`SkippedLayerWarning` naming it (a :class:`QuantizationError` in strict mode).
-    Any other failure raises :class:`QuantizationError` and leaves the model unchanged:
-    every new weight is computed before the first one is installed.
+    Tied weights stay tied: a tensor shared by several modules is quantized once and the one
+    quantized parameter is installed everywhere it was, including in modules that were not
+    selected (e.g. the embedding tied to ``lm_head``; a :class:`TiedWeightWarning` names them;
+    embedding lookups dequantize the rows they read). Tied modules given different configs are a
+    :class:`QuantizationError`.
+
+    A layer that cannot be quantized (its structure cannot take the config, its weight is
+    computed by a ``torch.nn.utils.parametrize`` parametrization or is not a registered
+    tensor, or it is already quantized) is skipped with a :class:`SkippedLayerWarning` naming
+    it (a :class:`QuantizationError` in strict mode). Any other failure raises
+    :class:`QuantizationError` and leaves the model unchanged: every new tensor is computed
+    before the first one is installed, and installing cannot fail.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    custom_filter = filter_fn is not None
     filter_fn = filter_fn or default_filter
-    selected = [(name, mod) for name, mod in model.named_modules() if filter_fn(mod, name)]
+    selected, already = [], []
+    for name, mod in model.named_modules():
+        picked = filter_fn(mod, name)
+        if isinstance(getattr(mod, "weight", None), AffineQuantizedTensor) and (
+            picked or (not custom_filter and (isinstance(mod, nn.Linear) or is_conv1d(mod)))
+        ):
+            already.append(name)
+        elif picked:
+            selected.append((name, mod))
+    if already:
+        _skip(
+            f"quantize_: skipped {len(already)} layer(s) that are already quantized (re-quantizing needs "
+            f"the float weights): {_fmt(already)}"
+        )
     resolve = _resolver(config, [n for n, _ in selected])
     device = None if device is None else torch.device(device)
+    slots = _slots(model)
 
-    staged: list[tuple[nn.Module, dict[str, nn.Parameter]]] = []
+    staged: dict[int, _Staged] = {}
+    left_float: dict[int, str] = {}  # weights a selected module is explicitly mapped to None (float)
+    moved: dict[int, torch.Tensor] = {}  # other tensors of selected modules, moved to ``device``
     for name, mod in selected:
         cfg = resolve(name)
-        if cfg is None:
+        weight = mod._parameters.get("weight")
+        if weight is None:
+            weight = mod._buffers.get("weight")
+        if cfg is None or cfg is _UNSET:
+            if cfg is None and weight is not None:
+                left_float.setdefault(id(weight), name)
             continue
-        weight = getattr(mod, "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            raise QuantizationError(f"quantize_: module {name!r} ({type(mod).__name__}) has no weight tensor; nothing was changed")
-        if isinstance(weight, AffineQuantizedTensor):
-            raise QuantizationError(f"quantize_: module {name!r} is already quantized; nothing was changed")
+        if parametrize.is_parametrized(mod, "weight"):
+            _skip(
+                f"quantize_: skipped layer {name!r} ({type(mod).__name__}): its weight is computed by a "
+                f"torch.nn.utils.parametrize parametrization; call "
+                f"torch.nn.utils.parametrize.remove_parametrizations(module, 'weight') first to quantize it"
+            )
+            continue
+        if weight is None:
+            attr = getattr(mod, "weight", None)
+            if not isinstance(attr, torch.Tensor):
+                raise QuantizationError(
+                    f"quantize_: module {name!r} ({type(mod).__name__}) has no weight tensor; nothing was changed"
+                )
+            _skip(
+                f"quantize_: skipped layer {name!r} ({type(mod).__name__}): its weight is not a registered "
+                f"parameter or buffer (a property or a plain attribute), so quantize_ cannot replace it"
+            )
+            continue
+        assert isinstance(cfg, QuantConfig)
+        transposed = is_conv1d(mod)
+        prev = staged.get(id(weight))
+        if prev is not None:
+            if prev.cfg != cfg or prev.transposed != transposed:
+                what = "a Conv1D and a Linear orientation" if prev.transposed != transposed else f"{prev.cfg!r} vs {cfg!r}"
+                raise QuantizationError(
+                    f"quantize_: {prev.names[0]!r} and {name!r} share one weight tensor (tied weights) but get "
+                    f"different configs ({what}); give them the same config or untie them first; nothing was changed"
+                )
+            prev.names.append(name)
+            prev.modules.add(id(mod))
+            continue
         w = weight.detach()
+        if transposed:
+            w = w.t().contiguous()  # Conv1D holds [in, out]: quantize the [out, in] linear weight
         if device is not None:
             w = w.to(device)
         try:
             q = cfg.quantize_weight(w, label=name)
         except LayerNotSupported as e:
-            msg = f"quantize_: skipped layer {name!r} ({type(mod).__name__}, weight {tuple(weight.shape)}): {e}"
-            if dispatch.is_strict():
-                raise QuantizationError(msg + " (strict mode); nothing was changed") from e
-            warnings.warn(msg, SkippedLayerWarning, stacklevel=2)
+            _skip(f"quantize_: skipped layer {name!r} ({type(mod).__name__}, weight {tuple(weight.shape)}): {e}")
             continue
         except Exception as e:
             raise QuantizationError(
                 f"quantize_: layer {name!r} ({type(mod).__name__}, weight {tuple(weight.shape)} {weight.dtype}) "
                 f"could not take {cfg!r}: {e}; nothing was changed"
             ) from e
-        params = {"weight": nn.Parameter(q, requires_grad=False)}
+        if transposed:
+            q = q._replace(transposed=True)
+        new = nn.Parameter(q, requires_grad=False) if isinstance(weight, nn.Parameter) else q
+        staged[id(weight)] = _Staged(weight, cfg, transposed, [name], {id(mod)}, new)
         if device is not None:
-            for pname, p in mod.named_parameters(recurse=False):
-                if pname != "weight":
-                    params[pname] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-        staged.append((mod, params))
+            for t in [*mod._parameters.values(), *mod._buffers.values()]:
+                if t is not None and t is not weight and id(t) not in moved:
+                    v = t.detach().to(device)
+                    moved[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v
 
-    for mod, params in staged:  # commit: attribute assignments only
-        for pname, p in params.items():
-            setattr(mod, pname, p)
-        if device is not None:
-            for bname, b in list(mod.named_buffers(recurse=False)):
-                mod._buffers[bname] = b.to(device)
+    for key, name in left_float.items():
+        if key in staged:
+            s = staged[key]
+            raise QuantizationError(
+                f"quantize_: {s.names[0]!r} and {name!r} share one weight tensor (tied weights) but {name!r} is "
+                f"mapped to None (float) and {s.names[0]!r} to {s.cfg!r}; give them the same config or untie them "
+                f"first; nothing was changed"
+            )
+    through_tie = sorted(
+        qn for key, s in staged.items() for qn, mod, attr, _ in slots.get(key, [])
+        if not (id(mod) in s.modules and attr == "weight")
+    )
+    if through_tie:
+        warnings.warn(
+            f"quantize_: {_fmt(through_tie)} share(s) its weight tensor with a quantized layer (tied weights) and "
+            f"now hold(s) the quantized weight too (ties are kept); untie first to keep it in float",
+            TiedWeightWarning, stacklevel=2,
+        )
+
+    # commit: plain dict assignments, which cannot fail
+    replace = {key: s.new for key, s in staged.items()}
+    replace.update(moved)
+    for key, new in replace.items():
+        for _, mod, attr, is_buffer in slots.get(key, []):
+            (mod._buffers if is_buffer else mod._parameters)[attr] = new
     return model
