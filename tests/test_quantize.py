@@ -347,3 +347,12 @@ def test_conv1d_is_quantized_transposed_and_runs_the_quantized_kernel(cfg, min_s
     fresh = nn.Sequential(Conv1D(96, 64), nn.ReLU(), Conv1D(32, 96))
     torchq.load_quantized(fresh, tmp_path / "c.safetensors")
     assert fresh[0].weight.transposed and torch.equal(fresh(x), y)
+
+
+def test_safetensors_cannot_write_a_quantized_weight_and_says_what_to_use(tmp_path):
+    from safetensors.torch import save_file
+
+    m = mlp()
+    torchq.quantize_(m, torchq.int8_weight_only())
+    with pytest.raises(TypeError, match=r"'0' is a quantized weight.*torchq\.save_quantized"):
+        save_file({"w": m[0].weight}, str(tmp_path / "w.safetensors"))

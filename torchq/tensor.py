@@ -220,6 +220,16 @@ class AffineQuantizedTensor(torch.Tensor):
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if isinstance(w, cls) and not isinstance(x, cls) and not w.transposed:
                 return dispatch.quantized_linear(x, w, b)
+        if func is torch.Tensor.storage:  # serializers reading raw bytes (safetensors, save_pretrained)
+            w = args[0]
+            raise TypeError(
+                f"torchq: {w.label or tuple(w.shape)!r} is a quantized weight ({w.tensor_impl.spec.describe()}) whose "
+                f"values live in several packed tensors, not in one {w.dtype} storage, so safetensors "
+                f"(transformers' save_pretrained, safetensors.torch.save_file) cannot write it. Save with "
+                f"torchq.save_quantized(model, folder) and load with torchq.load_quantized(model, folder) "
+                f"(model.config.save_pretrained(folder) writes a transformers config beside it), or use "
+                f"torch.save(model.state_dict())"
+            )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
