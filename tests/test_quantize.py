@@ -189,7 +189,7 @@ def identities(model):
 
 def test_tied_weights_are_quantized_once_and_stay_tied():
     m = tied()
-    with pytest.warns(torchq.quantize.TiedWeightWarning, match=r"'emb\.weight'"):
+    with pytest.warns(torchq.TiedWeightWarning, match=r"'emb\.weight'"):
         torchq.quantize_(m, torchq.int8_weight_only())
     assert isinstance(m.head.weight, AQT) and m.emb.weight is m.head.weight
     assert isinstance(m.a.weight, AQT) and m.a.weight is m.b.weight
@@ -201,8 +201,9 @@ def test_tied_weights_are_quantized_once_and_stay_tied():
     assert torch.allclose(m(i), torch.nn.functional.linear(h, w2), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("cfg", [torchq.int8_weight_only(), torchq.int4_weight_only(group_size=32),
-                                 torchq.intx_weight_only(bits=3, group_size=16)], ids=["int8", "int4", "intx3"])
+@pytest.mark.parametrize("cfg", [torchq.int8_weight_only(), torchq.int4_weight_only(group_size=32), torchq.nf4_weight_only(),
+                                 torchq.int8_dynamic_activation_int8_weight(), torchq.intx_weight_only(bits=3, group_size=16)],
+                         ids=["int8", "int4", "nf4", "int8dyn", "intx3"])
 def test_embedding_lookup_on_a_quantized_weight_is_exact(cfg):
     emb = nn.Embedding(64, 64)
     emb.weight = nn.Parameter(cfg.quantize_weight(emb.weight.detach()), requires_grad=False)
@@ -222,7 +223,7 @@ def test_tied_modules_with_different_configs_raise_and_change_nothing():
 
 def test_tie_with_an_unselected_partner_is_kept():
     m = tied()
-    with pytest.warns(torchq.quantize.TiedWeightWarning, match=r"'b\.weight'"):
+    with pytest.warns(torchq.TiedWeightWarning, match=r"'b\.weight'"):
         torchq.quantize_(m, torchq.int8_weight_only(), filter_fn=lambda mod, name: name == "a")
     assert isinstance(m.b.weight, AQT) and m.a.weight is m.b.weight and not isinstance(m.head.weight, AQT)
 
@@ -230,7 +231,7 @@ def test_tie_with_an_unselected_partner_is_kept():
 @pytest.mark.parametrize("strict", [True, False])
 def test_tied_model_save_quantized_load_quantized_round_trip(tmp_path, strict):
     m = tied()
-    with pytest.warns(torchq.quantize.TiedWeightWarning):
+    with pytest.warns(torchq.TiedWeightWarning):
         torchq.quantize_(m, torchq.int4_weight_only(group_size=32))
     torchq.save_quantized(m, tmp_path / "m.safetensors")
     i = torch.randint(0, 64, (2, 5))
@@ -242,7 +243,7 @@ def test_tied_model_save_quantized_load_quantized_round_trip(tmp_path, strict):
 
 def test_tied_model_torch_save_weights_only_and_assign(tmp_path):
     m = tied()
-    with pytest.warns(torchq.quantize.TiedWeightWarning):
+    with pytest.warns(torchq.TiedWeightWarning):
         torchq.quantize_(m, torchq.int8_weight_only())
     torch.save(m.state_dict(), tmp_path / "sd.pt")
     sd = torch.load(tmp_path / "sd.pt", weights_only=True)

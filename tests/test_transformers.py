@@ -51,7 +51,7 @@ def test_llama_tied_embeddings_stay_tied_and_round_trip(tmp_path, strict):
     m = llama()
     assert m.lm_head.weight is m.model.embed_tokens.weight
     ref = logits(m)
-    with pytest.warns(torchq.quantize.TiedWeightWarning, match=r"'model\.embed_tokens\.weight'"):
+    with pytest.warns(torchq.TiedWeightWarning, match=r"'model\.embed_tokens\.weight'"):
         torchq.quantize_(m, torchq.int8_weight_only())
     assert isinstance(m.lm_head.weight, AQT) and m.lm_head.weight is m.model.embed_tokens.weight
     y = logits(m)
@@ -71,7 +71,7 @@ def test_llama_tied_embeddings_stay_tied_and_round_trip(tmp_path, strict):
 def test_gpt2_conv1d_layers_are_quantized_and_run_the_quantized_kernel(tmp_path, cfg, min_sqnr):
     m = gpt2()
     ref = logits(m)
-    with pytest.warns(torchq.quantize.TiedWeightWarning, match=r"'transformer\.wte\.weight'"):
+    with pytest.warns(torchq.TiedWeightWarning, match=r"'transformer\.wte\.weight'"):
         torchq.quantize_(m, cfg)
     convs = {n: mod for n, mod in m.named_modules() if type(mod).__name__ == "Conv1D"}
     assert len(convs) == 8
@@ -90,7 +90,7 @@ def test_gpt2_conv1d_layers_are_quantized_and_run_the_quantized_kernel(tmp_path,
 @pytest.mark.slow
 def test_gpt2_quantized_compiles():
     m = gpt2()
-    with pytest.warns(torchq.quantize.TiedWeightWarning):
+    with pytest.warns(torchq.TiedWeightWarning):
         torchq.quantize_(m, torchq.int8_weight_only())
     eager = logits(m)
     torch._dynamo.reset()
@@ -103,7 +103,7 @@ def test_gpt2_quantized_compiles():
 def test_save_pretrained_with_torchq_weights_raises_a_clear_error(tmp_path, build):
     m = build()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torchq.quantize.TiedWeightWarning)
+        warnings.simplefilter("ignore", torchq.TiedWeightWarning)
         torchq.quantize_(m, torchq.int8_weight_only())
     with warnings.catch_warnings(record=True) as seen, pytest.raises(TypeError, match=r"quantized weight.*torchq\.save_quantized"):
         warnings.simplefilter("always")
@@ -114,7 +114,7 @@ def test_save_pretrained_with_torchq_weights_raises_a_clear_error(tmp_path, buil
 
 def test_documented_way_to_save_a_quantized_transformers_model(tmp_path):
     m = llama()
-    with pytest.warns(torchq.quantize.TiedWeightWarning):
+    with pytest.warns(torchq.TiedWeightWarning):
         torchq.quantize_(m, torchq.int4_weight_only(group_size=32))
     m.config.save_pretrained(tmp_path)
     torchq.save_quantized(m, tmp_path)

@@ -44,7 +44,7 @@ from .dispatch import (
 from .explain import ExplainReport, explain
 from .layouts import Layout, TensorImpl, choose_layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain
-from .quantize import QuantizationError, SkippedLayerWarning, quantize_
+from .quantize import QuantizationError, SkippedLayerWarning, TiedWeightWarning, quantize_
 from .tensor import AffineQuantizedTensor
 from .triton_kernels import register_cuda_kernels as _register_cuda_kernels
 
@@ -82,6 +82,7 @@ __all__ = [
     "QuantSpec",
     "QuantizationError",
     "SkippedLayerWarning",
+    "TiedWeightWarning",
     "TensorImpl",
     "ZeroPointDomain",
     "choose_layout",

@@ -276,13 +276,14 @@ def quantize_(
                 f"first; nothing was changed"
             )
     through_tie = sorted(
-        qn for key, s in staged.items() for qn, mod, attr, _ in slots.get(key, [])
+        f"{qn!r} (tied to {s.names[0]!r})" for key, s in staged.items() for qn, mod, attr, _ in slots.get(key, [])
         if not (id(mod) in s.modules and attr == "weight")
     )
     if through_tie:
+        shown = ", ".join(through_tie[:8]) + (f" and {len(through_tie) - 8} more" if len(through_tie) > 8 else "")
         warnings.warn(
-            f"quantize_: {_fmt(through_tie)} share(s) its weight tensor with a quantized layer (tied weights) and "
-            f"now hold(s) the quantized weight too (ties are kept); untie first to keep it in float",
+            f"quantize_: tied weights stay tied, so these tensors now hold the quantized weight too: {shown}; "
+            f"untie them first to keep them in float",
             TiedWeightWarning, stacklevel=2,
         )
 
