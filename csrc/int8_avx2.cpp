@@ -218,7 +218,9 @@ void i8_quantize_rows_avx2(const float* x, int64_t K, int64_t Kp, const I8Quant&
         for (int64_t j = k; j < K; ++j) in[j - k] = row[j];
         src = in;
       }
-      __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src), r));  // half to even; NaN -> qmin
+      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src), r);
+      v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));  // NaN (inf * 0 in a row with an inf) -> 0, as the reference
+      __m256i c = _mm256_cvtps_epi32(v);  // round half to even
       c = _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(c, lo), hi), off);
       const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
       const __m128i b8 = offset ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16);

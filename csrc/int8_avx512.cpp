@@ -199,8 +199,9 @@ void i8_quantize_rows_avx512(const float* x, int64_t K, int64_t Kp, const I8Quan
     uint8_t* dst = static_cast<uint8_t*>(codes) + m * Kp;
     for (int64_t k = 0; k < Kp; k += 16) {
       const __mmask16 in = k + 16 <= K ? 0xFFFF : k >= K ? 0 : static_cast<__mmask16>((1u << (K - k)) - 1);
-      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, row + k), r);
-      __m512i c = _mm512_cvtps_epi32(v);  // round half to even; NaN -> INT_MIN -> qmin
+      __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, row + k), r);
+      v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);  // NaN (inf * 0 in a row with an inf) -> 0, as the reference
+      __m512i c = _mm512_cvtps_epi32(v);  // round half to even
       c = _mm512_min_epi32(_mm512_max_epi32(c, lo), hi);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
     }

@@ -28,7 +28,9 @@ class PerTokenInt8:
         return (1,) * (x.dim() - 1) + (x.shape[-1],)
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(int8 codes of x's shape, fp32 scale of shape [..., 1])``."""
+        """``(int8 codes of x's shape, fp32 scale of shape [..., 1])``; no rows give empty ones."""
+        if x.numel() == 0 and x.dim() and x.shape[-1]:
+            return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
         block = self._block(x)
         scale, _ = choose_qparams_affine(
             x, MappingType.SYMMETRIC, block, torch.int8, self.quant_min, self.quant_max, self.eps,
@@ -38,6 +40,8 @@ class PerTokenInt8:
         return codes, scale
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
         codes, scale = self.quantize(x)
         return dequantize_affine(
             codes, self._block(x), scale, None, self.quant_min, self.quant_max, ZeroPointDomain.NONE, x.dtype
@@ -63,6 +67,21 @@ class OutlierInt8:
         if not (isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool) and self.threshold > 0):
             raise ValueError(f"threshold: expected a positive number, got {self.threshold!r}")
         object.__setattr__(self, "threshold", float(self.threshold))
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """x as LLM.int8 sees it, in x's dtype (the reference path, e.g. for float64 inputs):
+        every column holding an outlier keeps its float values; the rest are quantized per row
+        with the row absmax over non-outliers, exactly as ``int8_vectorwise_quant`` does (fp32)."""
+        if x.numel() == 0:
+            return x
+        rows = x.reshape(-1, x.shape[-1])
+        x32 = rows.to(torch.float32)
+        outlier = rows.abs() >= self.threshold
+        kept = x32.masked_fill(outlier, 0.0)
+        absmax = kept.abs().amax(dim=1, keepdim=True)
+        codes = torch.round(kept * torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax)))
+        deq = (codes * (absmax / 127)).to(x.dtype)
+        return torch.where(outlier.any(dim=0, keepdim=True), rows, deq).reshape(x.shape)
 
     def to_json(self) -> dict:
         return {"type": "outlier_int8", "threshold": self.threshold}

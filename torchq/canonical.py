@@ -166,6 +166,10 @@ class NestedScale:
         return NestedScale(fn(self.codes), fn(self.absmax), fn(self.offset))
 
 
+# dtypes a floating zero point may have (float64 has no kernel: every forward would fail)
+_ZERO_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @dataclass(frozen=True, eq=False)
 class PlainForm:
     """Unpacked codes + scale + zero point + spec: the lossless interchange form of all layouts.
@@ -214,6 +218,12 @@ class PlainForm:
                 raise TypeError(
                     f"zero_point: expected a {'floating' if want_float else 'integer'} dtype for "
                     f"zero_point_domain {spec.zero_point_domain.name}, got {self.zero_point.dtype}"
+                )
+            if want_float and self.zero_point.dtype not in _ZERO_FLOATS:
+                # the kernels reproduce (q - z) * s in fp32/bf16/fp16 arithmetic only
+                raise TypeError(
+                    f"zero_point: expected fp32, bf16 or fp16 for zero_point_domain FLOAT, got {self.zero_point.dtype} "
+                    f"(quantize with zero_point_dtype=torch.float32)"
                 )
         for name in ("scale", "zero_point"):
             t = getattr(self, name)

@@ -285,13 +285,17 @@ class _QuantizedLinearGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, impl):
-        ctx.save_for_backward(weight)
+        if torch.compiler.is_compiling():
+            ctx.save_for_backward(weight)
+        else:  # the packed data, not the wrapper: a saved wrapper blocks torch.utils.swap_tensors
+            ctx.weight_impl = weight.tensor_impl  # (module.to(dtype) while this graph is alive)
         return impl(x, weight, None)
 
     @staticmethod
     def backward(ctx, grad_y):
-        (weight,) = ctx.saved_tensors
-        return grad_y @ weight.dequantize(grad_y.dtype), None, None
+        impl = getattr(ctx, "weight_impl", None)
+        w = ctx.saved_tensors[0].dequantize(grad_y.dtype) if impl is None else impl.dequantize(grad_y.dtype)
+        return grad_y @ w, None, None
 
 
 def _run(impl: Impl, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:

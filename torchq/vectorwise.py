@@ -28,8 +28,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rows(A: torch.Tensor, what: str = "A") -> torch.Tensor:
-    if A.dim() < 1 or A.numel() == 0:
-        raise ValueError(f"{what}: expected a non-empty tensor with a last (feature) dimension, got shape {list(A.shape)}")
+    """``A`` as ``[rows, K]``; no rows (M = 0) is fine, K = 0 is not."""
+    if A.dim() < 1 or A.shape[-1] == 0:
+        raise ValueError(f"{what}: expected a tensor with a non-empty last (feature) dimension, got shape {list(A.shape)}")
     return A.reshape(-1, A.shape[-1])
 
 
