@@ -373,7 +373,9 @@ def reference_weight(rec: Any, parts: dict[str, torch.Tensor], name: str) -> Ref
         _require(dtype_named(p.get("dtype")) == t.dtype, f"{name}: {pname} dtype {p.get('dtype')!r} vs {t.dtype}")
         _require(dtype is None or t.dtype == dtype, f"{name}: {pname} must be {dtype}")
         crc = p.get("crc32")
-        _require(crc is None or crc == zlib.crc32(_raw(t)[2]), f"{name}: {pname} crc32")
+        _require(crc is not None and crc == zlib.crc32(_raw(t)[2]), f"{name}: {pname} crc32 (required)")
+        _require(t.is_contiguous() and t.storage_offset() == 0
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{name}: {pname} own storage")
     scale, zero = parts["scale"], parts.get("zero_point")
     _require(scale.is_floating_point(), f"{name}: scale dtype")
     _require(bool(torch.isfinite(scale.float()).all()), f"{name}: non-finite scale")
@@ -436,7 +438,7 @@ def assert_loaded_as_file_says(model: nn.Module, blob: bytes, target_state: dict
         entry, raw = floats[src], f.tensor(src)
         _require(isinstance(entry, dict) and entry.get("shape") == list(raw.shape)
                  and dtype_named(entry.get("dtype")) == raw.dtype, f"{src}: float entry")
-        _require(entry.get("crc32") is None or entry["crc32"] == zlib.crc32(_raw(raw)[2]), f"{src}: crc32")
+        _require(entry.get("crc32") is not None and entry["crc32"] == zlib.crc32(_raw(raw)[2]), f"{src}: crc32 (required)")
         assert not isinstance(t, AffineQuantizedTensor) and t.device.type == "cpu", name
         before = target_state[name]
         in_place = before["kind"] == "float"

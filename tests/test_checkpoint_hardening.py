@@ -7,16 +7,21 @@ from __future__ import annotations
 import base64
 import copyreg
 import io
+import json
 import lzma
+import math
+import os
 import subprocess
 import sys
+import threading
+import zlib
 
 import pytest
 import torch
 from torch import nn
 
 import torchq
-from torchq import AffineQuantizedTensor
+from torchq import AffineQuantizedTensor, CheckpointError
 from torchq.checkpoint import codec
 from torchq.layouts.int4_native import Int4NativeLayout
 
@@ -260,3 +265,149 @@ def test_checkpoint_written_before_the_change_still_loads():
     assert obj["enum"] is torchq.ZeroPointDomain.FLOAT and obj["mt"] is torchq.MappingType.SYMMETRIC
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(torch.nn.functional.linear(x, sd["2.weight"])).all()
+
+
+# -- item 2: memory bombs ---------------------------------------------------------------------------
+BOMB_CONFIGS = {
+    "int4": lambda: torchq.int4_weight_only(group_size=32),  # bitstream codes, float zero point
+    "int8wo": lambda: torchq.int8_weight_only(),  # byte codes
+    "nf4": lambda: torchq.nf4_weight_only(block_size=64),  # double-quantized scale parts
+}
+
+
+def _expected_shapes(record: dict, n: int, k: int) -> dict[str, tuple[int, ...]]:
+    from torchq.bitpack import packed_width
+    from torchq.canonical import QuantSpec
+    from torchq.primitives import scale_shape
+
+    spec = QuantSpec.from_json(record["spec"])
+    grid = scale_shape((n, k), spec.block_size)
+    codes = (n, packed_width(k, spec.bits)) if record["codes_encoding"] == "bitstream" else (n, k)
+    shapes = {"codes": codes, "scale": grid, "zero_point": grid, "scale_codes": grid,
+              "scale_absmax": (-(-(grid[0] * grid[1]) // 256),), "scale_offset": ()}
+    return {p: shapes[p] for p in record["parts"]}
+
+
+def rebuild_args(cfg: str, n: int = 16384, k: int = 16384, *, part_kind: str = "expand",
+                 crc: str = "null") -> tuple:
+    """Arguments of ``torchq._rebuild_quantized_tensor`` for a weight claiming ``[n, k]``.
+
+    ``part_kind``: ``expand`` (stride-0 views of one element), ``slice`` (contiguous views at an
+    offset into a larger storage), ``real`` (contiguous tensors of their own, zero-filled);
+    ``crc``: ``null`` or ``real`` (each part's true CRC)."""
+    m = nn.Linear(64, 8).to(torch.bfloat16)
+    torchq.quantize_(m, BOMB_CONFIGS[cfg]())
+    record, small = codec.encode(m.weight)
+    record["shape"] = [n, k]
+    parts = {}
+    for p, shape in _expected_shapes(record, n, k).items():
+        seed = small[p].reshape(-1)[:1]
+        if part_kind == "expand":
+            t = seed.reshape([1] * len(shape)).expand(*shape) if shape else seed.reshape(())
+        elif part_kind == "slice":
+            t = torch.cat([seed.repeat(8), torch.zeros(math.prod(shape), dtype=seed.dtype)])[8:].view(shape)
+        else:
+            t = torch.zeros(shape, dtype=seed.dtype)
+            if p == "scale" or p == "scale_absmax":
+                t.fill_(0.5)
+        parts[p] = t
+        record["parts"][p] = {"dtype": codec.dtype_name(t.dtype), "shape": list(shape),
+                              "crc32": codec.tensor_crc32(t) if crc == "real" else None}
+    text = codec.dumps(record)
+    return (codec.FORMAT_VERSION, text, zlib.crc32(text.encode()), parts, False)
+
+
+def bomb_file(cfg: str, n: int = 16384, k: int = 16384, **kw) -> bytes:
+    return saved(Reduce(torchq._rebuild_quantized_tensor, rebuild_args(cfg, n, k, **kw)))
+
+
+@pytest.mark.parametrize("cfg", BOMB_CONFIGS)
+@pytest.mark.parametrize("n, k", [(16384, 16384), (10**6, 10**5)])
+def test_expanded_parts_are_refused(cfg, n, k):
+    """A 3 KB pickle whose parts are stride-0 views claiming a 16384x16384 weight grew the
+    process by 1.3 GB; a larger claim ended in an allocator RuntimeError."""
+    blob = bomb_file(cfg, n, k)
+    assert len(blob) < 8000
+    with pytest.raises(CheckpointError, match=r"part '\w+': expected a contiguous tensor .* strides \[0"):
+        load(blob)
+
+
+@pytest.mark.parametrize("cfg", BOMB_CONFIGS)
+def test_parts_inside_a_larger_storage_are_refused(cfg):
+    with pytest.raises(CheckpointError, match=r"storage offset 8|storage holds \d+ bytes"):
+        load(bomb_file(cfg, 64, 64, part_kind="slice", crc="real"))
+
+
+@pytest.mark.parametrize("cfg", BOMB_CONFIGS)
+def test_a_part_without_crc_is_refused(cfg):
+    with pytest.raises(CheckpointError, match="has no crc32 in its record; torchq requires one"):
+        load(bomb_file(cfg, 64, 64, part_kind="real", crc="null"))
+    w = load(bomb_file(cfg, 64, 64, part_kind="real", crc="real"))  # the same with CRCs loads
+    assert isinstance(w, AffineQuantizedTensor) and w.shape == (64, 64)
+
+
+@pytest.mark.parametrize("shape", [[2**40, 2**40], [2**62, 2], [1, 2**63]])
+def test_huge_shape_claims_are_refused(shape):
+    args = list(rebuild_args("int8wo", 64, 64, part_kind="real", crc="real"))
+    record = json.loads(args[1])
+    record["shape"] = shape
+    args[1] = codec.dumps(record)
+    args[2] = zlib.crc32(args[1].encode())
+    with pytest.raises(CheckpointError, match=r"more than 2\*\*48 elements"):
+        torchq._rebuild_quantized_tensor(*args)
+
+
+def test_shape_claim_not_matching_the_parts_is_refused():
+    args = list(rebuild_args("int4", 64, 64, part_kind="real", crc="real"))
+    record = json.loads(args[1])
+    record["shape"] = [64, 128]  # parts are for 64x64
+    args[1] = codec.dumps(record)
+    args[2] = zlib.crc32(args[1].encode())
+    with pytest.raises(CheckpointError, match=r"part 'codes' has shape \[64, 32\].*needs \[64, 64\]"):
+        torchq._rebuild_quantized_tensor(*args)
+
+
+_MEASURE = """
+import resource, sys, torch, torchq, torchq.cli
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for f in sys.argv[1:]:
+    try:
+        torch.load(f, weights_only=True)
+    except torchq.CheckpointError:
+        pass
+    else:
+        raise SystemExit(f"{f} loaded")
+print("base_kb", base, "growth_kb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+"""
+
+
+def test_bombs_stay_within_bounded_memory(tmp_path):
+    """Peak RSS of a fresh process loading every bomb grows by less than 50 MB (it grew by 1.3 GB
+    per 16384x16384 claim); ``python -m torchq inspect`` of one exits 1 with one line, its peak
+    RSS within 100 MB of a process that only imported torchq."""
+    files = []
+    for cfg in BOMB_CONFIGS:
+        for n, k in [(16384, 16384), (10**6, 10**5)]:
+            f = tmp_path / f"{cfg}-{n}.pt"
+            f.write_bytes(bomb_file(cfg, n, k))
+            files.append(str(f))
+    r = subprocess.run([sys.executable, "-c", _MEASURE, *files], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _, base_kb, _, growth_kb = r.stdout.split()
+    assert int(growth_kb) / 1024 < 50, growth_kb
+
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "torchq", "inspect", files[0]], stdout=subprocess.DEVNULL, stderr=err)
+        killer = threading.Timer(120, p.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)  # this child's own peak RSS
+        finally:
+            killer.cancel()
+        p.returncode = os.waitstatus_to_exitcode(status)
+    lines = err_file.read_text().strip().splitlines()
+    assert p.returncode == 1, lines
+    assert len(lines) == 1 and lines[0].startswith("torchq inspect: error:"), lines
+    assert "CheckpointError" in lines[0] and "expected a contiguous tensor" in lines[0], lines
+    assert (usage.ru_maxrss - int(base_kb)) / 1024 < 100, (usage.ru_maxrss, base_kb)

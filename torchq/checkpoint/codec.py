@@ -28,8 +28,14 @@ scale entries:
 * ``scale``: ``G`` floats of the scale dtype; ``zero_point``: ``G`` entries, integer (INT domain)
   or float (FLOAT domain).
 
-``crc32`` is zlib's CRC-32 of each part's bytes (little-endian, row-major); loading verifies it,
-so a flipped bit anywhere in the codes or scales is an error rather than a wrong weight.
+``crc32`` is zlib's CRC-32 of each part's bytes (little-endian, row-major); it is required (null
+only for a part saved without data, on the ``meta`` device) and loading verifies it, so a flipped
+bit anywhere in the codes or scales is an error rather than a wrong weight.
+
+Loading trusts no size a file claims: every part must be a contiguous tensor whose storage holds
+exactly its bytes (no expanded or strided views: a few stored bytes cannot stand for a large part)
+and whose shape is what the record's weight shape implies, all checked before anything is
+allocated in proportion to the weight; so memory use is bounded by the bytes actually present.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ FORMAT = "torchq.aqt"
 FORMAT_VERSION = 1
 LayoutPolicy = str | Layout  # "saved", "auto", or a Layout instance
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MAX_NUMEL = 2**48  # a weight claiming more elements is refused before any arithmetic on it
 
 
 class CheckpointError(ValueError):
@@ -111,6 +118,22 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     if _has_data(t) and (t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         t = t.clone()
     return t
+
+
+def check_own_storage(t: torch.Tensor, what: str) -> None:
+    """A loaded tensor must be contiguous and its storage hold exactly its bytes: an expanded or
+    strided view lets a few stored bytes claim a large tensor (then every copy of it is large)."""
+    nbytes = t.numel() * t.element_size()
+    if not t.is_contiguous() or t.storage_offset() != 0:
+        raise CheckpointError(
+            f"{what}: expected a contiguous tensor that starts its storage, got strides {list(t.stride())} "
+            f"and storage offset {t.storage_offset()} for shape {list(t.shape)}"
+        )
+    if t.untyped_storage().nbytes() != nbytes:
+        raise CheckpointError(
+            f"{what}: its storage holds {t.untyped_storage().nbytes()} bytes, but shape {list(t.shape)} of "
+            f"{t.dtype} needs exactly {nbytes}"
+        )
 
 
 def part_record(t: torch.Tensor, checksum: bool) -> dict:
@@ -174,6 +197,8 @@ class ParsedRecord:
             shape = record["shape"]
             if not (isinstance(shape, list) and len(shape) == 2 and all(_is_pos_int(s) for s in shape)):
                 raise CheckpointError(f"{where}: shape must be two positive ints, got {shape!r}")
+            if shape[0] * shape[1] > MAX_NUMEL:
+                raise CheckpointError(f"{where}: shape {shape!r} has more than 2**48 elements")
             self.shape: tuple[int, int] = (shape[0], shape[1])
             self.dtype = dtype_from_name(record["dtype"], f"{where}: dtype")
             if self.dtype not in _FLOAT_DTYPES:
@@ -322,6 +347,9 @@ def check_part(rec: ParsedRecord, pname: str, t: Any, name: str, verify: bool) -
         raise CheckpointError(
             f"{where}: part {pname!r} is {t.dtype} {list(t.shape)}, but its record says {dtype} {list(shape)}"
         )
+    check_own_storage(t, f"{where}: part {pname!r}")
+    if crc is None and _has_data(t):
+        raise CheckpointError(f"{where}: part {pname!r} has no crc32 in its record; torchq requires one")
     if verify and crc is not None and _has_data(t):
         actual = tensor_crc32(t)
         if actual != crc:

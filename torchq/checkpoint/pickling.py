@@ -43,6 +43,8 @@ PINNED_MODULE = "torchq"
 
 def _rebuild_quantized_tensor(format_version: int, record_json: str, record_crc32: int, parts: dict, is_param: bool = False):
     codec.check_version(format_version, codec.FORMAT_VERSION, "quantized tensor: pickle format")
+    if not isinstance(is_param, bool):
+        raise codec.CheckpointError(f"quantized tensor: is_param must be true/false, got {type(is_param).__name__}")
     if not isinstance(record_json, str) or zlib.crc32(record_json.encode()) != record_crc32:
         raise codec.CheckpointError("quantized tensor: its metadata record is corrupted (crc32 mismatch)")
     record = codec.loads(record_json, "quantized tensor record")
