@@ -1,6 +1,7 @@
 """quantize_: selection, per-layer configs, atomicity, device placement, visible skips."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -357,3 +358,21 @@ def test_safetensors_cannot_write_a_quantized_weight_and_says_what_to_use(tmp_pa
     torchq.quantize_(m, torchq.int8_weight_only())
     with pytest.raises(TypeError, match=r"'0' is a quantized weight.*torchq\.save_quantized"):
         save_file({"w": m[0].weight}, str(tmp_path / "w.safetensors"))
+
+
+def test_already_quantized_layers_are_reported_only_when_the_config_asks_for_them():
+    m = mlp()
+    torchq.quantize_(m, torchq.int8_weight_only(), filter_fn=lambda mod, name: name == "3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchq.quantize_(m, {"0": torchq.int8_weight_only()})  # '3' is not asked for: nothing to say
+    with pytest.warns(torchq.SkippedLayerWarning, match=r"already quantized.*'3'"):
+        torchq.quantize_(m, {"3": torchq.int4_weight_only(group_size=32)})
+
+
+def test_tied_weights_with_device_stay_tied():
+    m = tied()
+    with pytest.warns(torchq.TiedWeightWarning):
+        torchq.quantize_(m, torchq.int8_weight_only(), device="meta")
+    assert m.emb.weight is m.head.weight and m.a.weight is m.b.weight and m.head.weight.device.type == "meta"
+    assert m.a.bias.device.type == "meta"

@@ -190,12 +190,13 @@ def quantize_(
             already.append(name)
         elif picked:
             selected.append((name, mod))
+    resolve = _resolver(config, [n for n, _ in selected] + already)
+    already = [n for n in already if resolve(n) not in (None, _UNSET)]
     if already:
         _skip(
             f"quantize_: skipped {len(already)} layer(s) that are already quantized (re-quantizing needs "
             f"the float weights): {_fmt(already)}"
         )
-    resolve = _resolver(config, [n for n, _ in selected])
     device = None if device is None else torch.device(device)
     slots = _slots(model)
 
