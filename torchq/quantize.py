@@ -26,7 +26,8 @@ class QuantizationError(RuntimeError):
 
 
 class SkippedLayerWarning(UserWarning):
-    """A selected layer could not take its config and was left in float."""
+    """A selected layer was left as it was: it could not take its config, its weight is computed by a
+    parametrization or is not a registered tensor, or it is already quantized."""
 
 
 class TiedWeightWarning(UserWarning):
