@@ -142,6 +142,7 @@ def test_half_outputs_are_the_fp32_result_rounded_once(cfg, dtype):
         half = lin(x)
         lin32 = copy.deepcopy(lin)
         lin32.weight = torch.nn.Parameter(lin.weight.to(torch.float32), requires_grad=False)
+        lin32.bias = torch.nn.Parameter(lin.bias.to(torch.float32))  # exact; a bias must match x's dtype, as in F.linear
         full = lin32(x.to(torch.float32))
     assert same_values(half, full.to(dtype))
 

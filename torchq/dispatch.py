@@ -46,6 +46,7 @@ __all__ = [
     "is_strict",
     "add_selection_state",
     "clear_kernel_cache",
+    "check_op_devices",
 ]
 
 Condition = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "bool | str | None"]
@@ -211,8 +212,31 @@ def _validate(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> None:
         raise ValueError(f"layer {name!r}: input's last dimension must be in_features={k}, got input shape {tuple(x.shape)}")
     if x.device != weight.device:
         raise ValueError(f"layer {name!r}: input is on {x.device} but the weight is on {weight.device}")
-    if bias is not None and tuple(bias.shape) != (n,):
+    if bias is not None:
+        _validate_bias(name, x, n, bias)
+
+
+def _validate_bias(name: str, x: torch.Tensor, n: int, bias: Any) -> None:
+    """The bias checks float ``F.linear`` makes (device, dtype) and the shape ``(N,)``: every
+    kernel relies on them (a meta bias would read as "no bias" in C)."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"layer {name!r}: bias: expected a tensor or None, got {type(bias).__name__}")
+    if bias.device != x.device:
+        raise ValueError(f"layer {name!r}: bias: expected device {x.device} (the input's), got {bias.device}")
+    # as float F.linear: the input's dtype (under autocast, any floating dtype: it is cast)
+    if bias.dtype != x.dtype and not (bias.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+        raise TypeError(f"layer {name!r}: bias: expected dtype {x.dtype} (the input's), got {bias.dtype}")
+    if tuple(bias.shape) != (n,):
         raise ValueError(f"layer {name!r}: bias must have shape ({n},), got {tuple(bias.shape)}")
+
+
+def check_op_devices(op: str, x: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """For a custom op's fake kernel: raise unless every tensor argument is on ``x``'s device.
+    An eager call with a meta argument among CPU ones (a meta bias, say) dispatches to the fake
+    kernel, whose uninitialized output would otherwise come back as the result."""
+    for name, t in tensors.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"torchq::{op}: {name}: expected device {x.device} (x's), got {t.device}")
 
 
 def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:

@@ -22,15 +22,24 @@ import torch.nn.functional as F
 
 from . import native
 from .activation import PerTokenInt8
+from .dispatch import check_op_devices
 from .prefill import tile_dtype, tiled_linear, use_tiles
 
 __all__ = [
     "int8_weight_linear", "int8_dynamic_linear", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu", "weight_linear_cpu",
     "dynamic_linear_cpu",
     "dynamic_native",
+    "weight_args",
 ]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def weight_args(codes: torch.Tensor, scale: torch.Tensor, n: int, k: int, op: str) -> tuple[int, int, int]:
+    """``(codes, N, scale)``: the weight's C arguments of ``tq_int8_linear`` /
+    ``tq_int8_dynamic_linear`` for an ``[n, k]`` weight, each buffer checked to hold what the
+    kernel reads (contiguous int8 codes ``[n, k]``, fp32 scales ``[n]``, on the CPU)."""
+    return native.checked_ptr("codes", codes, torch.int8, n * k, op), n, native.checked_ptr("scale", scale, torch.float32, n, op)
 
 
 def _check_weight(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -60,6 +69,7 @@ def int8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
 
 @int8_weight_linear.register_fake
 def _(x, codes, scale, bias=None):
+    check_op_devices("int8_weight_linear", x, codes=codes, scale=scale, bias=bias)
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
@@ -81,17 +91,18 @@ def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     m = x.numel() // k
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
+    weight = weight_args(codes, scale, n, k, "int8_weight_linear")
     if use_tiles(m, x.dtype):
-        b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
+        b = native.checked_bias(bias, n, "int8_weight_linear")
 
         def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
-            status = lib.tq_int8_dequantize(codes.data_ptr(), n, k, scale.data_ptr(), n0, n1, w.data_ptr(),
-                                            int(w.dtype == torch.bfloat16), native.threads())
+            out, bf16 = native.checked_tile(w, n1 - n0, k, "int8 dequantize")
+            status = lib.tq_int8_dequantize(weight[0], n, k, weight[2], n0, n1, out, bf16, native.threads())
             native.check(status, "int8 dequantize")
 
         out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
-    return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, n, (codes.data_ptr(), n, scale.data_ptr()), bias)
+    return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, n, weight, bias)
 
 
 def _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias) -> None:
@@ -123,6 +134,7 @@ def int8_dynamic_linear(
 
 @int8_dynamic_linear.register_fake
 def _(x, codes, scale, quant_min, quant_max, eps, bias=None):
+    check_op_devices("int8_dynamic_linear", x, codes=codes, scale=scale, bias=bias)
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
@@ -148,11 +160,13 @@ def dynamic_linear_cpu(x, codes, scale, quant_min: int, quant_max: int, eps: flo
     n, k = codes.shape
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
-    weight = (codes.data_ptr(), n, scale.data_ptr(), (quant_max - quant_min) / 2, eps, quant_min, quant_max)
+    weight = (*weight_args(codes, scale, n, k, "int8_dynamic_linear"), (quant_max - quant_min) / 2, eps, quant_min, quant_max)
     return dynamic_native(lib, x, k, n, weight, bias)
 
 
 def dynamic_native(lib, x: torch.Tensor, k: int, n: int, weight: tuple, bias: torch.Tensor | None) -> torch.Tensor:
-    """``tq_int8_dynamic_linear`` with the weight's C arguments ``(codes, N, scale, denom, eps, qmin, qmax)``."""
+    """``tq_int8_dynamic_linear`` with the weight's C arguments ``(codes, N, scale, denom, eps, qmin, qmax)``
+    (the first three from :func:`weight_args`)."""
+    native.check_bias(bias, n, "int8_dynamic_linear")
     y = native.run_linear(lib.tq_int8_dynamic_linear, "int8_dynamic_linear", x, k, n, weight, None, takes_bias=False)
     return y if bias is None else y + bias.to(x.dtype)  # the reference adds the bias after rounding to x's dtype

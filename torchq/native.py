@@ -31,7 +31,10 @@ import torch
 from torchq import dispatch
 from torchq.identity_cache import IdentityCache
 
-__all__ = ["NativeMissingWarning", "NativeStatus", "available", "disabled", "library", "set_isa", "status", "threads"]
+__all__ = [
+    "NativeMissingWarning", "NativeStatus", "available", "check_bias", "checked_bias", "checked_ptr", "checked_tile", "disabled", "library",
+    "set_isa", "status", "threads",
+]
 
 ABI_VERSION = 3
 ISA_NAMES = ("scalar", "avx2", "avx512")
@@ -198,18 +201,88 @@ def eager_cpu(x: torch.Tensor) -> bool:
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def checked_ptr(name: str, t: torch.Tensor | None, dtype: torch.dtype, numel: int, op: str = "native call") -> int | None:
+    """``t``'s data pointer (None for None) once it is safe for C code to access ``numel``
+    elements of ``dtype`` there: a contiguous CPU tensor of exactly that dtype and number of
+    elements, all inside its storage. Every pointer torchq hands to the library comes from here
+    (or from a tensor allocated for the call), so a tensor whose metadata claims more bytes than
+    it holds raises a ValueError naming ``name`` instead of letting C read foreign memory."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"torchq {op}: {name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype != dtype or not t.is_cpu or t.numel() != numel or not t.is_contiguous():  # the decode path: keep it lean
+        raise ValueError(
+            f"torchq {op}: {name}: expected a contiguous CPU {dtype} tensor of {numel} elements, got "
+            f"{'contiguous' if t.is_contiguous() else 'non-contiguous'} {t.dtype} {list(t.shape)} on {t.device}"
+        )
+    try:
+        held = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError) as e:
+        raise ValueError(f"torchq {op}: {name}: expected a tensor with storage, got {type(t).__name__} ({e})") from None
+    if (t.storage_offset() + numel) * t.element_size() > held:
+        raise ValueError(f"torchq {op}: {name}: its storage holds {held} bytes, the call reads "
+                         f"{(t.storage_offset() + numel) * t.element_size()} (offset {t.storage_offset()} + {numel} "
+                         f"elements of {t.element_size()} bytes)")
+    return t.data_ptr()
+
+
+def check_bias(bias: torch.Tensor | None, n: int, op: str) -> None:
+    """Raise ValueError unless ``bias`` is None or a floating-point CPU tensor of ``n`` elements
+    (a meta bias's null pointer would read as "no bias" in C)."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.is_cpu or not bias.is_floating_point() or bias.numel() != n:
+        got = f"{bias.dtype} {list(bias.shape)} on {bias.device}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"torchq {op}: bias: expected a floating-point CPU tensor of {n} elements, got {got}")
+
+
+def checked_bias(bias: torch.Tensor | None, n: int, op: str) -> torch.Tensor | None:
+    """``bias`` as the contiguous fp32 ``[N]`` CPU tensor the kernels read (None for None),
+    checked with :func:`checked_ptr` (a meta bias, whose null pointer would read as "no bias"
+    in C, raises)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor):
+        check_bias(bias, n, op)  # raises, naming what was given
+    b = bias if bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous() else bias.reshape(-1).to(torch.float32).contiguous()
+    checked_ptr("bias", b, torch.float32, n, op)
+    return b
+
+
+def checked_tile(w: torch.Tensor, rows: int, cols: int, op: str) -> tuple[int, int]:
+    """``(pointer, bf16 flag)`` of a dequantization tile: the library writes ``rows x cols``
+    fp32 (flag 0) or bf16 (flag 1) values there."""
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"torchq {op}: tile: expected fp32 or bf16, got {w.dtype}")
+    return checked_ptr("tile", w, w.dtype, rows * cols, op), int(w.dtype == torch.bfloat16)
+
+
 def run_linear(fn: Callable[..., int], op: str, x: torch.Tensor, k: int, n: int, weight: tuple, bias: torch.Tensor | None,
                takes_bias: bool = True) -> torch.Tensor:
     """``x [..., K] @ W.T (+ bias)`` through an exported linear ``fn(x, dtype, M, K, *weight,
     [bias,] out, threads)``: x is read and the output written in x's dtype by the library, so
-    the only tensor op here is the output allocation (and a copy for a non-contiguous x)."""
-    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
-    if takes_bias:
-        b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()  # referenced until fn returns
-        status = fn(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, *weight, ptr(b), out.data_ptr(), threads())
+    the only tensor op here is the output allocation (and a copy for a non-contiguous x).
+
+    ``weight`` must come from a builder that checked every buffer against ``n`` and ``k`` with
+    :func:`checked_ptr`; x and bias are checked here, on every call."""
+    code = DTYPE_CODES.get(x.dtype)
+    if code is None:
+        raise TypeError(f"torchq {op}: x: expected fp32, bf16 or fp16, got {x.dtype}")
+    if x.dim() == 2 and x.is_contiguous():
+        rows = x
+    elif x.dim() and x.shape[-1] == k:
+        rows = x.reshape(-1, k).contiguous()
     else:
-        status = fn(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, *weight, out.data_ptr(), threads())
+        raise ValueError(f"torchq {op}: x: expected last dimension K={k}, got shape {list(x.shape)}")
+    m = rows.shape[0]
+    xp = checked_ptr("x", rows, x.dtype, m * k, op)  # also checks K for a 2-D x (m * K elements)
+    out = torch.empty(m, n, dtype=x.dtype)
+    if takes_bias:
+        b = checked_bias(bias, n, op)  # referenced until fn returns
+        status = fn(xp, code, m, k, *weight, ptr(b), out.data_ptr(), threads())
+    else:
+        status = fn(xp, code, m, k, *weight, out.data_ptr(), threads())
     check(status, op)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
 
@@ -226,12 +299,18 @@ def weight_args(owner: object, build: Callable[[object], tuple | None]) -> tuple
     never re-allocated; ``copy_`` into a quantized weight writes in place). A copy of the owner
     (deepcopy, ``.to``) is a new object and builds its own. ``build`` returns None when the
     arguments cannot be taken in place (a non-contiguous tensor, scales of another dtype); that
-    is not remembered, and the caller takes its general path."""
-    args = _ARGS.get(owner)
-    if args is None:
-        args = build(owner)
-        if args is not None:
-            _ARGS.set(owner, args)
+    is not remembered, and the caller takes its general path. ``build`` checks every buffer
+    with :func:`checked_ptr` against the sizes it passes (once per owner: the pointers, and the
+    checks, are then reused)."""
+    entry = _ARGS.get(owner)
+    shape = getattr(owner, "shape", None)
+    if entry is not None and entry[0] == shape:
+        return entry[1]
+    args = build(owner)
+    if args is not None:
+        # Built for this shape only (callers size x and the output from owner.shape), and holding
+        # every attribute the pointers may point into: reassigning one cannot leave them dangling.
+        _ARGS.set(owner, (shape, args, tuple(vars(owner).values())))
     return args
 
 

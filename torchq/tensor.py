@@ -60,6 +60,9 @@ class AffineQuantizedTensor(torch.Tensor):
         label: str | None = None,
         config: Any = None,
     ):
+        if not isinstance(tensor_impl, TensorImpl):
+            raise TypeError(f"tensor_impl: expected a torchq TensorImpl, got {type(tensor_impl).__name__}")
+        tensor_impl.validate()  # also when the impl was not built by its constructor (a pickle)
         n, k = tensor_impl.shape
         shape, strides = ((k, n), (1, k)) if transposed else ((n, k), (k, 1))
         r = torch.Tensor._make_wrapper_subclass(

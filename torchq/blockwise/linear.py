@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import native
+from ..dispatch import check_op_devices
 from ..prefill import tile_dtype, tiled_linear, use_tiles
 from .codebooks import codebook, dynamic_map
 from .nested import NESTED_BLOCKSIZE, double_dequantize
@@ -99,16 +100,31 @@ def blockwise_4bit_linear(
 
 @blockwise_4bit_linear.register_fake
 def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
+    check_op_devices("blockwise_4bit_linear", x, packed=packed, absmax=absmax, nested_codes=nested_codes,
+                     nested_absmax=nested_absmax, nested_offset=nested_offset, bias=bias)
     return x.new_empty((*x.shape[:-1], shape[0]))
 
 
-def weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, blocksize: int) -> tuple:
-    """The weight's C arguments of ``tq_blockwise4bit_linear`` (``packed`` to ``nested_map``), from
-    contiguous tensors; ``table`` is the 16-entry codebook."""
+def weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> tuple:
+    """The weight's C arguments of ``tq_blockwise4bit_linear`` (``packed`` to ``nested_map``) for an
+    ``[n, k]`` weight, from contiguous CPU tensors, each checked to hold what the kernel reads;
+    ``table`` is the 16-entry codebook."""
+    op = "blockwise_4bit_linear"
+    check_blocksize(blocksize)
+    if k % blocksize:
+        raise ValueError(f"torchq {op}: K={k} must be a multiple of blocksize {blocksize}")
     nested = nested_codes is not None
+    if nested == (absmax is not None) or (nested and (nested_absmax is None or nested_offset is None)):
+        raise ValueError(f"torchq {op}: absmax, nested_*: pass exactly one of absmax and the three nested tensors")
+    groups = n * k // blocksize
+    chk = native.checked_ptr
+    if nested:
+        chk("nested_offset", nested_offset, torch.float32, 1, op)
     return (
-        packed.data_ptr(), n, blocksize, table.data_ptr(), native.ptr(absmax), native.ptr(nested_codes),
-        native.ptr(nested_absmax), float(nested_offset) if nested else 0.0, _DYNAMIC.data_ptr() if nested else None,
+        chk("packed", packed, torch.uint8, n * k // 2, op), n, blocksize, chk("codebook", table, torch.float32, 16, op),
+        chk("absmax", absmax, torch.float32, groups, op), chk("nested_codes", nested_codes, torch.uint8, groups, op),
+        chk("nested_absmax", nested_absmax, torch.float32, -(-groups // NESTED_BLOCKSIZE), op),
+        float(nested_offset) if nested else 0.0, chk("nested_map", _DYNAMIC, torch.float32, 256, op) if nested else None,
     )
 
 
@@ -120,17 +136,18 @@ def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, n
     absmax = None if absmax is None else absmax.contiguous()
     nested_codes = None if nested_codes is None else nested_codes.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    weight = weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, blocksize)
+    weight = weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
     m = x.numel() // k
     if not use_tiles(m, x.dtype):
         return native.run_linear(lib.tq_blockwise4bit_linear, "blockwise_4bit_linear", x, k, n, weight, bias)
     dequant_args = (weight[0], n, k, *weight[2:])
 
     def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
-        status = lib.tq_blockwise4bit_dequantize(*dequant_args, n0, n1, w.data_ptr(), int(w.dtype == torch.bfloat16), native.threads())
+        out, bf16 = native.checked_tile(w, n1 - n0, k, "blockwise_4bit dequantize")
+        status = lib.tq_blockwise4bit_dequantize(*dequant_args, n0, n1, out, bf16, native.threads())
         native.check(status, "blockwise_4bit dequantize")
 
-    b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
+    b = native.checked_bias(bias, n, "blockwise_4bit_linear")
     out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 

@@ -16,8 +16,12 @@ from typing import Any, ClassVar
 import torch
 
 from ..canonical import PlainForm, QuantSpec
+from ..primitives import ZeroPointDomain, scale_shape
 
-__all__ = ["Layout", "TensorImpl", "layout_from_json", "registered_layouts", "choose_layout", "layout_rejections"]
+__all__ = [
+    "Layout", "TensorImpl", "Buffer", "FLOATING", "INTEGER", "layout_from_json", "registered_layouts", "choose_layout",
+    "layout_rejections", "plain_buffers", "zero_dtype_rejects",
+]
 
 _LAYOUTS: dict[str, type[Layout]] = {}
 
@@ -142,6 +146,81 @@ def choose_layout(spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> L
     return best
 
 
+# Dtype kinds a Buffer may name instead of dtypes.
+FLOATING = "floating point"
+INTEGER = "integer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """What one inner tensor of a :class:`TensorImpl` must be: exactly ``shape``, a dtype in
+    ``dtype`` (one dtype, a tuple of them, or the kinds :data:`FLOATING` / :data:`INTEGER`),
+    and contiguous if ``contiguous``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | tuple[torch.dtype, ...] | str
+    contiguous: bool = False
+
+    def accepts_dtype(self, dtype: torch.dtype) -> bool:
+        if self.dtype == FLOATING:
+            return dtype.is_floating_point
+        if self.dtype == INTEGER:
+            return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+        return dtype in self.dtype if isinstance(self.dtype, tuple) else dtype == self.dtype
+
+    def describe(self) -> str:
+        if isinstance(self.dtype, tuple):
+            kind = "/".join(str(d).removeprefix("torch.") for d in self.dtype)
+        else:
+            kind = str(self.dtype).removeprefix("torch.")
+        return f"{'contiguous ' if self.contiguous else ''}{kind} {list(self.shape)}"
+
+
+def plain_buffers(spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, Buffer | None]:
+    """``scale`` and ``zero_point`` as a :class:`~torchq.canonical.PlainForm` holds them for
+    ``spec`` and ``shape`` (for layouts that store them unchanged)."""
+    grid = scale_shape(shape, spec.block_size)
+    domain = spec.zero_point_domain
+    zero = None
+    if domain is not ZeroPointDomain.NONE:
+        zero = Buffer(grid, FLOATING if domain is ZeroPointDomain.FLOAT else INTEGER)
+    return {"scale": Buffer(grid, torch.float32 if spec.codebook is not None else FLOATING), "zero_point": zero}
+
+
+def zero_dtype_rejects(spec: QuantSpec, zero_dtype: Any) -> str | None:
+    """Why ``zero_dtype`` (a layout's remembered zero-point dtype) does not fit ``spec``'s
+    zero-point domain: None for NONE, a floating dtype for FLOAT, an integer one for INT."""
+    domain = spec.zero_point_domain
+    if domain is ZeroPointDomain.NONE:
+        ok = zero_dtype is None
+    elif isinstance(zero_dtype, torch.dtype):
+        ok = zero_dtype.is_floating_point if domain is ZeroPointDomain.FLOAT else Buffer((), INTEGER).accepts_dtype(zero_dtype)
+    else:
+        ok = False
+    if ok:
+        return None
+    want = {ZeroPointDomain.NONE: "None", ZeroPointDomain.FLOAT: "a floating dtype", ZeroPointDomain.INT: "an integer dtype"}[domain]
+    return f"zero_dtype: expected {want} for zero_point_domain {domain.name}, got {zero_dtype!r}"
+
+
+def _check_storage(what: str, t: torch.Tensor) -> None:
+    """Raise unless ``t``'s storage holds every element its shape and strides address (plain
+    tensors with real storage only: meta, fake and traced tensors are left to their shapes)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta" or t.numel() == 0:
+        return
+    if torch.compiler.is_compiling():
+        return
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    need = (last + 1) * t.element_size()
+    held = t.untyped_storage().nbytes()
+    if held < need:
+        raise ValueError(f"{what}: its storage holds {held} bytes, its shape and strides address {need}: {_describe_tensor(t)}")
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} strides {list(t.stride())} on {t.device}"
+
+
 class TensorImpl:
     """Holds one quantized weight's tensors in one layout.
 
@@ -149,6 +228,10 @@ class TensorImpl:
     ``attr_fields`` (hashable non-tensor attributes beyond ``layout``, ``spec``, ``shape``);
     the constructor, flattening, ``map`` (detach / clone / to) and equality of metadata derive
     from these declarations. ``shape`` is the logical ``[N, K]`` weight shape.
+
+    Every construction runs :meth:`validate`: the tensors must be what :meth:`expected_tensors`
+    derives from the metadata (exact shapes and dtypes), so no kernel is handed a buffer smaller
+    than the weight's metadata claims.
     """
 
     tensor_fields: ClassVar[tuple[str, ...]] = ()
@@ -163,6 +246,65 @@ class TensorImpl:
             raise TypeError(f"{type(self).__name__}: expected fields {sorted(expected)}, got {sorted(fields)}")
         for k, v in fields.items():
             setattr(self, k, v)
+        self.validate()
+
+    # -- validation ----------------------------------------------------------------------------
+    def expected_tensors(self) -> dict[str, Buffer | None] | None:
+        """What each inner tensor must be, derived from the metadata alone (layout, spec, shape,
+        attrs): a :class:`Buffer`, or None where the tensor must be absent. May raise ValueError
+        when the metadata itself is inconsistent. None (the default, for layouts that declare
+        nothing): only the generic checks of :meth:`validate` run."""
+        return None
+
+    def validate(self) -> None:
+        """Raise ValueError/TypeError unless the metadata is well-formed and every inner tensor
+        is exactly what :meth:`expected_tensors` says: present or absent, shape, dtype,
+        contiguity, one device for all, no expanded (stride-0) dimensions. Reads no data, so
+        meta and fake tensors are checked too."""
+        name = type(self).__name__
+        layout = getattr(self, "layout", None)
+        if not isinstance(layout, Layout):
+            raise TypeError(f"{name}: layout: expected a torchq Layout, got {type(layout).__name__}")
+        if not isinstance(self, layout.impl_class):
+            raise TypeError(f"{name}: layout {layout!r} holds {layout.impl_class.__name__} tensors, not {name}")
+        if not isinstance(getattr(self, "spec", None), QuantSpec):
+            raise TypeError(f"{name}: spec: expected a QuantSpec, got {type(getattr(self, 'spec', None)).__name__}")
+        shape = getattr(self, "shape", None)
+        if (not isinstance(shape, tuple) or len(shape) != len(self.spec.block_size)
+                or not all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise ValueError(f"{name}: shape: expected {len(self.spec.block_size)} non-negative ints, got {shape!r}")
+        present = []
+        for f in self.tensor_fields:
+            t = getattr(self, f, None)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: {f}: expected a tensor or None, got {type(t).__name__}")
+            if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+                raise ValueError(f"{name}: {f}: expected a tensor that holds each of its elements, got an expanded "
+                                 f"(stride 0) view: {_describe_tensor(t)}")
+            _check_storage(f"{name}: {f}", t)
+            present.append((f, t))
+        if not present:
+            raise ValueError(f"{name}: expected at least one of the tensors {list(self.tensor_fields)}, got none")
+        device = present[0][1].device
+        for f, t in present:
+            if t.device != device:
+                raise ValueError(f"{name}: {f}: expected device {device} (the {present[0][0]}'s), got {t.device}")
+        expected = self.expected_tensors()
+        if expected is None:
+            return
+        for f in self.tensor_fields:
+            t, want = getattr(self, f, None), expected.get(f)
+            what = f"{name} ({self.spec.describe()}, shape {list(self.shape)}): {f}"
+            if want is None:
+                if t is not None:
+                    raise ValueError(f"{what}: expected no tensor for this format, got {_describe_tensor(t)}")
+                continue
+            if t is None:
+                raise ValueError(f"{what}: expected {want.describe()}, got None")
+            if tuple(t.shape) != tuple(want.shape) or not want.accepts_dtype(t.dtype) or (want.contiguous and not t.is_contiguous()):
+                raise ValueError(f"{what}: expected {want.describe()}, got {_describe_tensor(t)}")
 
     # -- generic machinery -----------------------------------------------------------------
     def tensor_names(self) -> list[str]:

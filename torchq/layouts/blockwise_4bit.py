@@ -25,11 +25,12 @@ import torch
 from .. import native, triton_kernels
 from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.linear import TABLES, linear_cpu, weight_args
+from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
 from ..dispatch import register_linear_kernel
 from ..prefill import use_tiles
-from .base import Layout, TensorImpl
+from .base import Buffer, Layout, TensorImpl
 
 __all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]
 
@@ -38,6 +39,22 @@ _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 class Blockwise4bitImpl(TensorImpl):
     tensor_fields = ("packed", "absmax", "nested_codes", "nested_absmax", "nested_offset")
+
+    def expected_tensors(self) -> dict[str, Buffer | None]:
+        spec = self.spec
+        reason = self.layout.check(spec, self.shape, torch.float32, self.device)
+        if reason is not None:
+            raise ValueError(f"Blockwise4bitImpl: the layout cannot hold {spec.describe()} of shape {list(self.shape)}: {reason}")
+        n, k = self.shape
+        grid = (n, k // spec.block_size[1])
+        nested = spec.double_quant
+        return {
+            "packed": Buffer((n, k // 2), torch.uint8),
+            "absmax": None if nested else Buffer(grid, torch.float32),
+            "nested_codes": Buffer(grid, torch.uint8) if nested else None,
+            "nested_absmax": Buffer((-(-(grid[0] * grid[1]) // NESTED_BLOCKSIZE),), torch.float32) if nested else None,
+            "nested_offset": Buffer((), torch.float32) if nested else None,
+        }
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Blockwise4bitImpl:
@@ -115,7 +132,7 @@ def _cached_weight_args(impl: Blockwise4bitImpl) -> tuple | None:
     if not all(t is None or t.is_contiguous() for t in tensors):
         return None  # pointers into temporary copies cannot be cached
     return weight_args(impl.packed, TABLES[impl.spec.codebook], impl.absmax, impl.nested_codes, impl.nested_absmax,
-                       impl.nested_offset, impl.shape[0], impl.spec.block_size[1])
+                       impl.nested_offset, *impl.shape, impl.spec.block_size[1])
 
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -134,6 +151,7 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
         if impl.nested_offset is not None:  # a value, not a pointer: read now (copy_ may have changed it)
             weight = (*weight[:_OFFSET], float(impl.nested_offset), *weight[_OFFSET + 1 :])
         return native.run_linear(lib.tq_blockwise4bit_linear, "blockwise_4bit_linear", x, k, n, weight, bias)
+    impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
     return linear_cpu(x, *args)
 
 

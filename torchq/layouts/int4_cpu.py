@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from ..canonical import PlainForm
-from ..dispatch import register_linear_kernel
+from ..dispatch import check_op_devices, register_linear_kernel
 from ..primitives import ZeroPointDomain
-from .base import Layout, TensorImpl
+from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4CPULayout", "Int4CPUImpl"]
@@ -117,6 +117,24 @@ class Int4CPUImpl(TensorImpl):
     def padded_shape(self) -> tuple[int, int]:
         n, k = self.shape
         return round_up(n, ROW_BLOCK), round_up(k, self.group_size)
+
+    def expected_tensors(self) -> dict[str, Buffer | None]:
+        spec = self.spec
+        reason = groupwise_int4_rejects(spec, GROUP_SIZES) or zero_dtype_rejects(spec, self.zero_dtype)
+        if reason is None and self.scale_dtype not in _FLOAT_INPUTS:
+            reason = f"scale_dtype: expected fp32/bf16/fp16, got {self.scale_dtype!r}"
+        if reason is not None:
+            raise ValueError(f"Int4CPUImpl ({spec.describe()}): {reason}")
+        n, k = self.shape
+        np_, kp = self.padded_shape
+        g = self.group_size
+        domain = spec.zero_point_domain
+        sz_dtype = torch.promote_types(self.scale_dtype, self.zero_dtype) if domain is ZeroPointDomain.FLOAT else self.scale_dtype
+        return {
+            "packed": Buffer((np_, kp // 2), torch.uint8, contiguous=True),
+            "scales_and_zeros": Buffer((kp // g, np_, 2), sz_dtype, contiguous=True),
+            "int_zero": Buffer((n, kp // g), self.zero_dtype) if domain is ZeroPointDomain.INT else None,
+        }
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Int4CPUImpl:
@@ -206,6 +224,7 @@ def int4_cpu_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_a
 
 @int4_cpu_mm.register_fake
 def _(x, packed, group_size, scales_and_zeros):
+    check_op_devices("int4_cpu_mm", x, packed=packed, scales_and_zeros=scales_and_zeros)
     return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
 
 

@@ -33,15 +33,16 @@ import torch.nn.functional as F
 
 from .. import native, triton_kernels
 from ..canonical import PlainForm
-from ..dispatch import register_linear_kernel
+from ..dispatch import check_op_devices, register_linear_kernel
 from ..prefill import tile_dtype, tiled_linear, use_tiles
 from ..primitives import ZeroPointDomain
-from .base import Layout, TensorImpl
+from .base import Buffer, Layout, TensorImpl
 
 __all__ = ["Int4NativeLayout", "Int4NativeImpl", "int4_groupwise_linear"]
 
 GROUP_SIZES = (32, 64, 128, 256, 512, 1024)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INT_ZERO_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 # Rounding kinds of the C kernel: 0 none (fp32 arithmetic), 1 bf16, 2 fp16.
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ROUND_DTYPE = {v: k for k, v in _ROUND.items()}
@@ -84,6 +85,28 @@ class Int4NativeImpl(TensorImpl):
         """Rounding after the multiply (scale dtype) and after the add (promoted with the zero)."""
         add = self.scale_dtype if self.zero is None else torch.promote_types(self.scale_dtype, self.zero_dtype)
         return _ROUND[self.scale_dtype], _ROUND[add]
+
+    def expected_tensors(self) -> dict[str, Buffer | None]:
+        spec = self.spec
+        reason = self.layout.rejects(spec, self.shape, self.scale_dtype, self.device)
+        if reason is not None:
+            raise ValueError(f"Int4NativeImpl: the layout cannot hold {spec.describe()} of shape {list(self.shape)}: {reason}")
+        domain = spec.zero_point_domain
+        allowed = {ZeroPointDomain.NONE: (None,), ZeroPointDomain.FLOAT: _FLOATS, ZeroPointDomain.INT: _INT_ZERO_DTYPES}[domain]
+        if self.zero_dtype not in allowed:
+            raise ValueError(f"Int4NativeImpl: zero_dtype: expected one of {allowed} for zero_point_domain {domain.name}, "
+                             f"got {self.zero_dtype!r}")
+        n, k = self.shape
+        g = self.group_size
+        kp = -(-k // g) * g
+        grid = Buffer((n, kp // g), torch.float32)
+        return {
+            "packed": Buffer((n, kp // 2), torch.uint8),
+            "scale": grid,
+            "zero": grid if domain is ZeroPointDomain.FLOAT else None,
+            "shift": grid if domain is ZeroPointDomain.INT else None,
+            "int_zero": Buffer((n, kp // g), self.zero_dtype) if domain is ZeroPointDomain.INT else None,
+        }
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Int4NativeImpl:
@@ -223,6 +246,7 @@ def int4_groupwise_linear(
 
 @int4_groupwise_linear.register_fake
 def _(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
+    check_op_devices("int4_groupwise_linear", x, packed=packed, scale=scale, shift=shift, zero=zero, bias=bias)
     return x.new_empty((*x.shape[:-1], shape[0]))
 
 
@@ -243,10 +267,18 @@ def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, 
     return _linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
 
 
-def _weight_args(packed, scale, shift, zero, n, group_size, code_base, round_mul, round_add) -> tuple:
-    """The weight's C arguments of ``tq_int4_linear``, ``Kp`` to ``round_add`` (contiguous tensors)."""
-    return (packed.shape[1] * 2, packed.data_ptr(), n, group_size, _codebook(code_base).data_ptr(), scale.data_ptr(),
-            native.ptr(shift), native.ptr(zero), round_mul, round_add)
+def _weight_args(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add) -> tuple:
+    """The weight's C arguments of ``tq_int4_linear``, ``Kp`` to ``round_add``, for an ``[n, k]``
+    weight: every buffer checked to hold what the kernel reads (contiguous CPU tensors)."""
+    op = "int4_groupwise_linear"
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"torchq {op}: group_size: expected one of {GROUP_SIZES}, got {group_size}")
+    kp = -(-k // group_size) * group_size
+    grid = n * (kp // group_size)
+    return (kp, native.checked_ptr("packed", packed, torch.uint8, n * kp // 2, op), n, group_size,
+            native.checked_ptr("codebook", _codebook(code_base), torch.float32, 16, op),
+            native.checked_ptr("scale", scale, torch.float32, grid, op), native.checked_ptr("shift", shift, torch.float32, grid, op),
+            native.checked_ptr("zero", zero, torch.float32, grid, op), round_mul, round_add)
 
 
 def _linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias) -> torch.Tensor:
@@ -260,7 +292,7 @@ def _linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, roun
     packed, scale = packed.contiguous(), scale.contiguous()  # no copies for the layout's own tensors
     shift = None if shift is None else shift.contiguous()
     zero = None if zero is None else zero.contiguous()
-    weight = _weight_args(packed, scale, shift, zero, n, group_size, code_base, round_mul, round_add)
+    weight = _weight_args(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
     m = x.numel() // k
     if not use_tiles(m, x.dtype):
         return native.run_linear(lib.tq_int4_linear, "int4_groupwise_linear", x, k, n, weight, bias)
@@ -268,15 +300,14 @@ def _linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, roun
     dequant_args = (weight[1], n, kp, *weight[3:])
 
     def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
-        bf16 = int(w.dtype == torch.bfloat16)
-        if kp == k:
-            native.check(lib.tq_int4_dequantize(*dequant_args, n0, n1, w.data_ptr(), bf16, native.threads()), "int4 dequantize")
-        else:  # padded rows: dequantize into a [rows, Kp] buffer, keep the first K columns
-            full = torch.empty(n1 - n0, kp, dtype=w.dtype)
-            native.check(lib.tq_int4_dequantize(*dequant_args, n0, n1, full.data_ptr(), bf16, native.threads()), "int4 dequantize")
+        # padded rows: dequantize into a [rows, Kp] buffer, keep the first K columns
+        full = w if kp == k else torch.empty(n1 - n0, kp, dtype=w.dtype)
+        out, bf16 = native.checked_tile(full, n1 - n0, kp, "int4 dequantize")
+        native.check(lib.tq_int4_dequantize(*dequant_args, n0, n1, out, bf16, native.threads()), "int4 dequantize")
+        if full is not w:
             w.copy_(full[:, :k])
 
-    b = None if bias is None else bias.reshape(-1).to(torch.float32).contiguous()
+    b = native.checked_bias(bias, n, "int4_groupwise_linear")
     out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
@@ -321,7 +352,7 @@ def _cached_weight_args(impl: Int4NativeImpl) -> tuple | None:
     pointers are cached for the impl's lifetime by :func:`torchq.native.weight_args`)."""
     if not all(t is None or t.is_contiguous() for t in (impl.packed, impl.scale, impl.shift, impl.zero)):
         return None
-    return _weight_args(impl.packed, impl.scale, impl.shift, impl.zero, impl.shape[0], impl.group_size, impl.code_base,
+    return _weight_args(impl.packed, impl.scale, impl.shift, impl.zero, *impl.shape, impl.group_size, impl.code_base,
                         *impl.round_kinds)
 
 
@@ -334,6 +365,7 @@ def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.
         weight = None if lib is None or not m or use_tiles(m, x.dtype) else native.weight_args(impl, _cached_weight_args)
         if weight is not None:  # decode-sized: the least Python per call
             return native.run_linear(lib.tq_int4_linear, "int4_groupwise_linear", x, k, n, weight, bias)
+        impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
         return _linear_cpu(x, impl.packed, impl.scale, impl.shift, impl.zero, n, k, impl.group_size, impl.code_base,
                            *impl.round_kinds, bias)
     return int4_groupwise_linear(x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base,

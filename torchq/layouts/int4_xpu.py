@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from ..canonical import PlainForm
-from ..dispatch import register_linear_kernel
+from ..dispatch import check_op_devices, register_linear_kernel
 from ..primitives import ZeroPointDomain
-from .base import Layout, TensorImpl
+from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4XPULayout", "Int4XPUImpl", "pack_xpu", "unpack_xpu", "xpu_dequantize"]
@@ -104,6 +104,24 @@ class Int4XPUImpl(TensorImpl):
     def padded_shape(self) -> tuple[int, int]:
         n, k = self.shape
         return round_up(n, N_ALIGN), round_up(k, self.group_size)
+
+    def expected_tensors(self) -> dict[str, Buffer | None]:
+        spec = self.spec
+        domain = spec.zero_point_domain
+        reason = self.layout.rejects(spec, self.shape, None, self.device) or zero_dtype_rejects(spec, self.zero_dtype)
+        if reason is None and domain is ZeroPointDomain.FLOAT and self.zero_dtype not in SCALE_DTYPES:
+            reason = f"zero_dtype: the XPU kernel reads zeros in the bf16/fp16 scale dtype, got {self.zero_dtype}"
+        if reason is not None:
+            raise ValueError(f"Int4XPUImpl ({spec.describe()}): {reason}")
+        np_, kp = self.padded_shape
+        grid = (kp // self.group_size, np_)
+        float_zero = domain is ZeroPointDomain.FLOAT
+        return {
+            "packed": Buffer((np_, kp // 8), torch.int32, contiguous=True),
+            "scale_and_zero": Buffer((*grid, 2), self.zero_dtype, contiguous=True) if float_zero else None,
+            "scale": None if float_zero else Buffer(grid, SCALE_DTYPES, contiguous=True),
+            "zero": None if float_zero else Buffer(grid, torch.int8, contiguous=True),
+        }
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Int4XPUImpl:
@@ -183,6 +201,7 @@ def int4_xpu_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales: 
 
 @int4_xpu_mm.register_fake
 def _(x, packed, group_size, scales, int_zeros=None):
+    check_op_devices("int4_xpu_mm", x, packed=packed, scales=scales, int_zeros=int_zeros)
     return x.new_empty(x.shape[0], packed.shape[0])
 
 

@@ -19,13 +19,20 @@ import torch
 
 from ..bitpack import pack_bits, unpack_bits
 from ..canonical import PlainForm, QuantSpec
-from .base import Layout, TensorImpl
+from .base import Buffer, Layout, TensorImpl, plain_buffers
 
 __all__ = ["PackedBitsLayout", "PackedBitsImpl", "pack_bits", "unpack_bits"]
 
 
 class PackedBitsImpl(TensorImpl):
     tensor_fields = ("packed", "scale", "zero_point")
+
+    def expected_tensors(self) -> dict[str, Buffer | None]:
+        spec = self.spec
+        if len(self.shape) != 2 or spec.bits > 7:
+            raise ValueError(f"PackedBitsImpl: expected 1-7-bit codes of a 2-D weight, got {spec.describe()} of shape {list(self.shape)}")
+        n, k = self.shape
+        return {"packed": Buffer((n, -(-k // 8) * spec.bits), torch.uint8), **plain_buffers(spec, self.shape)}
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> PackedBitsImpl:

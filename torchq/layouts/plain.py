@@ -26,7 +26,7 @@ import torch
 from .. import native, triton_kernels
 from ..activation import OutlierInt8, PerTokenInt8
 from ..canonical import PlainForm
-from ..dispatch import register_linear_kernel
+from ..dispatch import check_op_devices, register_linear_kernel
 from ..int8_linear import (
     NATIVE_MIN_CODE,
     dynamic_linear_cpu,
@@ -35,9 +35,10 @@ from ..int8_linear import (
     int8_weight_linear,
     weight_linear_cpu,
 )
+from ..int8_linear import weight_args as int8_weight_args
 from ..prefill import use_tiles
 from ..primitives import ZeroPointDomain
-from .base import Layout, TensorImpl
+from .base import Buffer, Layout, TensorImpl, plain_buffers
 
 __all__ = ["PlainLayout", "PlainImpl"]
 
@@ -46,6 +47,9 @@ _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 class PlainImpl(TensorImpl):
     tensor_fields = ("codes", "scale", "zero_point")
+
+    def expected_tensors(self) -> dict[str, Buffer | None]:
+        return {"codes": Buffer(self.shape, self.spec.code_dtype), **plain_buffers(self.spec, self.shape)}
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> PlainImpl:
@@ -129,6 +133,7 @@ def int8_weight_only_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
 
 @int8_weight_only_mm.register_fake
 def _(x, codes, scale):
+    check_op_devices("int8_weight_only_mm", x, codes=codes, scale=scale)
     return x.new_empty(x.shape[0], codes.shape[0])
 
 
@@ -174,7 +179,8 @@ def _in_place_int8_args(impl) -> tuple | None:
     codes, scale = impl.codes, impl.scale
     if not (codes.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
         return None
-    return (codes.data_ptr(), codes.shape[0], scale.data_ptr())
+    n, k = impl.shape
+    return int8_weight_args(codes, scale, n, k, "int8 linear")
 
 
 def _decode_args(x: torch.Tensor, w):
@@ -197,9 +203,10 @@ def _int8_weight_only_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> t
     # eager CPU: a validated layout's tensors, the op's checks are skipped
     decode = _decode_args(x, w)
     if decode is None:
+        impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
         return weight_linear_cpu(x, impl.codes, impl.scale, bias)
     lib, args, k = decode
-    return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, args[1], args, bias)
+    return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, impl.shape[0], args, bias)
 
 
 def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -209,10 +216,11 @@ def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch
         return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
     decode = _decode_args(x, w)  # the condition guarantees activation codes the kernel takes
     if decode is None:
+        impl.validate()
         return dynamic_linear_cpu(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
     lib, args, k = decode
     weight = (*args, (act.quant_max - act.quant_min) / 2, act.eps, act.quant_min, act.quant_max)
-    return dynamic_native(lib, x, k, args[1], weight, bias)
+    return dynamic_native(lib, x, k, impl.shape[0], weight, bias)
 
 
 register_linear_kernel(

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from ..canonical import PlainForm
-from ..dispatch import register_linear_kernel
+from ..dispatch import check_op_devices, register_linear_kernel
 from ..primitives import ZeroPointDomain
-from .base import Layout, TensorImpl
+from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["TensorCoreTiledLayout", "TensorCoreTiledImpl", "pack_tiled", "unpack_tiled", "tinygemm_dequantize"]
@@ -125,6 +125,23 @@ class TensorCoreTiledImpl(TensorImpl):
     @property
     def padded_shape(self) -> tuple[int, int]:
         return _padded(*self.shape, self.group_size, self.layout.inner_k_tiles)
+
+    def expected_tensors(self) -> dict[str, Buffer | None]:
+        spec = self.spec
+        domain = spec.zero_point_domain
+        reason = self.layout.rejects(spec, self.shape, torch.bfloat16, self.device) or zero_dtype_rejects(spec, self.zero_dtype)
+        if reason is None and domain is ZeroPointDomain.FLOAT and self.zero_dtype != torch.bfloat16:
+            reason = f"zero_dtype: the kernel reads bf16 float zeros, got {self.zero_dtype}"
+        if reason is not None:
+            raise ValueError(f"TensorCoreTiledImpl ({spec.describe()}): {reason}")
+        n, k = self.shape
+        np_, kp = self.padded_shape
+        g, t = self.group_size, self.layout.inner_k_tiles
+        return {
+            "packed": Buffer((np_ // N_TILE, kp // (16 * t), 32, t // 2), torch.int32, contiguous=True),
+            "scales_and_zeros": Buffer((kp // g, np_, 2), torch.bfloat16, contiguous=True),
+            "int_zero": Buffer((n, -(-k // g)), self.zero_dtype) if domain is ZeroPointDomain.INT else None,
+        }
 
     @classmethod
     def from_plain(cls, plain: PlainForm, layout: Layout) -> TensorCoreTiledImpl:
@@ -233,6 +250,7 @@ def int4_tensor_core_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, 
 
 @int4_tensor_core_mm.register_fake
 def _(x, packed, group_size, scales_and_zeros):
+    check_op_devices("int4_tensor_core_mm", x, packed=packed, scales_and_zeros=scales_and_zeros)
     return x.new_empty(x.shape[0], scales_and_zeros.shape[1], dtype=torch.bfloat16)
 
 
