@@ -170,7 +170,7 @@ class Tied(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.a = nn.Linear(d, d)
-        self.b = nn.Linear(d, d, bias=False)
+        self.b = nn.Linear(d, d)
         self.b.weight = self.a.weight
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight
@@ -195,10 +195,10 @@ def test_tied_weights_are_quantized_once_and_stay_tied():
     assert isinstance(m.head.weight, AQT) and m.emb.weight is m.head.weight
     assert isinstance(m.a.weight, AQT) and m.a.weight is m.b.weight
     assert m.head.weight.label == "head" and m.a.weight.label == "a"
-    assert len(list(m.parameters())) == 3  # emb/head weight, a/b weight, a's bias
+    assert len(list(m.parameters())) == 4  # emb/head weight, a/b weight, a's and b's biases
     i = torch.randint(0, 64, (2, 5))
     w1, w2 = m.a.weight.dequantize(), m.head.weight.dequantize()
-    h = torch.nn.functional.linear(torch.nn.functional.linear(w2[i], w1, m.a.bias), w1)
+    h = torch.nn.functional.linear(torch.nn.functional.linear(w2[i], w1, m.a.bias), w1, m.b.bias)
     assert torch.allclose(m(i), torch.nn.functional.linear(h, w2), atol=1e-2, rtol=1e-2)
 
 
@@ -375,4 +375,4 @@ def test_tied_weights_with_device_stay_tied():
     with pytest.warns(torchq.TiedWeightWarning):
         torchq.quantize_(m, torchq.int8_weight_only(), device="meta")
     assert m.emb.weight is m.head.weight and m.a.weight is m.b.weight and m.head.weight.device.type == "meta"
-    assert m.a.bias.device.type == "meta"
+    assert m.a.bias.device.type == "meta" and m.b.bias.device.type == "meta"

@@ -137,6 +137,16 @@ def _slots(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str, bool]]
     return out
 
 
+def _move_others(mod: nn.Module, weight: torch.Tensor, device: torch.device | None, moved: dict[int, torch.Tensor]) -> None:
+    """Stage copies on ``device`` of a quantized module's other parameters and buffers."""
+    if device is None:
+        return
+    for t in [*mod._parameters.values(), *mod._buffers.values()]:
+        if t is not None and t is not weight and id(t) not in moved:
+            v = t.detach().to(device)
+            moved[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v
+
+
 def _skip(msg: str, stacklevel: int = 3) -> None:
     if dispatch.is_strict():
         raise QuantizationError(msg + " (strict mode); nothing was changed")
@@ -243,6 +253,7 @@ def quantize_(
                 )
             prev.names.append(name)
             prev.modules.add(id(mod))
+            _move_others(mod, weight, device, moved)
             continue
         w = weight.detach()
         if transposed:
@@ -263,11 +274,7 @@ def quantize_(
             q = q._replace(transposed=True)
         new = nn.Parameter(q, requires_grad=False) if isinstance(weight, nn.Parameter) else q
         staged[id(weight)] = _Staged(weight, cfg, transposed, [name], {id(mod)}, new)
-        if device is not None:
-            for t in [*mod._parameters.values(), *mod._buffers.values()]:
-                if t is not None and t is not weight and id(t) not in moved:
-                    v = t.detach().to(device)
-                    moved[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v
+        _move_others(mod, weight, device, moved)
 
     for key, name in left_float.items():
         if key in staged:
