@@ -411,3 +411,78 @@ def test_bombs_stay_within_bounded_memory(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("torchq inspect: error:"), lines
     assert "CheckpointError" in lines[0] and "expected a contiguous tensor" in lines[0], lines
     assert (usage.ru_maxrss - int(base_kb)) / 1024 < 100, (usage.ru_maxrss, base_kb)
+
+
+# -- item 10: loading is all or nothing; plain load_state_dict never converts a float model ---------
+class WithIndex(nn.Module):
+    """Two linears, then (registered last) a submodule holding a parameter the file stores as int32."""
+
+    def __init__(self, int_index: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 32)
+        self.b = nn.Linear(32, 16)
+        self.c = nn.Module()
+        if int_index:
+            self.c.idx = nn.Parameter(torch.arange(4, dtype=torch.int32), requires_grad=False)
+        else:
+            self.c.idx = nn.Parameter(torch.zeros(4))
+
+
+def test_load_quantized_refuses_before_installing_anything(tmp_path):
+    src = WithIndex(int_index=True)
+    torchq.quantize_(src, torchq.int8_weight_only())
+    torchq.save_quantized(src, tmp_path / "m.safetensors")  # a consistent file
+    with torch.device("meta"):
+        target = WithIndex(int_index=False)  # c.idx: a trainable float parameter
+    before = {k: v for k, v in target.state_dict(keep_vars=True).items()}
+    with pytest.raises(CheckpointError, match=r"'c.idx' is a trainable torch.float32 parameter .* torch.int32 .* not changed"):
+        torchq.load_quantized(target, tmp_path / "m.safetensors")
+    after = target.state_dict(keep_vars=True)
+    assert all(after[k] is v and v.device.type == "meta" for k, v in before.items())
+
+
+def _quantized_sd() -> dict:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    torchq.quantize_(m, torchq.int4_weight_only(group_size=32), filter_fn=lambda mod, n: n == "0")
+    return load(saved(m.state_dict()))
+
+
+def _float_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+
+
+def test_plain_load_state_dict_raises_even_after_assign_true():
+    """PyTorch's load_state_dict(sd, assign=True) leaves assign_to_params_buffers in sd._metadata
+    (pytorch/pytorch#188166): a later plain load of the same sd converted the float model."""
+    sd = _quantized_sd()
+    with pytest.raises(RuntimeError, match="assign=True"):
+        _float_model().load_state_dict(sd)
+    first = _float_model()
+    first.load_state_dict(sd, assign=True)
+    assert isinstance(first[0].weight, AffineQuantizedTensor)
+    for again in (sd, load(saved(sd))):  # the same dict, and a file saved from it (the flag is pickled)
+        other = _float_model()
+        w = other[0].weight
+        with pytest.raises(RuntimeError, match=r"cannot load a quantized weight into float parameter 'weight'.*assign=True"):
+            other.load_state_dict(again)
+        assert other[0].weight is w and not isinstance(other[0].weight, AffineQuantizedTensor)
+        third = _float_model()
+        third.load_state_dict(again, assign=True)  # assign=True still converts
+        assert isinstance(third[0].weight, AffineQuantizedTensor)
+
+
+def test_plain_load_into_a_float_buffer_raises_even_after_assign_true():
+    sd = {"w": _quantized_sd()["0.weight"]}
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w", torch.zeros(32, 64))
+
+    Holder().load_state_dict(sd, assign=True)
+    sd = dict(sd)
+    sd_meta = type("SD", (dict,), {})(sd)
+    sd_meta._metadata = {"": {"assign_to_params_buffers": True}}  # what a leaked flag looks like
+    with pytest.raises(RuntimeError, match="into float buffer 'w'"):
+        Holder().load_state_dict(sd_meta)

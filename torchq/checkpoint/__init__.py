@@ -8,9 +8,10 @@
 
 from . import pickling
 from .codec import CheckpointError
-from .model_state import LoadWarning
+from .model_state import LoadWarning, install_load_state_dict_guard
 from .safetensors_io import load_quantized, save_quantized
 
 pickling.install()
+install_load_state_dict_guard()
 
 __all__ = ["CheckpointError", "LoadWarning", "load_quantized", "save_quantized"]

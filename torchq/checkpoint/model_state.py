@@ -21,7 +21,7 @@ from torch import nn
 from ..tensor import AffineQuantizedTensor
 from .codec import CheckpointError
 
-__all__ = ["Slot", "model_slots", "dedupe", "Incoming", "install_checkpoint", "LoadWarning"]
+__all__ = ["Slot", "model_slots", "dedupe", "Incoming", "install_checkpoint", "LoadWarning", "install_load_state_dict_guard"]
 
 
 class LoadWarning(UserWarning):
@@ -123,6 +123,26 @@ def _fmt_names(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _final_value(slot: Slot, value: torch.Tensor, inc: Incoming, source: str) -> tuple[torch.Tensor, bool]:
+    """``(object to install, copy in place?)`` for one loaded tensor; raises CheckpointError
+    (the model untouched) when it cannot take the slot."""
+    old = slot.tensor
+    in_place = (
+        not inc.quantized and not isinstance(old, AffineQuantizedTensor) and not _is_meta(old)
+        and old.device == value.device and type(old) in (torch.Tensor, nn.Parameter) and not old.is_inference()
+    )
+    if in_place or slot.is_buffer:
+        return value, in_place
+    if isinstance(value, AffineQuantizedTensor):
+        return nn.Parameter(value, requires_grad=False), False
+    if old.requires_grad and not (value.is_floating_point() or value.is_complex()):
+        raise CheckpointError(
+            f"{source}: {slot.name!r} is a trainable {old.dtype} parameter in the model but {value.dtype} in the "
+            f"checkpoint, which cannot require gradients; is it a checkpoint of another model? The model was not changed"
+        )
+    return nn.Parameter(value, requires_grad=old.requires_grad), False
+
+
 def install_checkpoint(
     model: nn.Module,
     incoming: Mapping[str, Incoming],
@@ -187,6 +207,8 @@ def install_checkpoint(
                     f"checkpoint came from. The model was not changed"
                 )
 
+    # Stage: read, check and build every final object (Parameters included); only then commit,
+    # and the commit is copies into checked same-shape tensors and dict assignments, which cannot fail.
     staged: list[tuple[list[Slot], torch.Tensor, bool]] = []  # (slots, value, copy_in_place)
     for src, group in plan:
         inc = incoming[src]
@@ -196,24 +218,13 @@ def install_checkpoint(
         )
         value = inc.load(target)
         release_free_memory()
-        old = slot0.tensor
-        in_place = (
-            not inc.quantized and not isinstance(old, AffineQuantizedTensor) and not _is_meta(old)
-            and old.device == value.device and type(old) in (torch.Tensor, nn.Parameter)
-        )
-        staged.append((group, value, in_place))
+        staged.append((group, *_final_value(slot0, value, inc, source)))
 
-    with torch.no_grad():  # commit: nothing below can fail on checked shapes
+    with torch.no_grad():  # commit
         for group, value, in_place in staged:
-            old = group[0].tensor
             if in_place:
-                old.copy_(value)
+                group[0].tensor.copy_(value)
                 continue
-            if not group[0].is_buffer:
-                if isinstance(value, AffineQuantizedTensor):
-                    value = nn.Parameter(value, requires_grad=False)
-                else:
-                    value = nn.Parameter(value, requires_grad=old.requires_grad)
             for slot in group:
                 table = slot.module._buffers if slot.is_buffer else slot.module._parameters
                 table[slot.attr] = value
@@ -236,3 +247,64 @@ def install_checkpoint(
             LoadWarning, stacklevel=3,
         )
     return missing, unexpected
+
+
+# -- plain load_state_dict of quantized entries into a float model ---------------------------------
+_LOAD_FROM_STATE_DICT = nn.Module._load_from_state_dict.__code__
+_LOAD_STATE_DICT = nn.Module.load_state_dict.__code__
+PLAIN_LOAD_MESSAGE = (
+    "cannot load a quantized weight into float {what} {name!r} with load_state_dict(sd) (assign=False); "
+    "use model.load_state_dict(sd, assign=True) or torchq.load_quantized, or quantize_ the model first"
+)
+
+
+def _caller_assign() -> bool | None:
+    """When called under ``nn.Module._load_from_state_dict`` assigning a tensor: the ``assign``
+    argument the user passed to the enclosing ``load_state_dict``; None otherwise."""
+    f = sys._getframe(2)
+    for _ in range(4):  # hook <- register_parameter/register_buffer <- __setattr__ <- _load_from_state_dict
+        if f is None or f.f_code is _LOAD_FROM_STATE_DICT:
+            break
+        f = f.f_back
+    else:
+        return None
+    while f is not None and f.f_code is not _LOAD_STATE_DICT:
+        f = f.f_back
+    assign = None if f is None else f.f_locals.get("assign")
+    return assign if isinstance(assign, bool) else None
+
+
+def _guard(kind: str):
+    def hook(module: nn.Module, name: str, value):
+        if not isinstance(value, AffineQuantizedTensor):
+            return None
+        table = module._parameters if kind == "parameter" else module._buffers
+        old = table.get(name)
+        if old is None or isinstance(old, AffineQuantizedTensor) or _caller_assign() is not False:
+            return None
+        raise TypeError(PLAIN_LOAD_MESSAGE.format(what=kind, name=name))
+
+    return hook
+
+
+_GUARD_HANDLES: list = []
+
+
+def install_load_state_dict_guard() -> None:
+    """Make ``model.load_state_dict(sd)`` (assign=False) of a quantized entry into a float model
+    always raise, as ``copy_`` does (idempotent).
+
+    PyTorch's ``load_state_dict(sd, assign=True)`` writes ``assign_to_params_buffers`` into
+    ``sd._metadata`` (pytorch/pytorch#188166), so a later plain load of the same ``sd`` (or of a
+    file saved from it) assigns instead of copying and would silently convert a float model.
+    Global parameter/buffer registration hooks refuse a quantized tensor replacing a float one
+    while the enclosing ``load_state_dict`` call was made with ``assign=False``."""
+    if _GUARD_HANDLES:
+        return
+    from torch.nn.modules.module import (
+        register_module_buffer_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
+    _GUARD_HANDLES.append(register_module_parameter_registration_hook(_guard("parameter")))
+    _GUARD_HANDLES.append(register_module_buffer_registration_hook(_guard("buffer")))
