@@ -1,15 +1,25 @@
 // A small persistent thread pool for tq::parallel_for.
 //
-// Workers wait on a generation counter: they spin for the job's spin_us (0 by default) and then
-// sleep on a condition variable. One call runs at a time;
-// a call that finds the pool busy (another Python thread) runs its whole range inline.
-// After fork() the child starts a fresh pool (the parent's threads do not exist there).
+// Every worker owns a slot: the caller writes the worker's job (fn, ctx, its range, spin) into
+// the slot and then bumps the slot's ticket under the slot's mutex; the worker reads the job only
+// after it has seen the new ticket (acquire), runs it and decrements the call's `remaining`
+// counter once. The caller writes a slot again only after `remaining` reached zero, that is
+// after every worker of the previous call has finished reading its slot, so a worker never sees
+// a half-written or a later call's job, and workers that take no part in a call are not woken.
+// Slots are allocated once per worker (never moved); a call allocates nothing.
+//
+// After a job a worker spins for the job's spin_us (0 by default) and then sleeps on its slot's
+// condition variable. One call runs at a time; a call that finds the pool busy (another Python
+// thread) runs its whole range inline. After fork() the child starts a fresh pool (the parent's
+// threads do not exist there).
 #include <immintrin.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -19,53 +29,60 @@
 namespace tq {
 namespace {
 
-
-struct Pool {
-  std::mutex call_mu;  // one parallel_for at a time
+struct alignas(64) Slot {
   std::mutex mu;
   std::condition_variable cv;
-  std::atomic<uint64_t> generation{0};
-  std::atomic<int> remaining{0};
-  int workers = 0;
-  // The current job (written before generation is bumped, read after it is seen).
+  bool sleeping = false;            // guarded by mu: the worker waits on cv
+  std::atomic<uint64_t> ticket{0};  // bumped (under mu) once per job given to this worker
+  // The job: written by the caller before `ticket` is bumped, read by the worker after it saw
+  // the bump, not written again before the worker has decremented the call's `remaining`.
   RangeFn fn = nullptr;
   void* ctx = nullptr;
-  std::vector<int64_t> bounds;  // range i is [bounds[i], bounds[i+1])
-  int parts = 0;
-  std::atomic<int> spin_us{0};  // how long workers spin after this job before sleeping
+  int64_t begin = 0, end = 0;
+  int spin_us = 0;  // how long the worker spins for its next job before sleeping
+};
 
-  // `seen`: the generation when the worker was created (before the job that created it was
-  // published), so a worker that starts late still runs that job.
-  void worker_loop(int index, uint64_t seen) {
+struct Pool {
+  std::mutex call_mu;                       // one parallel_for at a time; guards `slots`
+  std::vector<std::unique_ptr<Slot>> slots;  // slots[i] belongs to the worker running range i + 1
+  std::atomic<int> remaining{0};             // workers of the current call that have not finished
+
+  void worker_loop(Slot* s) {
+    uint64_t seen = 0;  // a slot's ticket starts at 0 and the worker starts before its first job
+    int spin = 0;
     for (;;) {
-      uint64_t now = generation.load(std::memory_order_acquire);
-      const int spin = spin_us.load(std::memory_order_relaxed);
+      uint64_t now = s->ticket.load(std::memory_order_acquire);
       if (now == seen && spin > 0) {
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin);
         for (int i = 1; now == seen; ++i) {
           _mm_pause();
-          now = generation.load(std::memory_order_acquire);
+          now = s->ticket.load(std::memory_order_acquire);
           if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) break;
         }
       }
       if (now == seen) {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return generation.load(std::memory_order_acquire) != seen; });
-        now = generation.load(std::memory_order_acquire);
+        std::unique_lock<std::mutex> lock(s->mu);
+        s->sleeping = true;
+        s->cv.wait(lock, [&] { return s->ticket.load(std::memory_order_relaxed) != seen; });
+        s->sleeping = false;
+        now = s->ticket.load(std::memory_order_relaxed);
       }
       seen = now;
-      if (index < parts) {
-        fn(ctx, bounds[index], bounds[index + 1]);
-        remaining.fetch_sub(1, std::memory_order_acq_rel);
-      }
+      // Copy the job out before signalling completion: afterwards the caller may rewrite it.
+      const RangeFn fn = s->fn;
+      void* const ctx = s->ctx;
+      const int64_t begin = s->begin, end = s->end;
+      spin = s->spin_us;
+      fn(ctx, begin, end);
+      remaining.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
 
-  void grow(int wanted) {
-    while (workers < wanted) {
-      int index = ++workers;  // worker i runs range i; range 0 is the caller's
-      const uint64_t seen = generation.load(std::memory_order_acquire);
-      std::thread([this, index, seen] { worker_loop(index, seen); }).detach();
+  void grow(int wanted) {  // with call_mu held
+    while (static_cast<int>(slots.size()) < wanted) {
+      slots.emplace_back(new Slot());
+      Slot* s = slots.back().get();
+      std::thread([this, s] { worker_loop(s); }).detach();
     }
   }
 };
@@ -88,7 +105,7 @@ Pool* pool() {
 void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, int spin_us) {
   if (n <= 0) return;
   if (grain < 1) grain = 1;
-  int64_t units = (n + grain - 1) / grain;
+  const int64_t units = (n + grain - 1) / grain;
   int parts = threads < 1 ? 1 : threads;
   if (parts > units) parts = static_cast<int>(units);
   if (parts <= 1) {
@@ -102,23 +119,37 @@ void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, 
     return;
   }
   p->grow(parts - 1);
-  p->bounds.assign(parts + 1, 0);
-  for (int i = 0; i <= parts; ++i) {
-    int64_t b = (units * i / parts) * grain;
-    p->bounds[i] = b < n ? b : n;
+  auto bound = [&](int i) {  // range i is [bound(i), bound(i + 1))
+    const int64_t b = (units * i / parts) * grain;
+    return b < n ? b : n;
+  };
+  // Every worker of the previous call has decremented `remaining` (the previous caller waited
+  // for zero before releasing call_mu), so no worker reads a slot while it is written here.
+  p->remaining.store(parts - 1, std::memory_order_relaxed);
+  for (int i = 1; i < parts; ++i) {
+    Slot* s = p->slots[i - 1].get();
+    s->fn = fn;
+    s->ctx = ctx;
+    s->begin = bound(i);
+    s->end = bound(i + 1);
+    s->spin_us = spin_us;
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->ticket.store(s->ticket.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+      wake = s->sleeping;
+    }
+    if (wake) s->cv.notify_one();
   }
-  p->fn = fn;
-  p->ctx = ctx;
-  p->parts = parts;
-  p->spin_us.store(spin_us, std::memory_order_relaxed);
-  p->remaining.store(parts - 1, std::memory_order_release);
-  {
-    std::lock_guard<std::mutex> lock(p->mu);
-    p->generation.fetch_add(1, std::memory_order_acq_rel);
+  fn(ctx, 0, bound(1));
+  // Wait for the workers; yield the core when they are slow (more threads than cores).
+  for (int i = 0; p->remaining.load(std::memory_order_acquire) != 0; ++i) {
+    if (i < 4096) {
+      _mm_pause();
+    } else {
+      sched_yield();
+    }
   }
-  p->cv.notify_all();
-  fn(ctx, p->bounds[0], p->bounds[1]);
-  while (p->remaining.load(std::memory_order_acquire) != 0) _mm_pause();
 }
 
 }  // namespace tq

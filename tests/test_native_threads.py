@@ -1,0 +1,176 @@
+"""The native thread pool (csrc/threadpool.cpp, ``tq::parallel_for``) under concurrency.
+
+* stress: several Python threads call int4 / NF4 / int8 weight-only / int8 dynamic layers of
+  alternating shapes (N = 8 and 64, M = 1 and 3) while the torch thread count cycles through
+  1, 2, 3, 4, 8 (more threads than cores: contention is the point); every output must equal the
+  single-threaded one bit for bit. It runs in a child process under a time limit, so a hang (the
+  caller spinning on a work counter that never reaches zero) fails instead of blocking CI;
+* ThreadSanitizer: the pool and a small C++ driver (tests/native/tsan_driver.cpp) built with
+  ``-fsanitize=thread`` hammer ``parallel_for`` from several threads with varying part counts;
+  TSan must report nothing (an instrumented library cannot be loaded into Python, hence the
+  driver);
+* benchmarks/bench_threads.py runs (``--quick``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_native_blockwise import needs_native
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "native" / "tsan_driver.cpp"
+REQUIRE_NATIVE = os.environ.get("TORCHQ_REQUIRE_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
+
+# The child: builds the layers, takes single-threaded references, then lets Python threads call
+# them concurrently under changing torch thread counts for `seconds`; exit 0 with a JSON summary,
+# or 1 with the first mismatch.
+STRESS_CHILD = textwrap.dedent(
+    r"""
+    import json, sys, threading, time
+    import torch
+    import torch.nn.functional as F
+    import torchq
+    from torchq import native
+
+    phases = [tuple(map(float, p.split(":"))) for p in sys.argv[1].split(",")]  # "threads:seconds,..."
+    counts = [1, 2, 3, 4, 8]
+    configs = {
+        "int4": torchq.int4_weight_only(group_size=32),
+        "nf4": torchq.nf4_weight_only(block_size=32),
+        "int8_wo": torchq.int8_weight_only(),
+        "int8_dyn": torchq.int8_dynamic_activation_int8_weight(),
+    }
+    calls = {}
+    real_run_linear = native.run_linear
+    def counting(fn, op, *args, **kwargs):
+        calls[op] = calls.get(op, 0) + 1
+        return real_run_linear(fn, op, *args, **kwargs)
+    native.run_linear = counting
+
+    gen = torch.Generator().manual_seed(0)
+    cases = []  # (name, weight, x): N = 8 and 64 alternate, M = 1 and 3
+    for name, config in configs.items():
+        for n in (8, 64):
+            lin = torch.nn.Linear(128, n, bias=True)
+            with torch.no_grad():
+                lin.weight.copy_(torch.randn(n, 128, generator=gen))
+                lin.bias.copy_(torch.randn(n, generator=gen))
+            model = torch.nn.Sequential(lin)
+            torchq.quantize_(model, config)
+            for m in (1, 3):
+                cases.append((f"{name} N={n} M={m}", model[0].weight, model[0].bias, torch.randn(m, 128, generator=gen)))
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        expected = [F.linear(x, w, b) for _, w, b, x in cases]
+    missing = sorted({"int4_groupwise_linear", "blockwise_4bit_linear", "int8_weight_linear", "int8_dynamic_linear"} - set(calls))
+    if missing:
+        print(f"the native kernels were not called: {missing}", flush=True)
+        sys.exit(2)
+
+    failures, summary = [], []
+
+    def work(t, stop, done):
+        i = t
+        with torch.no_grad():
+            while time.monotonic() < stop and not failures:
+                torch.set_num_threads(counts[(i + t) % len(counts)])  # process-wide; 5 and 16 cases: coprime
+                name, w, b, x = cases[i % len(cases)]
+                y = F.linear(x, w, b)
+                if not torch.equal(y, expected[i % len(cases)]):
+                    failures.append(f"{name} at {torch.get_num_threads()} torch threads, {len(done)} Python threads: "
+                                    f"max |diff| {(y - expected[i % len(cases)]).abs().max().item()}")
+                done[t] += 1
+                i += 1
+
+    for py_threads, seconds in phases:
+        done, stop = [0] * int(py_threads), time.monotonic() + seconds
+        threads = [threading.Thread(target=work, args=(t, stop, done), daemon=True) for t in range(int(py_threads))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            print("mismatch: " + "; ".join(failures[:3]), flush=True)
+            sys.exit(1)
+        summary.append(done)
+    print(json.dumps(summary), flush=True)
+    """
+)
+
+
+def run_stress(phases: str, limit: float) -> list[list[int]]:
+    """Runs the child with `phases` ("python_threads:seconds,..."); its calls per Python thread."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", STRESS_CHILD, phases], cwd=ROOT, capture_output=True, text=True,
+                              timeout=limit)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"native linears called from Python threads ({phases}) hung: no result after {limit:.0f} s")
+    assert proc.returncode == 0, f"stress {phases}: exit code {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_native
+def test_concurrent_calls_equal_single_threaded() -> None:
+    """One Python thread alternating shapes, then 4 at once, under 1..8 torch threads: bit-equal
+    to one thread, no hang, no crash."""
+    summary = run_stress("1:1.5,4:1.5", limit=90.0)
+    assert all(sum(done) > 20 for done in summary), summary
+
+
+# -- the pool alone, from C++ ---------------------------------------------------------------------
+
+def build_driver(tmp_path: Path, flags: list[str]) -> Path:
+    """Compiles csrc/threadpool.cpp with the driver; skips (fails under TORCHQ_REQUIRE_NATIVE=1)
+    without g++ or, for -fsanitize=thread, without libtsan."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        message = f"no C++ compiler {cxx!r} on PATH (set CXX)"
+        pytest.fail(message + " while TORCHQ_REQUIRE_NATIVE=1") if REQUIRE_NATIVE else pytest.skip(message)
+    exe = tmp_path / "driver"
+    cmd = [cxx, "-std=c++17", *flags, "-pthread", f"-I{ROOT / 'csrc'}", str(ROOT / "csrc" / "threadpool.cpp"), str(DRIVER),
+           "-o", str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        if "-fsanitize=thread" in flags and "tsan" in proc.stderr:
+            message = f"{cxx} cannot link ThreadSanitizer (libtsan missing?): {proc.stderr.strip()[-300:]}"
+            pytest.fail(message + " while TORCHQ_REQUIRE_NATIVE=1") if REQUIRE_NATIVE else pytest.skip(message)
+        pytest.fail(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return exe
+
+
+def run_driver(exe: Path, args: list[str], limit: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{exe.name} {' '.join(args)}: parallel_for hung (no result after {limit:.0f} s)")
+
+
+def test_pool_stress_driver(tmp_path: Path) -> None:
+    """4 threads x 20000 parallel_for calls of varying sizes, part counts (1..8) and spins
+    (-O2): every element visited exactly once, no hang."""
+    exe = build_driver(tmp_path, ["-O2"])
+    proc = run_driver(exe, ["4", "20000"], limit=30.0)
+    assert proc.returncode == 0 and "ok:" in proc.stdout, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+
+
+def test_pool_thread_sanitizer(tmp_path: Path) -> None:
+    """The same driver built with -fsanitize=thread: ThreadSanitizer reports no data race."""
+    exe = build_driver(tmp_path, ["-fsanitize=thread", "-O1", "-g"])
+    env = dict(os.environ, TSAN_OPTIONS="exitcode=66 second_deadlock_stack=1")
+    args = ["4", "2000"]
+    proc = run_driver(exe, args, limit=60.0, env=env)
+    if "unexpected memory mapping" in proc.stderr and shutil.which("setarch"):  # kernels with high mmap ASLR entropy
+        proc = run_driver(Path(shutil.which("setarch")), [os.uname().machine, "-R", str(exe), *args], limit=60.0, env=env)
+    if "unexpected memory mapping" in proc.stderr:
+        pytest.skip(f"ThreadSanitizer cannot run on this kernel: {proc.stderr.strip()[:300]}")
+    assert "WARNING: ThreadSanitizer" not in proc.stderr and proc.returncode == 0, (
+        f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}")
+    assert "ok:" in proc.stdout
