@@ -24,9 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -44,6 +42,7 @@ from .layouts import registered_layouts
 from .quantize import float_linear_filter as default_filter  # autoquant times nn.Linear layers only
 from .quantize import quantize_
 from .tensor import AffineQuantizedTensor
+from .timing import time_interleaved
 
 __all__ = ["autoquant", "AutoquantResult", "LayerChoice", "load_plan", "save_plan", "default_candidates"]
 
@@ -234,22 +233,9 @@ def _rotation(w: torch.Tensor, rotate_bytes: int) -> list[torch.Tensor]:
 
 def _time_interleaved(fns: dict[str, Any], device: torch.device, budget_s: float, rounds: int = 3) -> dict[str, float]:
     """Median ms per call of each function, timed in ``rounds`` interleaved rounds."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm up (first-call allocations, kernel compilation)
-        fn()
-        fn()
-    _sync(device)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            deadline = time.perf_counter() + budget_s / rounds
-            reps = 0
-            while reps < 3 or (time.perf_counter() < deadline and reps < 1000):
-                t = time.perf_counter()
-                fn()
-                _sync(device)
-                samples[name].append((time.perf_counter() - t) * 1e3)
-                reps += 1
-    return {name: statistics.median(v) for name, v in samples.items()}
+    timings = time_interleaved(fns, rounds=rounds, budget_s=budget_s, min_reps=3, max_reps=1000, warmup=2,
+                               sync=lambda: _sync(device))
+    return {name: t.median * 1e3 for name, t in timings.items()}
 
 
 class _Cycle:
