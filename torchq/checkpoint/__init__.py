@@ -8,10 +8,10 @@
 
 from . import pickling
 from .codec import CheckpointError
-from .model_state import LoadWarning, install_load_state_dict_guard
+from .model_state import LoadWarning, init_meta_buffers, install_load_state_dict_guard
 from .safetensors_io import load_quantized, save_quantized
 
 pickling.install()
 install_load_state_dict_guard()
 
-__all__ = ["CheckpointError", "LoadWarning", "load_quantized", "save_quantized"]
+__all__ = ["CheckpointError", "LoadWarning", "init_meta_buffers", "load_quantized", "save_quantized"]

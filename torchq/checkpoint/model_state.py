@@ -21,7 +21,8 @@ from torch import nn
 from ..tensor import AffineQuantizedTensor
 from .codec import CheckpointError
 
-__all__ = ["Slot", "model_slots", "dedupe", "Incoming", "install_checkpoint", "LoadWarning", "install_load_state_dict_guard"]
+__all__ = ["Slot", "model_slots", "dedupe", "Incoming", "install_checkpoint", "LoadWarning", "install_load_state_dict_guard",
+           "init_meta_buffers", "meta_buffers"]
 
 
 class LoadWarning(UserWarning):
@@ -68,6 +69,88 @@ def dedupe(named: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
             first[key] = name
             unique[name] = t
     return unique, aliases
+
+
+BufferInit = Callable[[nn.Module], None] | str | None
+
+
+def meta_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Non-persistent buffers still on the meta device: ``{qualified name: (owner, attr)}``."""
+    out: dict[str, tuple[nn.Module, str]] = {}
+    seen: set[int] = set()
+    for mod_name, mod in model.named_modules():
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        for attr, b in mod._buffers.items():
+            if b is not None and _is_meta(b) and attr in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{attr}" if mod_name else attr] = (mod, attr)
+    return out
+
+
+def _auto_initializer(model: nn.Module, owner_name: str) -> Callable[[nn.Module], None]:
+    """The ``_init_weights`` of the innermost enclosing transformers model (composite models
+    dispatch to each sub-model's own, as transformers' ``initialize_weights`` does)."""
+    modules = dict(model.named_modules())
+    parts = owner_name.split(".")[:-1]
+    for i in range(len(parts), -1, -1):
+        mod = modules.get(".".join(parts[:i]))
+        fn = getattr(mod, "_init_weights", None)
+        if callable(fn) and hasattr(mod, "config"):
+            return fn
+    raise TypeError(
+        f"init_buffers='auto': no module enclosing buffer {owner_name!r} defines _init_weights (a transformers "
+        f"PreTrainedModel does); pass a function(module) that fills the module's non-persistent buffers"
+    )
+
+
+def init_meta_buffers(
+    model: nn.Module, init: Callable[[nn.Module], None] | str = "auto", *, device: torch.device | str | None = None
+) -> list[str]:
+    """Materialize the model's non-persistent buffers left on ``meta`` and compute their values;
+    returns their names.
+
+    A model built on the ``meta`` device has no values for buffers its modules compute in
+    ``__init__`` (rotary ``inv_freq``, ``position_ids``), and no checkpoint holds them. Each one
+    becomes a tensor on ``device`` (default CPU; float ones NaN-filled, integer ones zero-filled),
+    then ``init(owner)`` is called once per owning module and must fill them. ``init="auto"``:
+    the ``_init_weights`` of the enclosing transformers model, the method ``from_pretrained``
+    uses for the same job. All or nothing: if ``init`` raises, or leaves a NaN in a float
+    buffer, every buffer is put back on meta and the error is raised.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not (callable(init) or init == "auto"):
+        raise TypeError(f"init_buffers: expected 'auto', a function(module) or None, got {init!r}")
+    found = meta_buffers(model)
+    if not found:
+        return []
+    target = torch.device("cpu") if device is None else torch.device(device)
+    if target.type == "meta":
+        raise ValueError("device: buffers cannot be initialized on the meta device; pass a real device")
+    owners: dict[int, tuple[str, nn.Module, list[str]]] = {}
+    for name, (mod, attr) in found.items():
+        owners.setdefault(id(mod), (name, mod, []))[2].append(attr)
+    fns = {key: (init if callable(init) else _auto_initializer(model, name)) for key, (name, _, _) in owners.items()}
+    originals: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for key, (_, mod, attrs) in owners.items():
+                for attr in attrs:
+                    old = mod._buffers[attr]
+                    originals.append((mod, attr, old))
+                    fill = float("nan") if old.is_floating_point() or old.is_complex() else 0
+                    mod._buffers[attr] = torch.full(old.shape, fill, dtype=old.dtype, device=target)
+                fns[key](mod)
+        unfilled = [n for n, (mod, attr) in found.items()
+                    if _is_meta(mod._buffers[attr]) or (mod._buffers[attr].is_floating_point() and bool(mod._buffers[attr].isnan().any()))]
+        if unfilled:
+            raise ValueError(f"init_buffers: left {_fmt_names(unfilled)} unset (on meta, or NaN where it filled nothing)")
+    except BaseException:
+        for mod, attr, old in originals:
+            mod._buffers[attr] = old
+        raise
+    return sorted(found)
 
 
 @dataclass
@@ -151,6 +234,7 @@ def install_checkpoint(
     device: torch.device | str | None,
     strict: bool,
     source: str,
+    init_buffers: BufferInit = None,
 ) -> tuple[list[str], list[str]]:
     """Load every incoming tensor into ``model``; returns ``(missing, unexpected)`` names.
 
@@ -220,6 +304,9 @@ def install_checkpoint(
         release_free_memory()
         staged.append((group, *_final_value(slot0, value, inc, source)))
 
+    if init_buffers is not None:  # before the commit: it cannot change what the checkpoint fills
+        init_meta_buffers(model, init_buffers, device=device)
+
     with torch.no_grad():  # commit
         for group, value, in_place in staged:
             if in_place:
@@ -237,7 +324,9 @@ def install_checkpoint(
     if left_on_meta:
         warnings.warn(
             f"{source}: {len(left_on_meta)} tensor(s) are still on the meta device after loading (not in the "
-            f"checkpoint, e.g. non-persistent buffers): {_fmt_names(left_on_meta)}; initialize them before use",
+            f"checkpoint, e.g. non-persistent buffers): {_fmt_names(left_on_meta)}; initialize them before use "
+            f"(for non-persistent buffers: pass init_buffers='auto' for a transformers model, or a function that "
+            f"fills a module's buffers)",
             LoadWarning, stacklevel=3,
         )
     if not strict and (missing or unexpected):

@@ -40,7 +40,7 @@ from torch import nn
 from ..tensor import AffineQuantizedTensor
 from . import codec
 from .codec import CheckpointError
-from .model_state import Incoming, dedupe, install_checkpoint, model_slots
+from .model_state import BufferInit, Incoming, dedupe, install_checkpoint, model_slots
 
 __all__ = ["save_quantized", "load_quantized", "FILE_FORMAT", "FILE_VERSION", "INDEX_NAME", "SINGLE_NAME"]
 
@@ -357,6 +357,7 @@ def load_quantized(
     strict: bool = True,
     layout: codec.LayoutPolicy = "saved",
     verify: bool = True,
+    init_buffers: BufferInit = None,
 ) -> nn.Module:
     """Load a checkpoint written by :func:`save_quantized` into ``model``; returns ``model``.
 
@@ -369,6 +370,11 @@ def load_quantized(
     ``strict``: missing or unexpected entries are an error (else a ``LoadWarning``).
     ``verify``: check CRCs (the JSON header is always checked). On any error the model is
     left unchanged and a :class:`CheckpointError` names the tensor, file and problem.
+    ``init_buffers``: how to compute non-persistent buffers a ``meta`` model still has on meta
+    (no checkpoint holds them: rotary ``inv_freq``, ``position_ids``): ``"auto"`` calls the
+    enclosing transformers model's ``_init_weights`` on each owning module, a function(module)
+    is called instead; they are created on ``device`` (default CPU) first. None (default): they
+    stay on meta with a :class:`LoadWarning`. See :func:`init_meta_buffers`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -376,6 +382,8 @@ def load_quantized(
         raise ValueError(f"layout: expected 'saved', 'auto' or a torchq Layout, got {layout!r}")
     if device is not None:
         device = torch.device(device)
+    if not (init_buffers is None or init_buffers == "auto" or callable(init_buffers)):
+        raise TypeError(f"init_buffers: expected None, 'auto' or a function(module), got {init_buffers!r}")
     path = Path(path)
     files, weight_map = _checkpoint_files(path)
     with contextlib.ExitStack() as stack:
@@ -403,7 +411,8 @@ def load_quantized(
                 aliases[alias] = target
         if weight_map is not None and set(weight_map) != {k for f in opened for k in f.keys}:
             raise CheckpointError(f"{path}: index weight_map does not match the shards' tensors")
-        install_checkpoint(model, incoming, aliases, device=device, strict=strict, source=str(path))
+        install_checkpoint(model, incoming, aliases, device=device, strict=strict, source=str(path),
+                           init_buffers=init_buffers)
     return model
 
 
