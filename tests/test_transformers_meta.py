@@ -131,3 +131,18 @@ def test_init_buffers_argument_is_checked(source):
         torchq.load_quantized(llama(meta=True), path, init_buffers="yes")
     with pytest.raises(CheckpointError):  # an unrelated model: refused before any buffer is touched
         torchq.load_quantized(nn.Linear(3, 3), path, init_buffers="auto")
+
+
+def test_torch_save_state_dict_assign_then_init_meta_buffers(source):
+    """The same for ``torch.save`` checkpoints: ``load_state_dict(sd, assign=True)`` into the meta
+    model, then :func:`init_meta_buffers`."""
+    import io
+
+    name, src, _ = source
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    target = MODELS[name](meta=True)
+    target.load_state_dict(torch.load(buf, weights_only=True), assign=True)
+    assert sorted(init_meta_buffers(target)) == sorted(k for k, b in non_persistent(src).items())
+    assert torch.equal(forward(target), forward(src))
