@@ -93,7 +93,17 @@ void weight_rows(void* ctx, int64_t n0, int64_t n1) {
   }
 }
 
-bool use_vnni() { return active_isa() == ISA_AVX512 && has_avx512_vnni(); }
+// TORCHQ_NATIVE_VNNI=0 (read once) runs the AVX-512 CPU's int8 dynamic kernel without VNNI, the
+// path of AVX-512 CPUs that lack it, so a VNNI machine tests it too.
+bool vnni_allowed() {
+  static const bool yes = [] {
+    const char* s = getenv("TORCHQ_NATIVE_VNNI");
+    return s == nullptr || strcmp(s, "0") != 0;
+  }();
+  return yes;
+}
+
+bool use_vnni() { return active_isa() == ISA_AVX512 && has_avx512_vnni() && vnni_allowed(); }
 
 void dynamic_rows(void* ctx, int64_t n0, int64_t n1) {
   const I8Params& p = *static_cast<const I8Params*>(ctx);

@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_native_blockwise import ISAS, NATIVE, assert_within_bound, needs_native
+from test_native_blockwise import ISAS, NATIVE, assert_within_bound, forced_tiles, needs_native
 
 import torchq
 from torchq import native
@@ -119,13 +119,15 @@ def test_int4_one_hot_every_group_size_and_padded_k(isa, g):
     m=st.sampled_from([1, 2, 3, 4, 5, 8, 17, 66]), dtype=st.sampled_from(FLOATS),
     domain=st.sampled_from(["float", "int", "none"]), scale_dtype=st.sampled_from(FLOATS),
     with_bias=st.booleans(), magnitude=st.sampled_from([1e-4, 1.0, 30.0]), seed=st.integers(0, 2**16),
+    fast_bf16=st.booleans(),
 )
-def test_int4_random_inputs_within_the_accumulation_bound(n, k, g, m, dtype, domain, scale_dtype, with_bias, magnitude, seed):
+def test_int4_random_inputs_within_the_accumulation_bound(n, k, g, m, dtype, domain, scale_dtype, with_bias, magnitude, seed, fast_bf16):
     plain = int4_plain(n, k, g, domain, scale_dtype, seed, magnitude)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    y = run_int4(x, int4_impl(plain), bias)
+    with forced_tiles(fast_bf16):
+        y = run_int4(x, int4_impl(plain), bias)
     assert y.dtype == dtype and y.shape == (m, n)
     assert_within_bound(y, x, plain.dequantize(torch.float32), bias, dtype)
 
@@ -207,14 +209,15 @@ def test_int8_one_hot_rows_give_the_exact_weights(isa, m):
 @given(
     n=st.integers(1, 40), k=st.integers(1, 300), m=st.sampled_from([1, 2, 3, 4, 5, 8, 17, 66]),
     dtype=st.sampled_from(FLOATS), with_bias=st.booleans(), magnitude=st.sampled_from([1e-4, 1.0, 30.0]),
-    seed=st.integers(0, 2**16),
+    seed=st.integers(0, 2**16), fast_bf16=st.booleans(),
 )
-def test_int8_weight_only_random_inputs_within_the_accumulation_bound(n, k, m, dtype, with_bias, magnitude, seed):
+def test_int8_weight_only_random_inputs_within_the_accumulation_bound(n, k, m, dtype, with_bias, magnitude, seed, fast_bf16):
     codes, scale, dense = int8_weight(n, k, seed, magnitude)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    y = int8_weight_linear(x, codes, scale, bias)
+    with forced_tiles(fast_bf16):
+        y = int8_weight_linear(x, codes, scale, bias)
     assert y.dtype == dtype and y.shape == (m, n)
     assert_within_bound(y, x, dense, bias, dtype)
 

@@ -209,3 +209,27 @@ def test_module_to_dtype_while_a_graph_is_alive(name):
     assert torch.equal(x.grad, expected)
     m.to(torch.float32)
     assert m(x).dtype == torch.float32
+
+
+@needs_native
+def test_int8_dynamic_without_vnni_is_bit_equal():
+    """TORCHQ_NATIVE_VNNI=0 runs the path of AVX-512 CPUs without VNNI (on any CPU)."""
+    code = """
+import torch
+from torchq import native
+from torchq.int8_linear import int8_dynamic_linear
+g = torch.Generator().manual_seed(0)
+codes = torch.randint(-127, 128, (40, 70), generator=g, dtype=torch.int8)
+scale = torch.rand(40, generator=g) + 0.1
+for m in (1, 5, 33):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = (torch.randn(m, 70, generator=g) * 3).to(dtype)
+        y = int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5)
+        with native.disabled():
+            ref = int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5)
+        assert torch.equal(y, ref), (m, dtype)
+print("ok")
+"""
+    env = dict(os.environ, TORCHQ_NATIVE_VNNI="0")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
