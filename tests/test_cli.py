@@ -3,7 +3,9 @@ and what they print."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -16,6 +18,12 @@ import torch.nn as nn
 
 def mlp():
     return nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64))
+
+def odd():
+    return nn.Sequential(nn.Linear(200, 100), nn.ReLU(), nn.Linear(100, 36))
+
+def deep():
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)], nn.Linear(256, 72))
 
 not_a_model = 3
 '''
@@ -98,3 +106,81 @@ def test_console_entry_points(target, tmp_path):
                           "--m", "1", "--dtypes", "fp32"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "int8wo" in run.stdout
+
+
+def _parsers():
+    """The torchq parser, each subcommand's and torchq bench's."""
+    from torchq import bench_linear
+    from torchq.cli import build_parser
+
+    top = build_parser()
+    subs = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return {"torchq": top, **{f"torchq {n}": p for n, p in subs.choices.items() if n != "bench"},
+            "torchq bench": bench_linear.build_parser("torchq bench")}
+
+
+def test_help_is_plain_text_and_every_option_has_help(capsys):
+    for name, parser in _parsers().items():
+        text = parser.format_help()
+        assert "``" not in text and not re.search(r":(func|mod|class|meth|attr|data):", text), (name, text)
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.option_strings or action.dest}: no help"
+
+
+@pytest.mark.parametrize("argv,prog", [(["bench", "--help"], "torchq bench"), (["explain", "--help"], "torchq explain"),
+                                       (["--help"], "torchq")])
+def test_help_names_the_command(capsys, argv, prog):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {prog} ")
+
+
+SIZES = re.compile(r"quantized weights ([\d.]+ \w+) \(float: ([\d.]+ \w+)\); ([\d.]+ \w+) of tensors; file ([\d.]+ \w+)")
+
+
+@pytest.mark.parametrize("factory,config,dtype,suffix", [
+    ("odd", "int4-g128", None, ".safetensors"), ("odd", "int4-g128", None, ".pt"), ("mlp", "int4-g128", "bf16", ".safetensors"),
+    ("mlp", "nf4", None, ".safetensors"), ("odd", "int8dq", "bf16", ".pt"),
+])
+def test_quantize_and_inspect_report_the_same_sizes(target, tmp_path, capsys, factory, config, dtype, suffix):
+    """Both count the bytes stored in the file (odd shapes: the int4 layout pads in memory, the file does not)."""
+    out = tmp_path / f"m{suffix}"
+    target = target.rsplit(":", 1)[0] + ":" + factory
+    assert main(["quantize", target, "--config", config, "-o", str(out)] + (["--dtype", dtype] if dtype else [])) == 0
+    said = SIZES.search(capsys.readouterr().out)
+    assert main(["inspect", str(out)]) == 0
+    shown = SIZES.search(capsys.readouterr().out)
+    assert said and shown and said.groups() == shown.groups()
+
+
+def test_explain_groups_rejections_and_fits_100_columns(target, capsys):
+    target = target.rsplit(":", 1)[0] + ":deep"
+    assert main(["explain", target, "--config", "int4-g128"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100, text
+    assert len(lines) <= 25, text  # 7 layers with the same kernel and rejections: one group, not 13 lines each
+    reasons = [line for line in lines if line.startswith("    ") and ":" in line]
+    assert reasons and len(reasons) == len(set(reasons)), text  # each distinct reason once
+    assert "7 layers" in text or "x7" in text, text
+
+
+def test_bench_quick_prints_no_ratio_from_noisy_timings(capsys, tmp_path):
+    """Quick mode says its timings are indicative; a ratio is shown only where neither timing is
+    noisy (a wide spread, or a median far above the fastest call)."""
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--configs", "float,int8wo,int4-g128", "--dtypes", "fp32", "--shapes", "256x256",
+                 "--m", "1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "quick: timings indicative only" in out
+    rows = json.loads(path.read_text())["rows"]
+    table = {line.split()[3]: line.split() for line in out.splitlines() if line.startswith("256x256")}
+    assert set(table) == {r["config"] for r in rows} == {"float", "int8wo", "int4-g128"}
+    float_noisy = next(r["noisy"] for r in rows if r["config"] == "float")
+    for r in rows:
+        assert r["reps"] >= 9 and r["q1_ms"] <= r["ms"] <= r["q3_ms"]
+        assert r["noisy"] == (r["spread"] > 0.25 or r["ms"] > 2 * r["min_ms"])
+        assert (table[r["config"]][7] == "noisy") == (r["noisy"] or float_noisy), table[r["config"]]

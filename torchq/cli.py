@@ -10,6 +10,8 @@
 ``int8wo``, ``int8dq``, ``nf4``...) or a config's JSON; ``P`` a plan written by ``autoquant``.
 ``OUT`` ending in ``.pt``/``.pth`` is written with ``torch.save`` (a state dict), anything else with
 :func:`torchq.save_quantized` (``.safetensors`` file or folder). Errors print one line and exit 1.
+Sizes: ``inspect`` and ``quantize`` count alike, the bytes the file stores (and its size on disk);
+``quantize`` also says what the quantized weights take in memory, in their layouts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +37,15 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 class CLIError(Exception):
     """A user error: printed as one line, exit status 1."""
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def plain_text(text: str) -> str:
+    """Docstring text without reStructuredText markup, for ``--help``: ``:func:`x``` and
+    double-backquoted literals become plain ``x``."""
+    return _ROLE.sub(r"\1", text).replace("``", "")
 
 
 # -- shared helpers ----------------------------------------------------------------------------------
@@ -195,8 +207,9 @@ def _inspect_torch(path: Path) -> tuple[list[dict], dict]:
     return entries, {"format": "torch.save"}
 
 
-def cmd_inspect(args) -> int:
-    path = Path(args.file)
+def read_entries(path: Path) -> tuple[list[dict], dict]:
+    """The entries (name, kind, shape, dtype, format, layout, bytes stored) and metadata of a
+    checkpoint file or folder."""
     if not path.exists():
         raise CLIError(f"{path}: no such file or folder")
     if path.is_dir():
@@ -219,17 +232,30 @@ def cmd_inspect(args) -> int:
                 entries, meta = _inspect_torch(path)
         else:
             entries, meta = _inspect_torch(path)
+    return entries, meta
+
+
+def size_summary(entries: list[dict], path: Path) -> str:
+    """What ``inspect`` and ``quantize`` both print: the bytes the file stores (quantized weights
+    in their stored form, and all tensors) and the file's size on disk."""
+    quant = [e for e in entries if e["kind"] == "quantized"]
+    total = sum(e["bytes"] for e in entries)
+    float_equiv = sum(_numel(e["shape"]) * _itemsize(e["dtype"]) for e in quant)
+    on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+    return (f"{len(entries)} entries, {len(quant)} quantized; quantized weights {fmt_bytes(sum(e['bytes'] for e in quant))} "
+            f"(float: {fmt_bytes(float_equiv)}); {fmt_bytes(total)} of tensors; file {fmt_bytes(on_disk)}")
+
+
+def cmd_inspect(args) -> int:
+    path = Path(args.file)
+    entries, meta = read_entries(path)
     if args.json:
         print(json.dumps({"file": str(path), "metadata": meta, "entries": entries}, indent=1))
         return 0
     rows = [(e["name"], e["kind"], "x".join(map(str, e["shape"])) if isinstance(e["shape"], list) else e["shape"], e["dtype"],
              e["format"], e["layout"], fmt_bytes(e["bytes"])) for e in entries]
     print(table(rows, ("name", "kind", "shape", "dtype", "format", "layout", "bytes")))
-    quant = [e for e in entries if e["kind"] == "quantized"]
-    total = sum(e["bytes"] for e in entries)
-    float_equiv = sum(_numel(e["shape"]) * _itemsize(e["dtype"]) for e in quant)
-    print(f"# {len(entries)} entries, {len(quant)} quantized; {fmt_bytes(total)} in all"
-          + (f"; quantized weights {fmt_bytes(sum(e['bytes'] for e in quant))} (float: {fmt_bytes(float_equiv)})" if quant else ""))
+    print(f"# {size_summary(entries, path)} (bytes as stored in the file)")
     if meta:
         print("# metadata: " + json.dumps(meta, sort_keys=True))
     return 0
@@ -258,12 +284,12 @@ def cmd_quantize(args) -> int:
         torch.save(model.state_dict(), out)
     else:
         torchq.save_quantized(model, out)
-    after = sum(m.weight.nbytes_quantized() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)
-                else 0 for m in model.modules())
-    float_q = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                  if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor))
-    print(f"quantized {len(quantized)} layers; weights {fmt_bytes(float_q)} -> {fmt_bytes(after)} "
-          f"(model parameters were {fmt_bytes(before)}); wrote {out}")
+    in_memory = sum(m.weight.nbytes_quantized() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)
+                    else 0 for m in model.modules())
+    entries, _ = read_entries(out)  # the same count as torchq inspect: what the file stores
+    print(f"quantized {len(quantized)} layers (model parameters were {fmt_bytes(before)}); wrote {out}: "
+          f"{size_summary(entries, out)} (bytes as stored in the file; in memory, in their layouts, the quantized "
+          f"weights take {fmt_bytes(in_memory)})")
     return 0
 
 
@@ -309,12 +335,13 @@ def cmd_explain(args) -> int:
 def cmd_bench(argv: list[str]) -> int:
     from . import bench_linear
 
-    return bench_linear.main(argv)
+    return bench_linear.main(argv, prog="torchq bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchq", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(prog="torchq", description=plain_text(__doc__.split("\n\n")[0]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=plain_text(__doc__.split("\n\n", 1)[1]))
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("inspect", help="list a checkpoint's layers, formats, sizes and metadata")
     s.add_argument("file", help="a .safetensors file or folder, or a torch.save file")
@@ -323,15 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("target", help="module:factory returning the nn.Module")
     s.add_argument("--config", help="a config name (int4-g128, int8wo, int8dq, nf4, ...) or a config's JSON")
     s.add_argument("--plan", help="a plan JSON written by autoquant")
-    s.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model first")
+    s.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model to this dtype before quantizing")
     s.add_argument("-o", "--output", required=True, help="out.safetensors, a folder, or out.pt")
     s = sub.add_parser("explain", help="print the kernel each quantized linear uses and why the others were rejected")
     s.add_argument("target", help="module:factory returning the nn.Module")
-    s.add_argument("--config")
-    s.add_argument("--plan")
-    s.add_argument("--checkpoint", help="quantized weights to load into the model")
-    s.add_argument("--input-shape", help="run the model on a random input of this shape (e.g. 1x4096)")
-    s.add_argument("--dtype", choices=sorted(DTYPES))
+    s.add_argument("--config", help="quantize the model with this config first: a name (int4-g128, int8wo, ...) or JSON")
+    s.add_argument("--plan", help="quantize the model with this autoquant plan (JSON file) first")
+    s.add_argument("--checkpoint", help="quantized weights to load into the model (instead of --config / --plan)")
+    s.add_argument("--input-shape", help="run the model on a random input of this shape (e.g. 1x4096); "
+                   "default: check each layer against a one-row input")
+    s.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model (and the input) to this dtype first")
     sub.add_parser("bench", help="the linear benchmark (options: torchq bench --help)", add_help=False)
     return p
 

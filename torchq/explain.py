@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import textwrap
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +15,8 @@ from .tensor import AffineQuantizedTensor
 __all__ = ["explain", "ExplainReport", "LinearDecision"]
 
 FALLBACK = "FALLBACK: dequantize + F.linear"
+WIDTH = 100  # the text report fits a terminal this wide
+ACCEPTS_TOO = "accepts, but a kernel before it was chosen"
 
 
 @dataclass
@@ -58,24 +62,61 @@ class ExplainReport:
         ]
 
     def __str__(self) -> str:
+        """Layers that share config, layout, input dtype, kernel and rejection reasons are one
+        group; within a group, one line per distinct reason (naming every kernel it rejected)."""
         if not self.decisions:
             return "torchq.explain: no quantized linear layers were called"
-        head = ("layer", "input", "config", "layout", "kernel")
-        rows = [(d.layer, d.input, d.config, d.layout, d.kernel) for d in self.decisions]
-        widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-
-        def fmt(r):
-            return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-
-        lines = [fmt(head), fmt(tuple("-" * w for w in widths))]
-        for d, r in zip(self.decisions, rows):
-            lines.append(fmt(r))
+        groups: dict[tuple, list[LinearDecision]] = {}
+        for d in self.decisions:
+            key = (d.config, d.layout, d.input.split("[")[0], d.kernel, tuple(d.verdicts))
+            groups.setdefault(key, []).append(d)
+        n, g = len(self.decisions), len(groups)
+        lines = _wrap(f"torchq.explain: {n} quantized linear call{'s' * (n > 1)} in {g} group{'s' * (g > 1)} "
+                      "(same config, layout, kernel and reasons)", "  ")
+        for ds in groups.values():
+            d = ds[0]
+            names = list(dict.fromkeys(x.layer for x in ds))
+            lines.append("")
+            lines += _wrap(f"{len(names)} layer{'s' if len(names) > 1 else ''}: {_compact_names(names)}", "  ")
+            for label, value in (("kernel", d.kernel), ("input", ", ".join(dict.fromkeys(x.input for x in ds))),
+                                 ("config", d.config), ("layout", d.layout),
+                                 ("format", ", ".join(dict.fromkeys(x.format for x in ds)))):
+                lines += _wrap(f"  {label:<8}{value}", " " * 10)
+            reasons: dict[str, list[str]] = {}
             for k, reason in d.verdicts:
                 if k != d.kernel:
-                    lines.append(f"    {k}: {'accepts, but a kernel before it was chosen' if reason is None else reason}")
+                    reasons.setdefault(ACCEPTS_TOO if reason is None else reason, []).append(k)
+            if reasons:
+                lines.append("  not chosen (one line per reason):")
+                for reason, kernels in reasons.items():
+                    lines += _wrap(f"    {', '.join(kernels)}: {reason}", " " * 8)
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False) or [text]
+
+
+def _compact_names(names: list[str]) -> str:
+    """Layer names with one varying number folded: ``blk.[0-29].attn_q`` for 30 names."""
+    by_pattern: dict[str, list[str]] = {}
+    for n in names:
+        by_pattern.setdefault(re.sub(r"\d+", "#", n), []).append(n)
+    out = []
+    for pattern, members in by_pattern.items():
+        if len(members) < 3 or pattern.count("#") != 1:
+            out += members
+            continue
+        numbers = sorted(int(re.search(r"\d+", m).group()) for m in members)
+        runs, start = [], numbers[0]
+        for a, b in zip(numbers, numbers[1:] + [None]):
+            if b != a + 1:
+                runs.append(str(start) if start == a else f"{start}-{a}")
+                start = b
+        out.append(pattern.replace("#", f"[{','.join(runs)}]"))
+    return ", ".join(out)
 
 
 def _decision(name: str, w: AffineQuantizedTensor, x: torch.Tensor, kernel, verdicts) -> LinearDecision:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 __all__ = ["Timing", "time_interleaved", "overlapping_pairs", "noise_note", "NOISY_SPREAD"]
 
 NOISY_SPREAD = 0.25  # relative interquartile range above which a timing is called noisy
+STALLED = 2.0  # median / fastest call above which a timing is called noisy (most calls were held up)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,10 @@ class Timing:
 
     @property
     def noisy(self) -> bool:
-        return self.spread > NOISY_SPREAD
+        """Spread above :data:`NOISY_SPREAD`, or the median over :data:`STALLED` times the fastest
+        call (on an oversubscribed machine a parallel region waits for a descheduled thread: most
+        calls then take a scheduler slice longer, consistently, so the quartiles stay close)."""
+        return self.spread > NOISY_SPREAD or self.median > STALLED * self.min
 
     def overlaps(self, other: Timing) -> bool:
         """Whether the two interquartile ranges (extremes below 4 samples) overlap."""
@@ -67,7 +71,7 @@ class Timing:
     def to_dict(self, scale: float = 1.0) -> dict:
         q1, q3 = self.quartiles
         return {"median": self.median * scale, "min": self.min * scale, "max": self.max * scale, "q1": q1 * scale,
-                "q3": q3 * scale, "n": len(self.samples), "spread": self.spread}
+                "q3": q3 * scale, "n": len(self.samples), "spread": self.spread, "noisy": self.noisy}
 
 
 def time_interleaved(
@@ -130,7 +134,7 @@ def noise_note(timings: Mapping[str, Timing], what: str = "") -> str | None:
     prefix = f"{what}: " if what else ""
     parts = []
     if noisy:
-        parts.append(f"spread above {NOISY_SPREAD:.0%} for {', '.join(noisy)}")
+        parts.append(f"spread above {NOISY_SPREAD:.0%} or median above {STALLED:g}x the fastest for {', '.join(noisy)}")
     if pairs:
         parts.append("spreads overlap for " + ", ".join(f"{a}/{b}" for a, b in pairs))
     return (f"note: {prefix}{'; '.join(parts)}: the machine is too noisy (or the configs too close) to rank "
