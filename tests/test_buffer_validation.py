@@ -131,6 +131,24 @@ def test_opaque_packed_formats_must_be_contiguous():
         type(impl).rebuild(impl.metadata(), {**tensors, "packed": strided})
 
 
+@pytest.mark.parametrize("m", [1, 200], ids=["decode", "prefill"])
+@pytest.mark.parametrize("kind", NATIVE_KINDS)
+def test_non_contiguous_inner_tensors_of_portable_layouts_compute_the_same(kind, m):
+    """Layouts whose kernels copy a non-contiguous tensor accept one (a column-major copy of the
+    same values); the native call then reads the contiguous copy, never the strided buffer."""
+    w = _aqt(kind)
+    impl = w.tensor_impl
+    name = BIG_FIELD[type(impl)]
+    t = getattr(impl, name)
+    strided = torch.empty(t.shape[1], t.shape[0], dtype=t.dtype).t()
+    strided.copy_(t)
+    assert not strided.is_contiguous()
+    tensors = {n: getattr(impl, n) for n in impl.tensor_names()}
+    other = w._replace(type(impl).rebuild(impl.metadata(), {**tensors, name: strided}))
+    x = torch.randn(m, K)
+    assert torch.equal(F.linear(x, other), F.linear(x, w))
+
+
 def test_forged_metadata_itself_is_rejected():
     impl = _aqt("int4").tensor_impl
     with pytest.raises(ValueError, match="group size"):

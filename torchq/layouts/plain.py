@@ -121,6 +121,7 @@ def int8_weight_only_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     such shapes compute in fp32 and cast back; it also crashes for M > 1 when the codes do not
     start on a 16-byte boundary (a row slice of a view, say), so such codes are copied to an
     aligned buffer first, with a one-time warning since that copy costs a pass over the weight."""
+    codes = codes.contiguous()  # the aten op requires it (a column slice, say)
     if x.dtype == torch.bfloat16 and codes.data_ptr() % 16:
         _warn_unaligned(codes)
         codes = codes.clone()
