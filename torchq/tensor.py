@@ -62,7 +62,7 @@ class AffineQuantizedTensor(torch.Tensor):
     ):
         if not isinstance(tensor_impl, TensorImpl):
             raise TypeError(f"tensor_impl: expected a torchq TensorImpl, got {type(tensor_impl).__name__}")
-        tensor_impl.validate()  # also when the impl was not built by its constructor (a pickle)
+        tensor_impl.ensure_valid()  # validates an impl that was not built by its constructor (a pickle)
         n, k = tensor_impl.shape
         shape, strides = ((k, n), (1, k)) if transposed else ((n, k), (k, 1))
         r = torch.Tensor._make_wrapper_subclass(
@@ -228,10 +228,11 @@ class AffineQuantizedTensor(torch.Tensor):
             raise TypeError(
                 f"torchq: {w.label or tuple(w.shape)!r} is a quantized weight ({w.tensor_impl.spec.describe()}) whose "
                 f"values live in several packed tensors, not in one {w.dtype} storage, so safetensors "
-                f"(transformers' save_pretrained, safetensors.torch.save_file) cannot write it. Save with "
-                f"torchq.save_quantized(model, folder) and load with torchq.load_quantized(model, folder) "
-                f"(model.config.save_pretrained(folder) writes a transformers config beside it), or use "
-                f"torch.save(model.state_dict())"
+                f"(safetensors.torch.save_file, or save_pretrained of a transformers model without torchq's "
+                f"quantizer) cannot write it. Save with torchq.save_quantized(model, folder) and load with "
+                f"torchq.load_quantized(model, folder), or use torch.save(model.state_dict()); for "
+                f"save_pretrained, call torchq.interop.transformers.attach(model) first (quantize_ and "
+                f"load_quantized do it for the model they are given)"
             )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..canonical import PlainForm, QuantSpec
+from ..identity_cache import IdentityCache
 from ..primitives import ZeroPointDomain, scale_shape
 
 __all__ = [
@@ -146,6 +147,9 @@ def choose_layout(spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> L
     return best
 
 
+# impls that passed validate(), by identity (a pickle cannot add to it)
+_VALIDATED = IdentityCache()
+
 # Dtype kinds a Buffer may name instead of dtypes.
 FLOATING = "floating point"
 INTEGER = "integer"
@@ -247,6 +251,15 @@ class TensorImpl:
         for k, v in fields.items():
             setattr(self, k, v)
         self.validate()
+        _VALIDATED.set(self, True)
+
+    def ensure_valid(self) -> None:
+        """:meth:`validate`, unless this very object already passed it (in its constructor or an
+        earlier call): for wrappers built around an impl on every call. An object built without
+        its constructor (by a pickle) is always validated here."""
+        if _VALIDATED.get(self) is None:
+            self.validate()
+            _VALIDATED.set(self, True)
 
     # -- validation ----------------------------------------------------------------------------
     def expected_tensors(self) -> dict[str, Buffer | None] | None:
@@ -296,15 +309,17 @@ class TensorImpl:
             return
         for f in self.tensor_fields:
             t, want = getattr(self, f, None), expected.get(f)
-            what = f"{name} ({self.spec.describe()}, shape {list(self.shape)}): {f}"
             if want is None:
                 if t is not None:
-                    raise ValueError(f"{what}: expected no tensor for this format, got {_describe_tensor(t)}")
+                    raise ValueError(f"{self._what(f)}: expected no tensor for this format, got {_describe_tensor(t)}")
                 continue
             if t is None:
-                raise ValueError(f"{what}: expected {want.describe()}, got None")
+                raise ValueError(f"{self._what(f)}: expected {want.describe()}, got None")
             if tuple(t.shape) != tuple(want.shape) or not want.accepts_dtype(t.dtype) or (want.contiguous and not t.is_contiguous()):
-                raise ValueError(f"{what}: expected {want.describe()}, got {_describe_tensor(t)}")
+                raise ValueError(f"{self._what(f)}: expected {want.describe()}, got {_describe_tensor(t)}")
+
+    def _what(self, field: str) -> str:
+        return f"{type(self).__name__} ({self.spec.describe()}, shape {list(self.shape)}): {field}"
 
     # -- generic machinery -----------------------------------------------------------------
     def tensor_names(self) -> list[str]:
