@@ -8,7 +8,7 @@ from . import blockwise, interop, layouts, native, primitives, vectorwise
 from .activation import OutlierInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .canonical import PlainForm, QuantSpec
-from .checkpoint import CheckpointError, LoadWarning, load_quantized, save_quantized
+from .checkpoint import CheckpointError, LoadWarning, init_meta_buffers, load_quantized, save_quantized
 from .checkpoint.pickling import _rebuild_object as _rebuild_object  # pinned pickle path
 from .checkpoint.pickling import _rebuild_quantized_tensor as _rebuild_quantized_tensor  # pinned pickle path
 from .configs import (
@@ -60,6 +60,7 @@ __all__ = [
     "save_plan",
     "CheckpointError",
     "LoadWarning",
+    "init_meta_buffers",
     "load_quantized",
     "save_quantized",
     "ExplainReport",
