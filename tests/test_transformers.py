@@ -1,6 +1,13 @@
 """quantize_ on tiny transformers models built from a config: tied embeddings (Llama), GPT-2's
-Conv1D layers, checkpoints, and what ``save_pretrained`` does with torchq weights."""
+Conv1D layers, checkpoints, and ``save_pretrained`` of torchq weights (issue 14 item 9): it writes
+torchq's safetensors format, which ``load_quantized`` reads back into a model built from the
+folder's config."""
 
+import contextlib
+import copy
+import functools
+import json
+import pickle
 import warnings
 
 import pytest
@@ -10,6 +17,10 @@ import torchq
 from torchq import AffineQuantizedTensor as AQT
 
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+from safetensors import safe_open  # noqa: E402
+
+import torchq.interop.transformers  # noqa: E402  (after the skip: the module needs transformers)
 
 
 def sqnr(ref, y):
@@ -99,17 +110,151 @@ def test_gpt2_quantized_compiles():
     assert torch.allclose(y, eager, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("build", [llama, bert], ids=["llama", "bert"])
-def test_save_pretrained_with_torchq_weights_raises_a_clear_error(tmp_path, build):
+@torch.no_grad()
+def outputs(m):
+    out = m(IDS)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def quantized(build, cfg):
     m = build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)
-        torchq.quantize_(m, torchq.int8_weight_only())
-    with warnings.catch_warnings(record=True) as seen, pytest.raises(TypeError, match=r"quantized weight.*torchq\.save_quantized"):
+        torchq.quantize_(m, cfg)
+    return m
+
+
+SAVE_CONFIGS = {
+    "int4": lambda: torchq.int4_weight_only(group_size=32),
+    "nf4": lambda: torchq.nf4_weight_only(),
+    "int8dyn": lambda: torchq.int8_dynamic_activation_int8_weight(),
+}
+
+
+def from_folder(build, folder, meta):
+    config = transformers.AutoConfig.from_pretrained(folder)
+    assert config.quantization_config["quant_method"] == "torchq"
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return type(build())(config).eval()
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["float", "meta"])
+@pytest.mark.parametrize("cfg", sorted(SAVE_CONFIGS))
+@pytest.mark.parametrize("build", [llama, bert], ids=["llama", "bert"])
+def test_save_pretrained_writes_torchq_weights_that_load_quantized_reads_back(tmp_path, build, cfg, meta):
+    m = quantized(build, SAVE_CONFIGS[cfg]())
+    assert isinstance(m.hf_quantizer, torchq.interop.transformers.TorchqHfQuantizer)
+    y = outputs(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TypedStorage or other warning
+        m.save_pretrained(tmp_path / "a")
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert "model.safetensors" in files and "model.safetensors.index.json" not in files
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["quantization_config"]["quant_method"] == "torchq"
+    fresh = from_folder(build, tmp_path / "a", meta)
+    torchq.load_quantized(fresh, tmp_path / "a", init_buffers="auto")
+    assert torch.equal(outputs(fresh), y)
+    if build is llama:
+        assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    src, got = m.state_dict(), fresh.state_dict()
+    assert src.keys() == got.keys()
+    for k, v in src.items():
+        if isinstance(v, AQT):
+            assert isinstance(got[k], AQT) and torch.equal(got[k].dequantize(), v.dequantize()), k
+        else:
+            assert type(got[k]) is torch.Tensor and got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    # the loaded model saves again (load_quantized attached the quantizer): the same metadata and tensors
+    fresh.save_pretrained(tmp_path / "b")
+    with safe_open(tmp_path / "a" / "model.safetensors", "pt") as a, safe_open(tmp_path / "b" / "model.safetensors", "pt") as b:
+        assert a.metadata() == b.metadata() and set(a.keys()) == set(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+
+
+def test_save_pretrained_sharded_round_trips_with_parts_of_one_weight_in_two_shards(tmp_path):
+    m = quantized(llama, torchq.int4_weight_only(group_size=32))
+    y = outputs(m)
+    m.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (tmp_path / "model.safetensors").exists()
+    shards_of: dict[str, set[str]] = {}
+    for key, file in index["weight_map"].items():
+        shards_of.setdefault(key.split(":")[0], set()).add(file)
+    assert any(len(files) > 1 for files in shards_of.values())  # transformers splits one weight's parts
+    for meta in (True, False):
+        fresh = from_folder(llama, tmp_path, meta)
+        torchq.load_quantized(fresh, tmp_path, init_buffers="auto")
+        assert torch.equal(outputs(fresh), y)
+    # a shard the index does not list: its tensors are in no file the checkpoint names
+    dropped = sorted(set(index["weight_map"].values()))[-1]
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != dropped}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(torchq.CheckpointError, match="in no file"):
+        torchq.load_quantized(from_folder(llama, tmp_path, True), tmp_path)
+
+
+def test_sharded_save_pretrained_files_of_two_checkpoints_are_refused(tmp_path):
+    for seed, folder in ((0, "a"), (1, "b")):
+        quantized(functools.partial(llama, seed), torchq.int8_weight_only()).save_pretrained(
+            tmp_path / folder, max_shard_size="40KB")
+    index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "a" / shard).write_bytes((tmp_path / "b" / shard).read_bytes())
+    with pytest.raises(torchq.CheckpointError, match="header differs"):
+        torchq.load_quantized(from_folder(llama, tmp_path / "a", True), tmp_path / "a")
+
+
+def test_from_pretrained_of_a_torchq_folder_raises_a_clear_error(tmp_path):
+    quantized(llama, torchq.int8_weight_only()).save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match=r"torchq weights.*torchq\.load_quantized"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("build", [llama, bert], ids=["llama", "bert"])
+def test_safetensors_of_torchq_weights_without_the_quantizer_raises_a_clear_error(tmp_path, build):
+    m = quantized(build, torchq.int8_weight_only())
+    with pytest.raises(TypeError, match=r"quantized weight.*torchq\.save_quantized"):
+        safetensors_torch.save_file(m.state_dict(), str(tmp_path / "sd.safetensors"))
+    # a state dict assigned by plain torch: no quantizer attached, save_pretrained says how
+    torch.save(m.state_dict(), tmp_path / "sd.pt")
+    fresh = build(seed=1)
+    fresh.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True), assign=True)
+    fresh.tie_weights()  # assign=True wraps each entry in its own Parameter: tie the embeddings again
+    assert getattr(fresh, "hf_quantizer", None) is None
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(TypeError, match=r"interop\.transformers\.attach"):
         warnings.simplefilter("always")
-        m.save_pretrained(tmp_path)
+        fresh.save_pretrained(tmp_path / "out")
     assert not [w for w in seen if "TypedStorage" in str(w.message)]
-    assert not list(tmp_path.glob("*.safetensors"))  # no half-written weights file
+    assert not list((tmp_path / "out").glob("*.safetensors"))  # no half-written weights file
+    torchq.interop.transformers.attach(fresh).save_pretrained(tmp_path / "out")
+    loaded = from_folder(build, tmp_path / "out", True)
+    torchq.load_quantized(loaded, tmp_path / "out", init_buffers="auto")
+    assert torch.equal(outputs(loaded), outputs(m))
+
+
+def test_attach_only_transformers_models_and_keep_them_copyable():
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    torchq.quantize_(plain, torchq.int8_weight_only())
+    assert not hasattr(plain, "hf_quantizer")
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        torchq.interop.transformers.attach(plain)
+    untouched = bert()
+    torchq.quantize_(untouched, torchq.int8_weight_only(), filter_fn=lambda mod, name: False)
+    assert getattr(untouched, "hf_quantizer", None) is None  # nothing quantized: nothing attached
+    m = quantized(bert, torchq.int8_weight_only())
+    twin = copy.deepcopy(m)
+    assert type(twin.hf_quantizer) is type(m.hf_quantizer)
+    config = pickle.loads(pickle.dumps(m.config))
+    assert config.quantization_config.to_dict() == m.config.quantization_config.to_dict()
+
+
+def test_save_pretrained_refuses_a_model_whose_weights_transformers_converts_on_save(tmp_path):
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
+    m = transformers.MixtralForCausalLM(cfg).eval()
+    torchq.quantize_(m, torchq.int8_weight_only())
+    with pytest.raises(ValueError, match=r"converts or renames.*torchq\.save_quantized"):
+        m.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
 
 
 def test_documented_way_to_save_a_quantized_transformers_model(tmp_path):

@@ -296,10 +296,15 @@ def quantize_(
             TiedWeightWarning, stacklevel=2,
         )
 
+    from .interop.transformers import prepare_attach  # transformers' save_pretrained (never imports it)
+
+    attach = prepare_attach(model) if staged else None
     # commit: plain dict assignments, which cannot fail
     replace = {key: s.new for key, s in staged.items()}
     replace.update(moved)
     for key, new in replace.items():
         for _, mod, attr, is_buffer in slots.get(key, []):
             (mod._buffers if is_buffer else mod._parameters)[attr] = new
+    if attach is not None:
+        attach()  # two attribute assignments
     return model

@@ -11,7 +11,10 @@ The safetensors header's ``__metadata__`` holds ``format = "pt"``, the user's me
      "quantized": {name: record}, "float": {name: {"dtype", "shape", "crc32"}},
      "aliases": {tied_name: stored_name}, "shard": [index, count], "user": {...}}
 
-with ``torchq_crc32``, the CRC-32 of that text. Loading checks the header CRC, every tensor's
+with ``torchq_crc32``, the CRC-32 of that text. ``"shard": "all"`` marks a header that describes the
+whole checkpoint and is repeated in every file, each file holding some of its tensors (the files
+transformers' ``save_pretrained`` writes: it shards by itself, with one metadata for all files,
+and may put the parts of one weight in different files; see :func:`flatten_model`). Loading checks the header CRC, every tensor's
 dtype, shape and CRC, and the codes against their range before changing the model.
 
 A folder checkpoint is either ``model.safetensors`` or, past ``max_shard_size``, shards
@@ -42,7 +45,7 @@ from . import codec
 from .codec import CheckpointError
 from .model_state import BufferInit, Incoming, dedupe, install_checkpoint, model_slots
 
-__all__ = ["save_quantized", "load_quantized", "FILE_FORMAT", "FILE_VERSION", "INDEX_NAME", "SINGLE_NAME"]
+__all__ = ["save_quantized", "load_quantized", "flatten_model", "FILE_FORMAT", "FILE_VERSION", "INDEX_NAME", "SINGLE_NAME"]
 
 FILE_FORMAT = "torchq.checkpoint"
 FILE_VERSION = 1
@@ -114,10 +117,54 @@ def _entries(named: dict[str, torch.Tensor]):
     return out, aliases
 
 
-def _write_file(path: Path, tensors: dict[str, torch.Tensor], header: dict, user: dict[str, str]) -> None:
+def _header(entries: list, aliases: dict[str, str], shard: list[int] | str, user: dict[str, str]) -> dict:
+    from .. import __version__
+
+    return {
+        "format": FILE_FORMAT, "version": FILE_VERSION, "torchq_version": __version__,
+        "quantized": {name: rec for name, rec, _, _ in entries if rec is not None},
+        "float": {name: part for name, rec, _, part in entries if rec is None},
+        "aliases": aliases, "shard": shard, "user": user,
+    }
+
+
+def _file_metadata(header: dict, user: dict[str, str]) -> dict[str, str]:
     text = codec.dumps(header)
     meta = dict(user)
     meta.update({"format": "pt", "torchq": text, "torchq_crc32": str(zlib.crc32(text.encode()))})
+    return meta
+
+
+def _check_unique_keys(entries: list) -> None:
+    keys = [k for _, _, tensors, _ in entries for k in tensors]
+    if len(set(keys)) != len(keys):
+        raise ValueError("save_quantized: two entries produce the same stored key; rename the tensors")
+
+
+def flatten_model(
+    model: nn.Module | Mapping[str, torch.Tensor], *, exclude: frozenset[str] = frozenset()
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of ``model`` in the file format of :func:`save_quantized`, for a
+    writer that shards by itself and gives every file the same metadata (transformers'
+    ``save_pretrained``): plain CPU tensors by stored key, and str -> str safetensors metadata
+    whose torchq header describes the whole checkpoint (``"shard": "all"``). ``exclude``: names
+    left out. :func:`load_quantized` reads the files back (one, or shards with an index)."""
+    named = {k: v for k, v in _named_tensors(model).items() if k not in exclude}
+    entries, aliases = _entries(named)
+    _check_unique_keys(entries)
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for _, _, parts, _ in entries:
+        for k, v in parts.items():
+            ptr = v.untyped_storage().data_ptr()
+            # one storage per key: such writers drop keys that share one as ties of each other
+            tensors[k] = v.clone() if ptr in storages else v
+            storages.add(tensors[k].untyped_storage().data_ptr())
+    return tensors, _file_metadata(_header(entries, aliases, "all", {}), {})
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor], header: dict, user: dict[str, str]) -> None:
+    meta = _file_metadata(header, user)
     tmp = path.with_name(path.name + ".tmp")
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
@@ -148,9 +195,7 @@ def save_quantized(
             raise ValueError(f"metadata: expected str -> str entries other than {_RESERVED_META}, got {k!r}: {v!r}")
     limit = parse_size(max_shard_size)
     entries, aliases = _entries(_named_tensors(model))
-    keys = [k for _, _, tensors, _ in entries for k in tensors]
-    if len(set(keys)) != len(keys):
-        raise ValueError("save_quantized: two entries produce the same stored key; rename the tensors")
+    _check_unique_keys(entries)
 
     single = path.suffix == ".safetensors"
     if single and limit is not None:
@@ -166,15 +211,8 @@ def save_quantized(
         shards[-1].append(e)
         size += n
 
-    from .. import __version__
-
     def header(shard: list, index: int, count: int) -> dict:
-        return {
-            "format": FILE_FORMAT, "version": FILE_VERSION, "torchq_version": __version__,
-            "quantized": {name: rec for name, rec, _, _ in shard if rec is not None},
-            "float": {name: part for name, rec, _, part in shard if rec is None},
-            "aliases": aliases, "shard": [index, count], "user": user,
-        }
+        return _header(shard, aliases, [index, count], user)
 
     if single:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,12 +304,13 @@ class _File:
             meta = self.handle.metadata() or {}
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        self.whole = False  # the header describes the whole checkpoint, this file holds part of it
         if "torchq" not in meta:  # a plain (float) safetensors file
             self.header: dict = {"quantized": {}, "float": {k: None for k in self.keys}, "aliases": {}, "shard": None}
             self.plain = True
             return
         self.plain = False
-        text = meta["torchq"]
+        self.text = text = meta["torchq"]
         if str(zlib.crc32(text.encode())) != meta.get("torchq_crc32"):
             raise CheckpointError(f"{path}: torchq header is corrupted (crc32 mismatch)")
         h = codec.loads(text, f"{path}: torchq header")
@@ -282,13 +321,14 @@ class _File:
             if not isinstance(h.get(field), dict):
                 raise CheckpointError(f"{path}: torchq header field {field!r} must be an object")
         self.header = h
-        expected = {k for k in h["float"]}
+        self.whole = h.get("shard") == "all"
+        self.expected = expected = {k for k in h["float"]}
         for name, rec in h["quantized"].items():
             parts = rec.get("parts") if isinstance(rec, dict) else None
             if not isinstance(parts, dict):
                 raise CheckpointError(f"{path}: quantized tensor {name!r}: record has no parts")
             expected |= {_part_key(name, p) for p in parts}
-        if expected != self.keys:
+        if expected != self.keys and not (self.whole and self.keys <= expected):
             missing, extra = sorted(expected - self.keys), sorted(self.keys - expected)
             raise CheckpointError(
                 f"{path}: tensors do not match the torchq header (missing: {missing[:8]}, unexpected: {extra[:8]})"
@@ -304,7 +344,33 @@ class _File:
             raise CheckpointError(f"{self.path}: cannot read tensor {key!r} ({e})") from None
 
 
-def _float_incoming(f: _File, name: str, part: Any, verify: bool) -> Incoming:
+class _Whole:
+    """The files of a checkpoint whose header (``"shard": "all"``, the same in every file)
+    describes all of them, read as one: each key from the file that holds it."""
+
+    def __init__(self, path: Path, files: list[_File]) -> None:
+        first = next(f for f in files if f.whole)
+        for bad in (f for f in files if not f.whole):
+            what = "has no torchq header" if bad.plain else "has a torchq header that describes only itself"
+            raise CheckpointError(f"{bad.path}: {what}, but {first.path}'s describes the whole checkpoint")
+        self.path, self.plain, self.header, self.keys = path, False, first.header, set(first.expected)
+        self.where: dict[str, _File] = {}
+        for f in files:
+            if f.text != first.text:
+                raise CheckpointError(f"{f.path}: its torchq header differs from {first.path}'s (files of different checkpoints)")
+            for k in f.keys:
+                if k in self.where:
+                    raise CheckpointError(f"{f.path}: tensor {k!r} is also stored in {self.where[k].path}")
+                self.where[k] = f
+        missing = sorted(self.keys - set(self.where))
+        if missing:
+            raise CheckpointError(f"{path}: tensors the torchq header lists are in no file: {missing[:8]}")
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.where[key].get(key)
+
+
+def _float_incoming(f: _File | _Whole, name: str, part: Any, verify: bool) -> Incoming:
     where = f"{f.path}: tensor {name!r}"
     if f.plain:
         try:
@@ -332,7 +398,7 @@ def _float_incoming(f: _File, name: str, part: Any, verify: bool) -> Incoming:
     return Incoming(name, shape, False, f"float {dtype}", load)
 
 
-def _quantized_incoming(f: _File, name: str, record: Any, layout: codec.LayoutPolicy, verify: bool) -> Incoming:
+def _quantized_incoming(f: _File | _Whole, name: str, record: Any, layout: codec.LayoutPolicy, verify: bool) -> Incoming:
     where = f"{f.path}"
     try:
         rec = codec.parse_record(record, name)
@@ -387,18 +453,21 @@ def load_quantized(
     path = Path(path)
     files, weight_map = _checkpoint_files(path)
     with contextlib.ExitStack() as stack:
-        opened = [_File(f, stack) for f in files]
+        opened: list[_File | _Whole] = [_File(f, stack) for f in files]
+        if weight_map is not None:
+            for f in opened:
+                if {k for k, v in weight_map.items() if v == f.path.name} != f.keys:
+                    raise CheckpointError(f"{f.path}: its tensors do not match the index's weight_map for this shard")
+        if any(f.whole for f in opened):
+            opened = [_Whole(path, opened)]
         incoming: dict[str, Incoming] = {}
         aliases: dict[str, str] = {}
         owner: dict[str, Path] = {}
         for f in opened:
             h = f.header
-            if weight_map is not None:
+            if weight_map is not None and isinstance(f, _File):
                 if not f.plain and h.get("shard") != [files.index(f.path) + 1, len(files)]:
                     raise CheckpointError(f"{f.path}: header says shard {h.get('shard')!r}, index lists {len(files)} shards")
-                mine = {k for k, v in weight_map.items() if v == f.path.name}
-                if mine != f.keys:
-                    raise CheckpointError(f"{f.path}: its tensors do not match the index's weight_map for this shard")
             for name, rec in h["quantized"].items():
                 _claim(owner, name, f.path)
                 incoming[name] = _quantized_incoming(f, name, rec, layout, verify)
@@ -413,6 +482,11 @@ def load_quantized(
             raise CheckpointError(f"{path}: index weight_map does not match the shards' tensors")
         install_checkpoint(model, incoming, aliases, device=device, strict=strict, source=str(path),
                            init_buffers=init_buffers)
+    from ..interop.transformers import prepare_attach
+
+    attach = prepare_attach(model, needs_weights=True)  # so that save_pretrained writes the torchq weights
+    if attach is not None:
+        attach()
     return model
 
 
