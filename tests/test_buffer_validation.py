@@ -350,3 +350,20 @@ def test_the_ops_reject_a_meta_bias(op):
             x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, b)
     with pytest.raises((ValueError, RuntimeError), match=r"bias|meta|device"):
         call()
+
+
+def test_ops_called_directly_with_a_meta_argument_among_cpu_ones_raise():
+    """An eager call mixing devices dispatches to the fake kernel; it must raise, not return
+    uninitialized memory (checked for the bitsandbytes-style, LLM.int8 and affine ops)."""
+    a = torch.zeros(128, dtype=torch.uint8)
+    meta = torch.ones(2, device="meta")
+    code = torch.linspace(-1, 1, 256)
+    with pytest.raises(ValueError, match="absmax: expected device cpu"):
+        torch.ops.torchq.dequantize_blockwise(a, meta, code, 64, torch.float32)
+    with pytest.raises(ValueError, match="expected device cpu"):
+        torch.ops.torchq.dequantize_4bit(a, meta, 64, "nf4", [16, 16], torch.float32)
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="expected device cpu"):
+        torch.ops.torchq.int8_vectorwise_dequant(x.to(torch.int8), torch.ones(4, device="meta"))
+    with pytest.raises(ValueError, match="expected device cpu"):
+        torch.ops.torchq.int8_linear_matmul(x.to(torch.int8), torch.ones(3, 8, dtype=torch.int8, device="meta"))

@@ -21,6 +21,8 @@ changing anything else a condition reads.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import warnings
 from collections.abc import Callable
@@ -237,6 +239,30 @@ def check_op_devices(op: str, x: torch.Tensor, **tensors: torch.Tensor | None) -
     for name, t in tensors.items():
         if t is not None and t.device != x.device:
             raise ValueError(f"torchq::{op}: {name}: expected device {x.device} (x's), got {t.device}")
+
+
+def one_device_fake(op: str):
+    """Decorator for a custom op's fake kernel whose tensor arguments must share one device: an
+    eager call mixing a meta tensor with CPU ones dispatches to the fake kernel, and its
+    uninitialized output would come back as the result (see :func:`check_op_devices`)."""
+
+    def deco(fake):
+        signature = inspect.signature(fake)
+
+        @functools.wraps(fake)
+        def checked(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            tensors = [(k, v) for k, v in bound.items() if isinstance(v, torch.Tensor)]
+            if tensors:
+                first = tensors[0][1].device
+                for name, t in tensors[1:]:
+                    if t.device != first:
+                        raise ValueError(f"torchq::{op}: {name}: expected device {first} (the first tensor's), got {t.device}")
+            return fake(*args, **kwargs)
+
+        return checked
+
+    return deco
 
 
 def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:

@@ -36,6 +36,8 @@ from enum import StrEnum
 
 import torch
 
+from .dispatch import one_device_fake
+
 __all__ = [
     "MappingType",
     "ZeroPointDomain",
@@ -382,6 +384,7 @@ def _choose_qparams_affine_op(
 
 
 @_choose_qparams_affine_op.register_fake
+@one_device_fake('choose_qparams_affine')
 def _(x, mapping_type, block_size, target_dtype, quant_min, quant_max, eps, scale_dtype,
       zero_point_dtype, zero_point_domain, preserve_zero):
     grid = scale_shape(x.shape, block_size)
@@ -404,6 +407,7 @@ def _quantize_affine_op(
 
 
 @_quantize_affine_op.register_fake
+@one_device_fake('quantize_affine')
 def _(x, block_size, scale, zero_point, output_dtype, quant_min, quant_max, zero_point_domain):
     return x.new_empty(x.shape, dtype=output_dtype)
 
@@ -424,5 +428,6 @@ def _dequantize_affine_op(
 
 
 @_dequantize_affine_op.register_fake
+@one_device_fake('dequantize_affine')
 def _(codes, block_size, scale, zero_point, quant_min, quant_max, zero_point_domain, output_dtype):
     return codes.new_empty(codes.shape, dtype=output_dtype)

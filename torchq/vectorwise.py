@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import one_device_fake
+
 __all__ = ["int8_vectorwise_quant", "int8_vectorwise_dequant", "int8_linear_matmul", "int8_mm_dequant", "int8_linear_dequant"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,6 +61,7 @@ def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torc
 
 
 @int8_vectorwise_quant.register_fake
+@one_device_fake('int8_vectorwise_quant')
 def _(A, threshold=0.0):
     cols = None
     if threshold > 0.0:
@@ -78,6 +81,7 @@ def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tenso
 
 
 @int8_vectorwise_dequant.register_fake
+@one_device_fake('int8_vectorwise_dequant')
 def _(A, stats):
     return A.new_empty(A.shape, dtype=torch.float32)
 
@@ -103,6 +107,7 @@ def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 
 @int8_linear_matmul.register_fake
+@one_device_fake('int8_linear_matmul')
 def _(A, B):
     return A.new_empty((*A.shape[:-1], B.shape[0]), dtype=torch.int32)
 
@@ -127,6 +132,7 @@ def int8_mm_dequant(
 
 
 @int8_mm_dequant.register_fake
+@one_device_fake('int8_mm_dequant')
 def _(A, row_stats, col_stats, dtype=None, bias=None):
     return A.new_empty(A.shape, dtype=dtype or torch.float16)
 
@@ -140,5 +146,6 @@ def int8_linear_dequant(
 
 
 @int8_linear_dequant.register_fake
+@one_device_fake('int8_linear_dequant')
 def _(A, B, row_stats, col_stats, bias=None, dtype=None):
     return A.new_empty((*A.shape[:-1], B.shape[0]), dtype=dtype or torch.float16)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..dispatch import one_device_fake
 from .codebooks import FP4_MAGNITUDES, NF4, codebook
 
 __all__ = [
@@ -131,6 +132,7 @@ def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storag
 
 
 @quantize_4bit.register_fake
+@one_device_fake('quantize_4bit')
 def _(A, blocksize, quant_type, quant_storage):
     check_blocksize(blocksize)
     n = A.numel()
@@ -149,6 +151,7 @@ def dequantize_4bit(
 
 
 @dequantize_4bit.register_fake
+@one_device_fake('dequantize_4bit')
 def _(A, absmax, blocksize, quant_type, shape, dtype):
     return A.new_empty(tuple(shape), dtype=dtype)
 
@@ -178,6 +181,7 @@ def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> t
 
 
 @quantize_blockwise.register_fake
+@one_device_fake('quantize_blockwise')
 def _(A, code, blocksize):
     check_blocksize(blocksize)
     return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty((-(-A.numel() // blocksize),), dtype=torch.float32)
@@ -206,6 +210,7 @@ def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
 
 
 @dequantize_blockwise.register_fake
+@one_device_fake('dequantize_blockwise')
 def _(A, absmax, code, blocksize, dtype):
     return A.new_empty(A.shape, dtype=dtype)
 
@@ -250,6 +255,7 @@ def gemv_4bit_reference(
 
 
 @gemv_4bit.register_fake
+@one_device_fake('gemv_4bit')
 def _(A, B, shapeB, absmax, code, blocksize):
     return A.new_empty((*A.shape[:-1], shapeB[0]))
 
