@@ -170,7 +170,7 @@ def test_save_pretrained_writes_torchq_weights_that_load_quantized_reads_back(tm
         assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
 
 
-def test_save_pretrained_sharded_round_trips_with_parts_of_one_weight_in_two_shards(tmp_path):
+def test_save_pretrained_sharded_round_trips_with_parts_of_one_weight_in_two_shards(tmp_path, capsys):
     m = quantized(llama, torchq.int4_weight_only(group_size=32))
     y = outputs(m)
     m.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -184,6 +184,12 @@ def test_save_pretrained_sharded_round_trips_with_parts_of_one_weight_in_two_sha
         fresh = from_folder(llama, tmp_path, meta)
         torchq.load_quantized(fresh, tmp_path, init_buffers="auto")
         assert torch.equal(outputs(fresh), y)
+    # torchq inspect lists each entry once, although every shard repeats the header
+    from torchq.cli import main
+
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    names = [e["name"] for e in json.loads(capsys.readouterr().out)["entries"]]
+    assert sorted(names) == sorted(m.state_dict())
     # a shard the index does not list: its tensors are in no file the checkpoint names
     dropped = sorted(set(index["weight_map"].values()))[-1]
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != dropped}

@@ -126,10 +126,15 @@ def _inspect_safetensors(files: list[Path]) -> tuple[list[dict], dict]:
 
     entries: list[dict] = []
     meta: dict = {}
+    whole: set[str] = set()
     for file in files:
         with safe_open(str(file), "pt") as f:
             header = f.metadata() or {}
             record = json.loads(header["torchq"]) if "torchq" in header else None
+            if record is not None and record.get("shard") == "all":  # save_pretrained: one header in every shard
+                if header["torchq"] in whole:
+                    continue
+                whole.add(header["torchq"])
             if record is None:  # a plain safetensors file
                 for key in f.keys():
                     t = f.get_slice(key)
