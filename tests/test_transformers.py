@@ -258,7 +258,7 @@ def test_save_pretrained_refuses_a_model_whose_weights_transformers_converts_on_
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
     m = transformers.MixtralForCausalLM(cfg).eval()
     torchq.quantize_(m, torchq.int8_weight_only())
-    with pytest.raises(ValueError, match=r"converts or renames.*torchq\.save_quantized"):
+    with pytest.raises(ValueError, match=r"converts.*merge or split.*torchq\.save_quantized"):
         m.save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
 
@@ -272,3 +272,23 @@ def test_documented_way_to_save_a_quantized_transformers_model(tmp_path):
     fresh = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path)).eval()
     torchq.load_quantized(fresh, tmp_path)
     assert fresh.lm_head.weight is fresh.model.embed_tokens.weight and torch.equal(logits(fresh), logits(m))
+
+
+@pytest.mark.parametrize("original_format", [True, False], ids=["renamed-back", "as-loaded"])
+def test_save_pretrained_of_a_model_loaded_from_legacy_key_names(tmp_path, original_format):
+    """from_pretrained renames BERT's legacy ``LayerNorm.gamma``/``beta``; save_pretrained renames
+    them back (unless save_original_format=False): the torchq header records it."""
+    src = bert()
+    src.config.save_pretrained(tmp_path / "legacy")
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v.contiguous()
+              for k, v in src.state_dict().items()}
+    safetensors_torch.save_file(legacy, str(tmp_path / "legacy" / "model.safetensors"), metadata={"format": "pt"})
+    m = transformers.BertModel.from_pretrained(tmp_path / "legacy").eval()
+    torchq.quantize_(m, torchq.int8_weight_only())
+    y = outputs(m)
+    m.save_pretrained(tmp_path / "q", save_original_format=original_format)
+    with safe_open(tmp_path / "q" / "model.safetensors", "pt") as f:
+        assert any("LayerNorm.gamma" in k for k in f.keys()) == original_format
+    fresh = from_folder(bert, tmp_path / "q", True)
+    torchq.load_quantized(fresh, tmp_path / "q", init_buffers="auto")
+    assert torch.equal(outputs(fresh), y)

@@ -14,7 +14,9 @@ The safetensors header's ``__metadata__`` holds ``format = "pt"``, the user's me
 with ``torchq_crc32``, the CRC-32 of that text. ``"shard": "all"`` marks a header that describes the
 whole checkpoint and is repeated in every file, each file holding some of its tensors (the files
 transformers' ``save_pretrained`` writes: it shards by itself, with one metadata for all files,
-and may put the parts of one weight in different files; see :func:`flatten_model`). Loading checks the header CRC, every tensor's
+and may put the parts of one weight in different files; see :func:`flatten_model`). Such a
+header may also hold ``"renamed": {key: stored_key}``, keys the writer may store under another
+name (transformers renames legacy keys back on save); either name is read. Loading checks the header CRC, every tensor's
 dtype, shape and CRC, and the codes against their range before changing the model.
 
 A folder checkpoint is either ``model.safetensors`` or, past ``max_shard_size``, shards
@@ -31,7 +33,7 @@ import contextlib
 import os
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -142,13 +144,17 @@ def _check_unique_keys(entries: list) -> None:
 
 
 def flatten_model(
-    model: nn.Module | Mapping[str, torch.Tensor], *, exclude: frozenset[str] = frozenset()
+    model: nn.Module | Mapping[str, torch.Tensor],
+    *,
+    exclude: frozenset[str] = frozenset(),
+    renames: Callable[[dict[str, torch.Tensor]], Mapping[str, str]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(tensors, metadata)`` of ``model`` in the file format of :func:`save_quantized`, for a
     writer that shards by itself and gives every file the same metadata (transformers'
     ``save_pretrained``): plain CPU tensors by stored key, and str -> str safetensors metadata
     whose torchq header describes the whole checkpoint (``"shard": "all"``). ``exclude``: names
-    left out. :func:`load_quantized` reads the files back (one, or shards with an index)."""
+    left out. ``renames(tensors)``: the keys the writer will store under another name.
+    :func:`load_quantized` reads the files back (one, or shards with an index)."""
     named = {k: v for k, v in _named_tensors(model).items() if k not in exclude}
     entries, aliases = _entries(named)
     _check_unique_keys(entries)
@@ -160,7 +166,11 @@ def flatten_model(
             # one storage per key: such writers drop keys that share one as ties of each other
             tensors[k] = v.clone() if ptr in storages else v
             storages.add(tensors[k].untyped_storage().data_ptr())
-    return tensors, _file_metadata(_header(entries, aliases, "all", {}), {})
+    header = _header(entries, aliases, "all", {})
+    renamed = dict(renames(tensors)) if renames is not None else {}
+    if renamed:
+        header["renamed"] = renamed
+    return tensors, _file_metadata(header, {})
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor], header: dict, user: dict[str, str]) -> None:
@@ -322,13 +332,22 @@ class _File:
                 raise CheckpointError(f"{path}: torchq header field {field!r} must be an object")
         self.header = h
         self.whole = h.get("shard") == "all"
+        self.stored = {k: k for k in self.keys}  # key -> the name the file stores it under
+        renamed = h.get("renamed", {}) if self.whole else {}
+        if not (isinstance(renamed, dict) and all(isinstance(v, str) for v in renamed.values())):
+            raise CheckpointError(f"{path}: torchq header field 'renamed' must map keys to stored keys")
+        if renamed:
+            back = {v: k for k, v in renamed.items()}
+            self.stored = {back.get(k, k): k for k in self.keys}
+            if len(self.stored) != len(self.keys):
+                raise CheckpointError(f"{path}: two stored tensors are the same key under the header's 'renamed'")
         self.expected = expected = {k for k in h["float"]}
         for name, rec in h["quantized"].items():
             parts = rec.get("parts") if isinstance(rec, dict) else None
             if not isinstance(parts, dict):
                 raise CheckpointError(f"{path}: quantized tensor {name!r}: record has no parts")
             expected |= {_part_key(name, p) for p in parts}
-        if expected != self.keys and not (self.whole and self.keys <= expected):
+        if expected != self.keys and not (self.whole and set(self.stored) <= expected):
             missing, extra = sorted(expected - self.keys), sorted(self.keys - expected)
             raise CheckpointError(
                 f"{path}: tensors do not match the torchq header (missing: {missing[:8]}, unexpected: {extra[:8]})"
@@ -353,21 +372,23 @@ class _Whole:
         for bad in (f for f in files if not f.whole):
             what = "has no torchq header" if bad.plain else "has a torchq header that describes only itself"
             raise CheckpointError(f"{bad.path}: {what}, but {first.path}'s describes the whole checkpoint")
-        self.path, self.plain, self.header, self.keys = path, False, first.header, set(first.expected)
+        self.path, self.plain, self.header = path, False, first.header
+        self.keys = {k for f in files for k in f.keys}  # as stored
         self.where: dict[str, _File] = {}
         for f in files:
             if f.text != first.text:
                 raise CheckpointError(f"{f.path}: its torchq header differs from {first.path}'s (files of different checkpoints)")
-            for k in f.keys:
+            for k in f.stored:
                 if k in self.where:
                     raise CheckpointError(f"{f.path}: tensor {k!r} is also stored in {self.where[k].path}")
                 self.where[k] = f
-        missing = sorted(self.keys - set(self.where))
+        missing = sorted(first.expected - set(self.where))
         if missing:
             raise CheckpointError(f"{path}: tensors the torchq header lists are in no file: {missing[:8]}")
 
     def get(self, key: str) -> torch.Tensor:
-        return self.where[key].get(key)
+        f = self.where[key]
+        return f.get(f.stored[key])
 
 
 def _float_incoming(f: _File | _Whole, name: str, part: Any, verify: bool) -> Incoming:

@@ -63,29 +63,28 @@ def state_dict_and_metadata(model: nn.Module) -> tuple[dict[str, torch.Tensor], 
     from ..checkpoint.safetensors_io import flatten_model
 
     exclude = frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    tensors, metadata = flatten_model(model, exclude=exclude)
-    if is_pretrained_model(model):
-        _check_no_weight_conversion(model, tensors)
-    return tensors, metadata
+    renames = functools.partial(_renames_on_save, model) if is_pretrained_model(model) else None
+    return flatten_model(model, exclude=exclude, renames=renames)
 
 
-def _check_no_weight_conversion(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """``save_pretrained`` reverts the weight conversions of some model classes (MoE expert
-    merges, renamed prefixes) on the flattened tensors; the torchq header names the model's own
-    entries, so such a model cannot be written this way."""
+def _renames_on_save(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The keys ``save_pretrained`` will store under another name: it reverts the weight
+    conversions of the model (legacy names such as BERT's ``LayerNorm.gamma``, renamed prefixes)
+    on the flattened tensors. Conversions that change tensors (MoE expert merges) are refused."""
     from transformers.core_model_loading import revert_weight_conversion
 
     try:
         reverted = revert_weight_conversion(model, dict(tensors))
-        changed = set(reverted) != set(tensors) or any(reverted[k] is not v for k, v in tensors.items())
-    except Exception:  # a converter that cannot run on torchq's parts changes them too
-        changed = True
-    if changed:
+    except Exception:  # a converter that cannot run on torchq's parts
+        reverted = {}
+    name_of = {id(v): k for k, v in reverted.items()}
+    if len(reverted) != len(tensors) or set(name_of) != {id(v) for v in tensors.values()}:
         raise ValueError(
-            f"save_pretrained: transformers converts or renames {type(model).__name__}'s weights on save "
-            f"(its weight conversions), which would no longer match the torchq header; save with "
+            f"save_pretrained: transformers converts {type(model).__name__}'s weights on save (its weight "
+            f"conversions merge or split tensors), which torchq's parts cannot follow; save with "
             f"torchq.save_quantized(model, folder) and model.config.save_pretrained(folder) instead"
         )
+    return {k: name_of[id(v)] for k, v in tensors.items() if name_of[id(v)] != k}
 
 
 @functools.cache
