@@ -187,6 +187,10 @@ def quantize_(
     it (a :class:`QuantizationError` in strict mode). Any other failure raises
     :class:`QuantizationError` and leaves the model unchanged: every new tensor is computed
     before the first one is installed, and installing cannot fail.
+
+    A transformers ``PreTrainedModel`` also gets torchq's ``hf_quantizer`` and
+    ``quantization_config``, so that ``save_pretrained`` writes its torchq weights (see
+    :mod:`torchq.interop.transformers`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")

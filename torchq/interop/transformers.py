@@ -13,7 +13,8 @@ folder into a model built from its config (on ``meta`` or float), sharded or not
 ``from_pretrained`` cannot load such a folder yet: once this module has set up its classes
 (any torchq call on a transformers model does), it raises a ``NotImplementedError`` saying how
 to load it; in a process that never did, transformers warns "Unknown quantization type, got
-torchq" and leaves the quantized weights randomly initialized.
+torchq", loads the float entries and leaves the quantized weights randomly initialized (its load
+report lists them as MISSING and their parts as UNEXPECTED).
 
 Nothing here imports transformers until a transformers model is seen, so torchq imports
 without it.
