@@ -1,12 +1,15 @@
 // A small persistent thread pool for tq::parallel_for.
 //
 // Every worker owns a slot: the caller writes the worker's job (fn, ctx, its range, spin) into
-// the slot and then bumps the slot's ticket under the slot's mutex; the worker reads the job only
-// after it has seen the new ticket (acquire), runs it and decrements the call's `remaining`
-// counter once. The caller writes a slot again only after `remaining` reached zero, that is
-// after every worker of the previous call has finished reading its slot, so a worker never sees
-// a half-written or a later call's job, and workers that take no part in a call are not woken.
-// Slots are allocated once per worker (never moved); a call allocates nothing.
+// the slot and then bumps the slot's ticket under the slot's mutex. Whoever runs a slot's range
+// first claims it (a CAS of `claimed` to the ticket): the worker once it has seen the ticket, or
+// the caller, which after its own range runs every range no worker has started yet (a worker
+// that is asleep or has no core, e.g. because PyTorch's OpenMP threads spin on them, does not
+// hold the call up). The runner decrements the call's `remaining` counter once. A worker reads
+// the job only after it won the claim; the caller writes a slot again only after `remaining`
+// reached zero, so nobody reads a half-written or a later call's job, and workers that take no
+// part in a call are not woken. Slots are allocated once per worker (never moved); a call
+// allocates nothing. Ranges are fixed by (n, grain, parts), whoever runs them.
 //
 // After a job a worker spins for the job's spin_us (0 by default) and then sleeps on its slot's
 // condition variable. One call runs at a time; a call that finds the pool busy (another Python
@@ -34,8 +37,9 @@ struct alignas(64) Slot {
   std::condition_variable cv;
   bool sleeping = false;            // guarded by mu: the worker waits on cv
   std::atomic<uint64_t> ticket{0};  // bumped (under mu) once per job given to this worker
-  // The job: written by the caller before `ticket` is bumped, read by the worker after it saw
-  // the bump, not written again before the worker has decremented the call's `remaining`.
+  std::atomic<uint64_t> claimed{0};  // the last ticket whose range someone started
+  // The job: written by the caller before `ticket` is bumped, read by whoever claimed it, not
+  // written again before the range's runner has decremented the call's `remaining`.
   RangeFn fn = nullptr;
   void* ctx = nullptr;
   int64_t begin = 0, end = 0;
@@ -68,7 +72,10 @@ struct Pool {
         now = s->ticket.load(std::memory_order_relaxed);
       }
       seen = now;
-      // Copy the job out before signalling completion: afterwards the caller may rewrite it.
+      // Claim the range (the caller may have run it already), then copy the job out before
+      // signalling completion: afterwards the caller may rewrite it.
+      uint64_t expected = now - 1;
+      if (!s->claimed.compare_exchange_strong(expected, now, std::memory_order_acq_rel)) continue;
       const RangeFn fn = s->fn;
       void* const ctx = s->ctx;
       const int64_t begin = s->begin, end = s->end;
@@ -142,7 +149,16 @@ void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, 
     if (wake) s->cv.notify_one();
   }
   fn(ctx, 0, bound(1));
-  // Wait for the workers; yield the core when they are slow (more threads than cores).
+  // Run the ranges no worker has started (claimed[i] is ticket - 1 until someone starts it).
+  for (int i = 1; i < parts; ++i) {
+    Slot* s = p->slots[i - 1].get();
+    uint64_t expected = s->ticket.load(std::memory_order_relaxed) - 1;
+    if (s->claimed.load(std::memory_order_relaxed) != expected) continue;
+    if (!s->claimed.compare_exchange_strong(expected, expected + 1, std::memory_order_acq_rel)) continue;
+    fn(ctx, bound(i), bound(i + 1));
+    p->remaining.fetch_sub(1, std::memory_order_acq_rel);
+  }
+  // Wait for the workers that started; yield the core when they are slow (more threads than cores).
   for (int i = 0; p->remaining.load(std::memory_order_acquire) != 0; ++i) {
     if (i < 4096) {
       _mm_pause();

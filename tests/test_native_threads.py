@@ -5,10 +5,10 @@
   1, 2, 3, 4, 8 (more threads than cores: contention is the point); every output must equal the
   single-threaded one bit for bit. It runs in a child process under a time limit, so a hang (the
   caller spinning on a work counter that never reaches zero) fails instead of blocking CI;
-* ThreadSanitizer: the pool and a small C++ driver (tests/native/tsan_driver.cpp) built with
-  ``-fsanitize=thread`` hammer ``parallel_for`` from several threads with varying part counts;
-  TSan must report nothing (an instrumented library cannot be loaded into Python, hence the
-  driver);
+* the pool alone: a small C++ driver (tests/native/tsan_driver.cpp) hammers ``parallel_for``
+  from several threads with varying sizes, part counts and spins, built with -O2 (every element
+  visited once, no hang) and with ``-fsanitize=thread`` (TSan must report nothing; an
+  instrumented library cannot be loaded into Python, hence the driver);
 * benchmarks/bench_threads.py runs (``--quick``).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -153,12 +154,18 @@ def run_driver(exe: Path, args: list[str], limit: float, env: dict | None = None
         pytest.fail(f"{exe.name} {' '.join(args)}: parallel_for hung (no result after {limit:.0f} s)")
 
 
+def worker_ranges(stdout: str) -> int:
+    match = re.search(r"(\d+) ranges run by pool workers", stdout)
+    return int(match.group(1)) if match else 0
+
+
 def test_pool_stress_driver(tmp_path: Path) -> None:
     """4 threads x 20000 parallel_for calls of varying sizes, part counts (1..8) and spins
     (-O2): every element visited exactly once, no hang."""
     exe = build_driver(tmp_path, ["-O2"])
     proc = run_driver(exe, ["4", "20000"], limit=30.0)
     assert proc.returncode == 0 and "ok:" in proc.stdout, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert worker_ranges(proc.stdout) > 0, proc.stdout  # the workers ran ranges, not only the callers
 
 
 def test_pool_thread_sanitizer(tmp_path: Path) -> None:
@@ -173,4 +180,24 @@ def test_pool_thread_sanitizer(tmp_path: Path) -> None:
         pytest.skip(f"ThreadSanitizer cannot run on this kernel: {proc.stderr.strip()[:300]}")
     assert "WARNING: ThreadSanitizer" not in proc.stderr and proc.returncode == 0, (
         f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}")
-    assert "ok:" in proc.stdout
+    assert "ok:" in proc.stdout and worker_ranges(proc.stdout) > 0, proc.stdout
+
+
+# -- benchmarks/bench_threads.py ------------------------------------------------------------------
+
+@pytest.mark.slow
+@needs_native
+def test_bench_threads_quick_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_threads", ROOT / "benchmarks" / "bench_threads.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "out.json"
+    assert mod.main(["--quick", "--modes", "pool,native1", "--json", str(path)]) == 0
+    rows = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"pool", "native1"}
+    assert rows["native1"]["native_threads"] == 1 and rows["pool"]["native_threads"] == rows["pool"]["torch_threads"] == 2
+    assert all(r["median"] > 0 and r["native_calls_per_token"] == 14 for r in rows.values())  # 2 layers x 7 linears
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "native1" in out
