@@ -5,8 +5,8 @@ config against the model's float self, in one run.
   similarity of each sentence's embedding with the float model's (mean and worst over 16 fixed
   sentences). Speed: ms to embed the 16 sentences (one batch).
 * ``smollm``: SmolLM2-135M-Instruct from its GGUF Q4_1 file (:mod:`torchq.examples.smollm`). Quality:
-  perplexity on the first ``--ppl-tokens`` tokens of a fixed public-domain text
-  (``benchmarks/data/declaration.txt``). Speed: tokens/s of greedy decoding (batch 1, KV cache,
+  perplexity on a fixed public-domain text (``benchmarks/data/declaration.txt``, 805 tokens;
+  ``--ppl-tokens`` takes fewer). Speed: tokens/s of greedy decoding (batch 1, KV cache,
   ``--new-tokens`` tokens after a short chat prompt, the prompt included in the time).
   ``gguf-q4_1`` is the published int4 weights imported losslessly into torchq; ``float`` is the
   same values dequantized to fp32 (the model is published in Q4_1 only), so ``gguf-q4_1`` and
@@ -35,6 +35,7 @@ import argparse
 import copy
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -276,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, float always included (known: float, gguf-q4_1, {', '.join(CONFIGS)})")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     p.add_argument("--new-tokens", type=int, default=16, help="smollm: tokens generated per timed call (default 16)")
-    p.add_argument("--ppl-tokens", type=int, default=256, help="smollm: tokens of the text the perplexity is measured on (default 256)")
+    p.add_argument("--ppl-tokens", type=int, default=1024,
+                   help="smollm: perplexity on the text's first N tokens (default 1024: all of its 805)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--autoquant", action="store_true", help="also autoquant each model: an 'autoquant' row and a summary")
     p.add_argument("--min-sqnr", type=float, default=30.0, help="autoquant's accuracy floor per layer (dB)")
@@ -300,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(not args.quiet)
     try:
         print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; native: {torchq.native.status()}", flush=True)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if load > 0.75 * (os.cpu_count() or 1):
+            print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cpus): timings will be noisy, and threads "
+                  "that wait for each other make a multi-threaded run much slower (OMP_NUM_THREADS=1 may be faster)",
+                  file=sys.stderr, flush=True)
         rows = []
         for m in models:
             rows += {"minilm": bench_minilm, "smollm": bench_smollm}[m](configs, args, progress)
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows)
     print(format_table(rows))
     print(footnotes(rows, args))
-    print(f"# {time.perf_counter() - progress.t0:.0f} s in all")
+    print(f"# {time.perf_counter() - progress.t0:.0f} s in all ({time.process_time():.0f} s of CPU time)")
     for m, result in args.autoquant_tables.items():
         print(f"\n# autoquant {m} (min_sqnr {args.min_sqnr:g} dB per layer)\n{autoquant_summary(result)}")
     if args.json:

@@ -123,19 +123,19 @@ def overlapping_pairs(timings: Mapping[str, Timing]) -> list[tuple[str, str]]:
 
 
 def noise_note(timings: Mapping[str, Timing], what: str = "") -> str | None:
-    """A one-line note when the timings are too noisy to rank (None when they are not): some
-    timing's spread is above :data:`NOISY_SPREAD`, or neighbours in median order overlap."""
+    """A note (one line per finding) when the timings cannot all be ranked, None when they can:
+    some timing is noisy (:attr:`Timing.noisy`: the machine is too noisy), or neighbours in
+    median order overlap (their order is within noise)."""
     if len(timings) < 2:
         return None
+    prefix = f"note: {what}: " if what else "note: "
+    lines = []
     noisy = sorted(n for n, t in timings.items() if t.noisy)
-    pairs = overlapping_pairs(timings)
-    if not noisy and not pairs:
-        return None
-    prefix = f"{what}: " if what else ""
-    parts = []
     if noisy:
-        parts.append(f"spread above {NOISY_SPREAD:.0%} or median above {STALLED:g}x the fastest for {', '.join(noisy)}")
+        lines.append(f"{prefix}the machine is too noisy to rank configs: spread above {NOISY_SPREAD:.0%} or median above "
+                     f"{STALLED:g}x the fastest for {', '.join(noisy)}; rerun on an idle machine")
+    pairs = overlapping_pairs(timings)
     if pairs:
-        parts.append("spreads overlap for " + ", ".join(f"{a}/{b}" for a, b in pairs))
-    return (f"note: {prefix}{'; '.join(parts)}: the machine is too noisy (or the configs too close) to rank "
-            "those configs; rerun on an idle machine or with more rounds")
+        lines.append(f"{prefix}the speed ranges overlap for {', '.join(f'{a}/{b}' for a, b in pairs)}: their order is "
+                     "within noise (more rounds may separate them)")
+    return "\n".join(lines) or None
