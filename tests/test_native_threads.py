@@ -30,9 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "native" / "tsan_driver.cpp"
 REQUIRE_NATIVE = os.environ.get("TORCHQ_REQUIRE_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
 
-# The child: builds the layers, takes single-threaded references, then lets Python threads call
-# them concurrently under changing torch thread counts for `seconds`; exit 0 with a JSON summary,
-# or 1 with the first mismatch.
+# The child: builds the layers, takes single-threaded references, then per phase lets that many
+# Python threads call them concurrently under changing torch thread counts for that many seconds;
+# exit 0 with the calls per thread and phase (JSON), 1 with the first mismatch, 2 if a native
+# kernel did not run.
 STRESS_CHILD = textwrap.dedent(
     r"""
     import json, sys, threading, time
@@ -57,7 +58,7 @@ STRESS_CHILD = textwrap.dedent(
     native.run_linear = counting
 
     gen = torch.Generator().manual_seed(0)
-    cases = []  # (name, weight, x): N = 8 and 64 alternate, M = 1 and 3
+    cases = []  # (name, weight, bias, x): N = 8 and 64 alternate, M = 1 and 3
     for name, config in configs.items():
         for n in (8, 64):
             lin = torch.nn.Linear(128, n, bias=True)
