@@ -40,7 +40,7 @@ def target(tmp_path):
 def test_quantize_then_inspect(target, tmp_path, capsys, suffix):
     out = tmp_path / f"model{suffix}"
     assert main(["quantize", target, "--config", "int4-g64", "-o", str(out)]) == 0
-    assert "quantized 2 layers" in capsys.readouterr().out and out.exists()
+    assert "quantized 2 weights" in capsys.readouterr().out and out.exists()
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "0.weight" in text and "quantized" in text and "4-bit [0,15] block 1x64 zero=float" in text and "0.bias" in text
@@ -58,7 +58,7 @@ def test_quantize_with_a_plan_and_explain(target, tmp_path, capsys):
     torchq.save_plan({"0": torchq.int8_weight_only(), "2": None}, plan)
     out = tmp_path / "m.safetensors"
     assert main(["quantize", target, "--plan", str(plan), "-o", str(out)]) == 0
-    assert "quantized 1 layers" in capsys.readouterr().out
+    assert "quantized 1 weights" in capsys.readouterr().out
     assert main(["explain", target, "--checkpoint", str(out)]) == 0
     text = capsys.readouterr().out
     assert "int8_weight_only_native" in text or "int8_weight_only_cpu" in text
@@ -184,3 +184,34 @@ def test_bench_quick_prints_no_ratio_from_noisy_timings(capsys, tmp_path):
         assert r["reps"] >= 9 and r["q1_ms"] <= r["ms"] <= r["q3_ms"]
         assert r["noisy"] == (r["spread"] > 0.25 or r["ms"] > 2 * r["min_ms"])
         assert (table[r["config"]][7] == "noisy") == (r["noisy"] or float_noisy), table[r["config"]]
+
+
+TIED_FACTORY = """
+import torch
+from torch import nn
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.body = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x)))
+
+def build():
+    torch.manual_seed(0)
+    return Tied()
+"""
+
+
+def test_quantize_counts_a_tied_weight_once(tmp_path, capsys):
+    """An embedding tied to lm_head holds the quantized weight too: one weight, counted once."""
+    path = tmp_path / "tied_models.py"
+    path.write_text(TIED_FACTORY)
+    out = tmp_path / "tied.safetensors"
+    with pytest.warns(UserWarning, match="tied"):
+        assert main(["quantize", f"{path}:build", "--config", "int8wo", "-o", str(out)]) == 0
+    assert "quantized 2 weights" in capsys.readouterr().out

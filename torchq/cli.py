@@ -281,18 +281,18 @@ def cmd_quantize(args) -> int:
         torchq.quantize_(model, spec)
     except Exception as e:
         raise CLIError(f"quantize: {e}") from None
-    quantized = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)]
-    if not quantized:
-        raise CLIError("quantize: no layer was quantized (no float nn.Linear matched)")
+    # distinct quantized weights (a tied weight, e.g. an embedding sharing lm_head's, counts once)
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)}
+    if not weights:
+        raise CLIError("quantize: no layer was quantized (no float nn.Linear or transformers Conv1D matched)")
     out = Path(args.output)
     if out.suffix in (".pt", ".pth"):
         torch.save(model.state_dict(), out)
     else:
         torchq.save_quantized(model, out)
-    in_memory = sum(m.weight.nbytes_quantized() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)
-                    else 0 for m in model.modules())
+    in_memory = sum(w.nbytes_quantized() for w in weights.values())
     entries, _ = read_entries(out)  # the same count as torchq inspect: what the file stores
-    print(f"quantized {len(quantized)} layers (model parameters were {fmt_bytes(before)}); wrote {out}: "
+    print(f"quantized {len(weights)} weights (model parameters were {fmt_bytes(before)}); wrote {out}: "
           f"{size_summary(entries, out)} (bytes as stored in the file; in memory, in their layouts, the quantized "
           f"weights take {fmt_bytes(in_memory)})")
     return 0
