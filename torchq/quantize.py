@@ -153,8 +153,8 @@ def _skip(msg: str, stacklevel: int = 3) -> None:
     warnings.warn(msg, SkippedLayerWarning, stacklevel=stacklevel)
 
 
-def _fmt(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
+def _fmt(names: list[str], limit: int = 8, quote: bool = True) -> str:
+    shown = ", ".join(repr(n) if quote else n for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
@@ -293,9 +293,9 @@ def quantize_(
         if not (id(mod) in s.modules and attr == "weight")
     )
     if through_tie:
-        shown = ", ".join(through_tie[:8]) + (f" and {len(through_tie) - 8} more" if len(through_tie) > 8 else "")
         warnings.warn(
-            f"quantize_: tied weights stay tied, so these tensors now hold the quantized weight too: {shown}; "
+            f"quantize_: tied weights stay tied, so these tensors now hold the quantized weight too: "
+            f"{_fmt(through_tie, quote=False)}; "
             f"untie them first to keep them in float",
             TiedWeightWarning, stacklevel=2,
         )
