@@ -1,0 +1,164 @@
+"""Digests of quantized-linear outputs for every config x layout x activation dtype on the CPU.
+
+Issue 15 reshaped the kernel layer under the rule "outputs must not change by a single bit".
+``record()`` computes the SHA-256 of every output (and of the quantized bytes' dequantization)
+for a fixed grid of cases; ``tests/test_output_digests.py`` recomputes them and compares with
+the digests stored in ``output_digests.json.gz`` for the same machine fingerprint (the native ISA,
+the tile dtype, torch's CPU capability and thread count, the CPU model: float sums are ordered
+differently elsewhere, so digests are only comparable on a matching machine).
+
+    python tests/golden/output_digests.py            # print the digests of this machine
+    python tests/golden/output_digests.py --update   # store them under this machine's fingerprint
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import hashlib
+import json
+import platform
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+import torchq
+from torchq import native
+from torchq.layouts import registered_layouts
+
+STORE = Path(__file__).with_name("output_digests.json.gz")
+SHAPES = ((48, 256), (40, 160))
+M_VALUES = (1, 3, 16, 33)
+ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def configs() -> dict[str, torchq.QuantConfig]:
+    """Every built-in config family, at the options that select different numerics."""
+    Z = torchq.ZeroPointDomain
+    return {
+        "int4_g32": torchq.int4_weight_only(32),
+        "int4_g128": torchq.int4_weight_only(128),
+        "int4_g32_int_zero": torchq.int4_weight_only(32, zero_point_domain=Z.INT),
+        "int4_g32_sym": torchq.int4_weight_only(32, zero_point_domain=Z.NONE),
+        "int4_g32_fp32_scales": torchq.int4_weight_only(32, scale_dtype=torch.float32),
+        "int8_weight_only": torchq.int8_weight_only(),
+        "int8_dynamic": torchq.int8_dynamic_activation_int8_weight(),
+        "intx2_g32": torchq.intx_weight_only(2, 32),
+        "intx3_g32": torchq.intx_weight_only(3, 32),
+        "intx5_channel": torchq.intx_weight_only(5, None),
+        "intx8_g32_sym": torchq.intx_weight_only(8, 32, mapping_type=torchq.MappingType.SYMMETRIC),
+        "nf4": torchq.nf4_weight_only(64, double_quant=False),
+        "nf4_dq": torchq.nf4_weight_only(64),
+        "fp4_dq": torchq.fp4_weight_only(32),
+        "llm_int8": torchq.llm_int8(),
+    }
+
+
+def fingerprint() -> str:
+    st = native.status()
+    from torchq.prefill import FAST_BF16_MATMUL
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"torch {torch.__version__}; aten {torch.backends.cpu.get_cpu_capability()}; threads {torch.get_num_threads()}; "
+            f"native {st.isa if st.available else 'off'}; bf16 tiles {FAST_BF16_MATMUL}; cpu {cpu}")
+
+
+def _weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    w = torch.randn(shape, generator=g) * 0.05
+    w[3, 5] = 0.9  # an outlier column for LLM.int8 / a wide group
+    return w.to(dtype)
+
+
+def _input(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(m * 7 + k)
+    x = torch.randn(m, k, generator=g)
+    x[0, 5] = 8.0  # an activation outlier (LLM.int8 threshold 6)
+    return x.to(dtype)
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous()
+    return hashlib.sha256(str((t.dtype, tuple(t.shape))).encode() + t.view(torch.uint8).numpy().tobytes()).hexdigest()[:8]
+
+
+def _layouts() -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = [("auto", None)]
+    for name, cls in sorted(registered_layouts().items()):
+        with contextlib.suppress(TypeError):
+            out.append((name, cls()))
+    return out
+
+
+def cases() -> Iterator[tuple[str, str]]:
+    """``(case id, digest or 'rejected: reason')`` for every case, in a fixed order."""
+    for cname, base in configs().items():
+        for lname, layout in _layouts():
+            try:
+                cfg = base if layout is None else type(base)(**{**base.__dict__, "layout": layout})
+            except (ValueError, TypeError) as e:
+                yield f"{cname}/{lname}", f"rejected: {type(e).__name__}"
+                continue
+            for shape in SHAPES:
+                for wdtype in ACT_DTYPES:
+                    w = _weight(shape, wdtype)
+                    key = f"{cname}/{lname}/{shape[0]}x{shape[1]}/w{str(wdtype)[6:]}"
+                    try:
+                        q = cfg.quantize_weight(w)
+                    except Exception as e:  # noqa: BLE001 - the kind of rejection is part of the record
+                        yield key, f"rejected: {type(e).__name__}"
+                        continue
+                    yield key + "/dequantize", _digest(q.dequantize())
+                    for xdtype in ACT_DTYPES:
+                        for m in M_VALUES:
+                            x = _input(m, shape[1], xdtype)
+                            bias = None if m % 2 else torch.linspace(-1, 1, shape[0]).to(xdtype)
+                            try:
+                                y = torch.nn.functional.linear(x, q, bias)
+                            except Exception as e:  # noqa: BLE001
+                                yield f"{key}/x{str(xdtype)[6:]}/m{m}", f"raises: {type(e).__name__}"
+                                continue
+                            yield f"{key}/x{str(xdtype)[6:]}/m{m}", _digest(y)
+
+
+def record(native_enabled: bool = True) -> dict[str, str]:
+    ctx = contextlib.nullcontext() if native_enabled else native.disabled()
+    with ctx, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dict(cases())
+
+
+def load_store() -> dict:
+    return json.loads(gzip.decompress(STORE.read_bytes())) if STORE.is_file() else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--update", action="store_true", help="store this machine's digests under its fingerprint")
+    args = p.parse_args(argv)
+    fp = fingerprint()
+    result = {"native": record(True), "reference": record(False)}
+    print(fp)
+    for mode, digests in result.items():
+        print(f"{mode}: {len(digests)} cases, {sum(v.startswith(('rejected', 'raises')) for v in digests.values())} rejected/raising")
+    if args.update:
+        store = load_store()
+        store[fp] = result
+        STORE.write_bytes(gzip.compress(json.dumps(store, sort_keys=True).encode(), mtime=0))
+        print(f"stored under {fp!r} in {STORE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
