@@ -12,8 +12,16 @@
 * ``int8_mm_dequant(C, row_stats, col_stats, dtype=fp16, bias=None) = C * (row * col) / 127^2``
   (+ bias) in fp32, cast once to ``dtype``. bitsandbytes multiplies by the literal 6.200124e-05
   where 1/127^2 = 6.2000124e-05, so its results differ from these by ~2e-5 relative.
-* ``int8_linear_dequant(A, B, row_stats, col_stats, bias=None, dtype=fp16)``: the two above in
-  one op (bitsandbytes calls it ``int8_scaled_mm``).
+* ``int8_scaled_mm(A, B, row_stats, col_stats, bias=None, dtype=fp16)``: the two above in one
+  op; ``int8_linear_dequant`` is the same op under torchq's older name.
+* ``int8_double_quant(A, threshold=0.0) -> (row codes, column codes, row_stats [rows],
+  col_stats [K], outlier_cols)``: the row-wise quantization above plus the same per column
+  (``col_stats`` = column absmax leaving out the outliers, which get column code 0).
+* ``int8_mixed_scaled_mm(A, CA, CB, SCA, SCB, outlier_cols=None, bias=None) -> (out, subA)``:
+  LLM.int8's linear: ``int8_scaled_mm(CA, CB, SCA, SCB, bias, A.dtype)`` plus, in A's dtype, the
+  outlier columns' product ``subA @ dequant(CB[:, outlier_cols]).T`` with
+  ``subA = A[:, outlier_cols]`` (``[rows, 0]`` without outliers), which is returned too.
+* ``int8_linear_matmul.out(A, B, out)`` writes the int32 product into ``out``.
 
 ``A`` may have any leading dimensions (rows = all but the last); outputs keep them.
 """
@@ -22,9 +30,11 @@ from __future__ import annotations
 
 import torch
 
+from .blockwise.out_overloads import define_out_overload
 from .dispatch import one_device_fake
 
-__all__ = ["int8_vectorwise_quant", "int8_vectorwise_dequant", "int8_linear_matmul", "int8_mm_dequant", "int8_linear_dequant"]
+__all__ = ["int8_vectorwise_quant", "int8_vectorwise_dequant", "int8_linear_matmul", "int8_mm_dequant", "int8_scaled_mm",
+           "int8_linear_dequant", "int8_double_quant", "int8_mixed_scaled_mm"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,25 +46,46 @@ def _rows(A: torch.Tensor, what: str = "A") -> torch.Tensor:
     return A.reshape(-1, A.shape[-1])
 
 
-@torch.library.custom_op(
-    "torchq::int8_vectorwise_quant", mutates_args=(), schema="(Tensor A, float threshold=0.) -> (Tensor, Tensor, Tensor?)"
-)
-def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _outliers(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(A as fp32 [rows, K] with outliers zeroed, outlier mask or None)``."""
     if A.dtype not in _FLOATS:
         raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
     if not threshold >= 0.0:
         raise ValueError(f"threshold: expected >= 0 (0 disables outliers), got {threshold}")
     x = _rows(A).float()
-    outlier_cols = None
+    mask = None
     if threshold > 0.0:
-        outliers = x.abs() >= threshold
-        x = x.masked_fill(outliers, 0.0)
-        outlier_cols = torch.nonzero(outliers.any(dim=0)).reshape(-1)
+        mask = x.abs() >= threshold
+        x = x.masked_fill(mask, 0.0)
     if not bool(torch.isfinite(x).all()):
         raise ValueError("A: contains NaN or inf (outside the outliers); int8 quantization needs finite values")
-    row_stats = x.abs().amax(dim=1)
-    scale = torch.where(row_stats > 0, 127.0 / row_stats, torch.zeros_like(row_stats))
-    codes = torch.round(x * scale[:, None]).to(torch.int8)
+    return x, mask
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8 codes, fp32 absmax per row)`` of finite fp32 ``x [rows, K]``."""
+    stats = x.abs().amax(dim=1)
+    scale = torch.where(stats > 0, 127.0 / stats, torch.zeros_like(stats))
+    return torch.round(x * scale[:, None]).to(torch.int8), stats
+
+
+def _outlier_cols(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None else torch.nonzero(mask.any(dim=0)).reshape(-1)
+
+
+def _dynamic_cols(A: torch.Tensor, threshold: float) -> torch.Tensor | None:
+    if threshold > 0.0:
+        return A.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.int64)
+    return None
+
+
+@torch.library.custom_op(
+    "torchq::int8_vectorwise_quant", mutates_args=(), schema="(Tensor A, float threshold=0.0) -> (Tensor, Tensor, Tensor?)"
+)
+def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    x, mask = _outliers(A, threshold)
+    codes, row_stats = _quantize_rows(x)
+    outlier_cols = _outlier_cols(mask)
     if outlier_cols is not None and outlier_cols.numel():
         codes[:, outlier_cols] = 0
     return codes.reshape(A.shape), row_stats.reshape(A.shape[:-1]), outlier_cols
@@ -63,14 +94,31 @@ def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torc
 @int8_vectorwise_quant.register_fake
 @one_device_fake('int8_vectorwise_quant')
 def _(A, threshold=0.0):
-    cols = None
-    if threshold > 0.0:
-        ctx = torch.library.get_ctx()
-        cols = A.new_empty((ctx.new_dynamic_size(),), dtype=torch.int64)
-    return A.new_empty(A.shape, dtype=torch.int8), A.new_empty(A.shape[:-1], dtype=torch.float32), cols
+    return A.new_empty(A.shape, dtype=torch.int8), A.new_empty(A.shape[:-1], dtype=torch.float32), _dynamic_cols(A, threshold)
 
 
-@torch.library.custom_op("torchq::int8_vectorwise_dequant", mutates_args=())
+@torch.library.custom_op(
+    "torchq::int8_double_quant", mutates_args=(), schema="(Tensor A, float threshold=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor?)"
+)
+def int8_double_quant(
+    A: torch.Tensor, threshold: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Row-wise codes as :func:`int8_vectorwise_quant`, column-wise codes of the same values."""
+    row_codes, row_stats, outlier_cols = torch.ops.torchq.int8_vectorwise_quant.default(A, threshold)
+    x, _ = _outliers(A, threshold)
+    col_codes, col_stats = _quantize_rows(x.t())
+    return row_codes, col_codes.t().reshape(A.shape), row_stats, col_stats, outlier_cols
+
+
+@int8_double_quant.register_fake
+@one_device_fake('int8_double_quant')
+def _(A, threshold=0.0):
+    codes = A.new_empty(A.shape, dtype=torch.int8)
+    return (codes, torch.empty_like(codes), A.new_empty(A.shape[:-1], dtype=torch.float32),
+            A.new_empty((A.shape[-1],), dtype=torch.float32), _dynamic_cols(A, threshold))
+
+
+@torch.library.custom_op("torchq::int8_vectorwise_dequant", mutates_args=(), schema="(Tensor A, Tensor stats) -> Tensor")
 def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     if A.dtype != torch.int8:
         raise TypeError(f"A: expected int8 codes, got {A.dtype}")
@@ -93,7 +141,11 @@ def _check_int8_pair(A: torch.Tensor, B: torch.Tensor) -> None:
         raise ValueError(f"B: expected [N, K] with K = {A.shape[-1]} (A's last dimension), got shape {list(B.shape)}")
 
 
-@torch.library.custom_op("torchq::int8_linear_matmul", mutates_args=())
+def _matmul_result(A: torch.Tensor, B: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    return (*A.shape[:-1], B.shape[0]), torch.int32, A.device
+
+
+@torch.library.custom_op("torchq::int8_linear_matmul", mutates_args=(), schema="(Tensor A, Tensor B) -> Tensor")
 def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     _check_int8_pair(A, B)
     a = _rows(A)
@@ -109,10 +161,17 @@ def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 @int8_linear_matmul.register_fake
 @one_device_fake('int8_linear_matmul')
 def _(A, B):
+    _check_int8_pair(A, B)
     return A.new_empty((*A.shape[:-1], B.shape[0]), dtype=torch.int32)
 
 
-@torch.library.custom_op("torchq::int8_mm_dequant", mutates_args=())
+define_out_overload("int8_linear_matmul", "(Tensor A, Tensor B, Tensor! out) -> ()", _matmul_result)
+
+
+@torch.library.custom_op(
+    "torchq::int8_mm_dequant", mutates_args=(),
+    schema="(Tensor A, Tensor row_stats, Tensor col_stats, ScalarType? dtype=None, Tensor? bias=None) -> Tensor",
+)
 def int8_mm_dequant(
     A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype | None = None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -137,15 +196,59 @@ def _(A, row_stats, col_stats, dtype=None, bias=None):
     return A.new_empty(A.shape, dtype=dtype or torch.float16)
 
 
-@torch.library.custom_op("torchq::int8_linear_dequant", mutates_args=())
-def int8_linear_dequant(
+_SCALED_MM_SCHEMA = "(Tensor A, Tensor B, Tensor row_stats, Tensor col_stats, Tensor? bias=None, ScalarType? dtype=None) -> Tensor"
+
+
+def _scaled_mm(
     A: torch.Tensor, B: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor,
     bias: torch.Tensor | None = None, dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     return int8_mm_dequant(int8_linear_matmul(A, B), row_stats, col_stats, dtype, bias)
 
 
-@int8_linear_dequant.register_fake
-@one_device_fake('int8_linear_dequant')
-def _(A, B, row_stats, col_stats, bias=None, dtype=None):
+def _scaled_mm_fake(A, B, row_stats, col_stats, bias=None, dtype=None):
     return A.new_empty((*A.shape[:-1], B.shape[0]), dtype=dtype or torch.float16)
+
+
+int8_scaled_mm = torch.library.custom_op("torchq::int8_scaled_mm", _scaled_mm, mutates_args=(), schema=_SCALED_MM_SCHEMA)
+int8_scaled_mm.register_fake(one_device_fake("int8_scaled_mm")(_scaled_mm_fake))
+int8_linear_dequant = torch.library.custom_op("torchq::int8_linear_dequant", _scaled_mm, mutates_args=(), schema=_SCALED_MM_SCHEMA)
+int8_linear_dequant.register_fake(one_device_fake("int8_linear_dequant")(_scaled_mm_fake))
+
+
+def _check_mixed(A, CA, CB, SCA, SCB, outlier_cols, bias) -> None:
+    if A.dtype not in _FLOATS:
+        raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
+    if tuple(CA.shape) != tuple(A.shape):
+        raise ValueError(f"CA: expected A's shape {list(A.shape)} (its int8 codes), got {list(CA.shape)}")
+    if outlier_cols is not None and (outlier_cols.dim() != 1 or outlier_cols.dtype != torch.int64):
+        raise ValueError(f"outlier_cols: expected 1-D int64 column indices, got {outlier_cols.dtype} {list(outlier_cols.shape)}")
+
+
+@torch.library.custom_op(
+    "torchq::int8_mixed_scaled_mm", mutates_args=(),
+    schema="(Tensor A, Tensor CA, Tensor CB, Tensor SCA, Tensor SCB, Tensor? outlier_cols=None, Tensor? bias=None) -> (Tensor, Tensor?)",
+)
+def int8_mixed_scaled_mm(
+    A: torch.Tensor, CA: torch.Tensor, CB: torch.Tensor, SCA: torch.Tensor, SCB: torch.Tensor,
+    outlier_cols: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """LLM.int8 linear (see module doc): ``(out in A's dtype, subA [rows, len(outlier_cols)])``."""
+    _check_mixed(A, CA, CB, SCA, SCB, outlier_cols, bias)
+    a = _rows(A)
+    cols = outlier_cols if outlier_cols is not None else torch.zeros(0, dtype=torch.int64, device=A.device)
+    sub_a = a[:, cols]
+    out = _scaled_mm(CA, CB, SCA, SCB, bias, A.dtype)
+    if cols.numel():
+        sub_b = int8_vectorwise_dequant(CB[:, cols].contiguous(), SCB).to(A.dtype)
+        out = out.reshape(-1, CB.shape[0]).addmm(sub_a, sub_b.t()).reshape(out.shape)
+    return out, sub_a
+
+
+@int8_mixed_scaled_mm.register_fake
+@one_device_fake('int8_mixed_scaled_mm')
+def _(A, CA, CB, SCA, SCB, outlier_cols=None, bias=None):
+    _check_mixed(A, CA, CB, SCA, SCB, outlier_cols, bias)
+    rows = A.numel() // A.shape[-1]
+    n_cols = 0 if outlier_cols is None else outlier_cols.shape[0]
+    return A.new_empty((*A.shape[:-1], CB.shape[0])), A.new_empty((rows, n_cols))

@@ -13,7 +13,8 @@ double-quantized in the three ``nested_*`` tensors; see :mod:`torchq.layouts.blo
   are at least as accurate as the reference's). More rows (prefill): the same kernel up to 64
   rows, or weight tiles dequantized natively (exactly the reference's values) and multiplied
   with ``torch.mm``: in bf16 for bf16 inputs on CPUs with native bf16 matmul (the reference's
-  arithmetic), else in fp32. ``torchq::gemv_4bit`` uses the same paths on the CPU.
+  arithmetic), else in fp32. ``torchq::gemv_4bit`` and ``torchq::gemm_4bit`` use the same paths on
+  the CPU.
 
 Gradients flow to ``x`` (``grad @ W``) and ``bias``; the quantized weight is frozen (QLoRA).
 """
@@ -29,7 +30,15 @@ from ..dispatch import check_op_devices
 from ..prefill import tile_dtype, tiled_linear, use_tiles
 from .codebooks import codebook, dynamic_map
 from .nested import NESTED_BLOCKSIZE, double_dequantize
-from .ops import BLOCK_SIZES, check_blocksize, dequantize_4bit, gemv_4bit_reference
+from .ops import (
+    BLOCK_SIZES,
+    check_blocksize,
+    check_gemm_4bit,
+    dequantize_4bit,
+    gemm_4bit_absmax,
+    gemm_4bit_reference,
+    gemv_4bit_reference,
+)
 
 __all__ = ["blockwise_4bit_linear"]
 
@@ -195,20 +204,45 @@ def _backward(ctx, grad):
 torch.library.register_autograd("torchq::blockwise_4bit_linear", _backward, setup_context=_setup)
 
 
-@torch.library.register_kernel("torchq::gemv_4bit", "cpu")
-def _(A, B, shapeB, absmax, code, blocksize):
+def _native_4bit_matmul(op: str, A, B, shapeB, absmax, table, blocksize, bias, reference) -> torch.Tensor:
+    """``A @ W.T (+ bias)`` through the native kernel for a checked ``gemv_4bit`` / ``gemm_4bit``
+    call on the CPU (plain fp32 ``absmax``, 16-value ``table``), or ``reference()`` without the
+    library, for blocks that cross rows (the kernel's blocks are row groups) and for inconsistent
+    sizes (the reference raises the error)."""
     lib = native.library()
-    valid = len(shapeB) == 2 and blocksize in BLOCK_SIZES and A.dtype in _FLOATS and A.numel() > 0 and A.shape[-1] == shapeB[1]
-    if lib is None or not valid or shapeB[1] % blocksize:  # invalid input: the reference raises the error
-        if lib is None:
-            native.warn_reference("gemv_4bit")
-        elif valid:
-            native.warn_reference("gemv_4bit", f"blocks cross rows (K={shapeB[1]} is not a multiple of blocksize {blocksize})")
-        return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
+    if lib is None:
+        native.warn_reference(op)
+        return reference()
     n, k = shapeB
+    if A.numel() == 0:
+        return reference()
+    if k % blocksize:
+        native.warn_reference(op, f"blocks cross rows (K={k} is not a multiple of blocksize {blocksize})")
+        return reference()
     packed = B.reshape(-1).view(torch.uint8) if B.dtype != torch.uint8 else B.reshape(-1)
     if packed.numel() != n * k // 2 or absmax.dtype != torch.float32 or absmax.numel() != n * k // blocksize:
+        return reference()
+    return _native_linear(lib, A, packed, table, absmax.reshape(-1), None, None, None, n, k, blocksize, bias)
+
+
+@torch.library.register_kernel("torchq::gemv_4bit", "cpu")
+def _(A, B, shapeB, absmax, code, blocksize):
+    def reference() -> torch.Tensor:
         return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
+
+    valid = len(shapeB) == 2 and blocksize in BLOCK_SIZES and A.dtype in _FLOATS and A.numel() > 0 and A.shape[-1] == shapeB[1]
+    if not valid:  # the reference raises the error
+        return reference()
     if code.dtype != torch.float32 or code.shape != (16,):
         raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
-    return _native_linear(lib, A, packed, code, absmax.reshape(-1), None, None, None, n, k, blocksize, None)
+    return _native_4bit_matmul("gemv_4bit", A, B, shapeB, absmax, code, blocksize, None, reference)
+
+
+@torch.library.register_kernel("torchq::gemm_4bit", "cpu")
+def _(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None):
+    def reference() -> torch.Tensor:
+        return gemm_4bit_reference(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+
+    check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+    scale = gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset)
+    return _native_4bit_matmul("gemm_4bit", A, B, shapeB, scale, TABLES[quant_type], blocksize, bias, reference)

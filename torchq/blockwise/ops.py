@@ -33,6 +33,8 @@ import torch
 
 from ..dispatch import one_device_fake
 from .codebooks import FP4_MAGNITUDES, NF4, codebook
+from .nested import double_dequantize
+from .out_overloads import define_out_overload
 
 __all__ = [
     "BLOCK_SIZES",
@@ -43,6 +45,10 @@ __all__ = [
     "check_blocksize",
     "gemv_4bit",
     "gemv_4bit_reference",
+    "gemm_4bit",
+    "gemm_4bit_reference",
+    "check_gemm_4bit",
+    "gemm_4bit_absmax",
 ]
 
 BLOCK_SIZES = tuple(2**i for i in range(5, 13))  # 32 ... 4096
@@ -120,7 +126,10 @@ def _storage_view(packed: torch.Tensor, quant_storage: torch.dtype) -> torch.Ten
 
 
 # -- 4-bit ----------------------------------------------------------------------------------------
-@torch.library.custom_op("torchq::quantize_4bit", mutates_args=())
+@torch.library.custom_op(
+    "torchq::quantize_4bit", mutates_args=(),
+    schema="(Tensor A, int blocksize, str quant_type, ScalarType quant_storage) -> (Tensor, Tensor)",
+)
 def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed [ceil(n/2)/itemsize, 1] quant_storage, absmax fp32 [nb])`` (see module doc)."""
     check_blocksize(blocksize)
@@ -142,7 +151,10 @@ def _(A, blocksize, quant_type, quant_storage):
     return packed, A.new_empty((-(-n // blocksize),), dtype=torch.float32)
 
 
-@torch.library.custom_op("torchq::dequantize_4bit", mutates_args=())
+_DEQUANTIZE_4BIT_ARGS = "Tensor A, Tensor absmax, int blocksize, str quant_type, int[] shape, ScalarType dtype"
+
+
+@torch.library.custom_op("torchq::dequantize_4bit", mutates_args=(), schema=f"({_DEQUANTIZE_4BIT_ARGS}) -> Tensor")
 def dequantize_4bit(
     A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -156,6 +168,10 @@ def _(A, absmax, blocksize, quant_type, shape, dtype):
     return A.new_empty(tuple(shape), dtype=dtype)
 
 
+define_out_overload("dequantize_4bit", f"({_DEQUANTIZE_4BIT_ARGS}, Tensor! out) -> ()",
+                    lambda A, absmax, blocksize, quant_type, shape, dtype: (shape, dtype, A.device))
+
+
 # -- 8-bit blockwise ------------------------------------------------------------------------------
 def _sorted_code(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     if code.dtype != torch.float32 or code.dim() != 1 or not 2 <= code.numel() <= 256:
@@ -166,7 +182,7 @@ def _sorted_code(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]
     return code[order], order
 
 
-@torch.library.custom_op("torchq::quantize_blockwise", mutates_args=())
+@torch.library.custom_op("torchq::quantize_blockwise", mutates_args=(), schema="(Tensor A, Tensor code, int blocksize) -> (Tensor, Tensor)")
 def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(uint8 indices into code, A's shape; absmax fp32 [nb])``: nearest code value of
     ``x * (1 / absmax)`` (exact midpoints, ties to the lower value)."""
@@ -187,7 +203,10 @@ def _(A, code, blocksize):
     return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty((-(-A.numel() // blocksize),), dtype=torch.float32)
 
 
-@torch.library.custom_op("torchq::dequantize_blockwise", mutates_args=())
+_DEQUANTIZE_BLOCKWISE_ARGS = "Tensor A, Tensor absmax, Tensor code, int blocksize, ScalarType dtype"
+
+
+@torch.library.custom_op("torchq::dequantize_blockwise", mutates_args=(), schema=f"({_DEQUANTIZE_BLOCKWISE_ARGS}) -> Tensor")
 def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
     """``code[A] * absmax[block]`` in fp32, cast to ``dtype``, in A's shape."""
     check_blocksize(blocksize)
@@ -215,6 +234,10 @@ def _(A, absmax, code, blocksize, dtype):
     return A.new_empty(A.shape, dtype=dtype)
 
 
+define_out_overload("dequantize_blockwise", f"({_DEQUANTIZE_BLOCKWISE_ARGS}, Tensor! out) -> ()",
+                    lambda A, absmax, code, blocksize, dtype: (A.shape, dtype, A.device))
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -227,7 +250,10 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 # -- 4-bit matrix-vector ----------------------------------------------------------------------------
-@torch.library.custom_op("torchq::gemv_4bit", mutates_args=())
+_GEMV_4BIT_ARGS = "Tensor A, Tensor B, int[] shapeB, Tensor absmax, Tensor code, int blocksize"
+
+
+@torch.library.custom_op("torchq::gemv_4bit", mutates_args=(), schema=f"({_GEMV_4BIT_ARGS}) -> Tensor")
 def gemv_4bit(
     A: torch.Tensor, B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
 ) -> torch.Tensor:
@@ -258,6 +284,108 @@ def gemv_4bit_reference(
 @one_device_fake('gemv_4bit')
 def _(A, B, shapeB, absmax, code, blocksize):
     return A.new_empty((*A.shape[:-1], shapeB[0]))
+
+
+define_out_overload("gemv_4bit", f"({_GEMV_4BIT_ARGS}, Tensor! out) -> ()",
+                    lambda A, B, shapeB, absmax, code, blocksize: ((*A.shape[:-1], shapeB[0]), A.dtype, A.device))
+
+
+# -- 4-bit matrix-matrix (optionally double-quantized absmax, bias) ----------------------------------
+def check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset) -> None:
+    """The argument checks of :func:`gemm_4bit` that need no tensor data (shared with its fake)."""
+    check_blocksize(blocksize)
+    codebook(quant_type)
+    if len(shapeB) != 2:
+        raise ValueError(f"shapeB: expected [N, K], got {list(shapeB)}")
+    if A.dtype not in _FLOATS:
+        raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
+    if A.dim() < 1 or A.shape[-1] != shapeB[1]:
+        raise ValueError(f"A: expected last dimension {shapeB[1]} (K of shapeB {list(shapeB)}), got shape {list(A.shape)}")
+    if B.dtype not in (torch.uint8, *_FLOATS):
+        raise TypeError(f"B: expected packed bytes stored as uint8, fp32, bf16 or fp16, got {B.dtype}")
+    if absmax.dtype != torch.float32:
+        raise TypeError(f"absmax: expected fp32, got {absmax.dtype}")
+    if absmax_8bit is None:
+        if absmax_code is not None or absmax_offset is not None:
+            raise ValueError("absmax_code, absmax_offset: only meaningful with absmax_8bit, which is None")
+    else:
+        if absmax_code is None or absmax_offset is None:
+            raise ValueError("absmax_code, absmax_offset: required with absmax_8bit")
+        if absmax_8bit.dtype != torch.uint8 or absmax_8bit.dim() != 1:
+            raise ValueError(f"absmax_8bit: expected 1-D uint8 codes, got {absmax_8bit.dtype} {list(absmax_8bit.shape)}")
+        if absmax_code.dtype != torch.float32 or tuple(absmax_code.shape) != (256,):
+            raise ValueError(f"absmax_code: expected the 256 fp32 values of an 8-bit map, got {absmax_code.dtype} {list(absmax_code.shape)}")
+        if not absmax_offset.is_floating_point() or absmax_offset.numel() != 1:
+            raise ValueError(f"absmax_offset: expected one floating-point value, got {absmax_offset.dtype} {list(absmax_offset.shape)}")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != shapeB[0]:
+            raise ValueError(f"bias: expected shape [{shapeB[0]}] (N of shapeB), got {list(bias.shape)}")
+        if bias.dtype != A.dtype:
+            raise TypeError(f"bias: expected A's dtype {A.dtype}, got {bias.dtype}")
+
+
+def gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset) -> torch.Tensor:
+    """fp32 per-block absmax: ``absmax`` itself, or with ``absmax_8bit`` the double-quantized
+    form ``absmax_code[absmax_8bit[i]] * absmax[i // 256] + absmax_offset`` (``absmax`` then holds
+    the per-256 statistics; :mod:`torchq.blockwise.nested`)."""
+    if absmax_8bit is None:
+        return absmax
+    return double_dequantize(absmax_8bit, absmax, absmax_offset.float().reshape(()), absmax_code)
+
+
+_GEMM_4BIT_SCHEMA = ("(Tensor A, Tensor B, int[] shapeB, Tensor absmax, int blocksize, str quant_type, Tensor? bias=None, "
+                     "Tensor? absmax_8bit=None, Tensor? absmax_code=None, Tensor? absmax_offset=None) -> Tensor")
+
+
+@torch.library.custom_op("torchq::gemm_4bit", mutates_args=(), schema=_GEMM_4BIT_SCHEMA)
+def gemm_4bit(
+    A: torch.Tensor, B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor, blocksize: int, quant_type: str,
+    bias: torch.Tensor | None = None, absmax_8bit: torch.Tensor | None = None, absmax_code: torch.Tensor | None = None,
+    absmax_offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``A @ W.T + bias`` in A's dtype for the 4-bit ``[N, K] = shapeB`` weight ``W`` of ``B``
+    (``quant_type`` codebook times the per-block absmax, see :func:`gemm_4bit_absmax`).
+    Reference: dequantize in fp32, cast once to A's dtype, ``F.linear``. On the CPU the native
+    fused kernel runs instead when built (:mod:`torchq.blockwise.linear`). Differentiable in A
+    and bias."""
+    return gemm_4bit_reference(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+
+
+def gemm_4bit_reference(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
+                        absmax_offset=None) -> torch.Tensor:
+    """The pure-PyTorch definition of :func:`gemm_4bit`."""
+    check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+    scale = gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset)
+    w = dequantize_4bit(B, scale, blocksize, quant_type, list(shapeB), A.dtype)
+    return torch.nn.functional.linear(A, w, bias)
+
+
+@gemm_4bit.register_fake
+@one_device_fake('gemm_4bit')
+def _(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None):
+    check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+    return A.new_empty((*A.shape[:-1], shapeB[0]))
+
+
+def _gemm_4bit_setup(ctx, inputs, output) -> None:
+    A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset = inputs
+    ctx.save_for_backward(B, absmax, absmax_8bit, absmax_code, absmax_offset)
+    ctx.meta = (list(shapeB), blocksize, quant_type, bias is not None)
+
+
+def _gemm_4bit_backward(ctx, grad):
+    B, absmax, absmax_8bit, absmax_code, absmax_offset = ctx.saved_tensors
+    shapeB, blocksize, quant_type, has_bias = ctx.meta
+    grad_a = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        scale = gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset)
+        grad_a = grad @ dequantize_4bit(B, scale, blocksize, quant_type, shapeB, grad.dtype)
+    if has_bias and ctx.needs_input_grad[6]:
+        grad_bias = grad.reshape(-1, shapeB[0]).sum(0)
+    return grad_a, None, None, None, None, None, grad_bias, None, None, None
+
+
+gemm_4bit.register_autograd(_gemm_4bit_backward, setup_context=_gemm_4bit_setup)
 
 
 def _dequantize_with_table(A, absmax, blocksize, table, shape, dtype):
