@@ -1,8 +1,12 @@
 """bitsandbytes-compatible blockwise ops: ``torch.ops.torchq.quantize_4bit`` and friends.
 
-Each op has one schema (the bitsandbytes one), a fake implementation for ``torch.compile``, and a
-pure-PyTorch implementation that is the executable spec and the fallback for every device;
-device backends register against the same op.
+Each op has bitsandbytes' schema (argument names, types, defaults), a fake implementation for
+``torch.compile``, and a pure-PyTorch implementation that is the executable spec and the fallback
+for every device; device backends register against the same op. ``dequantize_4bit``,
+``dequantize_blockwise`` and ``gemv_4bit`` also have bitsandbytes' ``.out`` overloads
+(:mod:`.out_overloads`). ``gemm_4bit`` is ``gemv_4bit`` for any number of rows with a bias and,
+optionally, double-quantized absmax (``absmax_8bit`` codes, ``absmax_code`` map, ``absmax_offset``,
+with ``absmax`` then holding the per-256 statistics).
 
 Formats (``numel = n``, ``blocksize = B``, ``nb = ceil(n / B)``):
 
