@@ -48,6 +48,24 @@ def test_export_layout_matches_the_bitsandbytes_format(qt, nested):
 
 
 @pytest.mark.parametrize("qt,nested", CASES)
+def test_exported_group_feeds_gemm_4bit(qt, nested):
+    """A bitsandbytes group's entries are gemm_4bit's arguments (as bitsandbytes' Linear4bit passes
+    them); the result is the torchq layer's output, bit for bit."""
+    lin = quantized(qt, nested)
+    sd = to_bitsandbytes(lin.state_dict())
+    meta = json.loads(bytes(sd[f"weight.quant_state.bitsandbytes__{qt}"].tolist()).decode())
+    if nested:
+        scales = {"absmax": sd["weight.nested_absmax"], "absmax_8bit": sd["weight.absmax"],
+                  "absmax_code": sd["weight.nested_quant_map"], "absmax_offset": torch.tensor(meta["nested_offset"])}
+    else:
+        scales = {"absmax": sd["weight.absmax"]}
+    x = torch.randn(2, 5, 128, dtype=torch.bfloat16)
+    y = torch.ops.torchq.gemm_4bit(x, sd["weight"], meta["shape"], blocksize=meta["blocksize"], quant_type=qt, bias=sd["bias"], **scales)
+    with torch.no_grad():
+        assert torch.equal(y, lin(x))
+
+
+@pytest.mark.parametrize("qt,nested", CASES)
 def test_roundtrip_is_lossless(qt, nested):
     lin = quantized(qt, nested)
     back = from_bitsandbytes(to_bitsandbytes(lin.state_dict()))

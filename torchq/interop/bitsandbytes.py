@@ -17,6 +17,11 @@ bitsandbytes stores a 4-bit weight ``<name>`` (``Linear4bit.weight``) as these s
 ``Blockwise4bitLayout`` (the same bytes); :func:`to_bitsandbytes` writes the groups back.
 torchq holds weights whose ``in_features`` is a multiple of the block size (its blocks are row
 groups); others raise a clear error.
+
+A group can also be used directly with ``torch.ops.torchq.gemm_4bit`` (bitsandbytes' schema):
+``B = <name>``, ``shapeB = shape``, and either ``absmax = <name>.absmax`` or, nested,
+``absmax = <name>.nested_absmax``, ``absmax_8bit = <name>.absmax``,
+``absmax_code = <name>.nested_quant_map``, ``absmax_offset = tensor(nested_offset)``.
 """
 
 from __future__ import annotations
