@@ -141,10 +141,6 @@ def _check_int8_pair(A: torch.Tensor, B: torch.Tensor) -> None:
         raise ValueError(f"B: expected [N, K] with K = {A.shape[-1]} (A's last dimension), got shape {list(B.shape)}")
 
 
-def _matmul_result(A: torch.Tensor, B: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-    return (*A.shape[:-1], B.shape[0]), torch.int32, A.device
-
-
 @torch.library.custom_op("torchq::int8_linear_matmul", mutates_args=(), schema="(Tensor A, Tensor B) -> Tensor")
 def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     _check_int8_pair(A, B)
@@ -165,7 +161,7 @@ def _(A, B):
     return A.new_empty((*A.shape[:-1], B.shape[0]), dtype=torch.int32)
 
 
-define_out_overload("int8_linear_matmul", "(Tensor A, Tensor B, Tensor! out) -> ()", _matmul_result)
+define_out_overload("int8_linear_matmul", "(Tensor A, Tensor B, Tensor! out) -> ()")
 
 
 @torch.library.custom_op(

@@ -172,8 +172,7 @@ def _(A, absmax, blocksize, quant_type, shape, dtype):
     return A.new_empty(tuple(shape), dtype=dtype)
 
 
-define_out_overload("dequantize_4bit", f"({_DEQUANTIZE_4BIT_ARGS}, Tensor! out) -> ()",
-                    lambda A, absmax, blocksize, quant_type, shape, dtype: (shape, dtype, A.device))
+define_out_overload("dequantize_4bit", f"({_DEQUANTIZE_4BIT_ARGS}, Tensor! out) -> ()")
 
 
 # -- 8-bit blockwise ------------------------------------------------------------------------------
@@ -238,8 +237,7 @@ def _(A, absmax, code, blocksize, dtype):
     return A.new_empty(A.shape, dtype=dtype)
 
 
-define_out_overload("dequantize_blockwise", f"({_DEQUANTIZE_BLOCKWISE_ARGS}, Tensor! out) -> ()",
-                    lambda A, absmax, code, blocksize, dtype: (A.shape, dtype, A.device))
+define_out_overload("dequantize_blockwise", f"({_DEQUANTIZE_BLOCKWISE_ARGS}, Tensor! out) -> ()")
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -290,8 +288,7 @@ def _(A, B, shapeB, absmax, code, blocksize):
     return A.new_empty((*A.shape[:-1], shapeB[0]))
 
 
-define_out_overload("gemv_4bit", f"({_GEMV_4BIT_ARGS}, Tensor! out) -> ()",
-                    lambda A, B, shapeB, absmax, code, blocksize: ((*A.shape[:-1], shapeB[0]), A.dtype, A.device))
+define_out_overload("gemv_4bit", f"({_GEMV_4BIT_ARGS}, Tensor! out) -> ()")
 
 
 # -- 4-bit matrix-matrix (optionally double-quantized absmax, bias) ----------------------------------

@@ -2,21 +2,20 @@
 
 An ``.out`` overload takes the functional op's arguments plus ``Tensor! out``, returns nothing and
 writes exactly the functional op's result into ``out``, which must already have the result's
-shape, dtype and device (checked, in eager mode and under ``torch.compile``). Its kernel runs the
-functional op (so on the CPU its native kernel when there is one) and copies the result.
+shape, dtype and device (checked, in eager mode and under ``torch.compile``; ``out`` is left
+untouched when the check fails). Its kernel runs the functional op (so on the CPU its native
+kernel when there is one) and copies the result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 __all__ = ["check_out", "define_out_overload"]
 
 _LIB = torch.library.Library("torchq", "FRAGMENT")
-
-Expected = tuple[Sequence[int], torch.dtype, torch.device]
 
 
 def check_out(op: str, out: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
@@ -29,22 +28,26 @@ def check_out(op: str, out: torch.Tensor, shape: Sequence[int], dtype: torch.dty
         raise ValueError(f"torchq::{op}.out: out: expected device {device}, got {out.device}")
 
 
-def define_out_overload(op: str, schema: str, expected: Callable[..., Expected]) -> None:
+def define_out_overload(op: str, schema: str) -> None:
     """Define ``torchq::{op}.out`` with ``schema`` (``"(<op's arguments>, Tensor! out) -> ()"``).
 
-    ``expected(*inputs)`` gives the functional result's ``(shape, dtype, device)`` from the
-    inputs alone (it also serves the fake kernel)."""
+    Kernel and fake both run the functional op (its fake under ``torch.compile``, so the input
+    checks are the functional op's) and check ``out`` against its result."""
     functional = getattr(torch.ops.torchq, op).default
     _LIB.define(f"{op}.out{schema}")
 
-    def kernel(*args) -> None:
+    def checked_result(args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         *inputs, out = args
-        check_out(op, out, *expected(*inputs))
-        out.copy_(functional(*inputs))
+        result = functional(*inputs)
+        check_out(op, out, result.shape, result.dtype, result.device)
+        return result, out
+
+    def kernel(*args) -> None:
+        result, out = checked_result(args)
+        out.copy_(result)
 
     def fake(*args) -> None:
-        *inputs, out = args
-        check_out(op, out, *expected(*inputs))
+        checked_result(args)
 
     _LIB.impl(f"{op}.out", kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"torchq::{op}.out", lib=_LIB)(fake)
