@@ -263,6 +263,14 @@ def test_gemm_4bit_quirks():
     off = scales.pop("absmax_offset").to(torch.bfloat16)
     want = ops.gemm_4bit(a, packed, [n, k], absmax2, 64, "nf4", absmax_offset=off.float(), **scales)
     assert torch.equal(ops.gemm_4bit(a, packed, [n, k], absmax2, 64, "nf4", absmax_offset=off, **scales), want)
+    # another 8-bit map: absmax is dequantized first (map / 2 with statistics * 2: the same values, bits)
+    packed2, plain = weight_4bit(32, 128, 64, "nf4")
+    x = torch.randn(2, 128, dtype=torch.float16)
+    scales2 = nested_args(plain)
+    stats = scales2.pop("absmax")
+    standard = ops.gemm_4bit(x, packed2, [32, 128], stats, 64, "nf4", **scales2)
+    scales2["absmax_code"] = dynamic_map() / 2
+    assert torch.equal(ops.gemm_4bit(x, packed2, [32, 128], stats * 2, 64, "nf4", **scales2), standard)
     with pytest.raises(ValueError, match="absmax_code, absmax_offset: required"):
         ops.gemm_4bit(a, packed, [n, k], absmax2, 64, "nf4", absmax_8bit=scales["absmax_8bit"])
     with pytest.raises(TypeError, match="bias: expected A's dtype"):

@@ -204,11 +204,12 @@ def _backward(ctx, grad):
 torch.library.register_autograd("torchq::blockwise_4bit_linear", _backward, setup_context=_setup)
 
 
-def _native_4bit_matmul(op: str, A, B, shapeB, absmax, table, blocksize, bias, reference) -> torch.Tensor:
+def _native_4bit_matmul(op: str, A, B, shapeB, table, blocksize, bias, reference, absmax, nested=None) -> torch.Tensor:
     """``A @ W.T (+ bias)`` through the native kernel for a checked ``gemv_4bit`` / ``gemm_4bit``
-    call on the CPU (plain fp32 ``absmax``, 16-value ``table``), or ``reference()`` without the
-    library, for blocks that cross rows (the kernel's blocks are row groups) and for inconsistent
-    sizes (the reference raises the error)."""
+    call on the CPU (16-value ``table``; ``absmax`` fp32 per block, or with ``nested = (codes,
+    offset)`` the per-256 statistics of absmax double-quantized with the dynamic map), or
+    ``reference()`` without the library, for blocks that cross rows (the kernel's blocks are row
+    groups) and for inconsistent sizes (the reference raises the error)."""
     lib = native.library()
     if lib is None:
         native.warn_reference(op)
@@ -220,9 +221,18 @@ def _native_4bit_matmul(op: str, A, B, shapeB, absmax, table, blocksize, bias, r
         native.warn_reference(op, f"blocks cross rows (K={k} is not a multiple of blocksize {blocksize})")
         return reference()
     packed = B.reshape(-1).view(torch.uint8) if B.dtype != torch.uint8 else B.reshape(-1)
-    if packed.numel() != n * k // 2 or absmax.dtype != torch.float32 or absmax.numel() != n * k // blocksize:
+    groups = n * k // blocksize
+    if nested is None:
+        consistent = absmax.dtype == torch.float32 and absmax.numel() == groups
+        scales = (absmax.reshape(-1), None, None, None)
+    else:
+        codes, offset = nested
+        consistent = (codes.dtype == torch.uint8 and codes.numel() == groups and absmax.dtype == torch.float32
+                      and absmax.numel() == -(-groups // NESTED_BLOCKSIZE) and offset.numel() == 1)
+        scales = (None, codes.reshape(-1), absmax.reshape(-1), offset.float().reshape(()))
+    if packed.numel() != n * k // 2 or not consistent:
         return reference()
-    return _native_linear(lib, A, packed, table, absmax.reshape(-1), None, None, None, n, k, blocksize, bias)
+    return _native_linear(lib, A, packed, table, *scales, n, k, blocksize, bias)
 
 
 @torch.library.register_kernel("torchq::gemv_4bit", "cpu")
@@ -235,7 +245,7 @@ def _(A, B, shapeB, absmax, code, blocksize):
         return reference()
     if code.dtype != torch.float32 or code.shape != (16,):
         raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
-    return _native_4bit_matmul("gemv_4bit", A, B, shapeB, absmax, code, blocksize, None, reference)
+    return _native_4bit_matmul("gemv_4bit", A, B, shapeB, code, blocksize, None, reference, absmax)
 
 
 @torch.library.register_kernel("torchq::gemm_4bit", "cpu")
@@ -244,5 +254,8 @@ def _(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, 
         return gemm_4bit_reference(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
 
     check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+    table = TABLES[quant_type]
+    if absmax_8bit is not None and torch.equal(absmax_code, _DYNAMIC):  # the kernel's own nested path
+        return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, absmax, (absmax_8bit, absmax_offset))
     scale = gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset)
-    return _native_4bit_matmul("gemm_4bit", A, B, shapeB, scale, TABLES[quant_type], blocksize, bias, reference)
+    return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, scale)
