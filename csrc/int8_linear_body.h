@@ -123,10 +123,10 @@ struct Int8Kernel {
       const F r = T::set1(1.0f / s);
       uint8_t* dst = static_cast<uint8_t*>(codes) + m * Kp;
       for (int64_t k = 0; k < Kp; k += W) {
-        alignas(64) float in[W] = {};
+        alignas(64) float in[W];
         const float* src = row + k;
-        if (k + W > K) {
-          for (int64_t j = k; j < K; ++j) in[j - k] = row[j];
+        if (k + W > K) {  // the row's end and the padding: a zero-filled copy
+          for (int j = 0; j < W; ++j) in[j] = k + j < K ? row[k + j] : 0.0f;
           src = in;
         }
         T::quantize_store(dst + k, T::loadu(src), r, lo, hi, off, offset != 0);

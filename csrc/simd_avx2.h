@@ -1,6 +1,7 @@
 // ISA traits for AVX2 + FMA (+ F16C for the fp16 rounding of lut4 tables): the vector type, its
 // width and the primitives the templated kernel bodies (*_body.h) are written with. Include
-// after the unit's `#pragma GCC target`. In an anonymous namespace (see common.h).
+// after the unit's `#pragma GCC target`. In an anonymous namespace (see common.h). A unit
+// compiles only the members it uses, so round_to (F16C) needs F16C only in the lut4 unit.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
