@@ -30,7 +30,7 @@ struct Int8Kernel {
   static constexpr int W = T::kLanes;
 
   template <int NT, int MT>
-  static void weight_tile(const Int8Params& p, int64_t n, int64_t m0) {
+  TQ_TILE static void weight_tile(const Int8Params& p, int64_t n, int64_t m0) {
     const int64_t K = p.K, kfull = K / W * W;
     F acc[NT][MT], s[NT];
     const int8_t* w[NT];
@@ -144,7 +144,7 @@ struct Int8DotKernel {
   static constexpr int kBytes = D::kBytes;
 
   template <int NT, int MT>
-  static void dynamic_tile(const Int8Params& p, int64_t n, int64_t m0) {
+  TQ_TILE static void dynamic_tile(const Int8Params& p, int64_t n, int64_t m0) {
     const int64_t K = p.K, kfull = K / kBytes * kBytes;
     const uint8_t* xcodes = D::activations(p);
     Acc acc[NT][MT];

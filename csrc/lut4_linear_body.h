@@ -56,7 +56,7 @@ struct Lut4Kernel {
   // out[m0..m0+MT, n..n+NT] for rows whose weights unpack into registers chunk by chunk. Vector i
   // of a chunk accumulates into acc[i % 2].
   template <int NT, int MT>
-  static void fused_tile(const Lut4Params& p, int64_t n, int64_t m0) {
+  TQ_TILE static void fused_tile(const Lut4Params& p, int64_t n, int64_t m0) {
     const int64_t K = p.K, B = p.block, G = K / B;
     const Table code = load_code(p.codebook);
     F acc[NT][MT][2];
@@ -113,7 +113,7 @@ struct Lut4Kernel {
 
   // out[m0..m0+MT, n..n+NT] from NT unpacked rows of buf.
   template <int NT, int MT>
-  static void panel_tile(const Lut4Params& p, const float* buf, int64_t n, int64_t m0) {
+  TQ_TILE static void panel_tile(const Lut4Params& p, const float* buf, int64_t n, int64_t m0) {
     const int64_t K = p.K;
     F acc[NT][MT];
     for (int t = 0; t < NT; ++t)

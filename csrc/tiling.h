@@ -9,6 +9,10 @@
 namespace tq {
 namespace {
 
+// A tile kernel stays a function of its own: its loop then gets the whole register file (inlined
+// into the dispatching function, its pointers and counters competed with the caller's and spilled).
+#define TQ_TILE __attribute__((noinline))
+
 template <int R>
 using TileSize = std::integral_constant<int, R>;
 
