@@ -133,6 +133,8 @@ struct Lut4Kernel {
       }
   }
 
+  // M <= 4: fused tiles of kLut4FusedRows weight rows x 2 activation rows. Larger M: panels of
+  // 4 weight rows, swept by kLut4PanelM activation rows at a time, block by block of activations.
   static void rows(const Lut4Params& p, int64_t n0, int64_t n1) {
     if (p.M <= kFusedMaxM) {
       tiles_then_singles<T::kLut4FusedRows>(n0, n1, [&](auto nt, int64_t n) {
