@@ -3,7 +3,11 @@
 // A plain C ABI (no torch or Python headers): torchq/native.py loads the library with ctypes and
 // calls it from torch.library ops whose pure-PyTorch references stay the fallback.
 // Every ISA-specific translation unit keeps its helpers in an anonymous namespace or `static`
-// so that no inline function is shared (and possibly picked with the wrong ISA) across units.
+// so that no inline function is shared (and possibly picked with the wrong ISA) across units:
+// the linker keeps one copy of an inline function (or template instantiation) with external
+// linkage, possibly the one compiled for AVX-512, and every unit would call it. The templated
+// kernel bodies (*_body.h) and the ISA traits (simd_*.h) therefore live in anonymous namespaces,
+// so each unit that includes them gets its own, internal, copy (see lut4_linear_avx2.cpp).
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
@@ -16,9 +20,6 @@ enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 // The widest ISA both supported by the CPU and allowed by tq_set_isa / TORCHQ_NATIVE_ISA.
 int active_isa();
-
-// Whether the CPU has AVX-512 VNNI (vpdpbusd), used by the int8 x int8 kernels under ISA_AVX512.
-bool has_avx512_vnni();
 
 // Run fn(ctx, begin, end) over [0, n) split into at most `threads` contiguous ranges whose
 // bounds are multiples of `grain` (except the end). The caller runs the first range itself.
@@ -38,5 +39,13 @@ inline bool valid_dtype(int dtype) { return dtype >= DT_F32 && dtype <= DT_F16; 
 void to_f32_row(const void* x, int dtype, int64_t K, int64_t Kp, float* dst);
 // dst[0, n) = src rounded to `dtype` as torch's .to() rounds (nearest even; NaN stays NaN).
 void from_f32_row(const float* src, int64_t n, int dtype, void* dst);
+
+// fp32 -> bf16 bits, round to nearest even (finite inputs: the dequantized weights are never NaN).
+static inline uint16_t bf16_rne(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
 
 }  // namespace tq

@@ -1,10 +1,12 @@
-// CPU feature detection and the ISA override (tq_set_isa, or TORCHQ_NATIVE_ISA at load).
+// CPU feature detection, the ISA override (tq_set_isa, or TORCHQ_NATIVE_ISA at load) and the
+// kernel table of the active ISA (kernels.h).
 #include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace tq {
 namespace {
@@ -28,17 +30,39 @@ int from_environment(int best) {
   return wanted < best ? wanted : best;
 }
 
+// Whether the int8 dynamic kernel may use AVX-512 VNNI (vpdpbusd): the CPU has it and
+// TORCHQ_NATIVE_VNNI is not "0" (read at load). TORCHQ_NATIVE_VNNI=0 runs the path of AVX-512
+// CPUs that lack VNNI (the AVX2 dynamic kernel), so a VNNI machine tests it too.
+bool use_vnni() {
+  __builtin_cpu_init();
+  const char* s = getenv("TORCHQ_NATIVE_VNNI");
+  return __builtin_cpu_supports("avx512vnni") && (s == nullptr || strcmp(s, "0") != 0);
+}
+
+// One table per ISA, built once at load from the kernel sets the ISA units export (constant
+// initialized, so ready before this dynamic initialization). A table is never written after.
+struct Tables {
+  KernelTable by_isa[3];
+  Tables() {
+    by_isa[ISA_SCALAR] = {ISA_SCALAR, kLut4Scalar, kInt8Scalar};
+    by_isa[ISA_AVX2] = {ISA_AVX2, kLut4Avx2, kInt8Avx2};
+    by_isa[ISA_AVX512] = {ISA_AVX512, kLut4Avx512, kInt8Avx512};
+    if (!use_vnni()) {
+      by_isa[ISA_AVX512].int8.dynamic_rows = kInt8Avx2.dynamic_rows;
+      by_isa[ISA_AVX512].int8.dynamic_offset = kInt8Avx2.dynamic_offset;
+    }
+  }
+};
+
+const Tables g_tables;
 const int g_supported = detect();
-std::atomic<int> g_active{from_environment(g_supported)};
+std::atomic<const KernelTable*> g_active{&g_tables.by_isa[from_environment(g_supported)]};
 
 }  // namespace
 
-int active_isa() { return g_active.load(std::memory_order_relaxed); }
+const KernelTable& kernels() { return *g_active.load(std::memory_order_relaxed); }
 
-bool has_avx512_vnni() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));
-  return yes;
-}
+int active_isa() { return kernels().isa; }
 
 }  // namespace tq
 
@@ -50,6 +74,6 @@ TQ_API int tq_active_isa() { return tq::active_isa(); }
 TQ_API int tq_set_isa(int isa) {
   int v = isa < tq::ISA_SCALAR ? tq::ISA_SCALAR : isa;
   if (v > tq::g_supported) v = tq::g_supported;
-  tq::g_active.store(v, std::memory_order_relaxed);
+  tq::g_active.store(&tq::g_tables.by_isa[v], std::memory_order_relaxed);
   return v;
 }

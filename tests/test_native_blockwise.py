@@ -1,4 +1,4 @@
-"""The native NF4 / FP4 CPU kernels (csrc/blockwise4bit*.cpp) against their pure-PyTorch references.
+"""The native NF4 / FP4 CPU kernels (csrc/lut4_linear*) against their pure-PyTorch references.
 
 * one-hot activations make every output an exact weight value: the unpacking, nibble order,
   codebooks and (double-quantized) absmax are checked bit for bit, on every ISA this CPU has;

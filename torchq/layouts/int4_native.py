@@ -3,7 +3,7 @@
 Holds any groupwise affine format of at most 4 bits (tinygemm float zero point, integer zero
 point or symmetric) with a power-of-two group size ``g`` from 32 to 1024. The bytes are the same
 on every CPU (unlike ``Int4CPULayout``'s ISA-blocked order), and the kernel
-``torchq::int4_groupwise_linear`` (``csrc/blockwise4bit*.cpp``) streams them at close to the
+``torchq::int4_groupwise_linear`` (``csrc/lut4_linear*``) streams them at close to the
 memory bandwidth for fp32, bf16 and fp16 activations.
 
 Bytes per ``[N, K]`` weight, with ``Kp = ceil(K / g) * g`` and ``G = Kp / g``:

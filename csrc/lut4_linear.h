@@ -1,5 +1,10 @@
-// Fused dequantize + linear for 4-bit weights whose 16 values per block come from a table:
-// bitsandbytes' NF4 / FP4 blockwise formats and torchq's groupwise int4 (affine) format.
+// The 4-bit table-lookup linear ("lut4"): fused dequantize + linear for 4-bit weights whose 16
+// values per block come from a 16-entry table. One kernel serves bitsandbytes' NF4 / FP4
+// blockwise formats (tq_blockwise4bit_*) and torchq's groupwise affine int4 format (tq_int4_*).
+//
+// Files: lut4_linear.cpp (exported entry points: checks, activation permutation, threading),
+// lut4_linear_body.h (the vector kernel, written once over ISA traits), lut4_linear_avx2.cpp /
+// lut4_linear_avx512.cpp (its instantiations), lut4_linear_scalar.cpp (the portable kernel).
 //
 // Weight bytes: packed uint8 [N, K/2], element 2j of a row in the high nibble of byte j; one
 // fp32 scale per block of B consecutive elements of a row (B divides K), either plain
@@ -21,7 +26,7 @@
 
 namespace tq {
 
-struct B4Params {
+struct Lut4Params {
   const float* xp;  // [M, K], permuted per chunk of 32 (see above)
   int64_t M, K, N, block;
   const uint8_t* packed;     // [N, K/2]
@@ -42,33 +47,28 @@ enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
 
 // The absmax of block g of row n, bit-exact to torchq's reference (compiled without FP
 // contraction, so map * absmax2 + offset is two roundings as in PyTorch).
-static inline float b4_scale(const B4Params& p, int64_t n, int64_t g) {
+static inline float lut4_scale(const Lut4Params& p, int64_t n, int64_t g) {
   const int64_t b = n * (p.K / p.block) + g;
   if (p.absmax) return p.absmax[b];
   const float t = p.nested_map[p.nested_codes[b]] * p.nested_absmax[b >> 8];
   return t + p.nested_offset;
 }
 
-// The table entry v for code value `c` (scalar form of every ISA's table builder).
-float b4_value(const B4Params& p, float c, int64_t n, int64_t g);
-
-// Rows [n0, n1) of the output, for all M activation rows. One per ISA.
-void b4_rows_scalar(const B4Params& p, int64_t n0, int64_t n1);
-void b4_rows_avx2(const B4Params& p, int64_t n0, int64_t n1);
-void b4_rows_avx512(const B4Params& p, int64_t n0, int64_t n1);
-
+// Rows [n0, n1) of the output, for all M activation rows.
+typedef void (*Lut4RowsFn)(const Lut4Params& p, int64_t n0, int64_t n1);
 // Weight rows [n0, n1) in natural order into dst (row n at dst + (n - n0) * K elements), as fp32
 // or as bf16 (round to nearest even, as torch's .to(torch.bfloat16)). Uses p's weight fields only.
-void b4_dequant_scalar(const B4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
-void b4_dequant_avx2(const B4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
-void b4_dequant_avx512(const B4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
+typedef void (*Lut4DequantFn)(const Lut4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
 
-// fp32 -> bf16, round to nearest even (finite inputs; the weights are never NaN).
-static inline uint16_t b4_bf16(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+// One ISA's kernels (see kernels.h).
+struct Lut4Kernels {
+  Lut4RowsFn rows;
+  Lut4DequantFn dequant;
+};
+extern const Lut4Kernels kLut4Scalar, kLut4Avx2, kLut4Avx512;
+
+// The portable rows (kLut4Scalar.rows), also the vector kernels' fallback when their unpacking
+// buffer cannot be allocated.
+void lut4_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1);
 
 }  // namespace tq

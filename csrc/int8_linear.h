@@ -1,5 +1,10 @@
 // int8 weight kernels: weight-only (float activations) and dynamic (int8 activations).
 //
+// Files: int8_linear.cpp (exported entry points: checks, activation conversion / quantization,
+// threading), int8_linear_body.h (the vector kernels, written once over ISA traits),
+// int8_linear_avx2.cpp / int8_linear_avx512.cpp (their instantiations, with the int8 dot
+// products: vpmaddubsw sign trick / VNNI), int8_linear_scalar.cpp (the portable kernels).
+//
 // Weight bytes (torchq PlainLayout, symmetric per channel): int8 codes [N, K] row-major and one
 // fp32 scale per row (output channel).
 // * Weight-only: out[m, n] = sum_k (q[n, k] * s[n]) * x[m, k] (+ bias[n]), every weight the
@@ -13,7 +18,7 @@
 
 namespace tq {
 
-struct I8Params {
+struct Int8Params {
   int64_t M, K, N;
   int64_t Kp;               // row length of the activation buffers: K rounded up to 64
   const float* x;           // weight-only: fp32 activations [M, Kp], zero padded
@@ -26,31 +31,31 @@ struct I8Params {
   float* out;               // [M, N]
 };
 
-struct I8Quant {
+struct Int8Quant {
   float denom, eps;
   int qmin, qmax;
 };
 
-// Output rows [n0, n1) for all M activation rows. One per ISA.
-void i8_weight_rows_scalar(const I8Params& p, int64_t n0, int64_t n1);
-void i8_weight_rows_avx2(const I8Params& p, int64_t n0, int64_t n1);
-void i8_weight_rows_avx512(const I8Params& p, int64_t n0, int64_t n1);
-void i8_dynamic_rows_scalar(const I8Params& p, int64_t n0, int64_t n1);
-void i8_dynamic_rows_avx2(const I8Params& p, int64_t n0, int64_t n1);
-void i8_dynamic_rows_vnni(const I8Params& p, int64_t n0, int64_t n1);
-
+// Output rows [n0, n1) for all M activation rows.
+typedef void (*Int8RowsFn)(const Int8Params& p, int64_t n0, int64_t n1);
 // Weight rows [n0, n1) as q * s into out (row r - n0 at out + (r - n0) * K), fp32 or bf16 (RNE).
-void i8_dequant_rows_scalar(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16);
-void i8_dequant_rows_avx2(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16);
-void i8_dequant_rows_avx512(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16);
-
+typedef void (*Int8DequantFn)(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16);
 // Quantize activation rows [m0, m1) of x ([M, K] fp32) into codes (row stride Kp, zero padded;
 // `offset` 128 stores codes + 128 as uint8, padded with 128) and scales.
-void i8_quantize_rows_scalar(const float* x, int64_t K, int64_t Kp, const I8Quant& q, int offset, void* codes, float* xs,
-                             int64_t m0, int64_t m1);
-void i8_quantize_rows_avx2(const float* x, int64_t K, int64_t Kp, const I8Quant& q, int offset, void* codes, float* xs,
-                           int64_t m0, int64_t m1);
-void i8_quantize_rows_avx512(const float* x, int64_t K, int64_t Kp, const I8Quant& q, int offset, void* codes, float* xs,
-                             int64_t m0, int64_t m1);
+typedef void (*Int8QuantizeFn)(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, int offset, void* codes, float* xs,
+                               int64_t m0, int64_t m1);
+
+// One ISA's kernels (see kernels.h). dynamic_rows reads p.xq (dynamic_offset 0) or p.xu (128,
+// the VNNI kernel), quantized with that offset by quantize_rows.
+struct Int8Kernels {
+  Int8RowsFn weight_rows;
+  Int8RowsFn dynamic_rows;
+  int dynamic_offset;
+  Int8QuantizeFn quantize_rows;
+  Int8DequantFn dequant_rows;
+};
+// kInt8Avx512 runs the VNNI dynamic kernel; an AVX-512 CPU without VNNI (or with
+// TORCHQ_NATIVE_VNNI=0) takes kInt8Avx2's dynamic kernel instead (cpu.cpp).
+extern const Int8Kernels kInt8Scalar, kInt8Avx2, kInt8Avx512;
 
 }  // namespace tq

@@ -1,10 +1,13 @@
-// tq_blockwise4bit_linear: argument checks, activation permutation, ISA choice, threading.
-#include "blockwise4bit.h"
+// The lut4 linear's exported entry points (tq_blockwise4bit_* for NF4 / FP4, tq_int4_* for
+// affine int4; see lut4_linear.h): argument checks, activation permutation, threading. The
+// kernels come from the active ISA's table (kernels.h).
+#include "lut4_linear.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace tq {
 
@@ -18,70 +21,20 @@ static const int kLinearSpinUs = [] {
 }();
 
 namespace {
-float round_to(float v, int kind) {
-  if (kind == ROUND_BF16) {
-    const uint32_t u = static_cast<uint32_t>(b4_bf16(v)) << 16;
-    float r;
-    __builtin_memcpy(&r, &u, 4);
-    return r;
-  }
-  if (kind == ROUND_FP16) return static_cast<float>(static_cast<_Float16>(v));  // round to nearest even
-  return v;
-}
-}  // namespace
 
-float b4_value(const B4Params& p, float c, int64_t n, int64_t g) {
-  const int64_t b = n * (p.K / p.block) + g;
-  if (p.shifts) c += p.shifts[b];
-  float v = round_to(c * b4_scale(p, n, g), p.round_mul);
-  if (p.zeros) v = round_to(v + p.zeros[b], p.round_add);
-  return v;
-}
+struct RowsJob {
+  Lut4Params p;
+  Lut4RowsFn rows;
+};
 
-void b4_rows_scalar(const B4Params& p, int64_t n0, int64_t n1) {
-  const int64_t K = p.K, G = K / p.block;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = p.packed + n * (K / 2);
-    for (int64_t m = 0; m < p.M; ++m) {
-      const float* x = p.xp + m * K;
-      float acc = 0.0f;
-      for (int64_t g = 0; g < G; ++g) {
-        float lut[16];
-        for (int c = 0; c < 16; ++c) lut[c] = b4_value(p, p.codebook[c], n, g);
-        for (int64_t k = g * p.block; k < (g + 1) * p.block; k += 32) {
-          const uint8_t* bytes = w + k / 2;
-          for (int j = 0; j < 16; ++j) {
-            acc += lut[bytes[j] >> 4] * x[k + j];
-            acc += lut[bytes[j] & 15] * x[k + 16 + j];
-          }
-        }
-      }
-      p.out[m * p.N + n] = p.bias ? acc + p.bias[n] : acc;
-    }
-  }
+void run_rows(void* ctx, int64_t n0, int64_t n1) {
+  const RowsJob& j = *static_cast<const RowsJob*>(ctx);
+  j.rows(j.p, n0, n1);
 }
-
-void b4_dequant_scalar(const B4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16) {
-  const int64_t K = p.K, G = K / p.block;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = p.packed + n * (K / 2);
-    for (int64_t g = 0; g < G; ++g) {
-      float lut[16];
-      for (int c = 0; c < 16; ++c) lut[c] = b4_value(p, p.codebook[c], n, g);
-      for (int64_t k = g * p.block; k < (g + 1) * p.block; ++k) {
-        const float v = lut[k & 1 ? w[k / 2] & 15 : w[k / 2] >> 4];
-        const int64_t i = (n - n0) * K + k;
-        if (bf16) static_cast<uint16_t*>(dst)[i] = b4_bf16(v);
-        else static_cast<float*>(dst)[i] = v;
-      }
-    }
-  }
-}
-
-namespace {
 
 struct DequantJob {
-  const B4Params* p;
+  const Lut4Params* p;
+  Lut4DequantFn dequant;
   int64_t n0;
   void* dst;
   bool bf16;
@@ -89,38 +42,18 @@ struct DequantJob {
 
 void run_dequant(void* ctx, int64_t a, int64_t b) {
   const DequantJob& j = *static_cast<const DequantJob*>(ctx);
-  const int64_t n0 = j.n0 + a, n1 = j.n0 + b;
   char* dst = static_cast<char*>(j.dst) + a * j.p->K * (j.bf16 ? 2 : 4);
-  switch (active_isa()) {
-    case ISA_AVX512: b4_dequant_avx512(*j.p, n0, n1, dst, j.bf16); break;
-    case ISA_AVX2: b4_dequant_avx2(*j.p, n0, n1, dst, j.bf16); break;
-    default: b4_dequant_scalar(*j.p, n0, n1, dst, j.bf16); break;
-  }
+  j.dequant(*j.p, j.n0 + a, j.n0 + b, dst, j.bf16);
 }
-
-void run_rows(void* ctx, int64_t n0, int64_t n1) {
-  const B4Params& p = *static_cast<const B4Params*>(ctx);
-  switch (active_isa()) {
-    case ISA_AVX512: b4_rows_avx512(p, n0, n1); break;
-    case ISA_AVX2: b4_rows_avx2(p, n0, n1); break;
-    default: b4_rows_scalar(p, n0, n1); break;
-  }
-}
-
-}  // namespace
-}  // namespace tq
-
-namespace tq {
-namespace {
 
 bool valid_shape(int64_t N, int64_t K, int64_t block) {
   return N >= 1 && K >= 32 && block >= 32 && !(block & (block - 1)) && K % block == 0;
 }
 
 // out = x @ W.T (+ bias), x [M, K_in] and out [M, N] of `dtype`: converts and zero-pads the
-// activations to fp32 rows of p.K and permutes them (see blockwise4bit.h), runs the rows into an
+// activations to fp32 rows of p.K and permutes them (see lut4_linear.h), runs the rows into an
 // fp32 output, then rounds it to `dtype` (once, at the end).
-int linear(B4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
+int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
   const int64_t M = p.M, K = p.K, N = p.N;
   const size_t xp_bytes = (M * K * sizeof(float) + 63) / 64 * 64;
   const size_t out_bytes = dtype == DT_F32 ? 0 : (M * N * sizeof(float) + 63) / 64 * 64;
@@ -139,14 +72,15 @@ int linear(B4Params p, const void* x, int dtype, int64_t K_in, void* out, int th
   }
   p.xp = xp;
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + (K * sizeof(float) + 63) / 64 * 64);
-  parallel_for(N, 4, threads, run_rows, &p, kLinearSpinUs);
+  RowsJob job{p, kernels().lut4.rows};
+  parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
   return OK;
 }
 
-int dequantize(const B4Params& p, int64_t n0, int64_t n1, void* out, int out_bf16, int threads) {
-  DequantJob job{&p, n0, out, out_bf16 != 0};
+int dequantize(const Lut4Params& p, int64_t n0, int64_t n1, void* out, int out_bf16, int threads) {
+  DequantJob job{&p, kernels().lut4.dequant, n0, out, out_bf16 != 0};
   parallel_for(n1 - n0, 1, threads, run_dequant, &job);
   return OK;
 }
@@ -154,7 +88,7 @@ int dequantize(const B4Params& p, int64_t n0, int64_t n1, void* out, int out_bf1
 }  // namespace
 }  // namespace tq
 
-// out[M, N] = x[M, K] @ W.T (+ bias), W the 4-bit blockwise weight (see blockwise4bit.h); x and
+// out[M, N] = x[M, K] @ W.T (+ bias), W the 4-bit blockwise weight (see lut4_linear.h); x and
 // out contiguous of `dtype` (DType), bias fp32 or null; products and sums in fp32, one rounding
 // to `dtype` at the end. Pass absmax, or the three nested arrays.
 TQ_API int tq_blockwise4bit_linear(const void* x, int dtype, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
@@ -164,7 +98,7 @@ TQ_API int tq_blockwise4bit_linear(const void* x, int dtype, int64_t M, int64_t 
   using namespace tq;
   if (M < 1 || !valid_shape(N, K, block) || !valid_dtype(dtype) || !x || !packed || !codebook || !out) return BAD_ARGUMENT;
   if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
-  B4Params p{nullptr, M, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, bias, nullptr};
+  Lut4Params p{nullptr, M, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, bias, nullptr};
   return linear(p, x, dtype, K, out, threads);
 }
 
@@ -177,7 +111,7 @@ TQ_API int tq_blockwise4bit_dequantize(const uint8_t* packed, int64_t N, int64_t
   using namespace tq;
   if (!valid_shape(N, K, block) || n0 < 0 || n1 > N || n0 >= n1 || !packed || !codebook || !out) return BAD_ARGUMENT;
   if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
-  B4Params p{nullptr, 0, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, nullptr, nullptr};
+  Lut4Params p{nullptr, 0, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, nullptr, nullptr};
   return dequantize(p, n0, n1, out, out_bf16, threads);
 }
 
@@ -192,7 +126,7 @@ TQ_API int tq_int4_linear(const void* x, int dtype, int64_t M, int64_t K, int64_
   if (M < 1 || !valid_shape(N, Kp, group) || K < 1 || K > Kp || Kp - K >= group || !valid_dtype(dtype)) return BAD_ARGUMENT;
   if (!x || !packed || !codebook || !scales || !out) return BAD_ARGUMENT;
   if (round_mul < 0 || round_mul > 2 || round_add < 0 || round_add > 2) return BAD_ARGUMENT;
-  B4Params p{nullptr, M, Kp, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, bias, nullptr,
+  Lut4Params p{nullptr, M, Kp, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, bias, nullptr,
              shifts, zeros, round_mul, round_add};
   return linear(p, x, dtype, K, out, threads);
 }
@@ -203,7 +137,7 @@ TQ_API int tq_int4_dequantize(const uint8_t* packed, int64_t N, int64_t K, int64
   using namespace tq;
   if (!valid_shape(N, K, group) || n0 < 0 || n1 > N || n0 >= n1 || !packed || !codebook || !scales || !out) return BAD_ARGUMENT;
   if (round_mul < 0 || round_mul > 2 || round_add < 0 || round_add > 2) return BAD_ARGUMENT;
-  B4Params p{nullptr, 0, K, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr,
+  Lut4Params p{nullptr, 0, K, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr,
              shifts, zeros, round_mul, round_add};
   return dequantize(p, n0, n1, out, out_bf16, threads);
 }

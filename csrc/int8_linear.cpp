@@ -1,0 +1,149 @@
+// The int8 linears' exported entry points (see int8_linear.h): argument checks, activation
+// conversion and quantization, threading. The kernels come from the active ISA's table (kernels.h).
+#include "int8_linear.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace tq {
+namespace {
+
+// In a model, PyTorch's own ops run between two linears: workers sleep right away (see
+// lut4_linear.cpp).
+constexpr int kSpinUs = 0;
+
+struct RowsJob {
+  Int8Params p;
+  Int8RowsFn rows;
+};
+
+void run_rows(void* ctx, int64_t n0, int64_t n1) {
+  const RowsJob& j = *static_cast<const RowsJob*>(ctx);
+  j.rows(j.p, n0, n1);
+}
+
+struct QuantJob {
+  Int8QuantizeFn quantize;
+  const float* x;
+  int64_t K, Kp;
+  Int8Quant q;
+  int offset;
+  void* codes;
+  float* xs;
+};
+
+void quantize_rows(void* ctx, int64_t m0, int64_t m1) {
+  const QuantJob& j = *static_cast<const QuantJob*>(ctx);
+  j.quantize(j.x, j.K, j.Kp, j.q, j.offset, j.codes, j.xs, m0, m1);
+}
+
+struct DequantJob {
+  Int8DequantFn dequant;
+  const int8_t* w;
+  const float* scale;
+  int64_t K, n0;
+  void* out;
+  bool bf16;
+};
+
+void dequant_rows(void* ctx, int64_t a, int64_t b) {
+  const DequantJob& j = *static_cast<const DequantJob*>(ctx);
+  char* out = static_cast<char*>(j.out) + a * j.K * (j.bf16 ? 2 : 4);
+  j.dequant(j.w, j.scale, j.K, j.n0 + a, j.n0 + b, out, j.bf16);
+}
+
+int64_t padded(int64_t K) { return (K + 63) / 64 * 64; }
+
+// The fp32 output buffer of a linear whose out has `dtype`: out itself for fp32.
+struct Output {
+  float* f32 = nullptr;
+  void* owned = nullptr;
+  bool init(void* out, int dtype, int64_t count) {
+    if (dtype == DT_F32) {
+      f32 = static_cast<float*>(out);
+      return true;
+    }
+    owned = aligned_alloc(64, (count * sizeof(float) + 63) / 64 * 64);
+    f32 = static_cast<float*>(owned);
+    return owned != nullptr;
+  }
+  void finish(void* out, int dtype, int64_t count) {
+    if (owned) from_f32_row(f32, count, dtype, out);
+  }
+  ~Output() { free(owned); }
+};
+
+}  // namespace
+}  // namespace tq
+
+// out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), int8 codes
+// [N, K], fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end.
+TQ_API int tq_int8_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
+                          const float* bias, void* out, int threads) {
+  using namespace tq;
+  if (M < 1 || K < 1 || N < 1 || !valid_dtype(dtype) || !x || !codes || !scale || !out) return BAD_ARGUMENT;
+  const int64_t Kp = padded(K);
+  float* xp = static_cast<float*>(aligned_alloc(64, M * Kp * sizeof(float)));
+  Output o;
+  if (!xp || !o.init(out, dtype, M * N)) {
+    free(xp);
+    return OUT_OF_MEMORY;
+  }
+  const size_t esize = dtype_size(dtype);
+  for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * esize, dtype, K, Kp, xp + m * Kp);
+  RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32}, kernels().int8.weight_rows};
+  parallel_for(N, 4, threads, run_rows, &job, kSpinUs);
+  o.finish(out, dtype, M * N);
+  free(xp);
+  return OK;
+}
+
+// Rows [n0, n1) of the weight, q * s, into out ([n1 - n0, K]) as fp32 (out_bf16 = 0) or bf16.
+TQ_API int tq_int8_dequantize(const int8_t* codes, int64_t N, int64_t K, const float* scale, int64_t n0, int64_t n1,
+                              void* out, int out_bf16, int threads) {
+  using namespace tq;
+  if (K < 1 || N < 1 || n0 < 0 || n1 > N || n0 >= n1 || !codes || !scale || !out) return BAD_ARGUMENT;
+  DequantJob job{kernels().int8.dequant_rows, codes, scale, K, n0, out, out_bf16 != 0};
+  parallel_for(n1 - n0, 1, threads, dequant_rows, &job);
+  return OK;
+}
+
+// out[M, N] = per-token int8(x) @ q.T rescaled (see int8_linear.h); x and out contiguous of `dtype`.
+// No bias (the reference adds it after rounding to the activation dtype). Codes are symmetric
+// in [qmin, qmax] with qmin >= -127 (the AVX2 sign trick needs |x| <= 127).
+TQ_API int tq_int8_dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N,
+                                  const float* scale, float denom, float eps, int qmin, int qmax, void* out, int threads) {
+  using namespace tq;
+  if (M < 1 || K < 1 || N < 1 || !valid_dtype(dtype) || !x || !codes || !scale || !out) return BAD_ARGUMENT;
+  if (qmin < -127 || qmax > 127 || qmin >= qmax || !(denom > 0.0f) || !(eps > 0.0f)) return BAD_ARGUMENT;
+  const int64_t Kp = padded(K);
+  const Int8Kernels& kern = kernels().int8;
+  const bool offset_codes = kern.dynamic_offset != 0;
+  const size_t codes_bytes = (M * Kp + 63) / 64 * 64, xs_bytes = (M * sizeof(float) + 63) / 64 * 64;
+  const size_t xf_bytes = dtype == DT_F32 ? 0 : M * K * sizeof(float);
+  char* buf = static_cast<char*>(aligned_alloc(64, codes_bytes + xs_bytes + (xf_bytes + 63) / 64 * 64));
+  Output o;
+  if (!buf || !o.init(out, dtype, M * N)) {
+    free(buf);
+    return OUT_OF_MEMORY;
+  }
+  float* xs = reinterpret_cast<float*>(buf + codes_bytes);
+  const float* xf = static_cast<const float*>(x);
+  if (dtype != DT_F32) {  // widen (exactly) first: the quantization then sees the reference's fp32 values
+    float* w = reinterpret_cast<float*>(buf + codes_bytes + xs_bytes);
+    for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * 2, dtype, K, K, w + m * K);
+    xf = w;
+  }
+  QuantJob q{kern.quantize_rows, xf, K, Kp, Int8Quant{denom, eps, qmin, qmax}, kern.dynamic_offset, buf, xs};
+  parallel_for(M, 1, threads, quantize_rows, &q, 0);
+  const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
+                     offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, codes, scale, nullptr, o.f32};
+  RowsJob job{p, kern.dynamic_rows};
+  parallel_for(N, 4, threads, run_rows, &job, kSpinUs);
+  o.finish(out, dtype, M * N);
+  free(buf);
+  return OK;
+}

@@ -1,0 +1,203 @@
+// The int8 vector kernels (see int8_linear.h), written once over ISA traits and instantiated by
+// int8_linear_<isa>.cpp: T the float traits (simd_avx2.h, simd_avx512.h), D the int8 x int8 dot
+// product traits of the unit (the AVX2 sign trick, VNNI).
+//
+// A tile of 4 weight rows x up to 4 activation rows keeps its dot products in registers; the
+// next tile's rows (which follow in memory) are prefetched while it computes. A row tail shorter
+// than a vector runs once more on zero-padded copies of the weights (the activations are padded).
+//
+// In an anonymous namespace, with the traits' types in one too: each ISA unit has its own
+// internal copy (see common.h, lut4_linear_avx2.cpp).
+#pragma once
+#include <immintrin.h>
+#include <string.h>
+
+#include "common.h"
+#include "int8_linear.h"
+#include "tiling.h"
+
+namespace tq {
+namespace {
+
+constexpr int kInt8Rows = 4;   // weight rows per tile
+constexpr int kInt8MTile = 4;  // activation rows per tile
+
+// Weight-only kernels, dequantization and activation quantization over float traits T.
+template <class T>
+struct Int8Kernel {
+  using F = typename T::F;
+  using I = typename T::I;
+  static constexpr int W = T::kLanes;
+
+  template <int NT, int MT>
+  TQ_TILE static void weight_tile(const Int8Params& p, int64_t n, int64_t m0) {
+    const int64_t K = p.K, kfull = K / W * W;
+    F acc[NT][MT], s[NT];
+    const int8_t* w[NT];
+    for (int t = 0; t < NT; ++t) {
+      s[t] = T::set1(p.scale[n + t]);
+      w[t] = p.w + (n + t) * K;
+      for (int m = 0; m < MT; ++m) acc[t][m] = T::zero();
+    }
+    const char* ahead = reinterpret_cast<const char*>(p.w + (n + NT) * K);
+    const char* ahead_end = reinterpret_cast<const char*>(p.w + p.N * K);
+    auto step = [&](const int8_t* const* src, int64_t k, int64_t xk) {
+      for (int t = 0; t < NT; ++t) {
+        const F wv = T::mul(T::load_i8(src[t] + k), s[t]);
+        for (int m = 0; m < MT; ++m) acc[t][m] = T::fmadd(wv, T::load(p.x + (m0 + m) * p.Kp + xk), acc[t][m]);
+      }
+    };
+    for (int64_t k = 0; k < kfull; k += W) {
+      // one line of the next tile per 16 weights of each row: NT lines per 64 weights
+      if ((W >= 16 || !(k & 15)) && ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
+      ahead += W * NT;
+      step(w, k, k);
+    }
+    if (kfull < K) {  // tail: zero-padded copies (the activations are zero padded too)
+      alignas(16) int8_t tail[NT][W];
+      const int8_t* src[NT];
+      for (int t = 0; t < NT; ++t) {
+        memset(tail[t], 0, W);
+        memcpy(tail[t], w[t] + kfull, K - kfull);
+        src[t] = tail[t];
+      }
+      step(src, 0, kfull);
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) {
+        const float v = T::hsum(acc[t][m]);
+        p.out[(m0 + m) * p.N + n + t] = p.bias ? v + p.bias[n + t] : v;
+      }
+  }
+
+  static void weight_rows(const Int8Params& p, int64_t n0, int64_t n1) {
+    tiles_then_singles<kInt8Rows>(n0, n1, [&](auto nt, int64_t n) {
+      tiles_then_remainder<kInt8MTile>(0, p.M, [&](auto mt, int64_t m) { weight_tile<decltype(nt)::value, decltype(mt)::value>(p, n, m); });
+    });
+  }
+
+  static void dequant_rows(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16) {
+    const int64_t kfull = K / W * W;
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* row = w + n * K;
+      const F s = T::set1(scale[n]);
+      const int64_t base = (n - n0) * K;
+      for (int64_t k = 0; k < kfull; k += W) {
+        const F v = T::mul(T::load_i8(row + k), s);
+        if (bf16) T::store_bf16(static_cast<uint16_t*>(out) + base + k, v);
+        else T::storeu(static_cast<float*>(out) + base + k, v);
+      }
+      for (int64_t k = kfull; k < K; ++k) {  // the same single rounding per element as the vectors
+        const float v = static_cast<float>(row[k]) * scale[n];
+        if (bf16) static_cast<uint16_t*>(out)[base + k] = bf16_rne(v);
+        else static_cast<float*>(out)[base + k] = v;
+      }
+    }
+  }
+
+  static void quantize_rows(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, int offset, void* codes, float* xs,
+                            int64_t m0, int64_t m1) {
+    const int64_t kfull = K / W * W;
+    const I lo = T::set1_i32(q.qmin), hi = T::set1_i32(q.qmax), off = T::set1_i32(offset);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = x + m * K;
+      F amax = T::zero();
+      bool nan = false;
+      for (int64_t k = 0; k < kfull; k += W) {
+        const F a = T::abs(T::loadu(row + k));
+        nan |= T::any_nan(a);
+        amax = T::max(amax, a);
+      }
+      alignas(64) float lanes[W];
+      T::store(lanes, amax);
+      float a = 0.0f;
+      for (float v : lanes) a = v > a ? v : a;
+      for (int64_t k = kfull; k < K; ++k) {  // max is exact: the order of the elements does not matter
+        const float v = row[k] < 0 ? -row[k] : row[k];
+        nan |= v != v;
+        a = v > a ? v : a;
+      }
+      float s = nan ? __builtin_nanf("") : a / q.denom;
+      s = s < q.eps ? q.eps : s;  // a NaN scale stays NaN, as torch.clamp
+      xs[m] = s;
+      const F r = T::set1(1.0f / s);
+      uint8_t* dst = static_cast<uint8_t*>(codes) + m * Kp;
+      for (int64_t k = 0; k < Kp; k += W) {
+        alignas(64) float in[W];
+        const float* src = row + k;
+        if (k + W > K) {  // the row's end and the padding: a zero-filled copy
+          for (int j = 0; j < W; ++j) in[j] = k + j < K ? row[k + j] : 0.0f;
+          src = in;
+        }
+        T::quantize_store(dst + k, T::loadu(src), r, lo, hi, off, offset != 0);
+      }
+    }
+  }
+};
+
+// Dynamic (int8 x int8) kernels over dot-product traits D: D::kBytes codes per step,
+// D::Weights / D::RowSum what a step keeps of each weight row, D::dot accumulating exactly in
+// int32, D::total the final int32 dot product.
+template <class D>
+struct Int8DotKernel {
+  using Acc = typename D::Acc;
+  static constexpr int kBytes = D::kBytes;
+
+  template <int NT, int MT>
+  TQ_TILE static void dynamic_tile(const Int8Params& p, int64_t n, int64_t m0) {
+    const int64_t K = p.K, kfull = K / kBytes * kBytes;
+    const uint8_t* xcodes = D::activations(p);
+    Acc acc[NT][MT];
+    typename D::RowSum rowsum[NT];
+    const int8_t* w[NT];
+    for (int t = 0; t < NT; ++t) {
+      w[t] = p.w + (n + t) * K;
+      rowsum[t] = D::rowsum_zero();
+      for (int m = 0; m < MT; ++m) acc[t][m] = D::zero();
+    }
+    const char* ahead = reinterpret_cast<const char*>(p.w + (n + NT) * K);
+    const char* ahead_end = reinterpret_cast<const char*>(p.w + p.N * K);
+    auto step = [&](const int8_t* const* src, int64_t k, int64_t xk) {
+      typename D::Weights wv[NT];
+      for (int t = 0; t < NT; ++t) wv[t] = D::load_weights(src[t] + k, rowsum[t]);
+      for (int m = 0; m < MT; ++m) {
+        const typename D::X xv = D::load_activations(xcodes + (m0 + m) * p.Kp + xk);
+        for (int t = 0; t < NT; ++t) acc[t][m] = D::dot(acc[t][m], xv, wv[t]);
+      }
+    };
+    for (int64_t k = 0; k < kfull; k += kBytes) {
+      if (kBytes >= 64 || !(k & 63)) {  // one line of each of the next tile's rows per 64 codes
+        for (int t = 0; t < NT; ++t)
+          if (ahead + 64 * t < ahead_end) _mm_prefetch(ahead + 64 * t, _MM_HINT_T0);
+        ahead += 64 * NT;
+      }
+      step(w, k, k);
+    }
+    if (kfull < K) {  // tail: zero weight codes (the activation codes are padded)
+      alignas(kBytes) int8_t tail[NT][kBytes];
+      const int8_t* src[NT];
+      for (int t = 0; t < NT; ++t) {
+        memset(tail[t], 0, kBytes);
+        memcpy(tail[t], w[t] + kfull, K - kfull);
+        src[t] = tail[t];
+      }
+      step(src, 0, kfull);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const int32_t correction = D::correction(rowsum[t]);
+      for (int m = 0; m < MT; ++m) {
+        const int32_t dot = D::hsum(acc[t][m]) - correction;
+        p.out[(m0 + m) * p.N + n + t] = (static_cast<float>(dot) * p.xs[m0 + m]) * p.scale[n + t];
+      }
+    }
+  }
+
+  static void dynamic_rows(const Int8Params& p, int64_t n0, int64_t n1) {
+    tiles_then_singles<kInt8Rows>(n0, n1, [&](auto nt, int64_t n) {
+      tiles_then_remainder<kInt8MTile>(0, p.M, [&](auto mt, int64_t m) { dynamic_tile<decltype(nt)::value, decltype(mt)::value>(p, n, m); });
+    });
+  }
+};
+
+}  // namespace
+}  // namespace tq

@@ -1,0 +1,78 @@
+// The portable int8 kernels (ISA_SCALAR, TORCHQ_NATIVE_ISA=scalar): one sum per output in
+// element order; the same bits as the vector kernels and torchq's reference (see int8_linear.h).
+#include <math.h>
+
+#include "common.h"
+#include "int8_linear.h"
+
+namespace tq {
+namespace {
+
+void weight_rows(const Int8Params& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.w + n * p.K;
+    const float s = p.scale[n];
+    for (int64_t m = 0; m < p.M; ++m) {
+      const float* x = p.x + m * p.Kp;
+      float acc = 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) acc += (static_cast<float>(w[k]) * s) * x[k];
+      p.out[m * p.N + n] = p.bias ? acc + p.bias[n] : acc;
+    }
+  }
+}
+
+void dynamic_rows(const Int8Params& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.w + n * p.K;
+    for (int64_t m = 0; m < p.M; ++m) {
+      const int8_t* x = p.xq + m * p.Kp;
+      int32_t acc = 0;
+      for (int64_t k = 0; k < p.K; ++k) acc += static_cast<int32_t>(w[k]) * x[k];
+      p.out[m * p.N + n] = (static_cast<float>(acc) * p.xs[m]) * p.scale[n];
+    }
+  }
+}
+
+void dequant_rows(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    const float s = scale[n];
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = static_cast<float>(row[k]) * s;
+      const int64_t i = (n - n0) * K + k;
+      if (bf16) static_cast<uint16_t*>(out)[i] = bf16_rne(v);
+      else static_cast<float*>(out)[i] = v;
+    }
+  }
+}
+
+void quantize_rows(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, int offset, void* codes, float* xs, int64_t m0,
+                   int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* row = x + m * K;
+    float amax = 0.0f;
+    bool nan = false;
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = fabsf(row[k]);
+      nan |= a != a;
+      amax = a > amax ? a : amax;
+    }
+    float s = nan ? NAN : amax / q.denom;
+    s = s < q.eps ? q.eps : s;  // a NaN scale stays NaN, as torch.clamp
+    xs[m] = s;
+    const float r = 1.0f / s;
+    for (int64_t k = 0; k < Kp; ++k) {
+      float v = k < K ? rintf(row[k] * r) : 0.0f;  // rint: round half to even (default rounding mode)
+      v = v != v ? 0.0f : v < q.qmin ? q.qmin : v > q.qmax ? q.qmax : v;
+      const int c = static_cast<int>(v);
+      if (offset) static_cast<uint8_t*>(codes)[m * Kp + k] = static_cast<uint8_t>(c + 128);
+      else static_cast<int8_t*>(codes)[m * Kp + k] = static_cast<int8_t>(c);
+    }
+  }
+}
+
+}  // namespace
+
+extern const Int8Kernels kInt8Scalar = {&weight_rows, &dynamic_rows, 0, &quantize_rows, &dequant_rows};
+
+}  // namespace tq

@@ -1,0 +1,182 @@
+// The lut4 vector kernel (see lut4_linear.h for the formats), written once over ISA traits T
+// (simd_avx2.h, simd_avx512.h) and instantiated by lut4_linear_<isa>.cpp.
+//
+// Small M (decode): each 16-byte chunk of a row unpacks to 32 weights with table lookups
+// (T::lut4_unpack) into the block's 16-entry table, and feeds FMAs for every activation row
+// while in registers. Larger M: a panel of 4 rows is unpacked once into an L2-resident fp32
+// buffer, then a register tile of dot products runs over it for blocks of activation rows.
+//
+// In an anonymous namespace, with T's types in one too: each ISA unit has its own internal copy
+// (see common.h).
+#pragma once
+#include <immintrin.h>
+#include <stdlib.h>
+
+#include "lut4_linear.h"
+#include "tiling.h"
+
+namespace tq {
+namespace {
+
+template <class T>
+struct Lut4Kernel {
+  using F = typename T::F;
+  static constexpr int W = T::kLanes;
+  static constexpr int kChunk = 32 / W;  // vectors per 16 packed bytes (32 weights)
+  static constexpr int kFusedMaxM = 4;
+  static constexpr int64_t kPanelRows = 4;
+  static constexpr int64_t kActivationBlockBytes = 1 << 20;  // activation rows per pass stay in L2
+
+  struct Table {
+    F v[16 / W];  // 16 entries
+  };
+
+  static Table load_code(const float* codebook) {
+    Table c;
+    for (int i = 0; i < 16 / W; ++i) c.v[i] = T::loadu(codebook + W * i);
+    return c;
+  }
+
+  static F entries(const Lut4Params& p, F code, F s, int64_t b) {
+    if (!p.shifts && !p.zeros && p.round_mul == ROUND_NONE) return T::mul(code, s);
+    const F c = p.shifts ? T::add(code, T::set1(p.shifts[b])) : code;
+    const F v = T::round_to(T::mul(c, s), p.round_mul);
+    return p.zeros ? T::round_to(T::add(v, T::set1(p.zeros[b])), p.round_add) : v;
+  }
+
+  // The 16 weight values of block g of row n (see lut4_linear.h); NF4 / FP4 take one multiply.
+  static Table table(const Lut4Params& p, const Table& code, int64_t n, int64_t g) {
+    const F s = T::set1(lut4_scale(p, n, g));
+    const int64_t b = n * (p.K / p.block) + g;
+    Table lut;
+    for (int i = 0; i < 16 / W; ++i) lut.v[i] = entries(p, code.v[i], s, b);
+    return lut;
+  }
+
+  // out[m0..m0+MT, n..n+NT] for rows whose weights unpack into registers chunk by chunk. Vector i
+  // of a chunk accumulates into acc[i % 2].
+  template <int NT, int MT>
+  TQ_TILE static void fused_tile(const Lut4Params& p, int64_t n, int64_t m0) {
+    const int64_t K = p.K, B = p.block, G = K / B;
+    const Table code = load_code(p.codebook);
+    F acc[NT][MT][2];
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) acc[t][m][0] = acc[t][m][1] = T::zero();
+    const uint8_t* w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = p.packed + (n + t) * (K / 2);
+    const float* x[MT];
+    for (int m = 0; m < MT; ++m) x[m] = p.xp + (m0 + m) * K;
+    // The next tile's rows follow these in memory: fetch them one line per step (NT rows of
+    // K/2 bytes take NT*K/64 lines, which is exactly one per 32-element step of this tile), so
+    // memory streams while this tile computes; rows of a few KB are too short for the hardware
+    // prefetchers to ramp up on their own.
+    const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));
+    const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
+    for (int64_t g = 0; g < G; ++g) {
+      Table lut[NT];
+      for (int t = 0; t < NT; ++t) lut[t] = table(p, code, n + t, g);
+      for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
+        if (ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
+        ahead += 16 * NT;
+        for (int t = 0; t < NT; ++t) {
+          F wv[kChunk];
+          T::lut4_unpack(lut[t].v, w[t] + k / 2, wv);
+          for (int m = 0; m < MT; ++m)
+            for (int i = 0; i < kChunk; ++i) acc[t][m][i & 1] = T::fmadd(wv[i], T::loadu(x[m] + k + W * i), acc[t][m][i & 1]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) {
+        const float s = T::hsum(T::add(acc[t][m][0], acc[t][m][1]));
+        p.out[(m0 + m) * p.N + n + t] = p.bias ? s + p.bias[n + t] : s;
+      }
+  }
+
+  // Unpack rows n..n+rows into buf ([rows, K] fp32, in the permuted activation order).
+  static void unpack_panel(const Lut4Params& p, int64_t n, int64_t rows, float* buf) {
+    const int64_t K = p.K, B = p.block, G = K / B;
+    const Table code = load_code(p.codebook);
+    for (int64_t t = 0; t < rows; ++t) {
+      const uint8_t* w = p.packed + (n + t) * (K / 2);
+      float* dst = buf + t * K;
+      for (int64_t g = 0; g < G; ++g) {
+        const Table lut = table(p, code, n + t, g);
+        for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
+          F v[kChunk];
+          T::lut4_unpack(lut.v, w + k / 2, v);
+          for (int i = 0; i < kChunk; ++i) T::store(dst + k + W * i, v[i]);
+        }
+      }
+    }
+  }
+
+  // out[m0..m0+MT, n..n+NT] from NT unpacked rows of buf.
+  template <int NT, int MT>
+  TQ_TILE static void panel_tile(const Lut4Params& p, const float* buf, int64_t n, int64_t m0) {
+    const int64_t K = p.K;
+    F acc[NT][MT];
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) acc[t][m] = T::zero();
+    for (int64_t k = 0; k < K; k += W) {
+      F w[NT];
+      for (int t = 0; t < NT; ++t) w[t] = T::load(buf + t * K + k);
+      for (int m = 0; m < MT; ++m) {
+        const F xv = T::loadu(p.xp + (m0 + m) * K + k);
+        for (int t = 0; t < NT; ++t) acc[t][m] = T::fmadd(w[t], xv, acc[t][m]);
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) {
+        const float s = T::hsum(acc[t][m]);
+        p.out[(m0 + m) * p.N + n + t] = p.bias ? s + p.bias[n + t] : s;
+      }
+  }
+
+  // M <= 4: fused tiles of kLut4FusedRows weight rows x 2 activation rows. Larger M: panels of
+  // 4 weight rows, swept by kLut4PanelM activation rows at a time, block by block of activations.
+  static void rows(const Lut4Params& p, int64_t n0, int64_t n1) {
+    if (p.M <= kFusedMaxM) {
+      tiles_then_singles<T::kLut4FusedRows>(n0, n1, [&](auto nt, int64_t n) {
+        tiles_then_remainder<2>(0, p.M, [&](auto mt, int64_t m) { fused_tile<decltype(nt)::value, decltype(mt)::value>(p, n, m); });
+      });
+      return;
+    }
+    float* buf = static_cast<float*>(aligned_alloc(sizeof(F), kPanelRows * p.K * sizeof(float)));
+    if (!buf) {  // cannot happen for sane K; stay correct anyway
+      lut4_rows_portable(p, n0, n1);
+      return;
+    }
+    constexpr int MP = T::kLut4PanelM;
+    int64_t block_rows = kActivationBlockBytes / (p.K * (int64_t)sizeof(float));
+    block_rows = block_rows < MP ? MP : block_rows / MP * MP;
+    for (int64_t m0 = 0; m0 < p.M; m0 += block_rows) {
+      const int64_t m1 = m0 + block_rows < p.M ? m0 + block_rows : p.M;
+      for (int64_t n = n0; n < n1; n += kPanelRows) {
+        const int64_t rows = n + kPanelRows <= n1 ? kPanelRows : n1 - n;
+        unpack_panel(p, n, rows, buf);
+        with_tile_size<kPanelRows>(rows, [&](auto nt) {
+          tiles_then_remainder<MP>(m0, m1, [&](auto mt, int64_t m) { panel_tile<decltype(nt)::value, decltype(mt)::value>(p, buf, n, m); });
+        });
+      }
+    }
+    free(buf);
+  }
+
+  static void dequant(const Lut4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16) {
+    const int64_t K = p.K, B = p.block, G = K / B;
+    const Table code = load_code(p.codebook);
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = p.packed + n * (K / 2);
+      char* row = static_cast<char*>(dst) + (n - n0) * K * esize;
+      for (int64_t g = 0; g < G; ++g) {
+        const Table lut = table(p, code, n, g);
+        T::lut4_dequant_block(lut.v, w + g * B / 2, B, row + g * B * esize, bf16);
+      }
+    }
+  }
+};
+
+}  // namespace
+}  // namespace tq
