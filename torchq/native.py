@@ -10,6 +10,13 @@ stay the fallback. It picks AVX-512, AVX2+FMA or a portable path at run time and
   ``TORCHQ_NATIVE_SPIN_US`` lets the kernel threads spin that long for the next call (default 0).
 * :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
 
+Every kernel call goes through two functions, :func:`run_linear` and :func:`dequantize_rows`,
+with a :class:`NativeWeight`: the library's weight struct (``csrc/weight_abi.h``, mirrored by
+:mod:`torchq.native_abi` and checked against the library's own description when it loads),
+built once per weight by :func:`lut4_weight` or :func:`int8_weight`, which check every buffer
+against the sizes the struct claims (:func:`checked_ptr`); per call only x, the output, the
+bias and M are passed. :func:`weight_args` caches a layout's weight per tensor impl.
+
 When the library is absent, the first op that would have used it warns once
 (:class:`NativeMissingWarning`) naming the op, so a slow path is never silent.
 """
