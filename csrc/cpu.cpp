@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "weight_abi.h"
 
 namespace tq {
 namespace {
@@ -66,8 +67,7 @@ int active_isa() { return kernels().isa; }
 
 }  // namespace tq
 
-// Bumped whenever an exported signature changes; torchq/native.py refuses a mismatch.
-TQ_API int tq_abi_version() { return 3; }
+TQ_API int tq_abi_version() { return TQ_ABI_VERSION; }
 TQ_API int tq_supported_isa() { return tq::g_supported; }
 TQ_API int tq_active_isa() { return tq::active_isa(); }
 // Use at most `isa` (clamped to what the CPU supports); returns the ISA now active.

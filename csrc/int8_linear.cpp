@@ -1,5 +1,5 @@
-// The int8 linears' exported entry points (see int8_linear.h): argument checks, activation
-// conversion and quantization, threading. The kernels come from the active ISA's table (kernels.h).
+// The int8 linears' halves of tq_linear / tq_dequantize_rows (weight_abi.h; see int8_linear.h):
+// argument checks, activation conversion and quantization, threading. The kernels come from the active ISA's table (kernels.h).
 #include "int8_linear.h"
 
 #include <stdlib.h>
@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "weight_abi.h"
 
 namespace tq {
 namespace {
@@ -76,15 +77,10 @@ struct Output {
   ~Output() { free(owned); }
 };
 
-}  // namespace
-}  // namespace tq
-
 // out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), int8 codes
 // [N, K], fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end.
-TQ_API int tq_int8_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
-                          const float* bias, void* out, int threads) {
-  using namespace tq;
-  if (M < 1 || K < 1 || N < 1 || !valid_dtype(dtype) || !x || !codes || !scale || !out) return BAD_ARGUMENT;
+int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
+                       const float* bias, void* out, int threads) {
   const int64_t Kp = padded(K);
   float* xp = static_cast<float*>(aligned_alloc(64, M * Kp * sizeof(float)));
   Output o;
@@ -101,24 +97,11 @@ TQ_API int tq_int8_linear(const void* x, int dtype, int64_t M, int64_t K, const 
   return OK;
 }
 
-// Rows [n0, n1) of the weight, q * s, into out ([n1 - n0, K]) as fp32 (out_bf16 = 0) or bf16.
-TQ_API int tq_int8_dequantize(const int8_t* codes, int64_t N, int64_t K, const float* scale, int64_t n0, int64_t n1,
-                              void* out, int out_bf16, int threads) {
-  using namespace tq;
-  if (K < 1 || N < 1 || n0 < 0 || n1 > N || n0 >= n1 || !codes || !scale || !out) return BAD_ARGUMENT;
-  DequantJob job{kernels().int8.dequant_rows, codes, scale, K, n0, out, out_bf16 != 0};
-  parallel_for(n1 - n0, 1, threads, dequant_rows, &job);
-  return OK;
-}
-
 // out[M, N] = per-token int8(x) @ q.T rescaled (see int8_linear.h); x and out contiguous of `dtype`.
 // No bias (the reference adds it after rounding to the activation dtype). Codes are symmetric
 // in [qmin, qmax] with qmin >= -127 (the AVX2 sign trick needs |x| <= 127).
-TQ_API int tq_int8_dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N,
-                                  const float* scale, float denom, float eps, int qmin, int qmax, void* out, int threads) {
-  using namespace tq;
-  if (M < 1 || K < 1 || N < 1 || !valid_dtype(dtype) || !x || !codes || !scale || !out) return BAD_ARGUMENT;
-  if (qmin < -127 || qmax > 127 || qmin >= qmax || !(denom > 0.0f) || !(eps > 0.0f)) return BAD_ARGUMENT;
+int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
+                   float denom, float eps, int qmin, int qmax, void* out, int threads) {
   const int64_t Kp = padded(K);
   const Int8Kernels& kern = kernels().int8;
   const bool offset_codes = kern.dynamic_offset != 0;
@@ -147,3 +130,32 @@ TQ_API int tq_int8_dynamic_linear(const void* x, int dtype, int64_t M, int64_t K
   free(buf);
   return OK;
 }
+
+// The int8 fields of w (see weight_abi.h) are consistent: unpadded rows, codes and scales, the
+// activation quantization of the dynamic format, and no lut4 fields.
+bool valid_int8(const tq_weight& w) {
+  if (w.row_length != w.k || !w.codes || !w.scales) return false;
+  if (w.packed || w.codebook || w.shifts || w.zeros || w.nested_codes || w.nested_absmax || w.nested_offset || w.nested_map)
+    return false;
+  return w.format != TQ_FORMAT_INT8_DYNAMIC || (w.act_qmin >= -127 && w.act_qmax <= 127 && w.act_qmin < w.act_qmax &&
+                                                w.act_denom > 0.0f && w.act_eps > 0.0f);
+}
+
+}  // namespace
+
+int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const float* bias, void* out, int threads) {
+  if (!valid_int8(w)) return BAD_ARGUMENT;
+  if (w.format == TQ_FORMAT_INT8) return weight_only_linear(x, dtype, M, w.k, w.codes, w.n, w.scales, bias, out, threads);
+  if (bias) return BAD_ARGUMENT;  // the reference adds it after rounding to the activation dtype: the caller does
+  return dynamic_linear(x, dtype, M, w.k, w.codes, w.n, w.scales, w.act_denom, w.act_eps, w.act_qmin, w.act_qmax, out, threads);
+}
+
+// Rows [n0, n1) of the weight, q * s, into dst ([n1 - n0, K]) as fp32 or bf16.
+int int8_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads) {
+  if (!valid_int8(w)) return BAD_ARGUMENT;
+  DequantJob job{kernels().int8.dequant_rows, w.codes, w.scales, w.k, n0, dst, bf16};
+  parallel_for(n1 - n0, 1, threads, dequant_rows, &job);
+  return OK;
+}
+
+}  // namespace tq

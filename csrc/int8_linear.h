@@ -1,9 +1,10 @@
 // int8 weight kernels: weight-only (float activations) and dynamic (int8 activations).
 //
-// Files: int8_linear.cpp (exported entry points: checks, activation conversion / quantization,
-// threading), int8_linear_body.h (the vector kernels, written once over ISA traits),
-// int8_linear_avx2.cpp / int8_linear_avx512.cpp (their instantiations, with the int8 dot
-// products: vpmaddubsw sign trick / VNNI), int8_linear_scalar.cpp (the portable kernels).
+// Files: int8_linear.cpp (the int8 half of tq_linear / tq_dequantize_rows, weight_abi.h: checks,
+// activation conversion / quantization, threading), int8_linear_body.h (the vector kernels,
+// written once over ISA traits), int8_linear_avx2.cpp / int8_linear_avx512.cpp (their
+// instantiations, with the int8 dot products: vpmaddubsw sign trick / VNNI),
+// int8_linear_scalar.cpp (the portable kernels).
 //
 // Weight bytes (torchq PlainLayout, symmetric per channel): int8 codes [N, K] row-major and one
 // fp32 scale per row (output channel).

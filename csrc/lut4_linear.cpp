@@ -1,6 +1,6 @@
-// The lut4 linear's exported entry points (tq_blockwise4bit_* for NF4 / FP4, tq_int4_* for
-// affine int4; see lut4_linear.h): argument checks, activation permutation, threading. The
-// kernels come from the active ISA's table (kernels.h).
+// The lut4 linear's halves of tq_linear / tq_dequantize_rows (weight_abi.h; NF4 / FP4 and affine
+// int4, see lut4_linear.h): argument checks, activation permutation, threading. The kernels come
+// from the active ISA's table (kernels.h).
 #include "lut4_linear.h"
 
 #include <stdlib.h>
@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "weight_abi.h"
 
 namespace tq {
 
@@ -79,65 +80,39 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   return OK;
 }
 
-int dequantize(const Lut4Params& p, int64_t n0, int64_t n1, void* out, int out_bf16, int threads) {
-  DequantJob job{&p, kernels().lut4.dequant, n0, out, out_bf16 != 0};
+int dequantize(const Lut4Params& p, int64_t n0, int64_t n1, void* out, bool out_bf16, int threads) {
+  DequantJob job{&p, kernels().lut4.dequant, n0, out, out_bf16};
   parallel_for(n1 - n0, 1, threads, run_dequant, &job);
   return OK;
 }
 
+// The lut4 fields of w (see weight_abi.h) are consistent: shape, table, exactly one kind of
+// scales, round kinds, and no int8 fields.
+bool valid_lut4(const tq_weight& w) {
+  if (!valid_shape(w.n, w.row_length, w.block) || w.row_length - w.k >= w.block || !w.packed || !w.codebook) return false;
+  const bool nested = w.nested_codes || w.nested_absmax || w.nested_offset || w.nested_map;
+  if (nested ? (w.scales || !w.nested_codes || !w.nested_absmax || !w.nested_offset || !w.nested_map) : !w.scales) return false;
+  return w.round_mul >= ROUND_NONE && w.round_mul <= ROUND_FP16 && w.round_add >= ROUND_NONE && w.round_add <= ROUND_FP16 &&
+         !w.codes;
+}
+
+Lut4Params params(const tq_weight& w, int64_t M, const float* bias) {
+  return Lut4Params{nullptr, M, w.row_length, w.n, w.block, w.packed, w.codebook, w.scales, w.nested_codes,
+                    w.nested_absmax, w.nested_offset ? *w.nested_offset : 0.0f, w.nested_map, bias, nullptr,
+                    w.shifts, w.zeros, w.round_mul, w.round_add};
+}
+
 }  // namespace
+
+int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const float* bias, void* out, int threads) {
+  if (!valid_lut4(w)) return BAD_ARGUMENT;
+  return linear(params(w, M, bias), x, dtype, w.k, out, threads);
+}
+
+int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads) {
+  if (!valid_lut4(w)) return BAD_ARGUMENT;
+  const Lut4Params p = params(w, 0, nullptr);
+  return dequantize(p, n0, n1, dst, bf16, threads);
+}
+
 }  // namespace tq
-
-// out[M, N] = x[M, K] @ W.T (+ bias), W the 4-bit blockwise weight (see lut4_linear.h); x and
-// out contiguous of `dtype` (DType), bias fp32 or null; products and sums in fp32, one rounding
-// to `dtype` at the end. Pass absmax, or the three nested arrays.
-TQ_API int tq_blockwise4bit_linear(const void* x, int dtype, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
-                                   int64_t block, const float* codebook, const float* absmax, const uint8_t* nested_codes,
-                                   const float* nested_absmax, float nested_offset, const float* nested_map,
-                                   const float* bias, void* out, int threads) {
-  using namespace tq;
-  if (M < 1 || !valid_shape(N, K, block) || !valid_dtype(dtype) || !x || !packed || !codebook || !out) return BAD_ARGUMENT;
-  if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
-  Lut4Params p{nullptr, M, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, bias, nullptr};
-  return linear(p, x, dtype, K, out, threads);
-}
-
-// Rows [n0, n1) of the [N, K] 4-bit weight, dequantized into out ([n1 - n0, K], contiguous) as
-// fp32 (out_bf16 = 0) or bf16 (1): exactly torchq::dequantize_4bit's values.
-TQ_API int tq_blockwise4bit_dequantize(const uint8_t* packed, int64_t N, int64_t K, int64_t block, const float* codebook,
-                                       const float* absmax, const uint8_t* nested_codes, const float* nested_absmax,
-                                       float nested_offset, const float* nested_map, int64_t n0, int64_t n1, void* out,
-                                       int out_bf16, int threads) {
-  using namespace tq;
-  if (!valid_shape(N, K, block) || n0 < 0 || n1 > N || n0 >= n1 || !packed || !codebook || !out) return BAD_ARGUMENT;
-  if (!absmax && !(nested_codes && nested_absmax && nested_map)) return BAD_ARGUMENT;
-  Lut4Params p{nullptr, 0, K, N, block, packed, codebook, absmax, nested_codes, nested_absmax, nested_offset, nested_map, nullptr, nullptr};
-  return dequantize(p, n0, n1, out, out_bf16, threads);
-}
-
-// The same for torchq's groupwise int4 format (torchq.layouts.int4_native): fp32 scales per
-// group of `group` elements, optional per-group shifts (integer zero point) or zeros (float zero
-// point), table entries rounded as round_mul / round_add say (0 none, 1 bf16, 2 fp16).
-// x is [M, K] (K <= Kp < K + group); the weight rows hold Kp = a multiple of `group` columns.
-TQ_API int tq_int4_linear(const void* x, int dtype, int64_t M, int64_t K, int64_t Kp, const uint8_t* packed, int64_t N,
-                          int64_t group, const float* codebook, const float* scales, const float* shifts, const float* zeros,
-                          int round_mul, int round_add, const float* bias, void* out, int threads) {
-  using namespace tq;
-  if (M < 1 || !valid_shape(N, Kp, group) || K < 1 || K > Kp || Kp - K >= group || !valid_dtype(dtype)) return BAD_ARGUMENT;
-  if (!x || !packed || !codebook || !scales || !out) return BAD_ARGUMENT;
-  if (round_mul < 0 || round_mul > 2 || round_add < 0 || round_add > 2) return BAD_ARGUMENT;
-  Lut4Params p{nullptr, M, Kp, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, bias, nullptr,
-             shifts, zeros, round_mul, round_add};
-  return linear(p, x, dtype, K, out, threads);
-}
-
-TQ_API int tq_int4_dequantize(const uint8_t* packed, int64_t N, int64_t K, int64_t group, const float* codebook,
-                              const float* scales, const float* shifts, const float* zeros, int round_mul, int round_add,
-                              int64_t n0, int64_t n1, void* out, int out_bf16, int threads) {
-  using namespace tq;
-  if (!valid_shape(N, K, group) || n0 < 0 || n1 > N || n0 >= n1 || !packed || !codebook || !scales || !out) return BAD_ARGUMENT;
-  if (round_mul < 0 || round_mul > 2 || round_add < 0 || round_add > 2) return BAD_ARGUMENT;
-  Lut4Params p{nullptr, 0, K, N, group, packed, codebook, scales, nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr,
-             shifts, zeros, round_mul, round_add};
-  return dequantize(p, n0, n1, out, out_bf16, threads);
-}

@@ -1,10 +1,11 @@
 // The 4-bit table-lookup linear ("lut4"): fused dequantize + linear for 4-bit weights whose 16
 // values per block come from a 16-entry table. One kernel serves bitsandbytes' NF4 / FP4
-// blockwise formats (tq_blockwise4bit_*) and torchq's groupwise affine int4 format (tq_int4_*).
+// blockwise formats and torchq's groupwise affine int4 format (TQ_FORMAT_LUT4, weight_abi.h).
 //
-// Files: lut4_linear.cpp (exported entry points: checks, activation permutation, threading),
-// lut4_linear_body.h (the vector kernel, written once over ISA traits), lut4_linear_avx2.cpp /
-// lut4_linear_avx512.cpp (its instantiations), lut4_linear_scalar.cpp (the portable kernel).
+// Files: lut4_linear.cpp (the lut4 half of tq_linear / tq_dequantize_rows: checks, activation
+// permutation, threading), lut4_linear_body.h (the vector kernel, written once over ISA traits),
+// lut4_linear_avx2.cpp / lut4_linear_avx512.cpp (its instantiations), lut4_linear_scalar.cpp (the
+// portable kernel).
 //
 // Weight bytes: packed uint8 [N, K/2], element 2j of a row in the high nibble of byte j; one
 // fp32 scale per block of B consecutive elements of a row (B divides K), either plain

@@ -108,13 +108,9 @@ def test_native_dequantize_matches_the_reference(isa, bf16):
     packed, args, dense = weight(n, k, block, "fp4", nested=True)
     dtype = torch.bfloat16 if bf16 else torch.float32
     out = torch.empty(n - 3, k, dtype=dtype)
-    lib = native.library()
-    status = lib.tq_blockwise4bit_dequantize(
-        packed.data_ptr(), n, k, block, linear.TABLES["fp4"].data_ptr(), None, args["nested_codes"].data_ptr(),
-        args["nested_absmax"].data_ptr(), float(args["nested_offset"]), linear._DYNAMIC.data_ptr(), 3, n, out.data_ptr(),
-        int(bf16), 2,
-    )
-    assert status == 0
+    w = linear.native_weight(packed.reshape(-1), linear.TABLES["fp4"], None, args["nested_codes"], args["nested_absmax"],
+                             args["nested_offset"], n, k, block)
+    native.dequantize_rows(w, 3, n, out)
     assert torch.equal(out, dense[3:].to(dtype))
 
 

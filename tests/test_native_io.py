@@ -1,4 +1,4 @@
-"""Activation input and output of the native linears (ABI 3): the C library reads x in its own
+"""Activation input and output of the native linears: the C library reads x in its own
 dtype (fp32, bf16, fp16) and writes the output in that dtype, so no Python-side casts or pads run.
 
 * the conversions (``tq_to_f32`` / ``tq_from_f32``) agree with torch's ``.to()`` bit for bit:

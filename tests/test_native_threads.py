@@ -52,9 +52,9 @@ STRESS_CHILD = textwrap.dedent(
     }
     calls = {}
     real_run_linear = native.run_linear
-    def counting(fn, op, *args, **kwargs):
-        calls[op] = calls.get(op, 0) + 1
-        return real_run_linear(fn, op, *args, **kwargs)
+    def counting(weight, *args, **kwargs):
+        calls[weight.op] = calls.get(weight.op, 0) + 1
+        return real_run_linear(weight, *args, **kwargs)
     native.run_linear = counting
 
     gen = torch.Generator().manual_seed(0)

@@ -28,18 +28,9 @@ from .prefill import tile_dtype, tiled_linear, use_tiles
 __all__ = [
     "int8_weight_linear", "int8_dynamic_linear", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu", "weight_linear_cpu",
     "dynamic_linear_cpu",
-    "dynamic_native",
-    "weight_args",
 ]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def weight_args(codes: torch.Tensor, scale: torch.Tensor, n: int, k: int, op: str) -> tuple[int, int, int]:
-    """``(codes, N, scale)``: the weight's C arguments of ``tq_int8_linear`` /
-    ``tq_int8_dynamic_linear`` for an ``[n, k]`` weight, each buffer checked to hold what the
-    kernel reads (contiguous int8 codes ``[n, k]``, fp32 scales ``[n]``, on the CPU)."""
-    return native.checked_ptr("codes", codes, torch.int8, n * k, op), n, native.checked_ptr("scale", scale, torch.float32, n, op)
 
 
 def _check_weight(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -91,18 +82,12 @@ def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     m = x.numel() // k
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
-    weight = weight_args(codes, scale, n, k, "int8_weight_linear")
+    weight = native.int8_weight("int8_weight_linear", codes, scale, n, k)
     if use_tiles(m, x.dtype):
         b = native.checked_bias(bias, n, "int8_weight_linear")
-
-        def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
-            out, bf16 = native.checked_tile(w, n1 - n0, k, "int8 dequantize")
-            status = lib.tq_int8_dequantize(weight[0], n, k, weight[2], n0, n1, out, bf16, native.threads())
-            native.check(status, "int8 dequantize")
-
-        out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
+        out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
-    return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, n, weight, bias)
+    return native.run_linear(weight, x, bias)
 
 
 def _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias) -> None:
@@ -160,13 +145,5 @@ def dynamic_linear_cpu(x, codes, scale, quant_min: int, quant_max: int, eps: flo
     n, k = codes.shape
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
-    weight = (*weight_args(codes, scale, n, k, "int8_dynamic_linear"), (quant_max - quant_min) / 2, eps, quant_min, quant_max)
-    return dynamic_native(lib, x, k, n, weight, bias)
-
-
-def dynamic_native(lib, x: torch.Tensor, k: int, n: int, weight: tuple, bias: torch.Tensor | None) -> torch.Tensor:
-    """``tq_int8_dynamic_linear`` with the weight's C arguments ``(codes, N, scale, denom, eps, qmin, qmax)``
-    (the first three from :func:`weight_args`)."""
-    native.check_bias(bias, n, "int8_dynamic_linear")
-    y = native.run_linear(lib.tq_int8_dynamic_linear, "int8_dynamic_linear", x, k, n, weight, None, takes_bias=False)
-    return y if bias is None else y + bias.to(x.dtype)  # the reference adds the bias after rounding to x's dtype
+    weight = native.int8_weight("int8_dynamic_linear", codes, scale, n, k).dynamic(quant_min, quant_max, eps)
+    return native.run_linear(weight, x, bias)

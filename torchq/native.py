@@ -10,6 +10,13 @@ stay the fallback. It picks AVX-512, AVX2+FMA or a portable path at run time and
   ``TORCHQ_NATIVE_SPIN_US`` lets the kernel threads spin that long for the next call (default 0).
 * :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
 
+Every kernel call goes through two functions, :func:`run_linear` and :func:`dequantize_rows`,
+with a :class:`NativeWeight`: the library's weight struct (``csrc/weight_abi.h``, mirrored by
+:mod:`torchq.native_abi` and checked against the library's own description when it loads),
+built once per weight by :func:`lut4_weight` or :func:`int8_weight`, which check every buffer
+against the sizes the struct claims (:func:`checked_ptr`); per call only x, the output, the
+bias and M are passed. :func:`weight_args` caches a layout's weight per tensor impl.
+
 When the library is absent, the first op that would have used it warns once
 (:class:`NativeMissingWarning`) naming the op, so a slow path is never silent.
 """
@@ -28,17 +35,19 @@ from pathlib import Path
 
 import torch
 
-from torchq import dispatch
+from torchq import dispatch, native_abi
 from torchq.identity_cache import IdentityCache
+from torchq.prefill import use_tiles
 
 __all__ = [
-    "NativeMissingWarning", "NativeStatus", "available", "check_bias", "checked_bias", "checked_ptr", "checked_tile", "disabled", "library",
-    "set_isa", "status", "threads",
+    "NativeMissingWarning", "NativeStatus", "NativeWeight", "available", "check_bias", "checked_bias", "checked_ptr", "checked_tile",
+    "decode_weight", "dequantize_rows", "disabled", "int8_weight", "library", "lut4_weight", "run_linear", "set_isa", "status",
+    "threads", "validate", "weight_args",
 ]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ISA_NAMES = ("scalar", "avx2", "avx512")
-_c_int64, _c_float, _c_int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 # name -> (restype, argtypes) of every exported function
 _SIGNATURES: dict[str, tuple[object, list]] = {
@@ -46,28 +55,10 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_supported_isa": (_c_int, []),
     "tq_active_isa": (_c_int, []),
     "tq_set_isa": (_c_int, [_c_int]),
-    "tq_blockwise4bit_linear": (
-        _c_int,
-        [_ptr, _c_int, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _ptr, _ptr, _c_int],
-    ),
-    "tq_blockwise4bit_dequantize": (
-        _c_int,
-        [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int],
-    ),
-    "tq_int4_linear": (
-        _c_int,
-        [_ptr, _c_int, _c_int64, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr, _ptr, _c_int],
-    ),
-    "tq_int4_dequantize": (
-        _c_int,
-        [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int64, _c_int64, _ptr, _c_int, _c_int],
-    ),
-    "tq_int8_linear": (_c_int, [_ptr, _c_int, _c_int64, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int]),
-    "tq_int8_dequantize": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int]),
-    "tq_int8_dynamic_linear": (
-        _c_int,
-        [_ptr, _c_int, _c_int64, _c_int64, _ptr, _c_int64, _ptr, _c_float, _c_float, _c_int, _c_int, _ptr, _c_int],
-    ),
+    "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
+    "tq_weight_size": (_c_int64, []),
+    "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
+    "tq_dequantize_rows": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int]),  # weight, n0, n1, dst, bf16, threads
     "tq_to_f32": (_c_int, [_ptr, _c_int, _c_int64, _ptr]),
     "tq_from_f32": (_c_int, [_ptr, _c_int64, _c_int, _ptr]),
 }
@@ -96,29 +87,41 @@ def _candidates() -> list[Path]:
     return [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, type[ctypes.Structure] | None]:
     if os.environ.get("TORCHQ_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
-        return None, None, "disabled by TORCHQ_NATIVE=0"
+        return None, None, "disabled by TORCHQ_NATIVE=0", None
     found = [p for p in _candidates() if p.is_file()]
     if not found:
-        return None, None, "torchq/_native library not built (reinstall with a C++ compiler: pip install -e .)"
+        return None, None, "torchq/_native library not built (reinstall with a C++ compiler: pip install -e .)", None
     path = found[0]
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        return None, str(path), f"cannot load {path.name}: {e}"
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name, None)
+        return None, str(path), f"cannot load {path.name}: {e}", None
+    struct, reason = validate(lib, path.name)
+    return (lib if struct else None), str(path), reason, struct
+
+
+def validate(lib: ctypes.CDLL, name: str) -> tuple[type[ctypes.Structure] | None, str | None]:
+    """``(the weight struct's ctypes.Structure, None)`` when ``lib`` (the file ``name``) is the
+    library this torchq calls: every exported function present (their signatures set here), the
+    same ABI version, and a weight struct with the fields torchq fills, of the same kinds, at
+    the offsets ctypes lays out (:mod:`torchq.native_abi`); else ``(None, why not)``."""
+    for fn_name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, fn_name, None)
         if fn is None:
-            return None, str(path), f"{path.name} lacks {name} (stale build: reinstall)"
+            return None, f"{name} lacks {fn_name} (stale build: reinstall)"
         fn.restype, fn.argtypes = restype, argtypes
     version = lib.tq_abi_version()
     if version != ABI_VERSION:
-        return None, str(path), f"{path.name} has ABI {version}, this torchq needs {ABI_VERSION} (stale build: reinstall)"
-    return lib, str(path), None
+        return None, f"{name} has ABI {version}, this torchq needs {ABI_VERSION} (stale build: reinstall)"
+    struct, reason = native_abi.weight_structure(*native_abi.describe(lib))
+    if struct is None:
+        return None, f"{name}: {reason} (stale build: reinstall)"
+    return struct, None
 
 
-_LIB, _PATH, _REASON = _load()
+_LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
 _STATE = threading.local()
 _WARNED: set[str] = set()
 
@@ -258,14 +261,92 @@ def checked_tile(w: torch.Tensor, rows: int, cols: int, op: str) -> tuple[int, i
     return checked_ptr("tile", w, w.dtype, rows * cols, op), int(w.dtype == torch.bfloat16)
 
 
-def run_linear(fn: Callable[..., int], op: str, x: torch.Tensor, k: int, n: int, weight: tuple, bias: torch.Tensor | None,
-               takes_bias: bool = True) -> torch.Tensor:
-    """``x [..., K] @ W.T (+ bias)`` through an exported linear ``fn(x, dtype, M, K, *weight,
-    [bias,] out, threads)``: x is read and the output written in x's dtype by the library, so
-    the only tensor op here is the output allocation (and a copy for a non-contiguous x).
+class NativeWeight:
+    """A weight as the library's ``tq_weight`` struct (``csrc/weight_abi.h``), built once by
+    :func:`lut4_weight` or :func:`int8_weight` after checking every buffer with
+    :func:`checked_ptr` against the sizes the struct claims; it holds those tensors, so its
+    pointers stay valid as long as it lives. Call it with :func:`run_linear` and
+    :func:`dequantize_rows`. ``op`` names the torchq op in error messages."""
 
-    ``weight`` must come from a builder that checked every buffer against ``n`` and ``k`` with
-    :func:`checked_ptr`; x and bias are checked here, on every call."""
+    __slots__ = ("struct", "address", "op", "format", "n", "k", "row_length", "_tensors", "_dynamic")
+
+    def __init__(self, op: str, tensors: tuple[torch.Tensor, ...], **fields: int | float | None) -> None:
+        if _WEIGHT_STRUCT is None:
+            raise RuntimeError(f"torchq {op}: native library not available: {_REASON}")
+        self.struct = _WEIGHT_STRUCT(**fields)
+        self.address = ctypes.addressof(self.struct)
+        self.op, self.format = op, self.struct.format
+        self.n, self.k, self.row_length = self.struct.n, self.struct.k, self.struct.row_length
+        self._tensors = tensors
+        self._dynamic: dict[tuple[int, int, float], NativeWeight] = {}
+
+    def dynamic(self, quant_min: int, quant_max: int, eps: float) -> NativeWeight:
+        """This int8 weight with activations quantized per row into ``[quant_min, quant_max]``
+        (:class:`torchq.activation.PerTokenInt8`), built once per range and eps."""
+        key = (quant_min, quant_max, eps)
+        found = self._dynamic.get(key)
+        if found is None:
+            if self.format != native_abi.FORMAT_INT8:
+                raise ValueError(f"torchq {self.op}: dynamic activations need an int8 weight-only weight, got format {self.format}")
+            fields = {name: getattr(self.struct, name) for name, _ in self.struct._fields_}
+            fields.update(format=native_abi.FORMAT_INT8_DYNAMIC, act_denom=(quant_max - quant_min) / 2, act_eps=eps,
+                          act_qmin=quant_min, act_qmax=quant_max)
+            found = self._dynamic[key] = NativeWeight("int8_dynamic_linear", self._tensors, **fields)
+        return found
+
+
+def lut4_weight(op: str, n: int, k: int, block: int, packed: torch.Tensor, codebook: torch.Tensor, *,
+                scales: torch.Tensor | None = None, nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                shifts: torch.Tensor | None = None, zeros: torch.Tensor | None = None, round_mul: int = 0,
+                round_add: int = 0) -> NativeWeight:
+    """An ``[n, k]`` 4-bit weight for the lut4 kernel: rows of ``row_length`` = k rounded up to a
+    multiple of ``block`` elements, zero-padded; ``packed`` uint8 ``[n * row_length / 2]`` (two
+    codes a byte, the first in the high nibble); ``codebook`` fp32 ``[16]``; per block of a row
+    either ``scales`` fp32 or ``nested = (codes uint8, absmax fp32 per 256 codes, offset fp32
+    [1], map fp32 [256])`` (scale = map[code] * absmax + offset, the offset read at each call);
+    optional ``shifts`` / ``zeros`` fp32 per block; ``round_mul`` / ``round_add`` 0 none, 1 bf16,
+    2 fp16. All contiguous CPU tensors."""
+    if (scales is None) == (nested is None):
+        raise ValueError(f"torchq {op}: scales, nested: pass exactly one")
+    row_length = -(-k // block) * block
+    groups = n * row_length // block
+    tensors = [packed, codebook, scales, shifts, zeros]
+    fields = {
+        "packed": checked_ptr("packed", packed, torch.uint8, n * row_length // 2, op),
+        "codebook": checked_ptr("codebook", codebook, torch.float32, 16, op),
+        "scales": checked_ptr("scales", scales, torch.float32, groups, op),
+        "shifts": checked_ptr("shifts", shifts, torch.float32, groups, op),
+        "zeros": checked_ptr("zeros", zeros, torch.float32, groups, op),
+    }
+    if nested is not None:
+        codes, absmax, offset, table = nested
+        tensors += nested
+        fields.update(
+            nested_codes=checked_ptr("nested_codes", codes, torch.uint8, groups, op),
+            nested_absmax=checked_ptr("nested_absmax", absmax, torch.float32, -(-groups // 256), op),
+            nested_offset=checked_ptr("nested_offset", offset, torch.float32, 1, op),
+            nested_map=checked_ptr("nested_map", table, torch.float32, 256, op),
+        )
+    return NativeWeight(op, tuple(t for t in tensors if t is not None), format=native_abi.FORMAT_LUT4, n=n, k=k,
+                        row_length=row_length, block=block, round_mul=round_mul, round_add=round_add, **fields)
+
+
+def int8_weight(op: str, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> NativeWeight:
+    """An ``[n, k]`` int8 weight-only weight: ``codes`` int8 ``[n * k]`` row-major, ``scales``
+    fp32 ``[n]`` (one per row), contiguous CPU tensors; :meth:`NativeWeight.dynamic` adds int8
+    activations."""
+    return NativeWeight(op, (codes, scales), format=native_abi.FORMAT_INT8, n=n, k=k, row_length=k,
+                        codes=checked_ptr("codes", codes, torch.int8, n * k, op),
+                        scales=checked_ptr("scales", scales, torch.float32, n, op))
+
+
+def run_linear(weight: NativeWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K] @ W.T (+ bias)`` in x's dtype through ``tq_linear``: x is read and the output
+    written by the library, so the only tensor op here is the output allocation (and a copy for
+    a non-contiguous x). x and bias are checked here, on every call; the weight was checked
+    when it was built. A dynamic-activation weight's bias is added after the rounding to x's
+    dtype, as its reference does."""
+    op, k, n = weight.op, weight.k, weight.n
     code = DTYPE_CODES.get(x.dtype)
     if code is None:
         raise TypeError(f"torchq {op}: x: expected fp32, bf16 or fp16, got {x.dtype}")
@@ -278,40 +359,62 @@ def run_linear(fn: Callable[..., int], op: str, x: torch.Tensor, k: int, n: int,
     m = rows.shape[0]
     xp = checked_ptr("x", rows, x.dtype, m * k, op)  # also checks K for a 2-D x (m * K elements)
     out = torch.empty(m, n, dtype=x.dtype)
-    if takes_bias:
-        b = checked_bias(bias, n, op)  # referenced until fn returns
-        status = fn(xp, code, m, k, *weight, ptr(b), out.data_ptr(), threads())
+    if weight.format != native_abi.FORMAT_INT8_DYNAMIC:
+        b = checked_bias(bias, n, op)  # referenced until the call returns
+        check(_LIB.tq_linear(weight.address, xp, code, m, ptr(b), out.data_ptr(), threads()), op)
     else:
-        status = fn(xp, code, m, k, *weight, out.data_ptr(), threads())
-    check(status, op)
+        check_bias(bias, n, op)
+        check(_LIB.tq_linear(weight.address, xp, code, m, None, out.data_ptr(), threads()), op)
+        if bias is not None:
+            out = out + bias.to(x.dtype)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+def dequantize_rows(weight: NativeWeight, n0: int, n1: int, out: torch.Tensor) -> None:
+    """Weight rows ``[n0, n1)`` dequantized into ``out``, a contiguous fp32 or bf16
+    ``[n1 - n0, weight.row_length]`` tensor, through ``tq_dequantize_rows``: exactly the
+    reference's values (rounded to nearest even for bf16)."""
+    op = f"{weight.op} dequantize"
+    dst, bf16 = checked_tile(out, n1 - n0, weight.row_length, op)
+    check(_LIB.tq_dequantize_rows(weight.address, n0, n1, dst, bf16, threads()), op)
 
 
 _ARGS = IdentityCache()
 
 
-def weight_args(owner: object, build: Callable[[object], tuple | None]) -> tuple | None:
-    """The weight's part of a kernel's C arguments (pointers, sizes), built once per live
-    ``owner`` (a layout's tensor impl) so a decode-sized call does not redo it.
+def weight_args(owner: object, build: Callable[[object], NativeWeight | None]) -> NativeWeight | None:
+    """The :class:`NativeWeight` of ``owner`` (a layout's tensor impl), built once per live
+    ``owner`` so a decode-sized call does not redo it.
 
     ``build(owner)`` may only point into tensors that ``owner`` holds, never into copies: those
     pointers stay valid, and see the current values, as long as ``owner`` lives (its tensors are
     never re-allocated; ``copy_`` into a quantized weight writes in place). A copy of the owner
     (deepcopy, ``.to``) is a new object and builds its own. ``build`` returns None when the
-    arguments cannot be taken in place (a non-contiguous tensor, scales of another dtype); that
-    is not remembered, and the caller takes its general path. ``build`` checks every buffer
-    with :func:`checked_ptr` against the sizes it passes (once per owner: the pointers, and the
-    checks, are then reused)."""
+    weight cannot be taken in place (a non-contiguous tensor, scales of another dtype); that
+    is not remembered, and the caller takes its general path."""
     entry = _ARGS.get(owner)
     shape = getattr(owner, "shape", None)
     if entry is not None and entry[0] == shape:
         return entry[1]
-    args = build(owner)
-    if args is not None:
-        # Built for this shape only (callers size x and the output from owner.shape), and holding
-        # every attribute the pointers may point into: reassigning one cannot leave them dangling.
-        _ARGS.set(owner, (shape, args, tuple(vars(owner).values())))
-    return args
+    weight = build(owner)
+    if weight is not None:
+        # Built for this shape only, and holding every attribute the pointers may point into:
+        # reassigning one cannot leave them dangling.
+        _ARGS.set(owner, (shape, weight, tuple(vars(owner).values())))
+    return weight
+
+
+def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], NativeWeight | None]) -> NativeWeight | None:
+    """``owner``'s cached :class:`NativeWeight` (:func:`weight_args`) when the fused kernel takes
+    ``x @ W.T`` directly (eager CPU callers): the library is active and x has a decode-sized,
+    non-zero number of rows (:func:`torchq.prefill.use_tiles`); else None. ``owner.shape`` is
+    ``[N, K]``."""
+    if _LIB is None or getattr(_STATE, "disabled", 0):
+        return None
+    m = x.numel() // owner.shape[1]
+    if not m or use_tiles(m, x.dtype):
+        return None
+    return weight_args(owner, build)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

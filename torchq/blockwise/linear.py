@@ -114,10 +114,9 @@ def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, bloc
     return x.new_empty((*x.shape[:-1], shape[0]))
 
 
-def weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> tuple:
-    """The weight's C arguments of ``tq_blockwise4bit_linear`` (``packed`` to ``nested_map``) for an
-    ``[n, k]`` weight, from contiguous CPU tensors, each checked to hold what the kernel reads;
-    ``table`` is the 16-entry codebook."""
+def native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> native.NativeWeight:
+    """An ``[n, k]`` weight for the native kernel from contiguous CPU tensors, each checked to hold
+    what the kernel reads; ``table`` is the 16-entry codebook."""
     op = "blockwise_4bit_linear"
     check_blocksize(blocksize)
     if k % blocksize:
@@ -125,39 +124,24 @@ def weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offse
     nested = nested_codes is not None
     if nested == (absmax is not None) or (nested and (nested_absmax is None or nested_offset is None)):
         raise ValueError(f"torchq {op}: absmax, nested_*: pass exactly one of absmax and the three nested tensors")
-    groups = n * k // blocksize
-    chk = native.checked_ptr
-    if nested:
-        chk("nested_offset", nested_offset, torch.float32, 1, op)
-    return (
-        chk("packed", packed, torch.uint8, n * k // 2, op), n, blocksize, chk("codebook", table, torch.float32, 16, op),
-        chk("absmax", absmax, torch.float32, groups, op), chk("nested_codes", nested_codes, torch.uint8, groups, op),
-        chk("nested_absmax", nested_absmax, torch.float32, -(-groups // NESTED_BLOCKSIZE), op),
-        float(nested_offset) if nested else 0.0, chk("nested_map", _DYNAMIC, torch.float32, 256, op) if nested else None,
-    )
+    return native.lut4_weight(op, n, k, blocksize, packed, table, scales=absmax,
+                              nested=(nested_codes, nested_absmax, nested_offset, _DYNAMIC) if nested else None)
 
 
-def _native_linear(lib, x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
+def _native_linear(x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias): fused kernel for small M (fp32 arithmetic, one rounding to
     x's dtype), dequantized tiles + torch.mm (see torchq.prefill.use_tiles)."""
-    # contiguous copies (none for the layout's own tensors) stay referenced until the kernel returns
+    # contiguous copies (none for the layout's own tensors) stay referenced by the weight
     packed, table = packed.contiguous(), table.contiguous()
     absmax = None if absmax is None else absmax.contiguous()
     nested_codes = None if nested_codes is None else nested_codes.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    weight = weight_args(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
+    weight = native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
     m = x.numel() // k
     if not use_tiles(m, x.dtype):
-        return native.run_linear(lib.tq_blockwise4bit_linear, "blockwise_4bit_linear", x, k, n, weight, bias)
-    dequant_args = (weight[0], n, k, *weight[2:])
-
-    def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
-        out, bf16 = native.checked_tile(w, n1 - n0, k, "blockwise_4bit dequantize")
-        status = lib.tq_blockwise4bit_dequantize(*dequant_args, n0, n1, out, bf16, native.threads())
-        native.check(status, "blockwise_4bit dequantize")
-
+        return native.run_linear(weight, x, bias)
     b = native.checked_bias(bias, n, "blockwise_4bit_linear")
-    out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
+    out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -180,7 +164,7 @@ def linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, sh
         w = _weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     n, k = shape
-    return _native_linear(lib, x, packed, TABLES[quant_type], absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias)
+    return _native_linear(x, packed, TABLES[quant_type], absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias)
 
 
 def _setup(ctx, inputs, output) -> None:
@@ -232,7 +216,7 @@ def _native_4bit_matmul(op: str, A, B, shapeB, table, blocksize, bias, reference
         scales = (None, codes.reshape(-1), absmax.reshape(-1), offset.float().reshape(()))
     if packed.numel() != n * k // 2 or not consistent:
         return reference()
-    return _native_linear(lib, A, packed, table, *scales, n, k, blocksize, bias)
+    return _native_linear(A, packed, table, *scales, n, k, blocksize, bias)
 
 
 @torch.library.register_kernel("torchq::gemv_4bit", "cpu")

@@ -24,12 +24,11 @@ import torch
 
 from .. import native, triton_kernels
 from ..bitpack import pack_bits, unpack_bits
-from ..blockwise.linear import TABLES, linear_cpu, weight_args
+from ..blockwise.linear import TABLES, linear_cpu, native_weight
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
 from ..dispatch import register_linear_kernel
-from ..prefill import use_tiles
 from .base import Buffer, Layout, TensorImpl
 
 __all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]
@@ -124,15 +123,12 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
     return None
 
 
-_OFFSET = 7  # position of the nested offset (passed by value) in weight_args()
-
-
-def _cached_weight_args(impl: Blockwise4bitImpl) -> tuple | None:
+def _cached_native_weight(impl: Blockwise4bitImpl) -> native.NativeWeight | None:
     tensors = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax)
     if not all(t is None or t.is_contiguous() for t in tensors):
         return None  # pointers into temporary copies cannot be cached
-    return weight_args(impl.packed, TABLES[impl.spec.codebook], impl.absmax, impl.nested_codes, impl.nested_absmax,
-                       impl.nested_offset, *impl.shape, impl.spec.block_size[1])
+    return native_weight(impl.packed, TABLES[impl.spec.codebook], impl.absmax, impl.nested_codes, impl.nested_absmax,
+                         impl.nested_offset, *impl.shape, impl.spec.block_size[1])
 
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -144,13 +140,9 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     if not native.eager_cpu(x):
         return torch.ops.torchq.blockwise_4bit_linear(x, *args)
     # eager CPU: the arguments come from a validated layout, so the op's checks are skipped
-    m = x.numel() // k
-    lib = native.library()
-    weight = None if lib is None or not m or use_tiles(m, x.dtype) else native.weight_args(impl, _cached_weight_args)
-    if weight is not None:  # decode-sized: the least Python per call
-        if impl.nested_offset is not None:  # a value, not a pointer: read now (copy_ may have changed it)
-            weight = (*weight[:_OFFSET], float(impl.nested_offset), *weight[_OFFSET + 1 :])
-        return native.run_linear(lib.tq_blockwise4bit_linear, "blockwise_4bit_linear", x, k, n, weight, bias)
+    weight = native.decode_weight(impl, x, _cached_native_weight)
+    if weight is not None:  # decode-sized: the least Python per call (the nested offset is read by the kernel)
+        return native.run_linear(weight, x, bias)
     impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
     return linear_cpu(x, *args)
 

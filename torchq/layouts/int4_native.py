@@ -267,18 +267,14 @@ def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, 
     return _linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
 
 
-def _weight_args(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add) -> tuple:
-    """The weight's C arguments of ``tq_int4_linear``, ``Kp`` to ``round_add``, for an ``[n, k]``
-    weight: every buffer checked to hold what the kernel reads (contiguous CPU tensors)."""
+def _native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add) -> native.NativeWeight:
+    """An ``[n, k]`` weight for the native kernel, every buffer checked to hold what the kernel
+    reads (contiguous CPU tensors)."""
     op = "int4_groupwise_linear"
     if group_size not in GROUP_SIZES:
         raise ValueError(f"torchq {op}: group_size: expected one of {GROUP_SIZES}, got {group_size}")
-    kp = -(-k // group_size) * group_size
-    grid = n * (kp // group_size)
-    return (kp, native.checked_ptr("packed", packed, torch.uint8, n * kp // 2, op), n, group_size,
-            native.checked_ptr("codebook", _codebook(code_base), torch.float32, 16, op),
-            native.checked_ptr("scale", scale, torch.float32, grid, op), native.checked_ptr("shift", shift, torch.float32, grid, op),
-            native.checked_ptr("zero", zero, torch.float32, grid, op), round_mul, round_add)
+    return native.lut4_weight(op, n, k, group_size, packed, _codebook(code_base), scales=scale, shifts=shift, zeros=zero,
+                              round_mul=round_mul, round_add=round_add)
 
 
 def _linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias) -> torch.Tensor:
@@ -292,18 +288,16 @@ def _linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, roun
     packed, scale = packed.contiguous(), scale.contiguous()  # no copies for the layout's own tensors
     shift = None if shift is None else shift.contiguous()
     zero = None if zero is None else zero.contiguous()
-    weight = _weight_args(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
+    weight = _native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
     m = x.numel() // k
     if not use_tiles(m, x.dtype):
-        return native.run_linear(lib.tq_int4_linear, "int4_groupwise_linear", x, k, n, weight, bias)
-    kp = weight[0]
-    dequant_args = (weight[1], n, kp, *weight[3:])
+        return native.run_linear(weight, x, bias)
+    kp = weight.row_length
 
     def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
         # padded rows: dequantize into a [rows, Kp] buffer, keep the first K columns
         full = w if kp == k else torch.empty(n1 - n0, kp, dtype=w.dtype)
-        out, bf16 = native.checked_tile(full, n1 - n0, kp, "int4 dequantize")
-        native.check(lib.tq_int4_dequantize(*dequant_args, n0, n1, out, bf16, native.threads()), "int4 dequantize")
+        native.dequantize_rows(weight, n0, n1, full)
         if full is not w:
             w.copy_(full[:, :k])
 
@@ -347,24 +341,22 @@ def _check_linear(x: torch.Tensor, w, bias) -> str | None:
     return None
 
 
-def _cached_weight_args(impl: Int4NativeImpl) -> tuple | None:
-    """:func:`_weight_args` of a layout's tensors, or None unless all are contiguous (the
-    pointers are cached for the impl's lifetime by :func:`torchq.native.weight_args`)."""
+def _cached_native_weight(impl: Int4NativeImpl) -> native.NativeWeight | None:
+    """:func:`_native_weight` of a layout's tensors, or None unless all are contiguous (it is
+    cached for the impl's lifetime by :func:`torchq.native.weight_args`)."""
     if not all(t is None or t.is_contiguous() for t in (impl.packed, impl.scale, impl.shift, impl.zero)):
         return None
-    return _weight_args(impl.packed, impl.scale, impl.shift, impl.zero, *impl.shape, impl.group_size, impl.code_base,
-                        *impl.round_kinds)
+    return _native_weight(impl.packed, impl.scale, impl.shift, impl.zero, *impl.shape, impl.group_size, impl.code_base,
+                          *impl.round_kinds)
 
 
 def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4NativeImpl = w.tensor_impl
     n, k = impl.shape
     if native.eager_cpu(x):  # arguments come from a validated layout: the op's checks are skipped
-        m = x.numel() // k
-        lib = native.library()
-        weight = None if lib is None or not m or use_tiles(m, x.dtype) else native.weight_args(impl, _cached_weight_args)
+        weight = native.decode_weight(impl, x, _cached_native_weight)
         if weight is not None:  # decode-sized: the least Python per call
-            return native.run_linear(lib.tq_int4_linear, "int4_groupwise_linear", x, k, n, weight, bias)
+            return native.run_linear(weight, x, bias)
         impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
         return _linear_cpu(x, impl.packed, impl.scale, impl.shift, impl.zero, n, k, impl.group_size, impl.code_base,
                            *impl.round_kinds, bias)

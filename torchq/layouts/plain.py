@@ -30,13 +30,10 @@ from ..dispatch import check_op_devices, register_linear_kernel
 from ..int8_linear import (
     NATIVE_MIN_CODE,
     dynamic_linear_cpu,
-    dynamic_native,
     int8_dynamic_linear,
     int8_weight_linear,
     weight_linear_cpu,
 )
-from ..int8_linear import weight_args as int8_weight_args
-from ..prefill import use_tiles
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Layout, TensorImpl, plain_buffers
 
@@ -174,27 +171,14 @@ def _check_native(x: torch.Tensor, w, bias, *, want_act: bool) -> str | None:
     return None
 
 
-def _in_place_int8_args(impl) -> tuple | None:
-    """Codes and fp32 scales of a plain int8 weight as pointers (cached per impl), or None when
-    they cannot be used in place."""
+def _in_place_int8_weight(impl) -> native.NativeWeight | None:
+    """Codes and fp32 scales of a plain int8 weight as a native weight (cached per impl), or
+    None when they cannot be used in place."""
     codes, scale = impl.codes, impl.scale
     if not (codes.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
         return None
     n, k = impl.shape
-    return int8_weight_args(codes, scale, n, k, "int8 linear")
-
-
-def _decode_args(x: torch.Tensor, w):
-    """``(library, cached weight pointers, k)`` when the fused native kernel takes this call
-    directly (eager, CPU, decode-sized M), else None."""
-    impl = w.tensor_impl
-    k = impl.shape[1]
-    m = x.numel() // k
-    lib = native.library()
-    if lib is None or not m or use_tiles(m, x.dtype):
-        return None
-    args = native.weight_args(impl, _in_place_int8_args)
-    return None if args is None else (lib, args, k)
+    return native.int8_weight("int8_weight_linear", codes, scale, n, k)
 
 
 def _int8_weight_only_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -202,12 +186,11 @@ def _int8_weight_only_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> t
     if not native.eager_cpu(x):
         return int8_weight_linear(x, impl.codes, impl.scale, bias)
     # eager CPU: a validated layout's tensors, the op's checks are skipped
-    decode = _decode_args(x, w)
-    if decode is None:
+    weight = native.decode_weight(impl, x, _in_place_int8_weight)
+    if weight is None:
         impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
         return weight_linear_cpu(x, impl.codes, impl.scale, bias)
-    lib, args, k = decode
-    return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, impl.shape[0], args, bias)
+    return native.run_linear(weight, x, bias)
 
 
 def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -215,13 +198,11 @@ def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch
     impl = w.tensor_impl
     if not native.eager_cpu(x):
         return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
-    decode = _decode_args(x, w)  # the condition guarantees activation codes the kernel takes
-    if decode is None:
+    weight = native.decode_weight(impl, x, _in_place_int8_weight)  # the condition guarantees activation codes the kernel takes
+    if weight is None:
         impl.validate()
         return dynamic_linear_cpu(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
-    lib, args, k = decode
-    weight = (*args, (act.quant_max - act.quant_min) / 2, act.eps, act.quant_min, act.quant_max)
-    return dynamic_native(lib, x, k, impl.shape[0], weight, bias)
+    return native.run_linear(weight.dynamic(act.quant_min, act.quant_max, act.eps), x, bias)
 
 
 register_linear_kernel(

@@ -1,0 +1,72 @@
+// The exported linears over the weight struct (weight_abi.h) and the struct's self-description.
+#include "weight_abi.h"
+
+#include <type_traits>
+
+#include "common.h"
+
+namespace {
+
+constexpr size_t kind_size(int kind) {
+  return kind == TQ_KIND_I64 ? 8 : kind == TQ_KIND_PTR ? sizeof(void*) : 4;
+}
+
+struct FieldInfo {
+  const char* name;
+  int kind;
+  int64_t offset;
+};
+
+// Each field's kind says its C type: size, float or not, pointer or not.
+#define TQ_DESCRIBE_FIELD(name, type, kind)                                                   \
+  static_assert(sizeof(type) == kind_size(kind) && std::is_pointer<type>::value == (kind == TQ_KIND_PTR) && \
+                    std::is_floating_point<type>::value == (kind == TQ_KIND_F32),             \
+                "tq_weight." #name ": its kind does not match its type");
+TQ_WEIGHT_FIELDS(TQ_DESCRIBE_FIELD)
+#undef TQ_DESCRIBE_FIELD
+
+const FieldInfo kFields[] = {
+#define TQ_DESCRIBE_FIELD(name, type, kind) {#name, kind, static_cast<int64_t>(offsetof(tq_weight, name))},
+    TQ_WEIGHT_FIELDS(TQ_DESCRIBE_FIELD)
+#undef TQ_DESCRIBE_FIELD
+};
+constexpr int kFieldCount = sizeof(kFields) / sizeof(kFields[0]);
+
+// What every format needs: n, k, row_length and a known format tag.
+bool valid_weight(const tq_weight* w) {
+  return w && w->n >= 1 && w->k >= 1 && w->row_length >= w->k &&
+         (w->format == TQ_FORMAT_LUT4 || w->format == TQ_FORMAT_INT8 || w->format == TQ_FORMAT_INT8_DYNAMIC);
+}
+
+}  // namespace
+
+// Field i of tq_weight: its name, kind (tq_field_kind) and byte offset; returns 1, or 0 (nothing
+// written) when i is past the last field.
+TQ_API int tq_weight_abi(int i, const char** name, int* kind, int64_t* offset) {
+  if (i < 0 || i >= kFieldCount) return 0;
+  *name = kFields[i].name;
+  *kind = kFields[i].kind;
+  *offset = kFields[i].offset;
+  return 1;
+}
+
+TQ_API int64_t tq_weight_size() { return sizeof(tq_weight); }
+
+// out[M, n] = x[M, k] @ W.T (+ bias): x and out contiguous of `x_dtype` (DType), bias fp32 [n] or
+// null (must be null for TQ_FORMAT_INT8_DYNAMIC); products and sums in fp32, one rounding to
+// x_dtype at the end. Returns a Status: BAD_ARGUMENT for any inconsistent argument or field.
+TQ_API int tq_linear(const tq_weight* w, const void* x, int x_dtype, int64_t M, const float* bias, void* out, int threads) {
+  using namespace tq;
+  if (!valid_weight(w) || M < 1 || !valid_dtype(x_dtype) || !x || !out) return BAD_ARGUMENT;
+  if (w->format == TQ_FORMAT_LUT4) return lut4_linear(*w, x, x_dtype, M, bias, out, threads);
+  return int8_linear(*w, x, x_dtype, M, bias, out, threads);
+}
+
+// Weight rows [n0, n1), dequantized into dst ([n1 - n0, row_length], contiguous) as fp32
+// (dst_bf16 = 0) or bf16 (1, rounded to nearest even): exactly the reference's values.
+TQ_API int tq_dequantize_rows(const tq_weight* w, int64_t n0, int64_t n1, void* dst, int dst_bf16, int threads) {
+  using namespace tq;
+  if (!valid_weight(w) || n0 < 0 || n1 > w->n || n0 >= n1 || !dst) return BAD_ARGUMENT;
+  if (w->format == TQ_FORMAT_LUT4) return lut4_dequantize(*w, n0, n1, dst, dst_bf16 != 0, threads);
+  return int8_dequantize(*w, n0, n1, dst, dst_bf16 != 0, threads);
+}
