@@ -86,6 +86,26 @@ def test_int8_vectorwise_quant(dtype, threshold):
     opcheck(ops.int8_vectorwise_quant.default, (a, threshold))
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 8), (4, 1, 2, 8), (8,)])
+@pytest.mark.parametrize("threshold", [0.0, 3.0])
+def test_int8_row_stats_are_one_per_row_for_any_rank(shape, threshold):
+    # bitsandbytes' contract: codes keep A's shape, row_stats is 1-D [numel / K] whatever A's rank
+    a = torch.randn(shape).clamp(-2, 2)
+    a.reshape(-1, shape[-1])[0, 3] = 9.0
+    rows = a.numel() // shape[-1]
+    codes, stats, _ = ops.int8_vectorwise_quant(a, threshold)
+    flat_codes, flat_stats, _ = ops.int8_vectorwise_quant(a.reshape(rows, shape[-1]), threshold)
+    assert codes.shape == shape and stats.shape == (rows,)
+    assert torch.equal(codes.reshape(rows, -1), flat_codes) and torch.equal(stats, flat_stats)
+    double = ops.int8_double_quant(a, threshold)
+    assert double[0].shape == double[1].shape == shape and double[2].shape == (rows,) and double[3].shape == (shape[-1],)
+    for op in (ops.int8_vectorwise_quant.default, ops.int8_double_quant.default):
+        opcheck(op, (a, threshold))
+    compiled = torch.compile(lambda x: ops.int8_vectorwise_quant(x, threshold)[1], fullgraph=True)
+    assert torch.equal(compiled(a), stats)
+    assert torch.equal(ops.int8_vectorwise_dequant(codes, stats).reshape(rows, -1), ops.int8_vectorwise_dequant(flat_codes, flat_stats))
+
+
 def test_int8_vectorwise_dequant():
     codes, stats, _ = ops.int8_vectorwise_quant(torch.randn(5, 9))
     opcheck(ops.int8_vectorwise_dequant.default, (codes, stats))

@@ -1,6 +1,6 @@
 """LLM.int8 row-wise ("vectorwise") int8 ops, bitsandbytes-compatible: ``torch.ops.torchq.int8_*``.
 
-* ``int8_vectorwise_quant(A, threshold=0.0) -> (codes int8 [rows, K], row_stats fp32 [rows],
+* ``int8_vectorwise_quant(A, threshold=0.0) -> (codes int8 in A's shape, row_stats fp32 [rows],
   outlier_cols int64 or None)``. With ``threshold > 0``, elements with ``|a| >= threshold`` are
   outliers: they are left out of the row absmax, and every column holding one is zeroed in the
   codes (its product is computed in floating point by the caller); ``outlier_cols`` lists those
@@ -23,7 +23,9 @@
   ``subA = A[:, outlier_cols]`` (``[rows, 0]`` without outliers), which is returned too.
 * ``int8_linear_matmul.out(A, B, out)`` writes the int32 product into ``out``.
 
-``A`` may have any leading dimensions (rows = all but the last); outputs keep them.
+``A`` may have any leading dimensions (rows = their product): codes and products keep them,
+``row_stats`` is always 1-D ``[rows]`` (bitsandbytes' contract), and a stats argument is read
+as one value per row whatever its shape.
 """
 
 from __future__ import annotations
@@ -88,13 +90,17 @@ def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torc
     outlier_cols = _outlier_cols(mask)
     if outlier_cols is not None and outlier_cols.numel():
         codes[:, outlier_cols] = 0
-    return codes.reshape(A.shape), row_stats.reshape(A.shape[:-1]), outlier_cols
+    return codes.reshape(A.shape), row_stats, outlier_cols
+
+
+def _row_count(A: torch.Tensor) -> int:
+    return _rows(A).shape[0]
 
 
 @int8_vectorwise_quant.register_fake
 @one_device_fake('int8_vectorwise_quant')
 def _(A, threshold=0.0):
-    return A.new_empty(A.shape, dtype=torch.int8), A.new_empty(A.shape[:-1], dtype=torch.float32), _dynamic_cols(A, threshold)
+    return A.new_empty(A.shape, dtype=torch.int8), A.new_empty((_row_count(A),), dtype=torch.float32), _dynamic_cols(A, threshold)
 
 
 @torch.library.custom_op(
@@ -114,7 +120,7 @@ def int8_double_quant(
 @one_device_fake('int8_double_quant')
 def _(A, threshold=0.0):
     codes = A.new_empty(A.shape, dtype=torch.int8)
-    return (codes, torch.empty_like(codes), A.new_empty(A.shape[:-1], dtype=torch.float32),
+    return (codes, torch.empty_like(codes), A.new_empty((_row_count(A),), dtype=torch.float32),
             A.new_empty((A.shape[-1],), dtype=torch.float32), _dynamic_cols(A, threshold))
 
 
