@@ -435,3 +435,63 @@ def bitsandbytes_style_body(ns) -> None:
 
 def test_bitsandbytes_style_body_runs_on_torchq():
     bitsandbytes_style_body(torch.ops.torchq)
+
+
+def _u8(*shape, device):
+    return torch.zeros(shape, dtype=torch.uint8, device=device)
+
+
+# Invalid calls that bitsandbytes' fakes reject as well (its _ops.py torch._check's), plus torchq's
+# size checks; each builds its arguments on a given device.
+INVALID_CALLS = {
+    "quantize_4bit quant_type": ("quantize_4bit", lambda d: (torch.randn(8, 8, device=d), 64, "int4", torch.uint8)),
+    "quantize_4bit A dtype": ("quantize_4bit", lambda d: (torch.ones(8, 8, dtype=torch.int32, device=d), 64, "nf4", torch.uint8)),
+    "quantize_4bit storage": ("quantize_4bit", lambda d: (torch.randn(1, 6, device=d), 64, "nf4", torch.float32)),
+    "dequantize_4bit blocksize": ("dequantize_4bit", lambda d: (_u8(32, 1, device=d), torch.ones(1, device=d), 48, "nf4", [8, 8], torch.float16)),
+    "dequantize_4bit quant_type": ("dequantize_4bit", lambda d: (_u8(32, 1, device=d), torch.ones(1, device=d), 64, "af4", [8, 8], torch.float16)),
+    "dequantize_4bit absmax dtype": ("dequantize_4bit", lambda d: (_u8(32, 1, device=d), torch.ones(1, dtype=torch.float16, device=d), 64, "nf4", [8, 8], torch.float16)),
+    "dequantize_4bit dtype": ("dequantize_4bit", lambda d: (_u8(32, 1, device=d), torch.ones(1, device=d), 64, "nf4", [8, 8], torch.int32)),
+    "dequantize_4bit bytes": ("dequantize_4bit", lambda d: (_u8(31, 1, device=d), torch.ones(1, device=d), 64, "nf4", [8, 8], torch.float32)),
+    "quantize_blockwise A dtype": ("quantize_blockwise", lambda d: (torch.ones(8, 8, dtype=torch.int32, device=d), dynamic_map().to(d), 64)),
+    "dequantize_blockwise A dtype": ("dequantize_blockwise", lambda d: (torch.zeros(8, 8, device=d), torch.ones(1, device=d), dynamic_map().to(d), 64, torch.float32)),
+    "dequantize_blockwise dtype": ("dequantize_blockwise", lambda d: (_u8(8, 8, device=d), torch.ones(1, device=d), dynamic_map().to(d), 64, torch.int32)),
+    "gemv_4bit blocksize": ("gemv_4bit", lambda d: (torch.randn(1, 8, device=d), _u8(32, 1, device=d), [8, 8], torch.ones(1, device=d), codebook("nf4").to(d), 48)),
+    "gemv_4bit A dtype": ("gemv_4bit", lambda d: (torch.ones(1, 8, dtype=torch.int32, device=d), _u8(32, 1, device=d), [8, 8], torch.ones(1, device=d), codebook("nf4").to(d), 64)),
+    "gemv_4bit B dtype": ("gemv_4bit", lambda d: (torch.randn(1, 8, device=d), torch.zeros(8, 1, dtype=torch.int32, device=d), [8, 8], torch.ones(1, device=d), codebook("nf4").to(d), 64)),
+    "gemm_4bit absmax count": ("gemm_4bit", lambda d: (torch.randn(1, 8, device=d), _u8(32, 1, device=d), [8, 8], torch.ones(2, device=d), 64, "nf4")),
+    "int8_vectorwise_quant A dtype": ("int8_vectorwise_quant", lambda d: (torch.ones(4, 4, dtype=torch.int32, device=d),)),
+    "int8_double_quant A dtype": ("int8_double_quant", lambda d: (torch.ones(4, 4, dtype=torch.int32, device=d),)),
+    "int8_vectorwise_dequant A dtype": ("int8_vectorwise_dequant", lambda d: (torch.ones(4, 4, device=d), torch.ones(4, device=d))),
+    "int8_mm_dequant A dtype": ("int8_mm_dequant", lambda d: (torch.ones(4, 4, dtype=torch.int8, device=d), torch.ones(4, device=d), torch.ones(4, device=d))),
+    "int8_scaled_mm A dtype": ("int8_scaled_mm", lambda d: (torch.ones(4, 4, device=d), torch.ones(4, 4, dtype=torch.int8, device=d), torch.ones(4, device=d), torch.ones(4, device=d))),
+    "int8_scaled_mm row_stats": ("int8_scaled_mm", lambda d: (torch.ones(4, 4, dtype=torch.int8, device=d), torch.ones(4, 4, dtype=torch.int8, device=d), torch.ones(3, device=d), torch.ones(4, device=d))),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID_CALLS))
+def test_fakes_reject_what_the_kernels_reject(case):
+    # bitsandbytes' fakes check their arguments, so a bad call fails on meta tensors and while
+    # torch.compile traces, not only when a kernel runs; torchq's fakes run the kernels' checks
+    name, build = INVALID_CALLS[case]
+    op = getattr(ops, name).default
+    with pytest.raises((ValueError, TypeError)) as eager:
+        op(*build("cpu"))
+    with pytest.raises(type(eager.value), match=str(eager.value).split(":")[0]):
+        op(*build("meta"))
+    with pytest.raises(Exception, match=str(eager.value).split(":")[0]):
+        torch.compile(lambda *args: op(*args), fullgraph=True, backend="eager")(*build("cpu"))
+
+
+def test_quantize_4bit_non_uint8_storage_passes_opcheck_and_compiles_bit_exactly():
+    # bitsandbytes xfails opcheck for quant_storage != uint8: random packed bytes viewed as bf16
+    # include NaN patterns and opcheck compares values with NaN != NaN. Bytes that form no NaN pass
+    # opcheck; with NaN patterns, the compiled result has the eager bytes.
+    a = torch.zeros(64, 64)
+    a[0, 0] = 1.0  # NF4 bytes 0xf7 then 0x77 throughout: finite as bf16 and fp16
+    for storage in (torch.bfloat16, torch.float16):
+        opcheck(ops.quantize_4bit.default, (a, 64, "nf4", storage))
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    eager = ops.quantize_4bit(w, 64, "fp4", torch.bfloat16)
+    compiled = torch.compile(lambda x: ops.quantize_4bit(x, 64, "fp4", torch.bfloat16), fullgraph=True)(w)
+    assert torch.isnan(eager[0]).any()  # the case opcheck cannot compare
+    assert torch.equal(compiled[0].view(torch.uint8), eager[0].view(torch.uint8)) and torch.equal(compiled[1], eager[1])

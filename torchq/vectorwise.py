@@ -48,12 +48,18 @@ def _rows(A: torch.Tensor, what: str = "A") -> torch.Tensor:
     return A.reshape(-1, A.shape[-1])
 
 
-def _outliers(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(A as fp32 [rows, K] with outliers zeroed, outlier mask or None)``."""
+def _check_quant_args(A: torch.Tensor, threshold: float) -> int:
+    """The argument checks of the quantize ops (shared with their fakes); returns the row count."""
     if A.dtype not in _FLOATS:
         raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
     if not threshold >= 0.0:
         raise ValueError(f"threshold: expected >= 0 (0 disables outliers), got {threshold}")
+    return _rows(A).shape[0]
+
+
+def _outliers(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(A as fp32 [rows, K] with outliers zeroed, outlier mask or None)``."""
+    _check_quant_args(A, threshold)
     x = _rows(A).float()
     mask = None
     if threshold > 0.0:
@@ -93,14 +99,11 @@ def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torc
     return codes.reshape(A.shape), row_stats, outlier_cols
 
 
-def _row_count(A: torch.Tensor) -> int:
-    return _rows(A).shape[0]
-
-
 @int8_vectorwise_quant.register_fake
 @one_device_fake('int8_vectorwise_quant')
 def _(A, threshold=0.0):
-    return A.new_empty(A.shape, dtype=torch.int8), A.new_empty((_row_count(A),), dtype=torch.float32), _dynamic_cols(A, threshold)
+    rows = _check_quant_args(A, threshold)
+    return A.new_empty(A.shape, dtype=torch.int8), A.new_empty((rows,), dtype=torch.float32), _dynamic_cols(A, threshold)
 
 
 @torch.library.custom_op(
@@ -119,24 +122,31 @@ def int8_double_quant(
 @int8_double_quant.register_fake
 @one_device_fake('int8_double_quant')
 def _(A, threshold=0.0):
+    rows = _check_quant_args(A, threshold)
     codes = A.new_empty(A.shape, dtype=torch.int8)
-    return (codes, torch.empty_like(codes), A.new_empty((_row_count(A),), dtype=torch.float32),
+    return (codes, torch.empty_like(codes), A.new_empty((rows,), dtype=torch.float32),
             A.new_empty((A.shape[-1],), dtype=torch.float32), _dynamic_cols(A, threshold))
+
+
+def _check_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> None:
+    if A.dtype != torch.int8:
+        raise TypeError(f"A: expected int8 codes, got {A.dtype}")
+    rows = _rows(A).shape[0]
+    if stats.dtype != torch.float32 or stats.numel() != rows:
+        raise ValueError(f"stats: expected fp32 with {rows} entries (one per row), got {stats.dtype} with {stats.numel()}")
 
 
 @torch.library.custom_op("torchq::int8_vectorwise_dequant", mutates_args=(), schema="(Tensor A, Tensor stats) -> Tensor")
 def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    if A.dtype != torch.int8:
-        raise TypeError(f"A: expected int8 codes, got {A.dtype}")
+    _check_vectorwise_dequant(A, stats)
     rows = _rows(A)
-    if stats.dtype != torch.float32 or stats.numel() != rows.shape[0]:
-        raise ValueError(f"stats: expected fp32 with {rows.shape[0]} entries (one per row), got {stats.dtype} with {stats.numel()}")
     return ((rows.float() * stats.reshape(-1, 1)) / 127).reshape(A.shape)
 
 
 @int8_vectorwise_dequant.register_fake
 @one_device_fake('int8_vectorwise_dequant')
 def _(A, stats):
+    _check_vectorwise_dequant(A, stats)
     return A.new_empty(A.shape, dtype=torch.float32)
 
 
@@ -170,6 +180,16 @@ def _(A, B):
 define_out_overload("int8_linear_matmul", "(Tensor A, Tensor B, Tensor! out) -> ()")
 
 
+def _check_stats(rows: int, cols: int, row_stats: torch.Tensor, col_stats: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Checks of the scales (and bias) of an int32 ``[rows, cols]`` product."""
+    if row_stats.dtype != torch.float32 or row_stats.numel() != rows:
+        raise ValueError(f"row_stats: expected fp32 with {rows} entries, got {row_stats.dtype} with {row_stats.numel()}")
+    if col_stats.dtype != torch.float32 or col_stats.numel() != cols:
+        raise ValueError(f"col_stats: expected fp32 with {cols} entries, got {col_stats.dtype} with {col_stats.numel()}")
+    if bias is not None and bias.numel() != cols:
+        raise ValueError(f"bias: expected {cols} entries, got shape {list(bias.shape)}")
+
+
 @torch.library.custom_op(
     "torchq::int8_mm_dequant", mutates_args=(),
     schema="(Tensor A, Tensor row_stats, Tensor col_stats, ScalarType? dtype=None, Tensor? bias=None) -> Tensor",
@@ -180,12 +200,7 @@ def int8_mm_dequant(
     if A.dtype != torch.int32:
         raise TypeError(f"A: expected int32 accumulators, got {A.dtype}")
     c = _rows(A)
-    if row_stats.dtype != torch.float32 or row_stats.numel() != c.shape[0]:
-        raise ValueError(f"row_stats: expected fp32 with {c.shape[0]} entries, got {row_stats.dtype} with {row_stats.numel()}")
-    if col_stats.dtype != torch.float32 or col_stats.numel() != c.shape[1]:
-        raise ValueError(f"col_stats: expected fp32 with {c.shape[1]} entries, got {col_stats.dtype} with {col_stats.numel()}")
-    if bias is not None and bias.numel() != c.shape[1]:
-        raise ValueError(f"bias: expected {c.shape[1]} entries, got shape {list(bias.shape)}")
+    _check_stats(c.shape[0], c.shape[1], row_stats, col_stats, bias)
     out = c.float() * (row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)) / 16129.0
     if bias is not None:
         out = out + bias.reshape(1, -1).float()
@@ -195,6 +210,10 @@ def int8_mm_dequant(
 @int8_mm_dequant.register_fake
 @one_device_fake('int8_mm_dequant')
 def _(A, row_stats, col_stats, dtype=None, bias=None):
+    if A.dtype != torch.int32:
+        raise TypeError(f"A: expected int32 accumulators, got {A.dtype}")
+    c = _rows(A)
+    _check_stats(c.shape[0], c.shape[1], row_stats, col_stats, bias)
     return A.new_empty(A.shape, dtype=dtype or torch.float16)
 
 
@@ -209,6 +228,8 @@ def _scaled_mm(
 
 
 def _scaled_mm_fake(A, B, row_stats, col_stats, bias=None, dtype=None):
+    _check_int8_pair(A, B)
+    _check_stats(_rows(A).shape[0], B.shape[0], row_stats, col_stats, bias)
     return A.new_empty((*A.shape[:-1], B.shape[0]), dtype=dtype or torch.float16)
 
 

@@ -31,9 +31,9 @@ from ..prefill import tile_dtype, tiled_linear, use_tiles
 from .codebooks import codebook, dynamic_map
 from .nested import NESTED_BLOCKSIZE, double_dequantize
 from .ops import (
-    BLOCK_SIZES,
     check_blocksize,
     check_gemm_4bit,
+    check_gemv_4bit,
     dequantize_4bit,
     gemm_4bit_absmax,
     gemm_4bit_reference,
@@ -224,11 +224,7 @@ def _(A, B, shapeB, absmax, code, blocksize):
     def reference() -> torch.Tensor:
         return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
 
-    valid = len(shapeB) == 2 and blocksize in BLOCK_SIZES and A.dtype in _FLOATS and A.numel() > 0 and A.shape[-1] == shapeB[1]
-    if not valid:  # the reference raises the error
-        return reference()
-    if code.dtype != torch.float32 or code.shape != (16,):
-        raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
+    check_gemv_4bit(A, B, shapeB, absmax, code, blocksize)
     return _native_4bit_matmul("gemv_4bit", A, B, shapeB, code, blocksize, None, reference, absmax)
 
 

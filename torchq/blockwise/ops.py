@@ -37,7 +37,7 @@ import torch
 
 from ..dispatch import one_device_fake
 from .codebooks import FP4_MAGNITUDES, NF4, codebook
-from .nested import double_dequantize
+from .nested import NESTED_BLOCKSIZE, double_dequantize
 from .out_overloads import define_out_overload
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "check_blocksize",
+    "check_gemv_4bit",
     "gemv_4bit",
     "gemv_4bit_reference",
     "gemm_4bit",
@@ -119,14 +120,20 @@ def _pack_nibbles(nib: torch.Tensor, n: int) -> torch.Tensor:
     return (pairs[:, 0] << 4) | pairs[:, 1]
 
 
-def _storage_view(packed: torch.Tensor, quant_storage: torch.dtype) -> torch.Tensor:
-    size = torch.empty((), dtype=quant_storage).element_size()
-    if packed.numel() % size:
+def _check_quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype) -> int:
+    """The argument checks of :func:`quantize_4bit` (shared with its fake); returns the number of
+    ``quant_storage`` elements of the packed result."""
+    check_blocksize(blocksize)
+    codebook(quant_type)
+    _check_input(A)
+    size = quant_storage.itemsize
+    nbytes = (A.numel() + 1) // 2
+    if nbytes % size:
         raise ValueError(
-            f"quant_storage: {packed.numel()} packed bytes do not fill whole {quant_storage} elements "
+            f"quant_storage: {nbytes} packed bytes do not fill whole {quant_storage} elements "
             f"({size} bytes each); use uint8 or an even number of elements"
         )
-    return packed.view(quant_storage).reshape(-1, 1)
+    return nbytes // size
 
 
 # -- 4-bit ----------------------------------------------------------------------------------------
@@ -136,23 +143,17 @@ def _storage_view(packed: torch.Tensor, quant_storage: torch.dtype) -> torch.Ten
 )
 def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed [ceil(n/2)/itemsize, 1] quant_storage, absmax fp32 [nb])`` (see module doc)."""
-    check_blocksize(blocksize)
-    codebook(quant_type)
-    _check_input(A)
+    _check_quantize_4bit(A, blocksize, quant_type, quant_storage)
     s, absmax = _blocks(A, blocksize)
     packed = _pack_nibbles(_nibbles(s, quant_type), A.numel())
-    return _storage_view(packed, quant_storage), absmax
+    return packed.view(quant_storage).reshape(-1, 1), absmax
 
 
 @quantize_4bit.register_fake
 @one_device_fake('quantize_4bit')
 def _(A, blocksize, quant_type, quant_storage):
-    check_blocksize(blocksize)
-    n = A.numel()
-    size = torch.empty((), dtype=quant_storage).element_size()
-    nbytes = (n + 1) // 2
-    packed = A.new_empty((nbytes // size, 1), dtype=quant_storage)
-    return packed, A.new_empty((-(-n // blocksize),), dtype=torch.float32)
+    rows = _check_quantize_4bit(A, blocksize, quant_type, quant_storage)
+    return A.new_empty((rows, 1), dtype=quant_storage), A.new_empty((-(-A.numel() // blocksize),), dtype=torch.float32)
 
 
 _DEQUANTIZE_4BIT_ARGS = "Tensor A, Tensor absmax, int blocksize, str quant_type, int[] shape, ScalarType dtype"
@@ -169,6 +170,8 @@ def dequantize_4bit(
 @dequantize_4bit.register_fake
 @one_device_fake('dequantize_4bit')
 def _(A, absmax, blocksize, quant_type, shape, dtype):
+    codebook(quant_type)
+    _check_packed_4bit(A, absmax, blocksize, shape, dtype)
     return A.new_empty(tuple(shape), dtype=dtype)
 
 
@@ -176,9 +179,15 @@ define_out_overload("dequantize_4bit", f"({_DEQUANTIZE_4BIT_ARGS}, Tensor! out) 
 
 
 # -- 8-bit blockwise ------------------------------------------------------------------------------
-def _sorted_code(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _check_quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> None:
+    """The argument checks of :func:`quantize_blockwise` (shared with its fake)."""
+    check_blocksize(blocksize)
+    _check_input(A)
     if code.dtype != torch.float32 or code.dim() != 1 or not 2 <= code.numel() <= 256:
-        raise ValueError(f"code: expected a 1-D fp32 map of at most 256 values, got {code.dtype} {list(code.shape)}")
+        raise ValueError(f"code: expected a 1-D fp32 map of 2 to 256 values, got {code.dtype} {list(code.shape)}")
+
+
+def _sorted_code(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     if bool((code[1:] >= code[:-1]).all()):
         return code, None
     order = torch.argsort(code, stable=True)
@@ -189,8 +198,7 @@ def _sorted_code(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]
 def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(uint8 indices into code, A's shape; absmax fp32 [nb])``: nearest code value of
     ``x * (1 / absmax)`` (exact midpoints, ties to the lower value)."""
-    check_blocksize(blocksize)
-    _check_input(A)
+    _check_quantize_blockwise(A, code, blocksize)
     values, order = _sorted_code(code.to(A.device))
     s, absmax = _blocks(A, blocksize)
     idx = torch.bucketize(s, _midpoints(values), right=False)
@@ -202,27 +210,33 @@ def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> t
 @quantize_blockwise.register_fake
 @one_device_fake('quantize_blockwise')
 def _(A, code, blocksize):
-    check_blocksize(blocksize)
+    _check_quantize_blockwise(A, code, blocksize)
     return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty((-(-A.numel() // blocksize),), dtype=torch.float32)
 
 
 _DEQUANTIZE_BLOCKWISE_ARGS = "Tensor A, Tensor absmax, Tensor code, int blocksize, ScalarType dtype"
 
 
-@torch.library.custom_op("torchq::dequantize_blockwise", mutates_args=(), schema=f"({_DEQUANTIZE_BLOCKWISE_ARGS}) -> Tensor")
-def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
-    """``code[A] * absmax[block]`` in fp32, cast to ``dtype``, in A's shape."""
+def _check_dequantize_blockwise(A, absmax, code, blocksize, dtype) -> None:
+    """The argument checks of :func:`dequantize_blockwise` (shared with its fake)."""
     check_blocksize(blocksize)
     if A.dtype != torch.uint8:
         raise TypeError(f"A: expected uint8 indices, got {A.dtype}")
-    n = A.numel()
-    nb = -(-n // blocksize)
+    nb = -(-A.numel() // blocksize)
     if absmax.dtype != torch.float32 or absmax.numel() != nb:
         raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
     if code.dtype != torch.float32 or code.dim() != 1:
         raise ValueError(f"code: expected a 1-D fp32 map, got {code.dtype} {list(code.shape)}")
     if dtype not in _FLOATS:
         raise TypeError(f"dtype: expected fp32, bf16 or fp16, got {dtype}")
+
+
+@torch.library.custom_op("torchq::dequantize_blockwise", mutates_args=(), schema=f"({_DEQUANTIZE_BLOCKWISE_ARGS}) -> Tensor")
+def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+    """``code[A] * absmax[block]`` in fp32, cast to ``dtype``, in A's shape."""
+    _check_dequantize_blockwise(A, absmax, code, blocksize, dtype)
+    n = A.numel()
+    nb = -(-n // blocksize)
     values = code.to(A.device)[A.reshape(-1).long()]
     pad = nb * blocksize - n
     if pad:
@@ -234,6 +248,7 @@ def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
 @dequantize_blockwise.register_fake
 @one_device_fake('dequantize_blockwise')
 def _(A, absmax, code, blocksize, dtype):
+    _check_dequantize_blockwise(A, absmax, code, blocksize, dtype)
     return A.new_empty(A.shape, dtype=dtype)
 
 
@@ -266,18 +281,25 @@ def gemv_4bit(
     return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
 
 
+def check_gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> None:
+    """The argument checks of :func:`gemv_4bit` that need no tensor data (shared with its fake)."""
+    if len(shapeB) != 2:
+        raise ValueError(f"shapeB: expected [N, K], got {list(shapeB)}")
+    if A.dtype not in _FLOATS:
+        raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
+    if A.dim() < 1 or A.shape[-1] != shapeB[1]:
+        raise ValueError(f"A: expected last dimension {shapeB[1]} (K of shapeB {list(shapeB)}), got shape {list(A.shape)}")
+    _check_packed_4bit_storage(B)
+    if code.dtype != torch.float32 or code.shape != (16,):
+        raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
+    _check_packed_4bit(B, absmax, blocksize, shapeB, A.dtype)
+
+
 def gemv_4bit_reference(
     A: torch.Tensor, B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
 ) -> torch.Tensor:
     """The pure-PyTorch definition of :func:`gemv_4bit`."""
-    if len(shapeB) != 2:
-        raise ValueError(f"shapeB: expected [N, K], got {list(shapeB)}")
-    if A.shape[-1] != shapeB[1]:
-        raise ValueError(f"A: expected last dimension {shapeB[1]} (K of shapeB {list(shapeB)}), got shape {list(A.shape)}")
-    if A.dtype not in _FLOATS:
-        raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
-    if code.dtype != torch.float32 or code.shape != (16,):
-        raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
+    check_gemv_4bit(A, B, shapeB, absmax, code, blocksize)
     w = _dequantize_with_table(B, absmax, blocksize, code.to(A.device), shapeB, A.dtype)
     return torch.nn.functional.linear(A, w)
 
@@ -285,6 +307,7 @@ def gemv_4bit_reference(
 @gemv_4bit.register_fake
 @one_device_fake('gemv_4bit')
 def _(A, B, shapeB, absmax, code, blocksize):
+    check_gemv_4bit(A, B, shapeB, absmax, code, blocksize)
     return A.new_empty((*A.shape[:-1], shapeB[0]))
 
 
@@ -302,18 +325,27 @@ def check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8b
         raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
     if A.dim() < 1 or A.shape[-1] != shapeB[1]:
         raise ValueError(f"A: expected last dimension {shapeB[1]} (K of shapeB {list(shapeB)}), got shape {list(A.shape)}")
-    if B.dtype not in (torch.uint8, *_FLOATS):
-        raise TypeError(f"B: expected packed bytes stored as uint8, fp32, bf16 or fp16, got {B.dtype}")
+    _check_packed_4bit_storage(B)
     if absmax.dtype != torch.float32:
         raise TypeError(f"absmax: expected fp32, got {absmax.dtype}")
+    nb = -(-_numel(shapeB) // blocksize)
+    if B.numel() * B.element_size() != (_numel(shapeB) + 1) // 2:
+        raise ValueError(f"B: expected {(_numel(shapeB) + 1) // 2} packed bytes for shapeB {list(shapeB)}, "
+                         f"got {B.numel() * B.element_size()}")
     if absmax_8bit is None:
         if absmax_code is not None or absmax_offset is not None:
             raise ValueError("absmax_code, absmax_offset: only meaningful with absmax_8bit, which is None")
+        if absmax.numel() != nb:
+            raise ValueError(f"absmax: expected {nb} entries (one per block of {blocksize}), got {absmax.numel()}")
     else:
         if absmax_code is None or absmax_offset is None:
             raise ValueError("absmax_code, absmax_offset: required with absmax_8bit")
-        if absmax_8bit.dtype != torch.uint8 or absmax_8bit.dim() != 1:
-            raise ValueError(f"absmax_8bit: expected 1-D uint8 codes, got {absmax_8bit.dtype} {list(absmax_8bit.shape)}")
+        if absmax_8bit.dtype != torch.uint8 or absmax_8bit.dim() != 1 or absmax_8bit.numel() != nb:
+            raise ValueError(f"absmax_8bit: expected 1-D uint8 codes, one per block of {blocksize} ({nb}), "
+                             f"got {absmax_8bit.dtype} {list(absmax_8bit.shape)}")
+        if absmax.numel() != -(-nb // NESTED_BLOCKSIZE):
+            raise ValueError(f"absmax: expected {-(-nb // NESTED_BLOCKSIZE)} entries (one per {NESTED_BLOCKSIZE} codes "
+                             f"of absmax_8bit), got {absmax.numel()}")
         if absmax_code.dtype != torch.float32 or tuple(absmax_code.shape) != (256,):
             raise ValueError(f"absmax_code: expected the 256 fp32 values of an 8-bit map, got {absmax_code.dtype} {list(absmax_code.shape)}")
         if not absmax_offset.is_floating_point() or absmax_offset.numel() != 1:
@@ -389,17 +421,31 @@ def _gemm_4bit_backward(ctx, grad):
 gemm_4bit.register_autograd(_gemm_4bit_backward, setup_context=_gemm_4bit_setup)
 
 
-def _dequantize_with_table(A, absmax, blocksize, table, shape, dtype):
+def _check_packed_4bit_storage(B: torch.Tensor) -> None:
+    if B.dtype not in (torch.uint8, *_FLOATS):
+        raise TypeError(f"B: expected packed bytes stored as uint8, fp32, bf16 or fp16, got {B.dtype}")
+
+
+def _check_packed_4bit(A, absmax, blocksize, shape, dtype) -> None:
+    """Checks of packed 4-bit codes ``A`` (any storage dtype) and their fp32 ``absmax`` against
+    the values' ``shape`` and the output ``dtype`` (metadata only: shared with the fakes)."""
     check_blocksize(blocksize)
     n = _numel(shape)
-    packed = A.reshape(-1).view(torch.uint8) if A.dtype != torch.uint8 else A.reshape(-1)
+    nbytes = A.numel() * A.element_size()
+    if nbytes != (n + 1) // 2:
+        raise ValueError(f"A: expected {(n + 1) // 2} packed bytes for shape {list(shape)}, got {nbytes}")
     nb = -(-n // blocksize)
-    if packed.numel() != (n + 1) // 2:
-        raise ValueError(f"A: expected {(n + 1) // 2} packed bytes for shape {list(shape)}, got {packed.numel()}")
     if absmax.dtype != torch.float32 or absmax.numel() != nb:
         raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
     if dtype not in _FLOATS:
         raise TypeError(f"dtype: expected fp32, bf16 or fp16, got {dtype}")
+
+
+def _dequantize_with_table(A, absmax, blocksize, table, shape, dtype):
+    _check_packed_4bit(A, absmax, blocksize, shape, dtype)
+    n = _numel(shape)
+    packed = A.reshape(-1).view(torch.uint8) if A.dtype != torch.uint8 else A.reshape(-1)
+    nb = -(-n // blocksize)
     pairs = torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=1)  # byte -> (high, low) values
     values = torch.embedding(pairs, packed.to(torch.int32)).reshape(-1)[:n]  # a row gather: ~2x an element gather
     pad = nb * blocksize - n
