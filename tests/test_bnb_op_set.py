@@ -495,3 +495,33 @@ def test_quantize_4bit_non_uint8_storage_passes_opcheck_and_compiles_bit_exactly
     compiled = torch.compile(lambda x: ops.quantize_4bit(x, 64, "fp4", torch.bfloat16), fullgraph=True)(w)
     assert torch.isnan(eager[0]).any()  # the case opcheck cannot compare
     assert torch.equal(compiled[0].view(torch.uint8), eager[0].view(torch.uint8)) and torch.equal(compiled[1], eager[1])
+
+
+def _transposed_layout(t: torch.Tensor) -> torch.Tensor:
+    """t's values in column-major memory (a non-contiguous view)."""
+    return t.t().contiguous().t()
+
+
+@pytest.mark.parametrize("threshold", [0.0, 4.0])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_int8_ops_give_contiguous_results_for_non_contiguous_inputs(dtype, threshold):
+    # the fakes promise contiguous outputs; the kernels used to keep a transposed input's strides
+    # (opcheck: stride mismatch); values must equal the contiguous call's
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(12, 64, generator=g) * 3).to(dtype)
+    codes, stats, _ = ops.int8_vectorwise_quant(a, threshold)
+    c32 = ops.int8_linear_matmul(codes, torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=g))
+    calls = [
+        (ops.int8_vectorwise_quant.default, (a, threshold), 0),
+        (ops.int8_double_quant.default, (a, threshold), 0),
+        (ops.int8_vectorwise_dequant.default, (codes, stats), 0),
+        (ops.int8_mm_dequant.default, (c32, torch.rand(12, generator=g), torch.rand(32, generator=g), dtype), 0),
+    ]
+    for op, args, which in calls:
+        moved = list(args)
+        moved[which] = _transposed_layout(args[which])
+        assert not moved[which].is_contiguous()
+        want, got = op(*args), op(*moved)
+        for w, o in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+            assert (w is None and o is None) or (torch.equal(w, o) and o.is_contiguous())
+        opcheck(op, tuple(moved))

@@ -41,6 +41,12 @@ __all__ = ["int8_vectorwise_quant", "int8_vectorwise_dequant", "int8_linear_matm
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _fp32_rows(A: torch.Tensor) -> torch.Tensor:
+    """``A`` as contiguous fp32 ``[rows, K]`` (so every output is contiguous, as the fakes say,
+    whatever A's strides)."""
+    return _rows(A).contiguous().float()
+
+
 def _rows(A: torch.Tensor, what: str = "A") -> torch.Tensor:
     """``A`` as ``[rows, K]``; no rows (M = 0) is fine, K = 0 is not."""
     if A.dim() < 1 or A.shape[-1] == 0:
@@ -60,7 +66,7 @@ def _check_quant_args(A: torch.Tensor, threshold: float) -> int:
 def _outliers(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(A as fp32 [rows, K] with outliers zeroed, outlier mask or None)``."""
     _check_quant_args(A, threshold)
-    x = _rows(A).float()
+    x = _fp32_rows(A)
     mask = None
     if threshold > 0.0:
         mask = x.abs() >= threshold
@@ -139,8 +145,7 @@ def _check_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> None:
 @torch.library.custom_op("torchq::int8_vectorwise_dequant", mutates_args=(), schema="(Tensor A, Tensor stats) -> Tensor")
 def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     _check_vectorwise_dequant(A, stats)
-    rows = _rows(A)
-    return ((rows.float() * stats.reshape(-1, 1)) / 127).reshape(A.shape)
+    return ((_fp32_rows(A) * stats.reshape(-1, 1)) / 127).reshape(A.shape)
 
 
 @int8_vectorwise_dequant.register_fake
@@ -201,7 +206,7 @@ def int8_mm_dequant(
         raise TypeError(f"A: expected int32 accumulators, got {A.dtype}")
     c = _rows(A)
     _check_stats(c.shape[0], c.shape[1], row_stats, col_stats, bias)
-    out = c.float() * (row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)) / 16129.0
+    out = _fp32_rows(c) * (row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)) / 16129.0
     if bias is not None:
         out = out + bias.reshape(1, -1).float()
     return out.to(dtype or torch.float16).reshape(A.shape)
