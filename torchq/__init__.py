@@ -31,6 +31,7 @@ from .configs import (
     nf4_weight_only,
 )
 from .dispatch import (
+    ALL_LAYOUTS,
     FallbackWarning,
     LinearKernel,
     NoKernelError,
@@ -64,6 +65,7 @@ __all__ = [
     "load_quantized",
     "save_quantized",
     "ExplainReport",
+    "ALL_LAYOUTS",
     "FallbackWarning",
     "Int4WeightOnlyConfig",
     "Int8DynamicActivationInt8WeightConfig",

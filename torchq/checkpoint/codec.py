@@ -15,6 +15,7 @@ The record is a JSON object::
     act_quant   null | JSON     dynamic activation quantization (e.g. per-token int8)
     config      null | JSON     the config that produced it (informational)
     label       null | "name"   the layer name, used in messages
+    compute_dtype "bfloat16"    optional: the dtype linears compute in (absent: the input's dtype)
     codes_encoding "bitstream" | "bytes"
     parts       {"codes": P, "scale": P, "zero_point": P}   (no zero_point when the domain is NONE)
                 P = {"dtype": "uint8", "shape": [...], "crc32": int | null}
@@ -171,6 +172,7 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
         "act_quant": None if w.act_quant is None else w.act_quant.to_json(),
         "config": None if w.config is None else w.config.to_json(),
         "label": w.label,
+        **({} if w.compute_dtype is None else {"compute_dtype": dtype_name(w.compute_dtype)}),
         "codes_encoding": encoding,
         "parts": {name: part_record(t, checksum) for name, t in tensors.items()},
     }
@@ -189,7 +191,7 @@ class ParsedRecord:
             raise CheckpointError(f"{where}: not a torchq quantized-tensor record (format {record.get('format')!r})")
         check_version(record.get("version"), FORMAT_VERSION, f"{where}: quantized-tensor format")
         known = {"format", "version", "shape", "dtype", "transposed", "spec", "layout", "act_quant", "config",
-                 "label", "codes_encoding", "parts"}
+                 "label", "compute_dtype", "codes_encoding", "parts"}
         unknown = set(record) - known
         if unknown:
             raise CheckpointError(f"{where}: unknown record fields {sorted(unknown)}")
@@ -221,6 +223,11 @@ class ParsedRecord:
             if label is not None and not isinstance(label, str):
                 raise CheckpointError(f"{where}: label must be a string or null, got {label!r}")
             self.label: str | None = label
+            self.compute_dtype = None
+            if record.get("compute_dtype") is not None:
+                self.compute_dtype = dtype_from_name(record["compute_dtype"], f"{where}: compute_dtype")
+                if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise CheckpointError(f"{where}: compute_dtype must be float32/bfloat16/float16, got {self.compute_dtype}")
             self.saved_layout = _optional_layout(record["layout"])
             self.encoding = record["codes_encoding"]
             parts = record["parts"]
@@ -413,7 +420,8 @@ def decode(
             raise
         raise CheckpointError(f"{where}: {e}") from e
     return AffineQuantizedTensor(
-        impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config
+        impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config,
+        compute_dtype=rec.compute_dtype,
     )
 
 

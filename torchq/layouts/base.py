@@ -2,8 +2,8 @@
 
 A ``Layout`` is a frozen, hashable dataclass that names a storage format and its options; its
 ``impl_class`` (a :class:`TensorImpl`) holds the tensors in that format and converts losslessly
-to and from :class:`~torchq.canonical.PlainForm`. A layout module defines both, registers its
-kernels in the dispatch table, and touches nothing else. This module never names a concrete
+to and from :class:`~torchq.canonical.PlainForm`. A layout module defines both and the layout's
+ordered linear kernels (:meth:`Layout.linear_kernels`), and touches nothing else. This module never names a concrete
 layout: automatic choice asks every registered layout whether it accepts a weight and takes
 the accepting one with the highest ``auto_priority``.
 """
@@ -54,6 +54,13 @@ class Layout:
             if cls.name in _LAYOUTS and _LAYOUTS[cls.name].__qualname__ != cls.__qualname__:
                 raise ValueError(f"layout name {cls.name!r} is already registered by {_LAYOUTS[cls.name]}")
             _LAYOUTS[cls.name] = cls
+
+    @classmethod
+    def linear_kernels(cls) -> tuple[Any, ...]:
+        """This layout's own :class:`~torchq.dispatch.LinearKernel` s, in the order the dispatch
+        tries them (after user kernels registered for the layout). Conditions need not check the
+        layout: they are only asked about weights in it. None by default."""
+        return ()
 
     def rejects(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
         """None if this layout can hold such a weight on ``device``, else the reason it cannot."""

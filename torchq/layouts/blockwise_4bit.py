@@ -28,13 +28,12 @@ from ..blockwise.linear import TABLES, linear_cpu, weight_args
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
-from ..dispatch import register_linear_kernel
+from ..dispatch import LinearKernel
 from ..prefill import use_tiles
 from .base import Buffer, Layout, TensorImpl
 
 __all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]
 
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Blockwise4bitImpl(TensorImpl):
@@ -99,6 +98,10 @@ class Blockwise4bitLayout(Layout):
     holds_codebooks = True
     holds_nested_scales = True
 
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
+
     def rejects(self, spec, shape, scale_dtype, device):
         if spec.codebook is None:
             return f"holds nf4/fp4 codebook formats only, weight is {spec.describe()}"
@@ -113,10 +116,6 @@ class Blockwise4bitLayout(Layout):
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:
-    if not isinstance(w.tensor_impl.layout, Blockwise4bitLayout):
-        return f"needs Blockwise4bitLayout, weight has {w.tensor_impl.layout!r}"
-    if x.dtype not in _FLOAT_INPUTS:
-        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     if w.act_quant is not None:
         return f"weight has dynamic activation quantization ({w.act_quant.describe()})"
     if x.device.type != "cpu":
@@ -155,11 +154,12 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return linear_cpu(x, *args)
 
 
-register_linear_kernel(
-    "blockwise_4bit_linear",
-    _check,
-    _linear,
-    description="torchq::blockwise_4bit_linear: fused native CPU kernel (unpack + fp32 FMA, no dequantized weight); "
-    "Triton dequantize-GEMM / split-K GEMV on CUDA",
-    priority=0,
+KERNELS = (
+    LinearKernel(
+        "blockwise_4bit_linear",
+        _check,
+        _linear,
+        description="torchq::blockwise_4bit_linear: fused native CPU kernel (unpack + fp32 FMA, no dequantized weight); "
+        "Triton dequantize-GEMM / split-K GEMV on CUDA",
+    ),
 )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..canonical import PlainForm
-from ..dispatch import check_op_devices, register_linear_kernel
+from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
@@ -190,6 +190,10 @@ class Int4CPULayout(Layout):
     auto_priority = 20
     device_specific = True
 
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
+
     def rejects(self, spec, shape, scale_dtype, device):
         if torch.device(device).type != "cpu":
             return f"CPU-only layout, weight is on {device}"
@@ -204,13 +208,8 @@ class Int4CPULayout(Layout):
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:
-    impl = w.tensor_impl
-    if not isinstance(impl.layout, Int4CPULayout):
-        return f"needs Int4CPULayout, weight has {impl.layout!r}"
     if x.device.type != "cpu":
         return f"CPU kernel, input is on {x.device}"
-    if x.dtype not in _FLOAT_INPUTS:
-        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     if w.act_quant is not None:
         return f"weight-only kernel, weight has {w.act_quant.describe()}"
     return None
@@ -234,31 +233,13 @@ def _int4_cpu_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Ten
     return padded_linear(x, bias, *impl.shape, *impl.padded_shape, mm)
 
 
-def _check_bf16_compute(x: torch.Tensor, w, bias) -> str | None:
-    if x.dtype not in (torch.float32, torch.float16):
-        return f"only for fp32/fp16 inputs, input is {x.dtype}"
-    return _check(x, w, bias)
-
-
-def _int4_cpu_linear_bf16_compute(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    y = _int4_cpu_linear(x.to(torch.bfloat16), w, None).to(x.dtype)
-    return y if bias is None else y + bias.to(y.dtype)
-
-
 # PyTorch's int4 CPU kernel is 10-100x slower for fp32/fp16 inputs than for bf16 ones (18.5 ms
-# vs 1.3 ms at M=1, K=N=4096), slower than float F.linear: those inputs run in bf16 instead.
-# Unregister "int4_cpu_bf16_compute" to compute in the input's own dtype.
-register_linear_kernel(
-    "int4_cpu_bf16_compute",
-    _check_bf16_compute,
-    _int4_cpu_linear_bf16_compute,
-    description="fp32/fp16 input cast to bf16, aten._weight_int4pack_mm_for_cpu, output cast back",
-    priority=0,
-)
-register_linear_kernel(
-    "int4_cpu",
-    _check,
-    _int4_cpu_linear,
-    description="aten._weight_int4pack_mm_for_cpu: groupwise <=4-bit weight, float input",
-    priority=0,
+# vs 1.3 ms at M=1, K=N=4096): configs with compute_dtype=torch.bfloat16 run those inputs in bf16.
+KERNELS = (
+    LinearKernel(
+        "int4_cpu",
+        _check,
+        _int4_cpu_linear,
+        description="aten._weight_int4pack_mm_for_cpu: groupwise <=4-bit weight, float input",
+    ),
 )

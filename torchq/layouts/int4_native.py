@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from .. import native, triton_kernels
 from ..canonical import PlainForm
-from ..dispatch import check_op_devices, register_linear_kernel
+from ..dispatch import LinearKernel, check_op_devices
 from ..prefill import tile_dtype, tiled_linear, use_tiles
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Layout, TensorImpl
@@ -158,6 +158,10 @@ class Int4NativeLayout(Layout):
     name = "int4_native"
     impl_class = Int4NativeImpl
     auto_priority = 25  # ahead of Int4CPULayout where the native library is available
+
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
 
     def rejects(self, spec, shape, scale_dtype, device):
         if len(shape) != 2 or spec.block_size[0] != 1:
@@ -335,11 +339,6 @@ torch.library.register_autograd("torchq::int4_groupwise_linear", _backward, setu
 
 
 def _check_linear(x: torch.Tensor, w, bias) -> str | None:
-    impl = w.tensor_impl
-    if not isinstance(impl.layout, Int4NativeLayout):
-        return f"needs Int4NativeLayout, weight has {impl.layout!r}"
-    if x.dtype not in _FLOATS:
-        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     if w.act_quant is not None:
         return f"weight-only kernel, weight has {w.act_quant.describe()}"
     if x.device.type != "cpu":
@@ -372,10 +371,12 @@ def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.
                                  *impl.round_kinds, bias)
 
 
-register_linear_kernel(
-    "int4_native",
-    _check_linear,
-    _int4_native_linear,
-    description="torchq::int4_groupwise_linear: native fused dequantize + dot (CPU), Triton dequantize-GEMM / split-K GEMV (CUDA)",
-    priority=0,
+KERNELS = (
+    LinearKernel(
+        "int4_native",
+        _check_linear,
+        _int4_native_linear,
+        description="torchq::int4_groupwise_linear: native fused dequantize + dot (CPU), Triton dequantize-GEMM / "
+        "split-K GEMV (CUDA)",
+    ),
 )

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..canonical import PlainForm
-from ..dispatch import check_op_devices, register_linear_kernel
+from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
@@ -170,6 +170,10 @@ class Int4XPULayout(Layout):
     auto_priority = 27
     device_specific = True
 
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
+
     def rejects_format(self, spec, scale_dtype):
         if spec.codebook is None and spec.zero_point_domain not in (ZeroPointDomain.INT, ZeroPointDomain.FLOAT):
             return f"holds an INT or FLOAT zero point (the XPU kernels are asymmetric), got {spec.zero_point_domain.name}"
@@ -214,8 +218,6 @@ def _int4_xpu_mm_xpu(x, packed, group_size, scales, int_zeros=None):
 
 def _check(x: torch.Tensor, w, bias) -> str | None:
     impl = w.tensor_impl
-    if not isinstance(impl.layout, Int4XPULayout):
-        return f"needs Int4XPULayout, weight has {impl.layout!r}"
     if x.device.type != "xpu":
         return f"XPU kernel, input is on {x.device}"
     scale_dtype = (impl.scale if impl.scale is not None else impl.scale_and_zero).dtype
@@ -235,10 +237,11 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return padded_linear(x, bias, *impl.shape, *impl.padded_shape, mm)
 
 
-register_linear_kernel(
-    "int4_xpu",
-    _check,
-    _linear,
-    description="aten._weight_int4pack_mm (float zero) / _weight_int4pack_mm_with_scales_and_zeros (int zero) on XPU",
-    priority=0,
+KERNELS = (
+    LinearKernel(
+        "int4_xpu",
+        _check,
+        _linear,
+        description="aten._weight_int4pack_mm (float zero) / _weight_int4pack_mm_with_scales_and_zeros (int zero) on XPU",
+    ),
 )
