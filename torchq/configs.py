@@ -162,7 +162,7 @@ class Int4WeightOnlyConfig(QuantConfig):
         self._check_common()
         if self.layout is not None:
             spec = self.spec()
-            reason = self.layout.rejects_format(spec, self.scale_dtype)
+            reason = self.layout.fit(spec, None, self.scale_dtype, None).cannot_hold
             if reason is not None:
                 raise ValueError(
                     f"layout: {self.layout!r} cannot hold {spec.describe()} (zero_point_domain={self.zero_point_domain.name}, "

@@ -399,7 +399,7 @@ def _slice(func, args, kwargs):
         return return_and_correct_aliasing(func, args, kwargs, out)
     plain = impl.to_plain().narrow(inner_dim, start, end - start)
     layout = impl.layout
-    if layout.check(plain.spec, plain.shape, plain.scale.dtype, plain.device) is not None:
+    if not layout.fit(plain.spec, plain.shape, plain.scale.dtype, plain.device).holds:
         layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, plain.device)
     out = self._replace(layout.pack(plain.map(torch.clone)))
     # Not a storage view: remember where it came from so copy_ into it reaches the parent.

@@ -16,7 +16,7 @@ from torch import nn
 
 import torchq
 from torchq.canonical import PlainForm
-from torchq.layouts import Layout, TensorImpl
+from torchq.layouts import Fit, Layout, TensorImpl
 
 
 # 1. The TensorImpl: which tensors it holds, and the two conversions.
@@ -41,12 +41,17 @@ class TransposedInt8Layout(Layout):
     def linear_kernels(cls):
         return KERNELS  # defined below, with the op they call
 
-    def rejects(self, spec, shape, scale_dtype, device):
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        """Can it hold the weight (``Fit(reason)`` if not)? None arguments are not known yet.
+        A layout that automatic choice should skip somewhere says ``Fit(not_automatic=reason)``."""
+        base = super().fit(spec, shape, scale_dtype, device)  # the checks every layout shares
+        if not base.holds:
+            return base
         if spec.code_dtype != torch.int8 or spec.zero_point_domain.name != "NONE":
-            return f"holds symmetric int8 codes only, got {spec.describe()}"
-        if spec.block_size != (1, shape[1]):
-            return f"needs one scale per output channel, got blocks {spec.block_size}"
-        return None
+            return Fit(f"holds symmetric int8 codes only, got {spec.describe()}")
+        if shape is not None and spec.block_size != (1, shape[1]):
+            return Fit(f"needs one scale per output channel, got blocks {spec.block_size}")
+        return base
 
 
 # 3. The kernel: a custom op (+ fake for compile), and a LinearKernel (condition, impl).

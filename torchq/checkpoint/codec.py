@@ -53,7 +53,7 @@ from ..activation import activation_from_json
 from ..bitpack import pack_bits, packed_width, unpack_bits
 from ..canonical import NestedScale, PlainForm, QuantSpec
 from ..configs import config_from_json
-from ..layouts.base import Layout, choose_layout, layout_from_json, registered_layouts
+from ..layouts.base import Layout, choose_layout, layout_from_json, placement_reason, registered_layouts
 from ..primitives import ZeroPointDomain, scale_shape
 from ..tensor import AffineQuantizedTensor
 
@@ -337,7 +337,7 @@ def resolve_layout(policy: LayoutPolicy, saved: Layout | None, plain: PlainForm)
     ``"auto"``: the device's best registered layout; a Layout: exactly that one."""
     if isinstance(policy, Layout):
         return policy
-    if policy == "saved" and saved is not None and saved.placement_rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
+    if policy == "saved" and saved is not None and placement_reason(saved, plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
         return saved
     if policy not in ("saved", "auto"):
         raise ValueError(f"layout: expected 'saved', 'auto' or a torchq Layout, got {policy!r}")

@@ -30,7 +30,7 @@ from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
 from ..dispatch import LinearKernel
 from ..prefill import use_tiles
-from .base import Buffer, Layout, TensorImpl
+from .base import Buffer, Fit, Layout, TensorImpl
 
 __all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]
 
@@ -41,7 +41,7 @@ class Blockwise4bitImpl(TensorImpl):
 
     def expected_tensors(self) -> dict[str, Buffer | None]:
         spec = self.spec
-        reason = self.layout.check(spec, self.shape, torch.float32, self.device)
+        reason = self.layout.fit(spec, self.shape, torch.float32, self.device).cannot_hold
         if reason is not None:
             raise ValueError(f"Blockwise4bitImpl: the layout cannot hold {spec.describe()} of shape {list(self.shape)}: {reason}")
         n, k = self.shape
@@ -94,7 +94,6 @@ class Blockwise4bitLayout(Layout):
 
     name = "blockwise_4bit"
     impl_class = Blockwise4bitImpl
-    auto_priority = 30
     holds_codebooks = True
     holds_nested_scales = True
 
@@ -102,17 +101,20 @@ class Blockwise4bitLayout(Layout):
     def linear_kernels(cls):
         return KERNELS
 
-    def rejects(self, spec, shape, scale_dtype, device):
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
         if spec.codebook is None:
-            return f"holds nf4/fp4 codebook formats only, weight is {spec.describe()}"
-        if len(shape) != 2:
-            return f"needs a 2-D weight, got shape {shape}"
+            return Fit(f"holds nf4/fp4 codebook formats only, weight is {spec.describe()}")
+        if shape is not None and len(shape) != 2:
+            return Fit(f"needs a 2-D weight, got shape {shape}")
         b0, b1 = spec.block_size
         if b0 != 1 or b1 not in BLOCK_SIZES:
-            return f"needs blocks (1, B) with B a power of two in 32..4096, got {spec.block_size}"
-        if shape[1] % b1:
-            return f"K={shape[1]} is not a multiple of the block size {b1}"
-        return None
+            return Fit(f"needs blocks (1, B) with B a power of two in 32..4096, got {spec.block_size}")
+        if shape is not None and shape[1] % b1:
+            return Fit(f"K={shape[1]} is not a multiple of the block size {b1}")
+        return base
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:

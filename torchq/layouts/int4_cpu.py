@@ -29,7 +29,7 @@ import torch
 from ..canonical import PlainForm
 from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
+from .base import Buffer, Fit, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4CPULayout", "Int4CPUImpl"]
@@ -187,24 +187,26 @@ class Int4CPULayout(Layout):
 
     name = "int4_cpu"
     impl_class = Int4CPUImpl
-    auto_priority = 20
     device_specific = True
 
     @classmethod
     def linear_kernels(cls):
         return KERNELS
 
-    def rejects(self, spec, shape, scale_dtype, device):
-        if torch.device(device).type != "cpu":
-            return f"CPU-only layout, weight is on {device}"
-        if len(shape) != 2:
-            return f"needs a 2-D weight, got shape {shape}"
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
+        if device is not None and torch.device(device).type != "cpu":
+            return Fit(f"CPU-only layout, weight is on {device}")
+        if shape is not None and len(shape) != 2:
+            return Fit(f"needs a 2-D weight, got shape {shape}")
         reason = groupwise_int4_rejects(spec, GROUP_SIZES)
         if reason is not None:
-            return reason
-        if not scale_dtype.is_floating_point or scale_dtype not in _FLOAT_INPUTS:
-            return f"scale dtype must be fp32/bf16/fp16, got {scale_dtype}"
-        return None
+            return Fit(reason)
+        if scale_dtype is not None and scale_dtype not in _FLOAT_INPUTS:
+            return Fit(f"scale dtype must be fp32/bf16/fp16, got {scale_dtype}")
+        return base
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:

@@ -69,7 +69,6 @@ class PlainLayout(Layout):
 
     name = "plain"
     impl_class = PlainImpl
-    auto_priority = 0
     holds_codebooks = True
 
     @classmethod

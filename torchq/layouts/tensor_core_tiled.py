@@ -35,7 +35,7 @@ import torch
 from ..canonical import PlainForm
 from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
+from .base import Buffer, Fit, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["TensorCoreTiledLayout", "TensorCoreTiledImpl", "pack_tiled", "unpack_tiled", "tinygemm_dequantize"]
@@ -129,7 +129,7 @@ class TensorCoreTiledImpl(TensorImpl):
     def expected_tensors(self) -> dict[str, Buffer | None]:
         spec = self.spec
         domain = spec.zero_point_domain
-        reason = self.layout.rejects(spec, self.shape, torch.bfloat16, self.device) or zero_dtype_rejects(spec, self.zero_dtype)
+        reason = self.layout.fit(spec, self.shape, torch.bfloat16, self.device).cannot_hold or zero_dtype_rejects(spec, self.zero_dtype)
         if reason is None and domain is ZeroPointDomain.FLOAT and self.zero_dtype != torch.bfloat16:
             reason = f"zero_dtype: the kernel reads bf16 float zeros, got {self.zero_dtype}"
         if reason is not None:
@@ -198,7 +198,6 @@ class TensorCoreTiledLayout(Layout):
 
     name = "tensor_core_tiled"
     impl_class = TensorCoreTiledImpl
-    auto_priority = 28  # ahead of Int4NativeLayout on sm80+ CUDA devices (bf16 scales)
     device_specific = True
 
     @classmethod
@@ -209,21 +208,18 @@ class TensorCoreTiledLayout(Layout):
         if self.inner_k_tiles not in INNER_K_TILES:
             raise ValueError(f"inner_k_tiles: expected one of {INNER_K_TILES}, got {self.inner_k_tiles!r}")
 
-    def rejects_format(self, spec, scale_dtype):
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
+        if shape is not None and len(shape) != 2:
+            return Fit(f"needs a 2-D weight, got shape {shape}")
         reason = groupwise_int4_rejects(spec, GROUP_SIZES)
         if reason is not None:
-            return reason
+            return Fit(reason)
         if scale_dtype is not None and scale_dtype != torch.bfloat16:
-            return f"the kernel reads bf16 scales, got {scale_dtype} (quantize with scale_dtype=torch.bfloat16)"
-        return None
-
-    def rejects(self, spec, shape, scale_dtype, device):
-        if len(shape) != 2:
-            return f"needs a 2-D weight, got shape {shape}"
-        return self.rejects_format(spec, scale_dtype)
-
-    def auto_rejects(self, spec, shape, scale_dtype, device):
-        return _device_rejects(torch.device(device))
+            return Fit(f"the kernel reads bf16 scales, got {scale_dtype} (quantize with scale_dtype=torch.bfloat16)")
+        return base if device is None else Fit(not_automatic=_device_rejects(torch.device(device)))
 
 
 @functools.cache
