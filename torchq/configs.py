@@ -42,10 +42,16 @@ __all__ = [
     "fp4_weight_only",
     "config_from_json",
     "config_from_name",
+    "registered_configs",
 ]
 
 _CONFIGS: dict[str, type[QuantConfig]] = {}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def registered_configs() -> dict[str, type[QuantConfig]]:
+    """Config classes by name (the ``type`` of their JSON), including user-defined subclasses."""
+    return dict(_CONFIGS)
 
 
 class LayerNotSupported(Exception):
@@ -73,6 +79,11 @@ class QuantConfig:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _CONFIGS[cls.__name__] = cls
+
+    def __reduce__(self):
+        from .checkpoint.pickling import reduce_object
+
+        return reduce_object("config", self)
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         raise NotImplementedError

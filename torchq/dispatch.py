@@ -30,11 +30,13 @@ calling thread). Call :func:`clear_kernel_cache` after changing anything else a 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,8 @@ __all__ = [
     "is_strict",
     "add_selection_state",
     "clear_kernel_cache",
+    "recording",
+    "warn_fallback_once",
     "check_op_devices",
 ]
 
@@ -142,12 +146,27 @@ _USER: list[_Registration] = []
 # (layout class, built-in kernel name) -> the user kernel in its place, or None (unregistered)
 _BUILTIN_OVERRIDES: dict[tuple[type, str], LinearKernel | None] = {}
 _WALKS: dict[type, tuple[LinearKernel, ...]] = {}
-_STRICT = [os.environ.get("TORCHQ_STRICT", "") not in ("", "0")]
+# strict mode of the calling thread (or task); new threads start from TORCHQ_STRICT
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torchq_strict", default=os.environ.get("TORCHQ_STRICT", "") not in ("", "0")
+)
 _WARNED: set[tuple[str, str]] = set()
 _RECORDERS: list[list] = []
 # weight.tensor_impl -> {signature: LinearPlan}; see the module docstring and _cached_plan.
 _KERNEL_CACHE = IdentityCache()
 _STATE_PROVIDERS: list[Callable[[], Any]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[Any, torch.Tensor, LinearPlan]]]:
+    """Within this block, every quantized linear call appends ``(weight, input, plan)`` to the
+    yielded list (its plan evaluates every kernel; nothing is taken from or added to the cache)."""
+    records: list[tuple[Any, torch.Tensor, LinearPlan]] = []
+    _RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        _RECORDERS.remove(records)
 
 
 def clear_kernel_cache() -> None:
@@ -290,27 +309,29 @@ def linear_kernels(layout: Any = None) -> tuple[LinearKernel, ...]:
 
 
 class strict:
-    """Turn fallbacks into :class:`NoKernelError`. ``with torchq.strict(): ...`` or ``torchq.set_strict(True)``."""
+    """Turn fallbacks into :class:`NoKernelError`: ``with torchq.strict(): ...``, or
+    ``torchq.set_strict(True)``. Both act on the calling thread (a context variable: a new thread
+    starts from ``TORCHQ_STRICT``)."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = bool(enabled)
-        self._saved: list[bool] = []
+        self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> strict:
-        self._saved.append(_STRICT[0])
-        _STRICT[0] = self.enabled
+        self._tokens.append(_STRICT.set(self.enabled))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _STRICT[0] = self._saved.pop()
+        _STRICT.reset(self._tokens.pop())
 
 
 def set_strict(enabled: bool) -> None:
-    _STRICT[0] = bool(enabled)
+    """Strict mode on or off for the calling thread, until changed again."""
+    _STRICT.set(bool(enabled))
 
 
 def is_strict() -> bool:
-    return _STRICT[0]
+    return _STRICT.get()
 
 
 def _layer_name(weight: Any) -> str:
@@ -486,7 +507,7 @@ def _remember(weight: Any, key: tuple, plan: LinearPlan) -> None:
 def warn_fallback_once(key: tuple, message: str, *, instead: str, forbids: str, stacklevel: int = 3) -> None:
     """A visible fallback: in strict mode raise :class:`NoKernelError` (``message; strict mode
     forbids <forbids>``), else warn :class:`FallbackWarning` (``message; <instead>``) once per ``key``."""
-    if _STRICT[0]:
+    if _STRICT.get():
         raise NoKernelError(f"{message}; strict mode forbids {forbids}")
     if key not in _WARNED:
         _WARNED.add(key)
@@ -509,7 +530,7 @@ def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = N
     """``F.linear(x, weight, bias)`` for a quantized (non-transposed ``[N, K]``) weight."""
     plan, key = _cached_plan(x, weight, bias)
     if plan is not None:  # same weight and input signature as an earlier, validated call
-        if plan.fallback is not None and _STRICT[0]:
+        if plan.fallback is not None and _STRICT.get():
             raise NoKernelError(f"{plan.fallback}; strict mode forbids the cast fallback")
         return _execute(plan, x, weight, bias)
     _validate(x, weight, bias)

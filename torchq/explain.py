@@ -175,16 +175,11 @@ def explain(target: nn.Module | torch.Tensor, *example_inputs, **example_kwargs)
             out.append(_decision(name, w, x, dispatch.plan_linear(x, w, None, evaluate_all=True)))
         return ExplainReport(out)
 
-    records: list = []
-    dispatch._RECORDERS.append(records)
-    try:
-        with torch.no_grad():
-            if isinstance(target, AffineQuantizedTensor):
-                torch.nn.functional.linear(example_inputs[0], target)
-            else:
-                target(*example_inputs, **example_kwargs)
-    finally:
-        dispatch._RECORDERS.remove(records)
+    with dispatch.recording() as records, torch.no_grad():
+        if isinstance(target, AffineQuantizedTensor):
+            torch.nn.functional.linear(example_inputs[0], target)
+        else:
+            target(*example_inputs, **example_kwargs)
     seen: dict[tuple, LinearDecision] = {}
     for w, x, plan in records:
         name = weights.get(id(w), (w.label or f"<unnamed {tuple(w.shape)}>", w))[0]

@@ -105,7 +105,7 @@ def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return native.run_linear(lib.tq_int8_linear, "int8_weight_linear", x, k, n, weight, bias)
 
 
-def _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias) -> None:
+def check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias) -> None:
     _check_weight(x, codes, scale, bias)
     if not (-128 <= quant_min < 0 < quant_max <= 127 and quant_min + quant_max in (0, -1)):
         raise ValueError(f"quant_min, quant_max: expected a symmetric int8 range ([-q, q] or [-q-1, q]), got [{quant_min}, {quant_max}]")
@@ -128,7 +128,7 @@ def int8_dynamic_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: per-token int8 quantization of x, ``torchq::int8_linear_matmul``, fp32 rescale."""
-    _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias)
+    check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias)
     return _dynamic_reference(x, codes, scale, quant_min, quant_max, eps, bias)
 
 
@@ -144,7 +144,7 @@ NATIVE_MIN_CODE = -127
 
 @torch.library.register_kernel("torchq::int8_dynamic_linear", "cpu")
 def int8_dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias=None):
-    _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias)
+    check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias)
     return dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias)
 
 

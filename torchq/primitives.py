@@ -61,6 +61,11 @@ class MappingType(StrEnum):
     def __repr__(self) -> str:
         return f"{type(self).__name__}.{self.name}"
 
+    def __reduce_ex__(self, proto):
+        from .checkpoint.pickling import reduce_enum
+
+        return reduce_enum("mapping_type", self.value)
+
 
 class ZeroPointDomain(StrEnum):
     """Where the zero point lives: an integer code, a float offset, or nowhere."""
@@ -71,6 +76,11 @@ class ZeroPointDomain(StrEnum):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}.{self.name}"
+
+    def __reduce_ex__(self, proto):
+        from .checkpoint.pickling import reduce_enum
+
+        return reduce_enum("zero_point_domain", self.value)
 
 
 _INTEGER_CODE_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)

@@ -83,6 +83,12 @@ class AffineQuantizedTensor(torch.Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # all work is done in __new__
         pass
 
+    def __reduce_ex__(self, proto):  # type: ignore[override]
+        """Pickles as its device-independent checkpoint record (see :mod:`torchq.checkpoint.pickling`)."""
+        from .checkpoint.pickling import reduce_quantized_tensor
+
+        return reduce_quantized_tensor(self)
+
     def requires_grad_(self, requires_grad: bool = True) -> AffineQuantizedTensor:  # type: ignore[override]
         """Quantized weights are frozen: gradients flow to a linear's input and bias, never to
         the codes, so ``requires_grad`` stays False (``nn.Parameter(w, requires_grad=True)`` and

@@ -264,7 +264,7 @@ class ParsedRecord:
             rec_dtype = dtype_from_name(p["dtype"], f"{where}: part {pname!r}")
             rec_shape = tuple(p["shape"]) if isinstance(p["shape"], list) else None
             crc = p["crc32"]
-            if crc is not None and not (_is_int(crc) and 0 <= crc < 2**32):
+            if crc is not None and not (is_int(crc) and 0 <= crc < 2**32):
                 raise CheckpointError(f"{where}: part {pname!r} has an invalid crc32 {crc!r}")
             if rec_shape != shape:
                 raise CheckpointError(f"{where}: part {pname!r} has shape {p['shape']!r}; {spec.describe()} of a {n}x{k} weight needs {list(shape)}")
@@ -284,18 +284,18 @@ class ParsedRecord:
 
 def check_version(version: Any, supported: int, what: str) -> None:
     """A format version must be an int from 1 to ``supported``; a newer one asks for an upgrade."""
-    if not _is_int(version) or version < 1:
+    if not is_int(version) or version < 1:
         raise CheckpointError(f"{what}: invalid version {version!r}")
     if version > supported:
         raise CheckpointError(f"{what} version {version} is newer than this torchq reads (up to {supported}); upgrade torchq")
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_pos_int(v: Any) -> bool:
-    return _is_int(v) and v > 0
+    return is_int(v) and v > 0
 
 
 def _optional_config(d: Any, where: str):
@@ -304,10 +304,10 @@ def _optional_config(d: Any, where: str):
     computes). A known config with invalid fields is an error, not silently dropped."""
     if d is None:
         return None
-    from ..configs import _CONFIGS
+    from ..configs import registered_configs
 
-    cls = _CONFIGS.get(d.get("type")) if isinstance(d, dict) and isinstance(d.get("type"), str) else None
-    if cls is None or (_is_int(d.get("version", 1)) and d.get("version", 1) > cls.version):
+    cls = registered_configs().get(d.get("type")) if isinstance(d, dict) and isinstance(d.get("type"), str) else None
+    if cls is None or (is_int(d.get("version", 1)) and d.get("version", 1) > cls.version):
         return None
     try:
         return config_from_json(d)

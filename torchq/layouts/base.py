@@ -89,6 +89,11 @@ class Layout:
         layout: they are only asked about weights in it. None by default."""
         return ()
 
+    def __reduce__(self):
+        from ..checkpoint.pickling import reduce_object
+
+        return reduce_object("layout", self)
+
     def fit(self, spec: QuantSpec, shape: tuple[int, ...] | None = None, scale_dtype: torch.dtype | None = None,
             device: torch.device | str | None = None) -> Fit:
         """Whether this layout can hold a weight of format ``spec``, ``shape``, scales of

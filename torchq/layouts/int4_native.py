@@ -186,7 +186,7 @@ class Int4NativeLayout(Layout):
         return base
 
 
-def _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias) -> None:
+def check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias) -> None:
     if len(shape) != 2:
         raise ValueError(f"shape: expected [N, K], got {list(shape)}")
     n, k = shape
@@ -244,7 +244,7 @@ def int4_groupwise_linear(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` in x's dtype for an :class:`Int4NativeLayout` weight. The reference:
     dequantize (bit-exact to ``dequantize_affine``), cast once to x's dtype, ``F.linear``."""
-    _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     w = dequantize_int4_native(packed, scale, shift, zero, shape[1], group_size, code_base, round_mul, round_add, x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
@@ -268,7 +268,7 @@ def _codebook(code_base: float) -> torch.Tensor:
 def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
     """Native: fused dequantize + dot in fp32 (weights exactly the reference's values, one
     rounding to x's dtype at the end), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
-    _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     return _linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
 
 
