@@ -246,7 +246,7 @@ def test_run_linear_checks_the_input_and_the_bias():
     w = _aqt("int8wo")
     impl = w.tensor_impl
     lib = native.library()
-    args = native.weight_args(impl, lambda i: torchq.int8_linear.weight_args(i.codes, i.scale.reshape(-1), 8, K, "t"))
+    args = native.weight_args(impl, lambda i: torchq.backends.native_cpu.int8.weight_args(i.codes, i.scale.reshape(-1), 8, K, "t"))
     run = lambda x, b=None: native.run_linear(lib.tq_int8_linear, "int8", x, K, 8, args, b)  # noqa: E731
     assert run(torch.randn(2, K)).shape == (2, 8)
     with pytest.raises(ValueError, match=r"x: expected a contiguous CPU torch.float32 tensor of 512 elements, got .*\[2, 255\]"):

@@ -19,24 +19,17 @@ On CUDA: ``int8_dynamic_triton`` (the same op's Triton kernel, bit-equal as well
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .. import native, triton_kernels
 from ..activation import OutlierInt8, PerTokenInt8
+from ..backends.native_cpu.int8 import NATIVE_MIN_CODE, dynamic_linear_cpu, dynamic_native, weight_linear_cpu
+from ..backends.native_cpu.int8 import weight_args as int8_weight_args
 from ..canonical import PlainForm
-from ..dispatch import LinearKernel, check_op_devices
-from ..int8_linear import (
-    NATIVE_MIN_CODE,
-    dynamic_linear_cpu,
-    dynamic_native,
-    int8_dynamic_linear,
-    int8_weight_linear,
-    weight_linear_cpu,
-)
-from ..int8_linear import weight_args as int8_weight_args
+from ..dispatch import LinearKernel
+from ..ops.int8 import int8_dynamic_linear, int8_weight_linear, int8_weight_only_mm
 from ..prefill import use_tiles
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Layout, TensorImpl, plain_buffers
@@ -95,46 +88,6 @@ def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool, device_type: st
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.to(y.dtype)
-
-
-_WARNED_UNALIGNED: set[tuple[int, ...]] = set()
-
-
-def _warn_unaligned(codes: torch.Tensor) -> None:
-    key = tuple(codes.shape)
-    if key not in _WARNED_UNALIGNED:
-        _WARNED_UNALIGNED.add(key)
-        warnings.warn(
-            f"torchq::int8_weight_only_mm: int8 codes of shape {list(key)} do not start on a 16-byte boundary, which "
-            f"crashes PyTorch's bf16 int8 kernel; copying them on every call (store an aligned copy, e.g. "
-            f"weight.clone(), to avoid it)",
-            RuntimeWarning, stacklevel=3,
-        )
-
-
-@torch.library.custom_op("torchq::int8_weight_only_mm", mutates_args=())
-def int8_weight_only_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ (codes [N, K] * scale [N]).T`` via ``aten._weight_int8pack_mm`` (scale cast to x's dtype).
-
-    PyTorch 2.13's bf16 path of that op crashes (segfault) when K is not a multiple of 16, so
-    such shapes compute in fp32 and cast back; it also crashes for M > 1 when the codes do not
-    start on a 16-byte boundary (a row slice of a view, say), so such codes are copied to an
-    aligned buffer first, with a one-time warning since that copy costs a pass over the weight."""
-    codes = codes.contiguous()  # the aten op requires it (a column slice, say)
-    if x.dtype == torch.bfloat16 and codes.data_ptr() % 16:
-        _warn_unaligned(codes)
-        codes = codes.clone()
-    if x.dtype == torch.bfloat16 and x.data_ptr() % 16:
-        x = x.clone()
-    if x.dtype == torch.bfloat16 and x.shape[1] % 16:
-        return torch.ops.aten._weight_int8pack_mm(x.float().contiguous(), codes, scale.reshape(-1).float()).to(x.dtype)
-    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), codes, scale.reshape(-1).to(x.dtype))
-
-
-@int8_weight_only_mm.register_fake
-def _(x, codes, scale):
-    check_op_devices("int8_weight_only_mm", x, codes=codes, scale=scale)
-    return x.new_empty(x.shape[0], codes.shape[0])
 
 
 def _int8_weight_only(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:

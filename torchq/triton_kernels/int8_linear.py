@@ -86,7 +86,7 @@ def quantize_rows(x2: torch.Tensor, quant_min: int, quant_max: int, eps: float) 
 
 def int8_dynamic_linear(x, codes, scale, quant_min, quant_max, eps, bias=None):
     """``torchq::int8_dynamic_linear`` on Triton."""
-    from ..int8_linear import check_int8_dynamic_linear_args
+    from ..ops.int8 import check_int8_dynamic_linear_args
 
     check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias)
     n, k = codes.shape
