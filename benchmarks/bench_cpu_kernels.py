@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchq
-from torchq.int8_linear import int8_dynamic_linear
 from torchq.layouts import Int4CPULayout
+from torchq.ops.int8 import int8_dynamic_linear
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = ("float", "float32", "aten-int4", "aten-int8", "fbgemm", "int_mm", "int4", "nf4", "int8wo", "int8dq")

@@ -41,7 +41,7 @@ def test_fullgraph_compile_calls_quantized_kernel(name, dtype):
     assert any(f"{k}(" in src or f"{k}.default(" in src for k in kernel), f"generated code calls none of {kernel}"
     calls = [line for line in src.splitlines() if any(f in line for f in FLOAT_MATMULS)]
     assert not calls, f"generated code has a float matmul: {calls[:3]}"
-    tol = 2e-2  # fp32/fp16 inputs of the weight-only kernels compute in bf16 (see *_bf16_compute)
+    tol = 2e-2  # bf16 and fp16 inputs: compiled and eager kernels round in different places
     assert torch.allclose(y.float(), eager.float(), rtol=tol, atol=tol)
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import torchq
 from torchq import ZeroPointDomain as Z
 from torchq.canonical import PlainForm, QuantSpec
+from torchq.layouts.base import placement_reason
 from torchq.layouts.int4_xpu import Int4XPULayout, int4_xpu_mm, pack_xpu, unpack_xpu, xpu_dequantize
 from torchq.layouts.tensor_core_tiled import (
     TensorCoreTiledLayout,
@@ -190,7 +191,7 @@ def test_tiled_conditions_say_why_on_cpu():
     x = torch.randn(2, 128, dtype=torch.bfloat16)
     kernels = {k.name: k for k in torchq.linear_kernels()}
     assert "CUDA kernel, tensor is on cpu" in kernels["tensor_core_tiled"].check(x, aq, None)
-    assert "CUDA kernel, tensor is on cpu" in kernels["tensor_core_tiled_bf16_compute"].check(x, aq, None)
+    assert kernels["tensor_core_tiled"].check(x.half(), aq, None) == "takes bfloat16 inputs, input is torch.float16"
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         y = F.linear(x, aq)
@@ -271,8 +272,8 @@ def test_xpu_config_validation():
         torchq.Int4WeightOnlyConfig(layout=Int4XPULayout(), zero_point_domain=Z.NONE)
     with pytest.raises(ValueError, match="bf16/fp16 scales"):
         torchq.Int4WeightOnlyConfig(layout=Int4XPULayout(), scale_dtype=torch.float32)
-    assert "group size" in Int4XPULayout().rejects_format(QuantSpec((1, 512), 0, 15, Z.INT), None)
-    assert "codebook" not in (Int4XPULayout().rejects_format(QuantSpec((1, 64), 0, 15, Z.FLOAT), torch.bfloat16) or "")
+    assert "group size" in Int4XPULayout().fit(QuantSpec((1, 512), 0, 15, Z.INT)).cannot_hold
+    assert "codebook" not in (Int4XPULayout().fit(QuantSpec((1, 64), 0, 15, Z.FLOAT), scale_dtype=torch.bfloat16).cannot_hold or "")
     cfg = torchq.Int4WeightOnlyConfig(layout=Int4XPULayout(), zero_point_domain=Z.INT)
     assert torchq.config_from_json(cfg.to_json()) == cfg
 
@@ -309,8 +310,8 @@ def test_device_specific_layout_stays_where_it_belongs():
     layout would be left when moving elsewhere."""
     plain = torchq.Int4WeightOnlyConfig(layout=TensorCoreTiledLayout()).quantize_weight(torch.randn(8, 128, dtype=torch.bfloat16)).to_plain()
     layout = TensorCoreTiledLayout()
-    assert layout.placement_rejects(plain.spec, plain.shape, torch.bfloat16, "cpu") == "CUDA kernel, tensor is on cpu"
-    assert Int4XPULayout().placement_rejects(plain.spec, plain.shape, torch.bfloat16, "cpu") is not None
+    assert placement_reason(layout, plain.spec, plain.shape, torch.bfloat16, "cpu") == "CUDA kernel, tensor is on cpu"
+    assert placement_reason(Int4XPULayout(), plain.spec, plain.shape, torch.bfloat16, "cpu") is not None
     impl = layout.pack(plain)
     assert impl.to_device(torch.device("cpu")) is impl
 

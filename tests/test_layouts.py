@@ -139,7 +139,7 @@ def test_expected_layouts_are_registered():
 def test_pack_unpack_is_lossless(name, data):
     plain = data.draw(plain_forms(name))
     layout = make_layout(name)
-    reason = layout.rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device)
+    reason = layout.fit(plain.spec, plain.shape, plain.scale.dtype, plain.device).reason
     assert reason is None, f"{name} rejects {plain.spec.describe()} {plain.shape} {plain.scale.dtype}: {reason}"
     impl = layout.pack(plain)
     assert impl.layout == layout and impl.spec == plain.spec and impl.shape == plain.shape
@@ -254,9 +254,9 @@ def test_packed_bits_layout_stores_offset_codes():
 def test_packed_bits_rejections():
     layout = make_layout("packed_bits")
     spec8 = QuantSpec((1, 8), -128, 127, "none")
-    assert "7-bit" in layout.rejects(spec8, (4, 8), torch.float32, torch.device("cpu"))
+    assert "7-bit" in layout.fit(spec8, (4, 8), torch.float32, torch.device("cpu")).cannot_hold
     spec = QuantSpec((1, 1, 8), -8, 7, "none")
-    assert "2-D" in layout.rejects(spec, (2, 4, 8), torch.float32, torch.device("cpu"))
+    assert "2-D" in layout.fit(spec, (2, 4, 8), torch.float32, torch.device("cpu")).cannot_hold
     plain = PlainForm(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 1), None, spec8)
     with pytest.raises(ValueError, match="cannot hold this weight"):
         layout.pack(plain)
@@ -325,25 +325,25 @@ def test_int4_cpu_rejections():
     layout = make_layout("int4_cpu")
     cpu = torch.device("cpu")
     ok = QuantSpec((1, 128), 0, 15, "float")
-    assert layout.rejects(ok, (16, 256), torch.bfloat16, cpu) is None
-    reason = layout.rejects(ok, (16, 256), torch.bfloat16, torch.device("meta"))
+    assert layout.fit(ok, (16, 256), torch.bfloat16, cpu).cannot_hold is None
+    reason = layout.fit(ok, (16, 256), torch.bfloat16, torch.device("meta")).cannot_hold
     assert isinstance(reason, str) and "CPU" in reason and "meta" in reason
-    reason = layout.rejects(QuantSpec((1, 16), 0, 15, "float"), (16, 256), torch.bfloat16, cpu)
+    reason = layout.fit(QuantSpec((1, 16), 0, 15, "float"), (16, 256), torch.bfloat16, cpu).cannot_hold
     assert isinstance(reason, str) and "group size" in reason and "16" in reason
-    reason = layout.rejects(QuantSpec((1, 128), 0, 31, "int"), (16, 256), torch.float32, cpu)
+    reason = layout.fit(QuantSpec((1, 128), 0, 31, "int"), (16, 256), torch.float32, cpu).cannot_hold
     assert isinstance(reason, str) and "4-bit" in reason
-    reason = layout.rejects(QuantSpec((1, 128), -16, 15, "none"), (16, 256), torch.float32, cpu)
+    reason = layout.fit(QuantSpec((1, 128), -16, 15, "none"), (16, 256), torch.float32, cpu).cannot_hold
     assert isinstance(reason, str) and "4-bit" in reason
-    reason = layout.rejects(QuantSpec((2, 128), 0, 15, "int"), (16, 256), torch.float32, cpu)
+    reason = layout.fit(QuantSpec((2, 128), 0, 15, "int"), (16, 256), torch.float32, cpu).cannot_hold
     assert isinstance(reason, str) and "groupwise" in reason
-    reason = layout.rejects(QuantSpec((1, 256), 0, 15, "float"), (16, 256), torch.float64, cpu)
+    reason = layout.fit(QuantSpec((1, 256), 0, 15, "float"), (16, 256), torch.float64, cpu).cannot_hold
     assert isinstance(reason, str) and "scale dtype" in reason
     # pack() raises with the reason
     plain = PlainForm(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 4), torch.zeros(4, 4), QuantSpec((1, 16), 0, 15, "float"))
     with pytest.raises(ValueError, match="group size"):
         layout.pack(plain)
     meta_plain = plain.map(lambda t: t.to("meta"))
-    assert "meta" in layout.rejects(QuantSpec((1, 32), 0, 15, "float"), (4, 64), torch.float32, meta_plain.device)
+    assert "meta" in layout.fit(QuantSpec((1, 32), 0, 15, "float"), (4, 64), torch.float32, meta_plain.device).cannot_hold
 
 
 def test_int4_cpu_padding_is_sliced_off():

@@ -27,9 +27,9 @@ from test_native_blockwise import ISAS, NATIVE, assert_within_bound, forced_tile
 import torchq
 from torchq import native
 from torchq.canonical import PlainForm, QuantSpec
-from torchq.int8_linear import int8_dynamic_linear, int8_weight_linear
 from torchq.layouts import Int4CPULayout, Int4NativeLayout, PlainLayout
 from torchq.layouts.int4_native import GROUP_SIZES, dequantize_int4_native, int4_groupwise_linear
+from torchq.ops.int8 import int8_dynamic_linear, int8_weight_linear
 from torchq.primitives import ZeroPointDomain
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]

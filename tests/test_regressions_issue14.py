@@ -148,7 +148,7 @@ def test_int8_dynamic_infinite_rows_are_bit_equal_to_the_reference(isa, dtype):
     """A row holding ±inf gets scale inf, all codes 0 (inf * 0 is NaN, which the reference's
     codes read as 0) and NaN outputs; the SIMD kernels turned the NaN into the lowest code (±inf)."""
     from torchq import native
-    from torchq.int8_linear import int8_dynamic_linear
+    from torchq.ops.int8 import int8_dynamic_linear
 
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(-127, 128, (24, 70), generator=g, dtype=torch.int8)
@@ -217,7 +217,7 @@ def test_int8_dynamic_without_vnni_is_bit_equal():
     code = """
 import torch
 from torchq import native
-from torchq.int8_linear import int8_dynamic_linear
+from torchq.ops.int8 import int8_dynamic_linear
 g = torch.Generator().manual_seed(0)
 codes = torch.randint(-127, 128, (40, 70), generator=g, dtype=torch.int8)
 scale = torch.rand(40, generator=g) + 0.1

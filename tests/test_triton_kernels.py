@@ -178,7 +178,7 @@ def test_quantize_rows_matches_per_token_int8():
 def _round_bf16_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + i, mask=i < n)
-    tl.store(o_ptr + i, dequant_linear._round_to(v, 1), mask=i < n)
+    tl.store(o_ptr + i, dequant_linear.round_to(v, 1), mask=i < n)
 
 
 def test_round_to_bf16_is_round_to_nearest_even():

@@ -4,6 +4,9 @@
     torchq.quantize_(model, torchq.int4_weight_only())
 """
 
+# the ops first, then the backends registering against them, then the layouts
+from . import ops  # noqa: I001
+from . import backends  # noqa: I001
 from . import blockwise, interop, layouts, native, primitives, vectorwise
 from .activation import OutlierInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
@@ -31,6 +34,7 @@ from .configs import (
     nf4_weight_only,
 )
 from .dispatch import (
+    ALL_LAYOUTS,
     FallbackWarning,
     LinearKernel,
     NoKernelError,
@@ -53,6 +57,8 @@ _register_cuda_kernels()
 __version__ = "0.1.0"
 
 __all__ = [
+    "ops",
+    "backends",
     "AffineQuantizedTensor",
     "AutoquantResult",
     "autoquant",
@@ -64,6 +70,7 @@ __all__ = [
     "load_quantized",
     "save_quantized",
     "ExplainReport",
+    "ALL_LAYOUTS",
     "FallbackWarning",
     "Int4WeightOnlyConfig",
     "Int8DynamicActivationInt8WeightConfig",

@@ -47,6 +47,11 @@ class PerTokenInt8:
             codes, self._block(x), scale, None, self.quant_min, self.quant_max, ZeroPointDomain.NONE, x.dtype
         )
 
+    def __reduce__(self):
+        from .checkpoint.pickling import reduce_object
+
+        return reduce_object("act_quant", self)
+
     def to_json(self) -> dict:
         return {"type": "per_token_int8", "quant_min": self.quant_min, "quant_max": self.quant_max, "eps": self.eps}
 
@@ -82,6 +87,11 @@ class OutlierInt8:
         codes = torch.round(kept * torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax)))
         deq = (codes * (absmax / 127)).to(x.dtype)
         return torch.where(outlier.any(dim=0, keepdim=True), rows, deq).reshape(x.shape)
+
+    def __reduce__(self):
+        from .checkpoint.pickling import reduce_object
+
+        return reduce_object("act_quant", self)
 
     def to_json(self) -> dict:
         return {"type": "outlier_int8", "threshold": self.threshold}

@@ -38,7 +38,7 @@ from torch import nn
 
 from . import dispatch, native
 from .configs import Int4WeightOnlyConfig, QuantConfig, config_from_json, config_from_name
-from .layouts import registered_layouts
+from .layouts import preference, registered_layouts
 from .quantize import float_linear_filter as default_filter  # autoquant times nn.Linear layers only
 from .quantize import quantize_
 from .tensor import AffineQuantizedTensor
@@ -62,7 +62,7 @@ def default_candidates(device: torch.device | str = "cpu") -> dict[str, QuantCon
     probe = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.bfloat16)
     default = out["int4-g128"].quantize_weight(probe).quant_layout
     for name, cls in registered_layouts().items():
-        if cls.auto_priority < 0 or name == default.name:
+        if name not in preference.order(device.type) or name == default.name:
             continue
         try:
             config = Int4WeightOnlyConfig(group_size=128, layout=cls())

@@ -47,6 +47,11 @@ class QuantSpec:
     codebook: str | None = None
     double_quant: bool = False
 
+    def __reduce__(self):
+        from .checkpoint.pickling import reduce_object
+
+        return reduce_object("spec", self)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", tuple(int(b) for b in self.block_size))
         object.__setattr__(self, "zero_point_domain", ZeroPointDomain(self.zero_point_domain))

@@ -1,5 +1,9 @@
 """Quantization configs: frozen dataclasses that say how to quantize one linear weight.
 
+Every config has ``layout`` (None: chosen per weight) and ``compute_dtype``: the dtype its linears
+compute in (inputs of another dtype are cast to it and outputs cast back), None (default) for the
+input's own dtype.
+
 Each config round-trips through JSON (``config.to_json()`` / ``config_from_json``) with a
 ``type`` and a format ``version``. ``layout=None`` means "the best registered layout for the
 weight's device" (see :func:`torchq.layouts.choose_layout`).
@@ -18,7 +22,7 @@ from .activation import OutlierInt8, PerTokenInt8
 from .canonical import QuantSpec
 from .layouts.base import Layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain, code_range
-from .tensor import AffineQuantizedTensor
+from .tensor import AffineQuantizedTensor, check_compute_dtype
 
 __all__ = [
     "QuantConfig",
@@ -38,10 +42,16 @@ __all__ = [
     "fp4_weight_only",
     "config_from_json",
     "config_from_name",
+    "registered_configs",
 ]
 
 _CONFIGS: dict[str, type[QuantConfig]] = {}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def registered_configs() -> dict[str, type[QuantConfig]]:
+    """Config classes by name (the ``type`` of their JSON), including user-defined subclasses."""
+    return dict(_CONFIGS)
 
 
 class LayerNotSupported(Exception):
@@ -70,6 +80,11 @@ class QuantConfig:
         super().__init_subclass__(**kwargs)
         _CONFIGS[cls.__name__] = cls
 
+    def __reduce__(self):
+        from .checkpoint.pickling import reduce_object
+
+        return reduce_object("config", self)
+
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         raise NotImplementedError
 
@@ -79,7 +94,9 @@ class QuantConfig:
         if weight.dtype not in _FLOAT_DTYPES:
             raise LayerNotSupported(f"weight dtype {weight.dtype} is not fp32/bf16/fp16")
 
-    def _check_layout(self) -> None:
+    def _check_common(self) -> None:
+        """Checks of the fields every config has: ``layout`` and ``compute_dtype``."""
+        check_compute_dtype(self.compute_dtype)  # type: ignore[attr-defined]
         if self.layout is not None and not isinstance(self.layout, Layout):  # type: ignore[attr-defined]
             raise TypeError(f"layout: expected a torchq Layout or None, got {type(self.layout).__name__}")  # type: ignore[attr-defined]
 
@@ -145,6 +162,7 @@ class Int4WeightOnlyConfig(QuantConfig):
     layout: Layout | None = None
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.FLOAT
     scale_dtype: torch.dtype | None = None
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.group_size not in (32, 64, 128, 256):
@@ -152,10 +170,10 @@ class Int4WeightOnlyConfig(QuantConfig):
         object.__setattr__(self, "zero_point_domain", ZeroPointDomain(self.zero_point_domain))
         if self.scale_dtype is not None and self.scale_dtype not in _FLOAT_DTYPES:
             raise ValueError(f"scale_dtype: expected fp32/bf16/fp16 or None, got {self.scale_dtype}")
-        self._check_layout()
+        self._check_common()
         if self.layout is not None:
             spec = self.spec()
-            reason = self.layout.rejects_format(spec, self.scale_dtype)
+            reason = self.layout.fit(spec, None, self.scale_dtype, None).cannot_hold
             if reason is not None:
                 raise ValueError(
                     f"layout: {self.layout!r} cannot hold {spec.describe()} (zero_point_domain={self.zero_point_domain.name}, "
@@ -197,9 +215,10 @@ class Int8WeightOnlyConfig(QuantConfig):
     zero point, fp32 scales, ``eps = finfo(float32).eps``."""
 
     layout: Layout | None = None
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        self._check_layout()
+        self._check_common()
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
@@ -213,9 +232,10 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
     (symmetric [-127, 127], fp32 scale, eps 1e-5) and multiplied in int32."""
 
     layout: Layout | None = None
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        self._check_layout()
+        self._check_common()
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
@@ -238,6 +258,7 @@ class IntxWeightOnlyConfig(QuantConfig):
     layout: Layout | None = None
     scale_dtype: torch.dtype | None = None
     eps: float = float(torch.finfo(torch.float32).eps)
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.eps, float) and self.eps > 0):
@@ -254,7 +275,7 @@ class IntxWeightOnlyConfig(QuantConfig):
             raise ValueError("bits: SYMMETRIC needs at least 2 bits (1-bit signed codes {-1, 0} cannot hold +x)")
         if self.scale_dtype is not None and self.scale_dtype not in _FLOAT_DTYPES:
             raise ValueError(f"scale_dtype: expected fp32/bf16/fp16 or None, got {self.scale_dtype}")
-        self._check_layout()
+        self._check_common()
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
@@ -287,6 +308,7 @@ class NF4WeightOnlyConfig(QuantConfig):
     double_quant: bool = True
     quant_type: str = "nf4"
     layout: Layout | None = None
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         from .blockwise.ops import BLOCK_SIZES
@@ -297,7 +319,7 @@ class NF4WeightOnlyConfig(QuantConfig):
             raise ValueError(f"quant_type: expected 'nf4' or 'fp4', got {self.quant_type!r}")
         if not isinstance(self.double_quant, bool):
             raise TypeError(f"double_quant: expected a bool, got {self.double_quant!r}")
-        self._check_layout()
+        self._check_common()
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         from .canonical import NestedScale, PlainForm, QuantSpec
@@ -330,11 +352,12 @@ class LLMInt8Config(QuantConfig):
 
     threshold: float = 6.0
     layout: Layout | None = None
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         OutlierInt8(self.threshold)  # validates
         object.__setattr__(self, "threshold", float(self.threshold))
-        self._check_layout()
+        self._check_common()
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
@@ -345,12 +368,14 @@ def int4_weight_only(group_size: int = 128, layout: Layout | None = None, **kwar
     return Int4WeightOnlyConfig(group_size=group_size, layout=layout, **kwargs)
 
 
-def int8_weight_only(layout: Layout | None = None) -> Int8WeightOnlyConfig:
-    return Int8WeightOnlyConfig(layout=layout)
+def int8_weight_only(layout: Layout | None = None, compute_dtype: torch.dtype | None = None) -> Int8WeightOnlyConfig:
+    return Int8WeightOnlyConfig(layout=layout, compute_dtype=compute_dtype)
 
 
-def int8_dynamic_activation_int8_weight(layout: Layout | None = None) -> Int8DynamicActivationInt8WeightConfig:
-    return Int8DynamicActivationInt8WeightConfig(layout=layout)
+def int8_dynamic_activation_int8_weight(
+    layout: Layout | None = None, compute_dtype: torch.dtype | None = None
+) -> Int8DynamicActivationInt8WeightConfig:
+    return Int8DynamicActivationInt8WeightConfig(layout=layout, compute_dtype=compute_dtype)
 
 
 def intx_weight_only(bits: int = 4, group_size: int | None = 32, **kwargs: Any) -> IntxWeightOnlyConfig:
@@ -376,13 +401,19 @@ def config_from_name(name: str) -> QuantConfig:
     raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int4-g<G>, intx<B>-g<G>, nf4[-b<B>] or fp4[-b<B>]")
 
 
-def nf4_weight_only(block_size: int = 64, double_quant: bool = True, layout: Layout | None = None) -> NF4WeightOnlyConfig:
-    return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="nf4", layout=layout)
+def nf4_weight_only(
+    block_size: int = 64, double_quant: bool = True, layout: Layout | None = None, compute_dtype: torch.dtype | None = None
+) -> NF4WeightOnlyConfig:
+    return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="nf4", layout=layout,
+                               compute_dtype=compute_dtype)
 
 
-def fp4_weight_only(block_size: int = 64, double_quant: bool = True, layout: Layout | None = None) -> NF4WeightOnlyConfig:
-    return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="fp4", layout=layout)
+def fp4_weight_only(
+    block_size: int = 64, double_quant: bool = True, layout: Layout | None = None, compute_dtype: torch.dtype | None = None
+) -> NF4WeightOnlyConfig:
+    return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="fp4", layout=layout,
+                               compute_dtype=compute_dtype)
 
 
-def llm_int8(threshold: float = 6.0, layout: Layout | None = None) -> LLMInt8Config:
-    return LLMInt8Config(threshold=threshold, layout=layout)
+def llm_int8(threshold: float = 6.0, layout: Layout | None = None, compute_dtype: torch.dtype | None = None) -> LLMInt8Config:
+    return LLMInt8Config(threshold=threshold, layout=layout, compute_dtype=compute_dtype)

@@ -1,31 +1,42 @@
-"""The linear dispatch table: an ordered list of named ``(condition, impl)`` kernel pairs.
+"""The linear dispatch: each layout's ordered kernels, plus the kernels users register.
 
 ``F.linear``, ``aten.linear``, ``aten.mm`` and ``aten.addmm`` with an ``AffineQuantizedTensor``
-weight arrive at :func:`quantized_linear`, which runs the first kernel whose condition accepts
-``(input, weight, bias)``. A condition returns ``None`` or ``True`` to accept, and a string (the
-reason) or ``False`` to reject. When nothing accepts, the weight is dequantized and the float op
-runs, with a one-time :class:`FallbackWarning` naming the layer and every kernel's reason;
-under :func:`strict` that is a :class:`NoKernelError` instead.
+weight arrive at :func:`quantized_linear`. A layout lists its own kernels in order
+(``Layout.linear_kernels()``, defined in the layout's module); the kernels tried for a weight are,
+in this order: user kernels registered for its layout class (or a base class), user kernels
+registered for :data:`ALL_LAYOUTS`, then the layout's own list (a user kernel registered with
+``before=``/``after=`` a kernel of that list sits at that place instead). The first kernel whose
+condition accepts ``(input, weight, bias)`` runs. A condition returns ``None`` or ``True`` to
+accept, and a string (the reason) or ``False`` to reject.
 
-Kernels are ordered by ``priority`` (higher first, then registration order). Built-in kernels
-use priority 0; :func:`register_linear_kernel` defaults to 100 so a user's kernel wins.
+**Compute dtype.** A kernel declares the input dtypes it takes (:attr:`LinearKernel.dtypes`). The
+dtype a linear computes in is ``weight.compute_dtype`` or, when that is None, the input's dtype.
+When it differs from the input's dtype, the input is cast to it, the kernel runs without bias,
+its output is cast back to the input's dtype and the bias is added in that dtype (it was asked
+for: no warning). When no kernel takes the compute dtype but one takes the input cast to another
+of fp32/bf16/fp16, that kernel runs through the same cast as a visible fallback: a one-time
+:class:`FallbackWarning` naming the layer, the kernel and both dtypes (:class:`NoKernelError`
+under :func:`strict`). When no kernel accepts any dtype, the weight is dequantized and the float
+op runs in the compute dtype, with a one-time warning naming every kernel's reason (or the error).
 
-The choice is cached per weight (its tensor impl, plus its dtype and activation quantization)
-and input signature (dtype, device, shape, subclass; the bias's dtype, device and shape), so a
-decode loop asks the conditions once per shape, not once per call. Conditions must therefore depend only on that signature, the weight's own metadata
-and global state that is part of the cache key: the table itself (any change clears the cache)
-and the providers added with :func:`add_selection_state` (``torchq.native`` adds whether the
-native library is enabled in the calling thread). Call :func:`clear_kernel_cache` after
-changing anything else a condition reads.
+The choice is cached per weight (its tensor impl, plus its dtype, compute dtype and activation
+quantization) and input signature (dtype, device, shape, subclass; the bias's dtype, device and
+shape), so a decode loop asks the conditions once per shape, not once per call. Conditions must
+therefore depend only on that signature, the weight's own metadata and global state that is part
+of the cache key: the registrations (any change clears the cache) and the providers added with
+:func:`add_selection_state` (``torchq.native`` adds whether the native library is enabled in the
+calling thread). Call :func:`clear_kernel_cache` after changing anything else a condition reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,44 +46,84 @@ import torch.nn.functional as F
 from .identity_cache import IdentityCache
 
 __all__ = [
+    "ALL_LAYOUTS",
+    "FLOAT_DTYPES",
     "LinearKernel",
+    "LinearPlan",
     "FallbackWarning",
     "NoKernelError",
     "register_linear_kernel",
     "unregister_linear_kernel",
     "linear_kernels",
     "select_linear_kernel",
+    "plan_linear",
     "quantized_linear",
     "strict",
     "set_strict",
     "is_strict",
     "add_selection_state",
     "clear_kernel_cache",
+    "recording",
+    "warn_fallback_once",
     "check_op_devices",
 ]
 
 Condition = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "bool | str | None"]
 Impl = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
 
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+# the dtypes a cast fallback tries, in this order, when no kernel takes the compute dtype
+_CAST_ORDER = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return "/".join(str(d).removeprefix("torch.") for d in dtypes)
+
 
 class FallbackWarning(UserWarning):
-    """No kernel accepted a quantized linear; it ran as dequantize + float matmul."""
+    """A quantized linear did not run the kernel it asked for: it ran a kernel on an input cast
+    to another dtype, or dequantize + float matmul."""
 
 
 class NoKernelError(RuntimeError):
     """Raised instead of falling back when strict mode is on."""
 
 
+class _AllLayouts:
+    """Marker for :func:`register_linear_kernel`: the kernel is tried for every layout."""
+
+    def __repr__(self) -> str:
+        return "torchq.ALL_LAYOUTS"
+
+
+ALL_LAYOUTS = _AllLayouts()
+
+
 @dataclass(frozen=True)
 class LinearKernel:
+    """A named ``(condition, impl)`` pair; ``dtypes``: the input dtypes ``impl`` takes (the
+    dispatch never shows it another one, and casts to one of them when the compute dtype asks)."""
+
     name: str
     condition: Condition = field(repr=False)
     impl: Impl = field(repr=False)
     description: str = ""
-    priority: int = 0
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
+        if not callable(self.condition) or not callable(self.impl):
+            raise TypeError(f"kernel {self.name!r}: condition and impl: expected callables (input, weight, bias)")
+        dtypes = tuple(self.dtypes)
+        if not dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
+            raise ValueError(f"kernel {self.name!r}: dtypes: expected a non-empty tuple of floating dtypes, got {self.dtypes!r}")
+        object.__setattr__(self, "dtypes", dtypes)
 
     def check(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> str | None:
         """None when the kernel accepts, else the reason it rejects."""
+        if x.dtype not in self.dtypes:
+            return f"takes {dtype_names(self.dtypes)} inputs, input is {x.dtype}"
         verdict = self.condition(x, weight, bias)
         if verdict is None or verdict is True:
             return None
@@ -83,18 +134,49 @@ class LinearKernel:
         raise TypeError(f"kernel {self.name!r}: condition must return None/True/False/str, got {type(verdict).__name__}")
 
 
-_TABLE: list[LinearKernel] = []
-_STRICT = [os.environ.get("TORCHQ_STRICT", "") not in ("", "0")]
+@dataclass(frozen=True)
+class _Registration:
+    kernel: LinearKernel
+    layout: Any  # a Layout subclass or ALL_LAYOUTS
+    before: str | None
+    after: str | None
+
+
+_USER: list[_Registration] = []
+# (layout class, built-in kernel name) -> the user kernel in its place, or None (unregistered)
+_BUILTIN_OVERRIDES: dict[tuple[type, str], LinearKernel | None] = {}
+_WALKS: dict[type, tuple[LinearKernel, ...]] = {}
+# strict mode of the calling thread (or task); new threads start from TORCHQ_STRICT
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torchq_strict", default=os.environ.get("TORCHQ_STRICT", "") not in ("", "0")
+)
 _WARNED: set[tuple[str, str]] = set()
 _RECORDERS: list[list] = []
-# weight.tensor_impl -> {signature: kernel}; see the module docstring and _cached_kernel.
+# weight.tensor_impl -> {signature: LinearPlan}; see the module docstring and _cached_plan.
 _KERNEL_CACHE = IdentityCache()
 _STATE_PROVIDERS: list[Callable[[], Any]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[Any, torch.Tensor, LinearPlan]]]:
+    """Within this block, every quantized linear call appends ``(weight, input, plan)`` to the
+    yielded list (its plan evaluates every kernel; nothing is taken from or added to the cache)."""
+    records: list[tuple[Any, torch.Tensor, LinearPlan]] = []
+    _RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        _RECORDERS.remove(records)
 
 
 def clear_kernel_cache() -> None:
     """Forget every cached kernel choice (the next call of each layer asks the conditions again)."""
     _KERNEL_CACHE.clear()
+
+
+def _changed() -> None:
+    _WALKS.clear()
+    clear_kernel_cache()
 
 
 def add_selection_state(provider: Callable[[], Any]) -> None:
@@ -106,96 +188,179 @@ def add_selection_state(provider: Callable[[], Any]) -> None:
     clear_kernel_cache()
 
 
+def _layout_class(layout: Any, arg: str = "layout") -> type:
+    from .layouts.base import Layout
+
+    if isinstance(layout, Layout):
+        return type(layout)
+    if isinstance(layout, type) and issubclass(layout, Layout):
+        return layout
+    raise TypeError(f"{arg}: expected a torchq Layout subclass (or instance) or torchq.ALL_LAYOUTS, got {layout!r}")
+
+
+def _builtin_names(cls: type) -> list[str]:
+    return [k.name for k in cls.linear_kernels()]
+
+
 def register_linear_kernel(
     name: str,
     condition: Condition,
     impl: Impl,
     *,
-    description: str = "",
-    priority: int = 100,
+    layout: Any = None,
     before: str | None = None,
+    after: str | None = None,
     replace: bool = False,
+    description: str = "",
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
 ) -> LinearKernel:
-    """Add a kernel to the table. ``replace=True`` swaps out an existing kernel of that name.
+    """Add a kernel for weights of ``layout`` (a Layout subclass, or :data:`ALL_LAYOUTS`).
 
-    Kernels are tried by descending ``priority``, ties in registration order; ``before=NAME``
-    instead puts the kernel immediately ahead of kernel NAME (taking its priority)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name: expected a non-empty string, got {name!r}")
-    if not callable(condition) or not callable(impl):
-        raise TypeError("condition and impl: expected callables (input, weight, bias)")
-    existing = [k for k in _TABLE if k.name == name]
-    if existing and not replace:
-        raise ValueError(f"name: a linear kernel named {name!r} is already registered (pass replace=True)")
-    anchor = None
-    if before is not None:
-        anchor = next((k for k in _TABLE if k.name == before), None)
-        if anchor is None:
-            raise KeyError(f"before: no linear kernel named {before!r}; registered: {[k.name for k in _TABLE]}")
-        priority = anchor.priority
-    for k in existing:
-        _TABLE.remove(k)
-    kernel = LinearKernel(name, condition, impl, description, int(priority))
+    It is tried ahead of the layout's own kernels, or right before/after the layout's kernel
+    named ``before``/``after``. ``replace=True`` swaps out a user kernel of that name, or puts
+    the kernel in the place of the layout's own kernel of that name. ``dtypes``: the input
+    dtypes ``impl`` takes."""
+    if layout is None:
+        raise TypeError(
+            "layout: register_linear_kernel needs the layout whose weights the kernel runs (a Layout subclass, "
+            "e.g. layout=torchq.layouts.PlainLayout) or layout=torchq.ALL_LAYOUTS"
+        )
+    kernel = LinearKernel(name, condition, impl, description, tuple(dtypes))
+    cls = layout if layout is ALL_LAYOUTS else _layout_class(layout)
+    if before is not None and after is not None:
+        raise ValueError(f"before/after: give at most one, got before={before!r}, after={after!r}")
+    anchor = before if before is not None else after
     if anchor is not None:
-        _TABLE.insert(_TABLE.index(anchor), kernel)
-    else:
-        _TABLE.append(kernel)
-    _TABLE.sort(key=lambda k: -k.priority)  # stable: ties keep their order
-    clear_kernel_cache()
+        if cls is ALL_LAYOUTS:
+            raise ValueError("before/after: only a kernel registered for one layout class can take a place in its list")
+        if anchor not in _builtin_names(cls):
+            raise KeyError(f"{'before' if before is not None else 'after'}: {cls.__name__} has no kernel named {anchor!r}; "
+                           f"its kernels: {_builtin_names(cls)}")
+    existing = [r for r in _USER if r.kernel.name == name]
+    builtin = cls is not ALL_LAYOUTS and name in _builtin_names(cls) and _BUILTIN_OVERRIDES.get((cls, name), 0) is not None
+    if (existing or builtin) and not replace:
+        where = "registered" if existing else f"one of {cls.__name__}'s kernels"
+        raise ValueError(f"name: a linear kernel named {name!r} is already {where} (pass replace=True)")
+    for r in existing:
+        _USER.remove(r)
+    if builtin:  # in the built-in's place, or (anchored elsewhere) instead of it
+        _BUILTIN_OVERRIDES[(cls, name)] = kernel if anchor is None else None
+    if not builtin or anchor is not None:
+        _USER.append(_Registration(kernel, cls, before, after))
+    _changed()
     return kernel
 
 
-def unregister_linear_kernel(name: str) -> LinearKernel:
-    """Remove a kernel by name and return it (so it can be registered again later)."""
-    for k in _TABLE:
-        if k.name == name:
-            _TABLE.remove(k)
-            clear_kernel_cache()
-            return k
-    raise KeyError(f"name: no linear kernel named {name!r}; registered: {[k.name for k in _TABLE]}")
+def unregister_linear_kernel(name: str, *, layout: Any = None) -> LinearKernel:
+    """Remove a user kernel, or (with ``layout``) one of that layout's own kernels, by name and
+    return it (so it can be registered again later)."""
+    for r in _USER:
+        if r.kernel.name == name and (layout is None or r.layout is layout):
+            _USER.remove(r)
+            _changed()
+            return r.kernel
+    if layout is not None and layout is not ALL_LAYOUTS:
+        cls = _layout_class(layout)
+        for k in cls.linear_kernels():
+            if k.name == name:
+                current = _BUILTIN_OVERRIDES.get((cls, name), k)
+                if current is not None:
+                    _BUILTIN_OVERRIDES[(cls, name)] = None
+                    _changed()
+                    return current
+    names = [k.name for k in linear_kernels(layout)]
+    raise KeyError(f"name: no linear kernel named {name!r}{'' if layout is None else f' for {layout!r}'}; registered: {names}")
 
 
-def linear_kernels() -> tuple[LinearKernel, ...]:
-    """The table, in the order it is tried."""
-    return tuple(_TABLE)
+def _walk(cls: type) -> tuple[LinearKernel, ...]:
+    walk = _WALKS.get(cls)
+    if walk is not None:
+        return walk
+    own = [r for r in _USER if r.layout is not ALL_LAYOUTS and issubclass(cls, r.layout)]
+    out = [r.kernel for r in own if r.before is None and r.after is None]
+    out += [r.kernel for r in _USER if r.layout is ALL_LAYOUTS]
+    for k in cls.linear_kernels():
+        out += [r.kernel for r in own if r.before == k.name]
+        current = k
+        for base in cls.__mro__:
+            if (base, k.name) in _BUILTIN_OVERRIDES:
+                current = _BUILTIN_OVERRIDES[(base, k.name)]
+                break
+        if current is not None:
+            out.append(current)
+        out += [r.kernel for r in own if r.after == k.name]
+    _WALKS[cls] = walk = tuple(out)
+    return walk
+
+
+def linear_kernels(layout: Any = None) -> tuple[LinearKernel, ...]:
+    """The kernels tried for weights of ``layout`` (a Layout subclass or instance), in order; with
+    no layout, every kernel of every registered layout and every user kernel (each once)."""
+    if layout is not None and layout is not ALL_LAYOUTS:
+        return _walk(_layout_class(layout))
+    from .layouts.base import registered_layouts
+
+    seen: dict[str, LinearKernel] = {r.kernel.name: r.kernel for r in _USER}
+    if layout is None:
+        for cls in registered_layouts().values():
+            for k in _walk(cls):
+                seen.setdefault(k.name, k)
+    return tuple(seen.values())
 
 
 class strict:
-    """Turn fallbacks into :class:`NoKernelError`. ``with torchq.strict(): ...`` or ``torchq.set_strict(True)``."""
+    """Turn fallbacks into :class:`NoKernelError`: ``with torchq.strict(): ...``, or
+    ``torchq.set_strict(True)``. Both act on the calling thread (a context variable: a new thread
+    starts from ``TORCHQ_STRICT``)."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = bool(enabled)
-        self._saved: list[bool] = []
+        self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> strict:
-        self._saved.append(_STRICT[0])
-        _STRICT[0] = self.enabled
+        self._tokens.append(_STRICT.set(self.enabled))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _STRICT[0] = self._saved.pop()
+        _STRICT.reset(self._tokens.pop())
 
 
 def set_strict(enabled: bool) -> None:
-    _STRICT[0] = bool(enabled)
+    """Strict mode on or off for the calling thread, until changed again."""
+    _STRICT.set(bool(enabled))
 
 
 def is_strict() -> bool:
-    return _STRICT[0]
+    return _STRICT.get()
 
 
 def _layer_name(weight: Any) -> str:
     return getattr(weight, "label", None) or f"<unnamed {tuple(weight.shape)} weight>"
 
 
-def select_linear_kernel(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, *, evaluate_all: bool = False):
-    """``(chosen kernel or None, [(kernel name, reason or None), ...])``.
+@dataclass(frozen=True)
+class LinearPlan:
+    """How a linear runs: ``kernel`` (None: dequantize + F.linear) on the input cast to
+    ``run_dtype`` (``input_dtype`` when no cast), asked for ``compute_dtype``. ``fallback``: the
+    warning text when this is not what was asked (a cast to another dtype, or no kernel), else
+    None. ``verdicts``: ``(kernel name, reason or None)`` for the compute dtype's candidates."""
 
-    Stops at the first acceptance unless ``evaluate_all`` (then every condition is asked, so a
-    report can show what each later kernel would have said)."""
+    kernel: LinearKernel | None
+    input_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    run_dtype: torch.dtype
+    verdicts: tuple[tuple[str, str | None], ...]
+    fallback: str | None = None
+
+    @property
+    def cast(self) -> bool:
+        return self.run_dtype != self.input_dtype
+
+
+def _first_accepting(kernels, x, weight, bias, evaluate_all: bool):
     chosen = None
     verdicts: list[tuple[str, str | None]] = []
-    for k in _TABLE:
+    for k in kernels:
         reason = k.check(x, weight, bias)
         verdicts.append((k.name, reason))
         if reason is None and chosen is None:
@@ -203,6 +368,44 @@ def select_linear_kernel(x: torch.Tensor, weight: Any, bias: torch.Tensor | None
             if not evaluate_all:
                 break
     return chosen, verdicts
+
+
+def plan_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, *, evaluate_all: bool = False) -> LinearPlan:
+    """Choose how ``F.linear(x, weight, bias)`` runs (see the module docstring). Conditions see
+    the input in the dtype the kernel would get (and no bias when the input is cast).
+
+    Stops at the first acceptance unless ``evaluate_all`` (then every condition is asked for
+    the compute dtype, so a report can show what each later kernel would have said)."""
+    kernels = _walk(type(weight.tensor_impl.layout))
+    compute = weight.compute_dtype or x.dtype
+    cast = compute != x.dtype
+    xc = x.to(compute) if cast else x
+    chosen, verdicts = _first_accepting(kernels, xc, weight, None if cast else bias, evaluate_all)
+    if chosen is not None:
+        return LinearPlan(chosen, x.dtype, compute, compute, tuple(verdicts))
+    name = _layer_name(weight)
+    layout = weight.tensor_impl.layout
+    if compute in FLOAT_DTYPES:
+        for d in _CAST_ORDER:
+            if d == compute:
+                continue
+            xd = x.to(d)
+            for k in kernels:
+                if d in k.dtypes and k.check(xd, weight, None if d == x.dtype else bias) is None:
+                    msg = (f"layer {name!r} ({layout!r}, input {x.dtype} {tuple(x.shape)}): no linear kernel takes a "
+                           f"{compute} input (compute dtype); kernel {k.name!r} runs on the input cast to {d} "
+                           f"and its output is cast back to {x.dtype}")
+                    return LinearPlan(k, x.dtype, compute, d, tuple(verdicts), msg)
+    why = "; ".join(f"{k}: {r}" for k, r in verdicts) or "the layout has no linear kernel"
+    msg = f"layer {name!r} ({layout!r}, input {x.dtype} {tuple(x.shape)}): no linear kernel accepted ({why})"
+    return LinearPlan(None, x.dtype, compute, compute, tuple(verdicts), msg)
+
+
+def select_linear_kernel(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, *, evaluate_all: bool = False):
+    """``(chosen kernel or None, [(kernel name, reason or None), ...])``: :func:`plan_linear`'s
+    kernel (which may run on a cast input: see the plan for that) and verdicts."""
+    plan = plan_linear(x, weight, bias, evaluate_all=evaluate_all)
+    return plan.kernel, list(plan.verdicts)
 
 
 def _validate(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> None:
@@ -278,11 +481,11 @@ def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) 
 def _signature(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> tuple:
     b = None if bias is None else (bias.dtype, bias.device, bias.shape)
     state = tuple(p() for p in _STATE_PROVIDERS) if _STATE_PROVIDERS else None
-    return (type(x), x.dtype, x.device, x.shape, b, weight.dtype, weight.act_quant, weight.transposed, state)
+    return (type(x), x.dtype, x.device, x.shape, b, weight.dtype, weight.compute_dtype, weight.act_quant, weight.transposed, state)
 
 
-def _cached_kernel(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> tuple[LinearKernel | None, tuple | None]:
-    """``(kernel, None)`` on a cache hit, else ``(None, key)`` (key None: do not cache).
+def _cached_plan(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> tuple[LinearPlan | None, tuple | None]:
+    """``(plan, None)`` on a cache hit, else ``(None, key)`` (key None: do not cache).
 
     Entries hang off the weight's tensor impl (the packed data and its format), not the weight
     tensor: a weak reference to the tensor would block ``torch.utils.swap_tensors`` (``module.to``)
@@ -294,37 +497,57 @@ def _cached_kernel(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> t
     return (None, key) if chosen is None else (chosen.get(key), key)
 
 
-def _remember(weight: Any, key: tuple, kernel: LinearKernel) -> None:
+def _remember(weight: Any, key: tuple, plan: LinearPlan) -> None:
     chosen = _KERNEL_CACHE.get(weight.tensor_impl)
     if chosen is None:
         chosen = _KERNEL_CACHE.set(weight.tensor_impl, {})
-    chosen[key] = kernel
+    chosen[key] = plan
+
+
+def warn_fallback_once(key: tuple, message: str, *, instead: str, forbids: str, stacklevel: int = 3) -> None:
+    """A visible fallback: in strict mode raise :class:`NoKernelError` (``message; strict mode
+    forbids <forbids>``), else warn :class:`FallbackWarning` (``message; <instead>``) once per ``key``."""
+    if _STRICT.get():
+        raise NoKernelError(f"{message}; strict mode forbids {forbids}")
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"{message}; {instead}", FallbackWarning, stacklevel=stacklevel + 1)
+
+
+def _execute(plan: LinearPlan, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    if plan.kernel is None:
+        if not plan.cast:
+            return dequantized_linear(x, weight, bias)
+        y = dequantized_linear(x.to(plan.run_dtype), weight, None).to(x.dtype)
+    elif not plan.cast:
+        return _run(plan.kernel.impl, x, weight, bias)
+    else:
+        y = _run(plan.kernel.impl, x.to(plan.run_dtype), weight, None).to(x.dtype)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a quantized (non-transposed ``[N, K]``) weight."""
-    kernel, key = _cached_kernel(x, weight, bias)
-    if kernel is not None:  # same weight and input signature as an earlier, validated call
-        return _run(kernel.impl, x, weight, bias)
+    plan, key = _cached_plan(x, weight, bias)
+    if plan is not None:  # same weight and input signature as an earlier, validated call
+        if plan.fallback is not None and _STRICT.get():
+            raise NoKernelError(f"{plan.fallback}; strict mode forbids the cast fallback")
+        return _execute(plan, x, weight, bias)
     _validate(x, weight, bias)
-    kernel, verdicts = select_linear_kernel(x, weight, bias, evaluate_all=bool(_RECORDERS))
+    plan = plan_linear(x, weight, bias, evaluate_all=bool(_RECORDERS))
     for rec in _RECORDERS:
-        rec.append((weight, x, kernel, verdicts))
-    if kernel is not None:
+        rec.append((weight, x, plan))
+    if plan.kernel is not None:
+        if plan.fallback is not None:
+            warn_fallback_once((_layer_name(weight), plan.fallback), plan.fallback, instead="computing in the cast dtype",
+                               forbids="the cast fallback")
         if key is not None:
-            _remember(weight, key, kernel)
-        return _run(kernel.impl, x, weight, bias)
-    name = _layer_name(weight)
-    why = "; ".join(f"{k}: {r}" for k, r in verdicts) or "the kernel table is empty"
-    layout = weight.tensor_impl.layout
-    msg = f"layer {name!r} ({layout!r}, input {x.dtype} {tuple(x.shape)}): no linear kernel accepted ({why})"
-    if _STRICT[0]:
-        raise NoKernelError(msg + "; strict mode forbids the dequantize + F.linear fallback")
-    key = (name, why)
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(msg + "; running dequantize + F.linear instead (slow, full-size float weight)", FallbackWarning, stacklevel=3)
-    return dequantized_linear(x, weight, bias)
+            _remember(weight, key, plan)
+        return _execute(plan, x, weight, bias)
+    in_dtype = f" in {plan.compute_dtype}" if plan.cast else ""
+    warn_fallback_once((_layer_name(weight), plan.fallback), plan.fallback, forbids="the dequantize + F.linear fallback",
+                       instead=f"running dequantize + F.linear{in_dtype} instead (slow, full-size float weight)")
+    return _execute(plan, x, weight, bias)
 
 
 class _QuantizedLinearGrad(torch.autograd.Function):

@@ -28,6 +28,8 @@ class LinearDecision:
     input: str
     kernel: str
     verdicts: list[tuple[str, str | None]] = field(default_factory=list)
+    compute: str = ""  # the dtype computed in and how the input gets there ("bfloat16 (input cast)")
+    fallback: str | None = None  # why this is not the kernel asked for (a cast fallback), else None
 
     @property
     def rejected(self) -> list[tuple[str, str]]:
@@ -57,7 +59,7 @@ class ExplainReport:
     def to_dict(self) -> list[dict]:
         return [
             {"layer": d.layer, "config": d.config, "layout": d.layout, "format": d.format, "input": d.input,
-             "kernel": d.kernel, "rejected": dict(d.rejected)}
+             "kernel": d.kernel, "compute": d.compute, "fallback": d.fallback, "rejected": dict(d.rejected)}
             for d in self.decisions
         ]
 
@@ -68,7 +70,7 @@ class ExplainReport:
             return "torchq.explain: no quantized linear layers were called"
         groups: dict[tuple, list[LinearDecision]] = {}
         for d in self.decisions:
-            key = (d.config, d.layout, d.input.split("[")[0], d.kernel, tuple(d.verdicts))
+            key = (d.config, d.layout, d.input.split("[")[0], d.kernel, d.compute, tuple(d.verdicts))
             groups.setdefault(key, []).append(d)
         n, g = len(self.decisions), len(groups)
         lines = _wrap(f"torchq.explain: {n} quantized linear call{'s' * (n > 1)} in {g} group{'s' * (g > 1)} "
@@ -78,7 +80,8 @@ class ExplainReport:
             names = list(dict.fromkeys(x.layer for x in ds))
             lines.append("")
             lines += _wrap(f"{len(names)} layer{'s' if len(names) > 1 else ''}: {_compact_names(names)}", "  ")
-            for label, value in (("kernel", d.kernel), ("input", ", ".join(dict.fromkeys(x.input for x in ds))),
+            for label, value in (("kernel", d.kernel), ("compute", d.compute),
+                                 ("input", ", ".join(dict.fromkeys(x.input for x in ds))),
                                  ("config", d.config), ("layout", d.layout),
                                  ("format", ", ".join(dict.fromkeys(x.format for x in ds)))):
                 lines += _wrap(f"  {label:<8}{value}", " " * 10)
@@ -119,8 +122,20 @@ def _compact_names(names: list[str]) -> str:
     return ", ".join(out)
 
 
-def _decision(name: str, w: AffineQuantizedTensor, x: torch.Tensor, kernel, verdicts) -> LinearDecision:
+def _dtype(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _compute(plan: dispatch.LinearPlan) -> str:
+    if not plan.cast:
+        return _dtype(plan.run_dtype)
+    asked = "" if plan.fallback is None else f", FALLBACK: no kernel takes {_dtype(plan.compute_dtype)}"
+    return f"{_dtype(plan.run_dtype)} (input {_dtype(plan.input_dtype)} cast, output cast back{asked})"
+
+
+def _decision(name: str, w: AffineQuantizedTensor, x: torch.Tensor, plan: dispatch.LinearPlan) -> LinearDecision:
     cfg = w.config
+    kernel = plan.kernel
     return LinearDecision(
         layer=name,
         config=repr(cfg) if cfg is not None else "(none recorded)",
@@ -128,7 +143,9 @@ def _decision(name: str, w: AffineQuantizedTensor, x: torch.Tensor, kernel, verd
         format=w.tensor_impl.spec.describe() + (f" + {w.act_quant.describe()}" if w.act_quant is not None else ""),
         input=f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}",
         kernel=FALLBACK if kernel is None else kernel.name,
-        verdicts=list(verdicts),
+        verdicts=list(plan.verdicts),
+        compute=_compute(plan),
+        fallback=plan.fallback if kernel is not None else None,
     )
 
 
@@ -155,23 +172,17 @@ def explain(target: nn.Module | torch.Tensor, *example_inputs, **example_kwargs)
         out = []
         for name, w in weights.values():
             x = torch.zeros(1, w.shape[-1], dtype=w.dtype, device=w.device)
-            kernel, verdicts = dispatch.select_linear_kernel(x, w, None, evaluate_all=True)
-            out.append(_decision(name, w, x, kernel, verdicts))
+            out.append(_decision(name, w, x, dispatch.plan_linear(x, w, None, evaluate_all=True)))
         return ExplainReport(out)
 
-    records: list = []
-    dispatch._RECORDERS.append(records)
-    try:
-        with torch.no_grad():
-            if isinstance(target, AffineQuantizedTensor):
-                torch.nn.functional.linear(example_inputs[0], target)
-            else:
-                target(*example_inputs, **example_kwargs)
-    finally:
-        dispatch._RECORDERS.remove(records)
+    with dispatch.recording() as records, torch.no_grad():
+        if isinstance(target, AffineQuantizedTensor):
+            torch.nn.functional.linear(example_inputs[0], target)
+        else:
+            target(*example_inputs, **example_kwargs)
     seen: dict[tuple, LinearDecision] = {}
-    for w, x, kernel, verdicts in records:
+    for w, x, plan in records:
         name = weights.get(id(w), (w.label or f"<unnamed {tuple(w.shape)}>", w))[0]
         key = (name, x.dtype, tuple(x.shape))
-        seen[key] = _decision(name, w, x, kernel, verdicts)
+        seen[key] = _decision(name, w, x, plan)
     return ExplainReport(list(seen.values()))

@@ -23,10 +23,10 @@ When the library is absent, the first op that would have used it warns once
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import importlib.machinery
 import os
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -122,13 +122,14 @@ def validate(lib: ctypes.CDLL, name: str) -> tuple[type[ctypes.Structure] | None
 
 
 _LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
-_STATE = threading.local()
+# how many torchq.native.disabled() blocks enclose the calling thread (or task)
+_DISABLED: contextvars.ContextVar[int] = contextvars.ContextVar("torchq_native_disabled", default=0)
 _WARNED: set[str] = set()
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None when it is missing or :func:`disabled` is in effect."""
-    if _LIB is None or getattr(_STATE, "disabled", 0):
+    if _LIB is None or _DISABLED.get():
         return None
     return _LIB
 
@@ -145,7 +146,7 @@ def status() -> NativeStatus:
     if _LIB is None:
         return NativeStatus(False, _PATH, None, None, _REASON)
     isa, supported = ISA_NAMES[_LIB.tq_active_isa()], ISA_NAMES[_LIB.tq_supported_isa()]
-    if getattr(_STATE, "disabled", 0):
+    if _DISABLED.get():
         return NativeStatus(False, _PATH, None, supported, "disabled by torchq.native.disabled()")
     return NativeStatus(True, _PATH, isa, supported, None)
 
@@ -162,11 +163,11 @@ def set_isa(name: str) -> str:
 @contextmanager
 def disabled() -> Iterator[None]:
     """Within this block (on this thread), ops use their pure-PyTorch references."""
-    _STATE.disabled = getattr(_STATE, "disabled", 0) + 1
+    token = _DISABLED.set(_DISABLED.get() + 1)
     try:
         yield
     finally:
-        _STATE.disabled -= 1
+        _DISABLED.reset(token)
 
 
 def threads() -> int:
@@ -177,7 +178,7 @@ def warn_reference(op: str, reason: str | None = None) -> None:
     """Warn once per op that it runs its (slower) reference: because the library is missing, or
     for ``reason`` (an input the native kernel does not take)."""
     key = f"{op}: {reason}" if reason else op
-    if key in _WARNED or getattr(_STATE, "disabled", 0):
+    if key in _WARNED or _DISABLED.get():
         return
     _WARNED.add(key)
     warnings.warn(
@@ -409,7 +410,7 @@ def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], Nati
     ``x @ W.T`` directly (eager CPU callers): the library is active and x has a decode-sized,
     non-zero number of rows (:func:`torchq.prefill.use_tiles`); else None. ``owner.shape`` is
     ``[N, K]``."""
-    if _LIB is None or getattr(_STATE, "disabled", 0):
+    if _LIB is None or _DISABLED.get():
         return None
     m = x.numel() // owner.shape[1]
     if not m or use_tiles(m, x.dtype):

@@ -36,8 +36,6 @@ from enum import StrEnum
 
 import torch
 
-from .dispatch import one_device_fake
-
 __all__ = [
     "MappingType",
     "ZeroPointDomain",
@@ -61,6 +59,11 @@ class MappingType(StrEnum):
     def __repr__(self) -> str:
         return f"{type(self).__name__}.{self.name}"
 
+    def __reduce_ex__(self, proto):
+        from .checkpoint.pickling import reduce_enum
+
+        return reduce_enum("mapping_type", self.value)
+
 
 class ZeroPointDomain(StrEnum):
     """Where the zero point lives: an integer code, a float offset, or nowhere."""
@@ -71,6 +74,11 @@ class ZeroPointDomain(StrEnum):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}.{self.name}"
+
+    def __reduce_ex__(self, proto):
+        from .checkpoint.pickling import reduce_enum
+
+        return reduce_enum("zero_point_domain", self.value)
 
 
 _INTEGER_CODE_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
@@ -352,82 +360,3 @@ def fake_quantize_affine(
     """``dequantize(quantize(x))`` in ``x``'s dtype."""
     q = quantize_affine(x, block_size, scale, zero_point, code_dtype, quant_min, quant_max, zero_point_domain)
     return dequantize_affine(q, block_size, scale, zero_point, quant_min, quant_max, zero_point_domain, x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.library registrations (torchq::...), each with a fake implementation.
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("torchq::choose_qparams_affine", mutates_args=())
-def _choose_qparams_affine_op(
-    x: torch.Tensor,
-    mapping_type: str,
-    block_size: list[int],
-    target_dtype: torch.dtype,
-    quant_min: int,
-    quant_max: int,
-    eps: float,
-    scale_dtype: torch.dtype,
-    zero_point_dtype: torch.dtype,
-    zero_point_domain: str,
-    preserve_zero: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Op form of :func:`choose_qparams_affine`; for the NONE domain the zero point is all zeros."""
-    scale, zero = choose_qparams_affine(
-        x, mapping_type, block_size, target_dtype, quant_min, quant_max, eps,
-        scale_dtype, zero_point_dtype, zero_point_domain, preserve_zero,
-    )
-    if zero is None:
-        zero = torch.zeros(scale.shape, dtype=zero_point_dtype, device=scale.device)
-    return scale, zero
-
-
-@_choose_qparams_affine_op.register_fake
-@one_device_fake('choose_qparams_affine')
-def _(x, mapping_type, block_size, target_dtype, quant_min, quant_max, eps, scale_dtype,
-      zero_point_dtype, zero_point_domain, preserve_zero):
-    grid = scale_shape(x.shape, block_size)
-    return x.new_empty(grid, dtype=scale_dtype), x.new_empty(grid, dtype=zero_point_dtype)
-
-
-@torch.library.custom_op("torchq::quantize_affine", mutates_args=())
-def _quantize_affine_op(
-    x: torch.Tensor,
-    block_size: list[int],
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    output_dtype: torch.dtype,
-    quant_min: int,
-    quant_max: int,
-    zero_point_domain: str,
-) -> torch.Tensor:
-    """Op form of :func:`quantize_affine`."""
-    return quantize_affine(x, block_size, scale, zero_point, output_dtype, quant_min, quant_max, zero_point_domain)
-
-
-@_quantize_affine_op.register_fake
-@one_device_fake('quantize_affine')
-def _(x, block_size, scale, zero_point, output_dtype, quant_min, quant_max, zero_point_domain):
-    return x.new_empty(x.shape, dtype=output_dtype)
-
-
-@torch.library.custom_op("torchq::dequantize_affine", mutates_args=())
-def _dequantize_affine_op(
-    codes: torch.Tensor,
-    block_size: list[int],
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    quant_min: int,
-    quant_max: int,
-    zero_point_domain: str,
-    output_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Op form of :func:`dequantize_affine`."""
-    return dequantize_affine(codes, block_size, scale, zero_point, quant_min, quant_max, zero_point_domain, output_dtype)
-
-
-@_dequantize_affine_op.register_fake
-@one_device_fake('dequantize_affine')
-def _(codes, block_size, scale, zero_point, quant_min, quant_max, zero_point_domain, output_dtype):
-    return codes.new_empty(codes.shape, dtype=output_dtype)

@@ -11,7 +11,6 @@ naming the op and the layout.
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +43,9 @@ class AffineQuantizedTensor(torch.Tensor):
 
     Attributes: ``tensor_impl`` (codes in a layout), ``transposed``, ``act_quant`` (dynamic
     activation quantization applied by kernels, or None), ``label`` (the layer's name, used in
-    warnings and errors), ``config`` (the config that produced it, or None).
+    warnings and errors), ``config`` (the config that produced it, or None), ``compute_dtype``
+    (the dtype linears compute in: inputs of another dtype are cast to it and outputs cast back;
+    None: the input's dtype).
     """
 
     tensor_impl: TensorImpl
@@ -59,6 +60,7 @@ class AffineQuantizedTensor(torch.Tensor):
         act_quant: Any = None,
         label: str | None = None,
         config: Any = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         if not isinstance(tensor_impl, TensorImpl):
             raise TypeError(f"tensor_impl: expected a torchq TensorImpl, got {type(tensor_impl).__name__}")
@@ -75,10 +77,17 @@ class AffineQuantizedTensor(torch.Tensor):
         r.act_quant = act_quant
         r.label = label
         r.config = config
+        r.compute_dtype = check_compute_dtype(compute_dtype)
         return r
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # all work is done in __new__
         pass
+
+    def __reduce_ex__(self, proto):  # type: ignore[override]
+        """Pickles as its device-independent checkpoint record (see :mod:`torchq.checkpoint.pickling`)."""
+        from .checkpoint.pickling import reduce_quantized_tensor
+
+        return reduce_quantized_tensor(self)
 
     def requires_grad_(self, requires_grad: bool = True) -> AffineQuantizedTensor:  # type: ignore[override]
         """Quantized weights are frozen: gradients flow to a linear's input and bias, never to
@@ -105,8 +114,10 @@ class AffineQuantizedTensor(torch.Tensor):
         act_quant: Any = None,
         label: str | None = None,
         config: Any = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> AffineQuantizedTensor:
-        """Quantize a float 2-D weight. The layout defaults to the best one for its device."""
+        """Quantize a float 2-D weight. The layout defaults to the best one for its device;
+        ``compute_dtype`` defaults to the config's (None: linears compute in the input's dtype)."""
         where = f" (layer {label!r})" if label else ""
         if not isinstance(weight, torch.Tensor) or isinstance(weight, AffineQuantizedTensor):
             raise TypeError(f"weight{where}: expected a float torch.Tensor, got {type(weight).__name__}")
@@ -133,7 +144,8 @@ class AffineQuantizedTensor(torch.Tensor):
                 f"{float(weight.abs().max()):.4g}), so some dequantized values are not finite; "
                 f"quantize with scale_dtype=torch.float32"
             )
-        return cls.from_plain(plain, weight.dtype, layout=layout, act_quant=act_quant, label=label, config=config)
+        return cls.from_plain(plain, weight.dtype, layout=layout, act_quant=act_quant, label=label, config=config,
+                              compute_dtype=compute_dtype)
 
     @classmethod
     def from_plain(
@@ -145,18 +157,23 @@ class AffineQuantizedTensor(torch.Tensor):
         act_quant: Any = None,
         label: str | None = None,
         config: Any = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> AffineQuantizedTensor:
-        """Wrap a plain form, packed into ``layout`` (default: best for the plain form's device)."""
+        """Wrap a plain form, packed into ``layout`` (default: best for the plain form's device).
+        ``compute_dtype`` defaults to ``config.compute_dtype`` (None: the input's dtype)."""
         if len(plain.shape) != 2:
             raise ValueError(f"plain: expected 2-D codes, got shape {plain.shape}")
         if layout is None:
             layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, plain.device)
         elif not isinstance(layout, Layout):
             raise TypeError(f"layout: expected a torchq Layout, got {type(layout).__name__}")
-        return cls(layout.pack(plain), dtype, act_quant=act_quant, label=label, config=config)
+        if compute_dtype is None:
+            compute_dtype = getattr(config, "compute_dtype", None)
+        return cls(layout.pack(plain), dtype, act_quant=act_quant, label=label, config=config, compute_dtype=compute_dtype)
 
     def _replace(self, impl: TensorImpl | None = None, **changes: Any) -> AffineQuantizedTensor:
-        kw = dict(transposed=self.transposed, act_quant=self.act_quant, label=self.label, config=self.config)
+        kw = dict(transposed=self.transposed, act_quant=self.act_quant, label=self.label, config=self.config,
+                  compute_dtype=self.compute_dtype)
         kw.update(changes)
         dtype = kw.pop("dtype", self.dtype)
         return AffineQuantizedTensor(self.tensor_impl if impl is None else impl, dtype, **kw)
@@ -194,6 +211,8 @@ class AffineQuantizedTensor(torch.Tensor):
         extra = f", act={self.act_quant.describe()}" if self.act_quant is not None else ""
         name = f", label={self.label!r}" if self.label else ""
         t = ", transposed" if self.transposed else ""
+        if self.compute_dtype is not None:
+            t += f", compute_dtype={self.compute_dtype}"
         return (
             f"AffineQuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
             f"layout={self.tensor_impl.layout!r}, {self.tensor_impl.spec.describe()}{extra}{t}{name})"
@@ -201,14 +220,16 @@ class AffineQuantizedTensor(torch.Tensor):
 
     # -- subclass protocol ---------------------------------------------------------------------
     def __tensor_flatten__(self):
-        ctx = (self.tensor_impl.metadata(), self.dtype, self.transposed, self.act_quant, self.label, self.config)
+        ctx = (self.tensor_impl.metadata(), self.dtype, self.transposed, self.act_quant, self.label, self.config,
+               self.compute_dtype)
         return self.tensor_impl.tensor_names(), ctx
 
     @classmethod
     def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride):
-        meta, dtype, transposed, act_quant, label, config = ctx
+        meta, dtype, transposed, act_quant, label, config, compute_dtype = ctx
         impl = TensorImpl.rebuild(meta, inner)
-        return cls(impl, dtype, transposed=transposed, act_quant=act_quant, label=label, config=config)
+        return cls(impl, dtype, transposed=transposed, act_quant=act_quant, label=label, config=config,
+                   compute_dtype=compute_dtype)
 
     def _stable_hash_for_caching(self) -> str:
         _, ctx = self.__tensor_flatten__()
@@ -258,6 +279,13 @@ class AffineQuantizedTensor(torch.Tensor):
 AQT = AffineQuantizedTensor
 
 
+def check_compute_dtype(compute_dtype: Any, arg: str = "compute_dtype") -> torch.dtype | None:
+    """``compute_dtype`` if it is fp32/bf16/fp16 or None, else a ValueError naming ``arg``."""
+    if compute_dtype is not None and compute_dtype not in dispatch.FLOAT_DTYPES:
+        raise ValueError(f"{arg}: expected torch.float32/bfloat16/float16 or None, got {compute_dtype!r}")
+    return compute_dtype
+
+
 def _untransposed(w: AQT) -> AQT:
     return w._replace(transposed=False) if w.transposed else w
 
@@ -267,12 +295,8 @@ def _dequant_op_fallback(what: str, w: AQT) -> None:
     values: visible like any fallback (warn once, or raise in strict mode)."""
     name = w.label or f"<unnamed {tuple(w.shape)} weight>"
     msg = f"layer {name!r} ({w.tensor_impl.layout!r}): {what} has no quantized kernel"
-    if dispatch.is_strict():
-        raise dispatch.NoKernelError(msg + "; strict mode forbids computing on dequantized weights")
-    key = (name, what)
-    if key not in dispatch._WARNED:
-        dispatch._WARNED.add(key)
-        warnings.warn(msg + "; computing with the dequantized weight", dispatch.FallbackWarning, stacklevel=4)
+    dispatch.warn_fallback_once((name, what), msg, instead="computing with the dequantized weight",
+                                forbids="computing on dequantized weights", stacklevel=4)
 
 
 # -- metadata-only and copying ops ---------------------------------------------------------------
@@ -381,7 +405,7 @@ def _slice(func, args, kwargs):
         return return_and_correct_aliasing(func, args, kwargs, out)
     plain = impl.to_plain().narrow(inner_dim, start, end - start)
     layout = impl.layout
-    if layout.check(plain.spec, plain.shape, plain.scale.dtype, plain.device) is not None:
+    if not layout.fit(plain.spec, plain.shape, plain.scale.dtype, plain.device).holds:
         layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, plain.device)
     out = self._replace(layout.pack(plain.map(torch.clone)))
     # Not a storage view: remember where it came from so copy_ into it reaches the parent.
@@ -402,6 +426,8 @@ def _metadata_diff(dst: AQT, src: AQT) -> list[str]:
         diffs.append(f"dtype {dst.dtype} vs {src.dtype}")
     if dst.act_quant != src.act_quant:
         diffs.append(f"activation quantization {dst.act_quant} vs {src.act_quant}")
+    if dst.compute_dtype != src.compute_dtype:
+        diffs.append(f"compute_dtype {dst.compute_dtype} vs {src.compute_dtype}")
     return diffs
 
 

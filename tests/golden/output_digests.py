@@ -101,12 +101,17 @@ def _layouts() -> list[tuple[str, object]]:
     return out
 
 
-def cases() -> Iterator[tuple[str, str]]:
-    """``(case id, digest or 'rejected: reason')`` for every case, in a fixed order."""
+def cases(compute_dtype: torch.dtype | None = None, kernels: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    """``(case id, digest or 'rejected: reason')`` for every case, in a fixed order, with every
+    config's ``compute_dtype`` set to ``compute_dtype``. ``kernels``, when given, receives the name
+    of the kernel each linear case runs (``FALLBACK`` for dequantize + F.linear)."""
     for cname, base in configs().items():
         for lname, layout in _layouts():
             try:
-                cfg = base if layout is None else type(base)(**{**base.__dict__, "layout": layout})
+                changes = {} if layout is None else {"layout": layout}
+                if compute_dtype is not None:
+                    changes["compute_dtype"] = compute_dtype
+                cfg = type(base)(**{**base.__dict__, **changes}) if changes else base
             except (ValueError, TypeError) as e:
                 yield f"{cname}/{lname}", f"rejected: {type(e).__name__}"
                 continue
@@ -124,6 +129,9 @@ def cases() -> Iterator[tuple[str, str]]:
                         for m in M_VALUES:
                             x = _input(m, shape[1], xdtype)
                             bias = None if m % 2 else torch.linspace(-1, 1, shape[0]).to(xdtype)
+                            if kernels is not None:
+                                chosen, _ = torchq.dispatch.select_linear_kernel(x, q, bias)
+                                kernels[f"{key}/x{str(xdtype)[6:]}/m{m}"] = "FALLBACK" if chosen is None else chosen.name
                             try:
                                 y = torch.nn.functional.linear(x, q, bias)
                             except Exception as e:  # noqa: BLE001
@@ -132,11 +140,22 @@ def cases() -> Iterator[tuple[str, str]]:
                             yield f"{key}/x{str(xdtype)[6:]}/m{m}", _digest(y)
 
 
-def record(native_enabled: bool = True) -> dict[str, str]:
+def record(native_enabled: bool = True, compute_dtype: torch.dtype | None = None,
+           kernels: dict[str, str] | None = None) -> dict[str, str]:
     ctx = contextlib.nullcontext() if native_enabled else native.disabled()
     with ctx, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return dict(cases())
+        return dict(cases(compute_dtype, kernels))
+
+
+# Kernels that, before issue 15, were reached for fp32/fp16 inputs only through a "*_bf16_compute"
+# twin that computed in bf16: those cases now compute in the input's dtype (intended), and with
+# compute_dtype=torch.bfloat16 in the config must reproduce the recorded digest.
+BF16_TWINNED = ("int4_cpu", "int8_weight_only_cpu", "tensor_core_tiled")
+
+
+def computed_in_bf16_before(case: str, kernel: str) -> bool:
+    return kernel in BF16_TWINNED and not case.split("/")[4] == "xbfloat16"
 
 
 def load_store() -> dict:

@@ -11,7 +11,7 @@ from .codec import CheckpointError
 from .model_state import LoadWarning, init_meta_buffers, install_load_state_dict_guard
 from .safetensors_io import load_quantized, save_quantized
 
-pickling.install()
+pickling.register_safe_globals()
 install_load_state_dict_guard()
 
 __all__ = ["CheckpointError", "LoadWarning", "init_meta_buffers", "load_quantized", "save_quantized"]

@@ -15,6 +15,7 @@ The record is a JSON object::
     act_quant   null | JSON     dynamic activation quantization (e.g. per-token int8)
     config      null | JSON     the config that produced it (informational)
     label       null | "name"   the layer name, used in messages
+    compute_dtype "bfloat16"    optional: the dtype linears compute in (absent: the input's dtype)
     codes_encoding "bitstream" | "bytes"
     parts       {"codes": P, "scale": P, "zero_point": P}   (no zero_point when the domain is NONE)
                 P = {"dtype": "uint8", "shape": [...], "crc32": int | null}
@@ -52,7 +53,7 @@ from ..activation import activation_from_json
 from ..bitpack import pack_bits, packed_width, unpack_bits
 from ..canonical import NestedScale, PlainForm, QuantSpec
 from ..configs import config_from_json
-from ..layouts.base import Layout, choose_layout, layout_from_json, registered_layouts
+from ..layouts.base import Layout, choose_layout, layout_from_json, placement_reason, registered_layouts
 from ..primitives import ZeroPointDomain, scale_shape
 from ..tensor import AffineQuantizedTensor
 
@@ -171,6 +172,7 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
         "act_quant": None if w.act_quant is None else w.act_quant.to_json(),
         "config": None if w.config is None else w.config.to_json(),
         "label": w.label,
+        **({} if w.compute_dtype is None else {"compute_dtype": dtype_name(w.compute_dtype)}),
         "codes_encoding": encoding,
         "parts": {name: part_record(t, checksum) for name, t in tensors.items()},
     }
@@ -189,7 +191,7 @@ class ParsedRecord:
             raise CheckpointError(f"{where}: not a torchq quantized-tensor record (format {record.get('format')!r})")
         check_version(record.get("version"), FORMAT_VERSION, f"{where}: quantized-tensor format")
         known = {"format", "version", "shape", "dtype", "transposed", "spec", "layout", "act_quant", "config",
-                 "label", "codes_encoding", "parts"}
+                 "label", "compute_dtype", "codes_encoding", "parts"}
         unknown = set(record) - known
         if unknown:
             raise CheckpointError(f"{where}: unknown record fields {sorted(unknown)}")
@@ -221,6 +223,11 @@ class ParsedRecord:
             if label is not None and not isinstance(label, str):
                 raise CheckpointError(f"{where}: label must be a string or null, got {label!r}")
             self.label: str | None = label
+            self.compute_dtype = None
+            if record.get("compute_dtype") is not None:
+                self.compute_dtype = dtype_from_name(record["compute_dtype"], f"{where}: compute_dtype")
+                if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise CheckpointError(f"{where}: compute_dtype must be float32/bfloat16/float16, got {self.compute_dtype}")
             self.saved_layout = _optional_layout(record["layout"])
             self.encoding = record["codes_encoding"]
             parts = record["parts"]
@@ -257,7 +264,7 @@ class ParsedRecord:
             rec_dtype = dtype_from_name(p["dtype"], f"{where}: part {pname!r}")
             rec_shape = tuple(p["shape"]) if isinstance(p["shape"], list) else None
             crc = p["crc32"]
-            if crc is not None and not (_is_int(crc) and 0 <= crc < 2**32):
+            if crc is not None and not (is_int(crc) and 0 <= crc < 2**32):
                 raise CheckpointError(f"{where}: part {pname!r} has an invalid crc32 {crc!r}")
             if rec_shape != shape:
                 raise CheckpointError(f"{where}: part {pname!r} has shape {p['shape']!r}; {spec.describe()} of a {n}x{k} weight needs {list(shape)}")
@@ -277,18 +284,18 @@ class ParsedRecord:
 
 def check_version(version: Any, supported: int, what: str) -> None:
     """A format version must be an int from 1 to ``supported``; a newer one asks for an upgrade."""
-    if not _is_int(version) or version < 1:
+    if not is_int(version) or version < 1:
         raise CheckpointError(f"{what}: invalid version {version!r}")
     if version > supported:
         raise CheckpointError(f"{what} version {version} is newer than this torchq reads (up to {supported}); upgrade torchq")
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_pos_int(v: Any) -> bool:
-    return _is_int(v) and v > 0
+    return is_int(v) and v > 0
 
 
 def _optional_config(d: Any, where: str):
@@ -297,10 +304,10 @@ def _optional_config(d: Any, where: str):
     computes). A known config with invalid fields is an error, not silently dropped."""
     if d is None:
         return None
-    from ..configs import _CONFIGS
+    from ..configs import registered_configs
 
-    cls = _CONFIGS.get(d.get("type")) if isinstance(d, dict) and isinstance(d.get("type"), str) else None
-    if cls is None or (_is_int(d.get("version", 1)) and d.get("version", 1) > cls.version):
+    cls = registered_configs().get(d.get("type")) if isinstance(d, dict) and isinstance(d.get("type"), str) else None
+    if cls is None or (is_int(d.get("version", 1)) and d.get("version", 1) > cls.version):
         return None
     try:
         return config_from_json(d)
@@ -330,7 +337,7 @@ def resolve_layout(policy: LayoutPolicy, saved: Layout | None, plain: PlainForm)
     ``"auto"``: the device's best registered layout; a Layout: exactly that one."""
     if isinstance(policy, Layout):
         return policy
-    if policy == "saved" and saved is not None and saved.placement_rejects(plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
+    if policy == "saved" and saved is not None and placement_reason(saved, plain.spec, plain.shape, plain.scale.dtype, plain.device) is None:
         return saved
     if policy not in ("saved", "auto"):
         raise ValueError(f"layout: expected 'saved', 'auto' or a torchq Layout, got {policy!r}")
@@ -413,7 +420,8 @@ def decode(
             raise
         raise CheckpointError(f"{where}: {e}") from e
     return AffineQuantizedTensor(
-        impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config
+        impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config,
+        compute_dtype=rec.compute_dtype,
     )
 
 

@@ -11,7 +11,9 @@ its class lives in, so moving code inside the package never breaks a checkpoint:
 * ``torchq._rebuild_object(kind, json)`` for layouts, configs, quant specs, activation
   schemes and the two enums.
 
-Only these two functions are registered with ``torch.serialization.add_safe_globals`` when
+Each class defines its own reduction (``__reduce__`` / ``__reduce_ex__``) through
+:func:`reduce_object`, :func:`reduce_enum` and :func:`reduce_quantized_tensor`. Only these two
+functions are registered with ``torch.serialization.add_safe_globals`` when
 torchq is imported. No torchq class is: an allow-listed class can be instantiated by a pickle
 without running its checks (``NEWOBJ`` + ``BUILD`` with an arbitrary ``__dict__``), so a crafted
 file could build a quantized tensor whose buffers are smaller than its metadata claims. The
@@ -27,16 +29,18 @@ from typing import Any
 
 import torch
 
-from ..activation import OutlierInt8, PerTokenInt8, activation_from_json
+from ..activation import activation_from_json
 from ..canonical import QuantSpec
-from ..configs import QuantConfig, config_from_json
-from ..layouts.base import Layout, layout_from_json
+from ..configs import config_from_json
+from ..layouts.base import layout_from_json
 from ..primitives import MappingType, ZeroPointDomain
-from ..tensor import AffineQuantizedTensor
 from . import codec
 from .model_state import release_free_memory
 
-__all__ = ["PINNED_MODULE", "install", "_rebuild_quantized_tensor", "_rebuild_object"]
+__all__ = [
+    "PINNED_MODULE", "register_safe_globals", "reduce_object", "reduce_enum", "reduce_quantized_tensor",
+    "_rebuild_quantized_tensor", "_rebuild_object",
+]
 
 PINNED_MODULE = "torchq"
 
@@ -76,29 +80,27 @@ def _rebuild_object(kind: str, text: str) -> Any:
         raise codec.CheckpointError(f"torchq {kind}: {e}") from None
 
 
-def _reduce_quantized_tensor(self: AffineQuantizedTensor, proto: int = 2):
-    record, parts = codec.encode(self)
+def reduce_quantized_tensor(t: Any) -> tuple:
+    """``AffineQuantizedTensor.__reduce_ex__``: its codec record and plain parts."""
+    record, parts = codec.encode(t)
     text = codec.dumps(record)
-    is_param = bool(getattr(self, "_is_param", False))
+    is_param = bool(getattr(t, "_is_param", False))
     return (_rebuild_quantized_tensor, (codec.FORMAT_VERSION, text, zlib.crc32(text.encode()), parts, is_param))
 
 
-def _reducer(kind: str, to_json):
-    def __reduce__(self):
-        try:
-            text = codec.dumps(to_json(self))
-        except (TypeError, ValueError):  # a user-defined subclass with fields JSON cannot hold
-            return object.__reduce__(self)
-        return (_rebuild_object, (kind, text))
+def reduce_object(kind: str, obj: Any) -> tuple:
+    """``__reduce__`` of a layout, config, spec or activation scheme: ``obj.to_json()`` as
+    ``kind``; a user-defined subclass whose fields JSON cannot hold pickles as a plain object."""
+    try:
+        text = codec.dumps(obj.to_json())
+    except (TypeError, ValueError):
+        return object.__reduce__(obj)
+    return (_rebuild_object, (kind, text))
 
-    return __reduce__
 
-
-def _enum_reducer(kind: str):
-    def __reduce_ex__(self, proto):
-        return (_rebuild_object, (kind, json.dumps(self.value)))
-
-    return __reduce_ex__
+def reduce_enum(kind: str, value: str) -> tuple:
+    """``__reduce_ex__`` of the enums (by value)."""
+    return (_rebuild_object, (kind, json.dumps(value)))
 
 
 def safe_globals() -> list:
@@ -106,16 +108,10 @@ def safe_globals() -> list:
     return [_rebuild_quantized_tensor, _rebuild_object]
 
 
-def install() -> None:
-    """Pin the rebuild functions, set the reductions, and allow-list the two functions (idempotent)."""
-    for fn in (_rebuild_quantized_tensor, _rebuild_object):
-        fn.__module__ = PINNED_MODULE
-    AffineQuantizedTensor.__reduce_ex__ = _reduce_quantized_tensor  # type: ignore[method-assign]
-    Layout.__reduce__ = _reducer("layout", lambda o: o.to_json())  # type: ignore[method-assign]
-    QuantConfig.__reduce__ = _reducer("config", lambda o: o.to_json())  # type: ignore[method-assign]
-    QuantSpec.__reduce__ = _reducer("spec", lambda o: o.to_json())  # type: ignore[method-assign]
-    PerTokenInt8.__reduce__ = _reducer("act_quant", lambda o: o.to_json())  # type: ignore[method-assign]
-    OutlierInt8.__reduce__ = _reducer("act_quant", lambda o: o.to_json())  # type: ignore[method-assign]
-    MappingType.__reduce_ex__ = _enum_reducer("mapping_type")  # type: ignore[method-assign]
-    ZeroPointDomain.__reduce_ex__ = _enum_reducer("zero_point_domain")  # type: ignore[method-assign]
+for _fn in (_rebuild_quantized_tensor, _rebuild_object):
+    _fn.__module__ = PINNED_MODULE  # the path pickles name, whatever module defines the function
+
+
+def register_safe_globals() -> None:
+    """Allow-list the two rebuild functions for ``torch.load(weights_only=True)`` (idempotent)."""
     torch.serialization.add_safe_globals(safe_globals())

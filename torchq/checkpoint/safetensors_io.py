@@ -405,7 +405,7 @@ def _float_incoming(f: _File | _Whole, name: str, part: Any, verify: bool) -> In
     dtype = codec.dtype_from_name(part["dtype"], where)
     shape = tuple(part["shape"])
     crc = part["crc32"]
-    if not (codec._is_int(crc) and 0 <= crc < 2**32):
+    if not (codec.is_int(crc) and 0 <= crc < 2**32):
         raise CheckpointError(f"{where}: header entry needs a crc32 (an int below 2**32), got {crc!r}")
 
     def load(device: torch.device) -> torch.Tensor:

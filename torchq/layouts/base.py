@@ -2,10 +2,11 @@
 
 A ``Layout`` is a frozen, hashable dataclass that names a storage format and its options; its
 ``impl_class`` (a :class:`TensorImpl`) holds the tensors in that format and converts losslessly
-to and from :class:`~torchq.canonical.PlainForm`. A layout module defines both, registers its
-kernels in the dispatch table, and touches nothing else. This module never names a concrete
-layout: automatic choice asks every registered layout whether it accepts a weight and takes
-the accepting one with the highest ``auto_priority``.
+to and from :class:`~torchq.canonical.PlainForm`. A layout module defines both and the layout's
+ordered linear kernels (:meth:`Layout.linear_kernels`), and touches nothing else. This module never names a concrete
+layout: a layout answers one question, :meth:`Layout.fit` (can it hold a weight, and should
+automatic choice put it there), and automatic choice takes the first layout in the device's
+preference order (:mod:`torchq.layouts.preference`) that fits.
 """
 
 from __future__ import annotations
@@ -20,11 +21,37 @@ from ..identity_cache import IdentityCache
 from ..primitives import ZeroPointDomain, scale_shape
 
 __all__ = [
-    "Layout", "TensorImpl", "Buffer", "FLOATING", "INTEGER", "layout_from_json", "registered_layouts", "choose_layout",
-    "layout_rejections", "plain_buffers", "zero_dtype_rejects",
+    "Layout", "Fit", "TensorImpl", "Buffer", "FLOATING", "INTEGER", "layout_from_json", "registered_layouts", "choose_layout",
+    "layout_rejections", "placement_reason", "plain_buffers", "zero_dtype_rejects",
 ]
 
 _LAYOUTS: dict[str, type[Layout]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """A layout's answer for one weight: ``cannot_hold`` (None, or why the layout cannot hold it)
+    and ``not_automatic`` (None, or why automatic choice should not put it there although it
+    can hold it: its kernels do not run on that device, an optional library is missing...)."""
+
+    cannot_hold: str | None = None
+    not_automatic: str | None = None
+
+    @property
+    def holds(self) -> bool:
+        return self.cannot_hold is None
+
+    @property
+    def automatic(self) -> bool:
+        return self.cannot_hold is None and self.not_automatic is None
+
+    @property
+    def reason(self) -> str | None:
+        """Why automatic choice passes over the layout (None: it takes it)."""
+        return self.cannot_hold or self.not_automatic
+
+
+HOLDS = Fit()
 
 
 class Layout:
@@ -34,16 +61,16 @@ class Layout:
 
     * ``name``: registry key used in JSON (``{"type": name, ...fields}``);
     * ``impl_class``: its :class:`TensorImpl`;
-    * ``auto_priority``: rank for automatic choice (higher wins; < 0 never chosen automatically);
     * ``device_specific``: True when the packed bytes only make sense on one device type,
       so moving to another device repacks through the plain form;
     * ``holds_codebooks`` / ``holds_nested_scales``: whether it stores codebook formats (nf4,
-      fp4) and double-quantized scales losslessly (checked for every layout by :meth:`check`).
+      fp4) and double-quantized scales losslessly (checked for every layout by :meth:`fit`).
+
+    Automatic choice tries layouts in the order of :mod:`torchq.layouts.preference`.
     """
 
     name: ClassVar[str] = ""
     impl_class: ClassVar[type[TensorImpl]]
-    auto_priority: ClassVar[int] = -1
     device_specific: ClassVar[bool] = False
     holds_codebooks: ClassVar[bool] = False
     holds_nested_scales: ClassVar[bool] = False
@@ -55,42 +82,34 @@ class Layout:
                 raise ValueError(f"layout name {cls.name!r} is already registered by {_LAYOUTS[cls.name]}")
             _LAYOUTS[cls.name] = cls
 
-    def rejects(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
-        """None if this layout can hold such a weight on ``device``, else the reason it cannot."""
-        return None
+    @classmethod
+    def linear_kernels(cls) -> tuple[Any, ...]:
+        """This layout's own :class:`~torchq.dispatch.LinearKernel` s, in the order the dispatch
+        tries them (after user kernels registered for the layout). Conditions need not check the
+        layout: they are only asked about weights in it. None by default."""
+        return ()
 
-    def auto_rejects(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
-        """Why automatic choice passes over this layout although it can hold the weight (for
-        instance: the native kernel it exists for is not available here). None by default."""
-        return None
+    def __reduce__(self):
+        from ..checkpoint.pickling import reduce_object
 
-    def rejects_format(self, spec: QuantSpec, scale_dtype: torch.dtype | None) -> str | None:
-        """The shape- and device-independent part of :meth:`rejects`: why this layout can never
-        hold ``spec`` with scales of ``scale_dtype`` (None: not known yet). Configs that name a
-        layout call it when they are built, so a mismatch fails before any weight is touched."""
-        return None
+        return reduce_object("layout", self)
 
-    def placement_rejects(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device) -> str | None:
-        """Why a weight moving (or loading) to ``device`` should not stay in this layout: it
-        cannot hold it there, or the layout is ``device_specific`` and automatic choice would
-        pass over it there (its kernels run elsewhere). None: keep the layout."""
-        device = torch.device(device)
-        reason = self.check(spec, tuple(shape), scale_dtype, device)
-        if reason is None and self.device_specific:
-            reason = self.auto_rejects(spec, tuple(shape), scale_dtype, device)
-        return reason
-
-    def check(self, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, device: torch.device) -> str | None:
-        """:meth:`rejects` after the capability checks every layout shares (what generic code calls)."""
+    def fit(self, spec: QuantSpec, shape: tuple[int, ...] | None = None, scale_dtype: torch.dtype | None = None,
+            device: torch.device | str | None = None) -> Fit:
+        """Whether this layout can hold a weight of format ``spec``, ``shape``, scales of
+        ``scale_dtype`` on ``device``, and whether automatic choice should put it here. None
+        for an argument means unknown (a config checks the format before it sees a weight):
+        only what the known arguments rule out is reported. Layouts extend this (calling it
+        first: it checks the capabilities every layout declares)."""
         if spec.codebook is not None and not self.holds_codebooks:
-            return f"does not hold codebook formats ({spec.codebook})"
+            return Fit(f"does not hold codebook formats ({spec.codebook})")
         if spec.double_quant and not self.holds_nested_scales:
-            return "does not hold double-quantized scales"
-        return self.rejects(spec, tuple(shape), scale_dtype, torch.device(device))
+            return Fit("does not hold double-quantized scales")
+        return HOLDS
 
     def pack(self, plain: PlainForm) -> TensorImpl:
         """Convert the plain form into this layout (raises ValueError with the reason if it cannot)."""
-        reason = self.check(plain.spec, plain.shape, plain.scale.dtype, plain.device)
+        reason = self.fit(plain.spec, plain.shape, plain.scale.dtype, plain.device).cannot_hold
         if reason is not None:
             raise ValueError(f"layout {self!r} cannot hold this weight: {reason}")
         return self.impl_class.from_plain(plain, self)
@@ -120,31 +139,47 @@ def registered_layouts() -> dict[str, type[Layout]]:
     return dict(_LAYOUTS)
 
 
+def _automatic_candidates(device: torch.device) -> list[Layout]:
+    from .preference import order
+
+    return [_LAYOUTS[name]() for name in order(device.type) if name in _LAYOUTS]
+
+
 def layout_rejections(spec: QuantSpec, shape, scale_dtype, device) -> dict[str, str | None]:
-    """For every auto-choosable layout with default options: None (accepts) or its reason."""
+    """For every registered layout (with default options where it has them), the ones automatic
+    choice tries on ``device`` first and in that order: None (automatic choice may take it) or why not."""
+    from .preference import order
+
     device = torch.device(device)
     out: dict[str, str | None] = {}
-    for name, cls in _LAYOUTS.items():
-        if cls.auto_priority >= 0:
-            layout = cls()
-            out[name] = layout.check(spec, tuple(shape), scale_dtype, device) or layout.auto_rejects(spec, tuple(shape), scale_dtype, device)
+    preferred = order(device.type)
+    for name in sorted(_LAYOUTS, key=lambda n: (preferred.index(n) if n in preferred else len(preferred), n)):
+        try:
+            layout = _LAYOUTS[name]()
+        except TypeError:  # a layout without default options
+            continue
+        reason = layout.fit(spec, tuple(shape), scale_dtype, device).reason
+        if reason is None and name not in preferred:
+            reason = f"not in the automatic order for {device.type} (torchq.layouts.preference)"
+        out[name] = reason
     return out
 
 
 def choose_layout(spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> Layout:
-    """The accepting registered layout (default options) with the highest ``auto_priority``."""
+    """The first layout in ``device``'s preference order (default options) that fits the weight."""
     device = torch.device(device)
-    best: Layout | None = None
-    for cls in sorted(_LAYOUTS.values(), key=lambda c: -c.auto_priority):
-        if cls.auto_priority < 0:
-            continue
-        layout = cls()
-        if layout.check(spec, tuple(shape), scale_dtype, device) is None and layout.auto_rejects(spec, tuple(shape), scale_dtype, device) is None:
-            best = layout
-            break
-    if best is None:
-        raise ValueError(f"no registered layout accepts {spec.describe()} of shape {tuple(shape)} on {device}")
-    return best
+    for layout in _automatic_candidates(device):
+        if layout.fit(spec, tuple(shape), scale_dtype, device).automatic:
+            return layout
+    raise ValueError(f"no registered layout accepts {spec.describe()} of shape {tuple(shape)} on {device}")
+
+
+def placement_reason(layout: Layout, spec: QuantSpec, shape, scale_dtype: torch.dtype, device) -> str | None:
+    """Why a weight moving (or loading) to ``device`` should not stay in ``layout``: it cannot
+    hold it there, or the layout is ``device_specific`` and automatic choice would pass over it
+    there (its kernels run elsewhere). None: keep the layout."""
+    f = layout.fit(spec, tuple(shape), scale_dtype, torch.device(device))
+    return f.cannot_hold or (f.not_automatic if layout.device_specific else None)
 
 
 # impls that passed validate(), by identity (a pickle cannot add to it)
@@ -352,7 +387,7 @@ class TensorImpl:
     def to_device(self, device: torch.device) -> TensorImpl:
         """Move without re-quantizing: copy the bytes, or repack through the plain form when the
         layout is device-specific (choosing the target device's best layout unless this one
-        belongs there: see :meth:`Layout.placement_rejects`)."""
+        belongs there: see :func:`placement_reason`)."""
         device = torch.device(device)
         if device == self.device:
             return self
@@ -360,7 +395,7 @@ class TensorImpl:
             return self.map(lambda t: t.to(device))
         plain = self.to_plain().map(lambda t: t.to(device))
         layout = self.layout
-        if layout.placement_rejects(plain.spec, plain.shape, plain.scale.dtype, device) is not None:
+        if placement_reason(layout, plain.spec, plain.shape, plain.scale.dtype, device) is not None:
             layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, device)
         return layout.pack(plain)
 

@@ -28,12 +28,11 @@ from ..blockwise.linear import TABLES, linear_cpu, native_weight
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
-from ..dispatch import register_linear_kernel
-from .base import Buffer, Layout, TensorImpl
+from ..dispatch import LinearKernel
+from .base import Buffer, Fit, Layout, TensorImpl
 
 __all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]
 
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Blockwise4bitImpl(TensorImpl):
@@ -41,7 +40,7 @@ class Blockwise4bitImpl(TensorImpl):
 
     def expected_tensors(self) -> dict[str, Buffer | None]:
         spec = self.spec
-        reason = self.layout.check(spec, self.shape, torch.float32, self.device)
+        reason = self.layout.fit(spec, self.shape, torch.float32, self.device).cannot_hold
         if reason is not None:
             raise ValueError(f"Blockwise4bitImpl: the layout cannot hold {spec.describe()} of shape {list(self.shape)}: {reason}")
         n, k = self.shape
@@ -94,28 +93,30 @@ class Blockwise4bitLayout(Layout):
 
     name = "blockwise_4bit"
     impl_class = Blockwise4bitImpl
-    auto_priority = 30
     holds_codebooks = True
     holds_nested_scales = True
 
-    def rejects(self, spec, shape, scale_dtype, device):
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
+
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
         if spec.codebook is None:
-            return f"holds nf4/fp4 codebook formats only, weight is {spec.describe()}"
-        if len(shape) != 2:
-            return f"needs a 2-D weight, got shape {shape}"
+            return Fit(f"holds nf4/fp4 codebook formats only, weight is {spec.describe()}")
+        if shape is not None and len(shape) != 2:
+            return Fit(f"needs a 2-D weight, got shape {shape}")
         b0, b1 = spec.block_size
         if b0 != 1 or b1 not in BLOCK_SIZES:
-            return f"needs blocks (1, B) with B a power of two in 32..4096, got {spec.block_size}"
-        if shape[1] % b1:
-            return f"K={shape[1]} is not a multiple of the block size {b1}"
-        return None
+            return Fit(f"needs blocks (1, B) with B a power of two in 32..4096, got {spec.block_size}")
+        if shape is not None and shape[1] % b1:
+            return Fit(f"K={shape[1]} is not a multiple of the block size {b1}")
+        return base
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:
-    if not isinstance(w.tensor_impl.layout, Blockwise4bitLayout):
-        return f"needs Blockwise4bitLayout, weight has {w.tensor_impl.layout!r}"
-    if x.dtype not in _FLOAT_INPUTS:
-        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     if w.act_quant is not None:
         return f"weight has dynamic activation quantization ({w.act_quant.describe()})"
     if x.device.type != "cpu":
@@ -147,11 +148,12 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return linear_cpu(x, *args)
 
 
-register_linear_kernel(
-    "blockwise_4bit_linear",
-    _check,
-    _linear,
-    description="torchq::blockwise_4bit_linear: fused native CPU kernel (unpack + fp32 FMA, no dequantized weight); "
-    "Triton dequantize-GEMM / split-K GEMV on CUDA",
-    priority=0,
+KERNELS = (
+    LinearKernel(
+        "blockwise_4bit_linear",
+        _check,
+        _linear,
+        description="torchq::blockwise_4bit_linear: fused native CPU kernel (unpack + fp32 FMA, no dequantized weight); "
+        "Triton dequantize-GEMM / split-K GEMV on CUDA",
+    ),
 )

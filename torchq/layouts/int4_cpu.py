@@ -5,7 +5,7 @@ symmetric) with group size ``g`` in {32, 64, 128, 256} on the CPU. Codes are shi
 ``q' = q + (8 - mid)`` in 0..15 so that the kernel's ``x̂ = (q' - 8) * s + zero`` equals the
 format's dequantization, with ``zero = z`` (FLOAT), ``(mid - z) * s`` (INT) or ``0`` (NONE).
 
-Bytes per ``[N, K]`` weight, with ``Np = ceil(N/ROW_BLOCK)*ROW_BLOCK`` (64 with AVX-512), ``Kp = ceil(K/g)*g``:
+Bytes per ``[N, K]`` weight, with ``Np = ceil(N/ROW_BLOCK)*ROW_BLOCK`` (``row_block()``: 64 with AVX-512), ``Kp = ceil(K/g)*g``:
 
 * ``packed``           uint8 ``[Np, Kp/2]``: ``aten._convert_weight_to_int4pack_for_cpu``'s
                        ISA-blocked nibble order (opaque; differs between CPUs, never saved);
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from ..canonical import PlainForm
-from ..dispatch import check_op_devices, register_linear_kernel
+from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
+from .base import Buffer, Fit, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4CPULayout", "Int4CPUImpl"]
@@ -68,15 +68,40 @@ def _measure_row_blocks() -> tuple[int, tuple[int, ...]]:
     raise RuntimeError("torchq: _convert_weight_to_int4pack_for_cpu uses an order torchq cannot unpack on this build")
 
 
-ROW_BLOCK, _INVERSE_PERM = _measure_row_blocks()
+# The packing order, measured on first use (not at import: a build whose order torchq cannot
+# unpack only makes this layout unavailable, with the reason): [(ROW_BLOCK, inverse permutation,
+# halves)] or [the error message]. "halves" is the common order (AVX2 / AVX-512 builds): byte j
+# of a column block holds row j in its low nibble and row j + ROW_BLOCK/2 in its high nibble,
+# so unpacking needs no gather.
+_ORDER: list = []
 
 
-# The common order (AVX2 / AVX-512 builds): byte j of a column block holds row j in its low
-# nibble and row j + ROW_BLOCK/2 in its high nibble; unpacking then needs no gather.
-_HALVES = _INVERSE_PERM == tuple(range(0, ROW_BLOCK, 2)) + tuple(range(1, ROW_BLOCK, 2))
+def _row_order() -> tuple[int, tuple[int, ...], bool]:
+    """``(ROW_BLOCK, inverse permutation, halves)`` of this build's packing (RuntimeError if
+    torchq cannot unpack it)."""
+    if not _ORDER:
+        try:
+            bn, inverse = _measure_row_blocks()
+            _ORDER.append((bn, inverse, inverse == tuple(range(0, bn, 2)) + tuple(range(1, bn, 2))))
+        except RuntimeError as e:
+            _ORDER.append(str(e))
+    if isinstance(_ORDER[0], str):
+        raise RuntimeError(_ORDER[0])
+    return _ORDER[0]
 
 
-PACK_CHUNK_ROWS = 16 * ROW_BLOCK
+def packing_unavailable() -> str | None:
+    """None when this build's int4 CPU packing is one torchq unpacks, else why not."""
+    try:
+        _row_order()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def row_block() -> int:
+    """Rows per packed block (64 with AVX-512): ``Np`` is ``N`` rounded up to it."""
+    return _row_order()[0]
 
 
 def _pack_checked(q8: torch.Tensor) -> torch.Tensor:
@@ -86,8 +111,9 @@ def _pack_checked(q8: torch.Tensor) -> torch.Tensor:
     copy the op needs and the check's temporaries stay a few MB instead of 6x the weight."""
     np_, kp = q8.shape
     packed = torch.empty(np_, kp // 2, dtype=torch.uint8, device=q8.device)
-    for r0 in range(0, np_, PACK_CHUNK_ROWS):
-        rows = q8[r0:r0 + PACK_CHUNK_ROWS]
+    chunk_rows = 16 * row_block()
+    for r0 in range(0, np_, chunk_rows):
+        rows = q8[r0:r0 + chunk_rows]
         chunk = _pack(rows)
         if chunk.shape != (rows.shape[0], kp // 2) or not torch.equal(_unpack(chunk, rows.shape[0], kp), rows):
             raise RuntimeError("torchq: int4 CPU packing did not round-trip exactly on this CPU; use PlainLayout or PackedBitsLayout")
@@ -97,11 +123,12 @@ def _pack_checked(q8: torch.Tensor) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """uint8 codes ``[n, k]`` from packed bytes (``n`` a multiple of ``ROW_BLOCK``); traceable."""
-    if _HALVES:
-        b = packed.reshape(n // ROW_BLOCK, k, ROW_BLOCK // 2)
+    bn, inverse, halves = _row_order()
+    if halves:
+        b = packed.reshape(n // bn, k, bn // 2)
         return torch.cat([b & 0xF, b >> 4], dim=2).transpose(1, 2).reshape(n, k)
-    nib = _nibbles(packed).reshape(n // ROW_BLOCK, k, ROW_BLOCK)
-    inv = torch.tensor(_INVERSE_PERM, dtype=torch.int64, device=packed.device)
+    nib = _nibbles(packed).reshape(n // bn, k, bn)
+    inv = torch.tensor(inverse, dtype=torch.int64, device=packed.device)
     return nib.index_select(2, inv).transpose(1, 2).reshape(n, k)
 
 
@@ -116,7 +143,7 @@ class Int4CPUImpl(TensorImpl):
     @property
     def padded_shape(self) -> tuple[int, int]:
         n, k = self.shape
-        return round_up(n, ROW_BLOCK), round_up(k, self.group_size)
+        return round_up(n, row_block()), round_up(k, self.group_size)
 
     def expected_tensors(self) -> dict[str, Buffer | None]:
         spec = self.spec
@@ -140,7 +167,7 @@ class Int4CPUImpl(TensorImpl):
     def from_plain(cls, plain: PlainForm, layout: Layout) -> Int4CPUImpl:
         spec = plain.spec
         n, k = plain.shape
-        np_, kp = round_up(n, ROW_BLOCK), round_up(k, spec.block_size[1])
+        np_, kp = round_up(n, row_block()), round_up(k, spec.block_size[1])
         q8 = kernel_codes(plain, np_, kp, fill=8)
         scale = plain.scale
         domain = spec.zero_point_domain
@@ -187,30 +214,34 @@ class Int4CPULayout(Layout):
 
     name = "int4_cpu"
     impl_class = Int4CPUImpl
-    auto_priority = 20
     device_specific = True
 
-    def rejects(self, spec, shape, scale_dtype, device):
-        if torch.device(device).type != "cpu":
-            return f"CPU-only layout, weight is on {device}"
-        if len(shape) != 2:
-            return f"needs a 2-D weight, got shape {shape}"
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
+
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
+        if device is not None and torch.device(device).type != "cpu":
+            return Fit(f"CPU-only layout, weight is on {device}")
+        reason = packing_unavailable()
+        if reason is not None:
+            return Fit(reason)
+        if shape is not None and len(shape) != 2:
+            return Fit(f"needs a 2-D weight, got shape {shape}")
         reason = groupwise_int4_rejects(spec, GROUP_SIZES)
         if reason is not None:
-            return reason
-        if not scale_dtype.is_floating_point or scale_dtype not in _FLOAT_INPUTS:
-            return f"scale dtype must be fp32/bf16/fp16, got {scale_dtype}"
-        return None
+            return Fit(reason)
+        if scale_dtype is not None and scale_dtype not in _FLOAT_INPUTS:
+            return Fit(f"scale dtype must be fp32/bf16/fp16, got {scale_dtype}")
+        return base
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:
-    impl = w.tensor_impl
-    if not isinstance(impl.layout, Int4CPULayout):
-        return f"needs Int4CPULayout, weight has {impl.layout!r}"
     if x.device.type != "cpu":
         return f"CPU kernel, input is on {x.device}"
-    if x.dtype not in _FLOAT_INPUTS:
-        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     if w.act_quant is not None:
         return f"weight-only kernel, weight has {w.act_quant.describe()}"
     return None
@@ -234,31 +265,13 @@ def _int4_cpu_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Ten
     return padded_linear(x, bias, *impl.shape, *impl.padded_shape, mm)
 
 
-def _check_bf16_compute(x: torch.Tensor, w, bias) -> str | None:
-    if x.dtype not in (torch.float32, torch.float16):
-        return f"only for fp32/fp16 inputs, input is {x.dtype}"
-    return _check(x, w, bias)
-
-
-def _int4_cpu_linear_bf16_compute(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    y = _int4_cpu_linear(x.to(torch.bfloat16), w, None).to(x.dtype)
-    return y if bias is None else y + bias.to(y.dtype)
-
-
 # PyTorch's int4 CPU kernel is 10-100x slower for fp32/fp16 inputs than for bf16 ones (18.5 ms
-# vs 1.3 ms at M=1, K=N=4096), slower than float F.linear: those inputs run in bf16 instead.
-# Unregister "int4_cpu_bf16_compute" to compute in the input's own dtype.
-register_linear_kernel(
-    "int4_cpu_bf16_compute",
-    _check_bf16_compute,
-    _int4_cpu_linear_bf16_compute,
-    description="fp32/fp16 input cast to bf16, aten._weight_int4pack_mm_for_cpu, output cast back",
-    priority=0,
-)
-register_linear_kernel(
-    "int4_cpu",
-    _check,
-    _int4_cpu_linear,
-    description="aten._weight_int4pack_mm_for_cpu: groupwise <=4-bit weight, float input",
-    priority=0,
+# vs 1.3 ms at M=1, K=N=4096): configs with compute_dtype=torch.bfloat16 run those inputs in bf16.
+KERNELS = (
+    LinearKernel(
+        "int4_cpu",
+        _check,
+        _int4_cpu_linear,
+        description="aten._weight_int4pack_mm_for_cpu: groupwise <=4-bit weight, float input",
+    ),
 )

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 from .. import native, triton_kernels
 from ..canonical import PlainForm
-from ..dispatch import check_op_devices, register_linear_kernel
+from ..dispatch import LinearKernel, check_op_devices
 from ..prefill import tile_dtype, tiled_linear, use_tiles
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Layout, TensorImpl
+from .base import Buffer, Fit, Layout, TensorImpl
 
 __all__ = ["Int4NativeLayout", "Int4NativeImpl", "int4_groupwise_linear"]
 
@@ -88,7 +88,7 @@ class Int4NativeImpl(TensorImpl):
 
     def expected_tensors(self) -> dict[str, Buffer | None]:
         spec = self.spec
-        reason = self.layout.rejects(spec, self.shape, self.scale_dtype, self.device)
+        reason = self.layout.fit(spec, self.shape, self.scale_dtype, self.device).cannot_hold
         if reason is not None:
             raise ValueError(f"Int4NativeImpl: the layout cannot hold {spec.describe()} of shape {list(self.shape)}: {reason}")
         domain = spec.zero_point_domain
@@ -157,31 +157,36 @@ class Int4NativeLayout(Layout):
 
     name = "int4_native"
     impl_class = Int4NativeImpl
-    auto_priority = 25  # ahead of Int4CPULayout where the native library is available
 
-    def rejects(self, spec, shape, scale_dtype, device):
-        if len(shape) != 2 or spec.block_size[0] != 1:
-            return f"needs groupwise blocks (1, g) on a 2-D weight, got block {spec.block_size}"
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
+
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
+        if (shape is not None and len(shape) != 2) or len(spec.block_size) != 2 or spec.block_size[0] != 1:
+            return Fit(f"needs groupwise blocks (1, g) on a 2-D weight, got block {spec.block_size}")
         if spec.block_size[1] not in GROUP_SIZES:
-            return f"group size must be one of {GROUP_SIZES}, got {spec.block_size[1]}"
+            return Fit(f"group size must be one of {GROUP_SIZES}, got {spec.block_size[1]}")
         if spec.quant_max - spec.quant_min > 15:
-            return f"needs at most 16 code values, format is {spec.describe()}"
-        if scale_dtype not in _FLOATS:
-            return f"scale dtype must be fp32/bf16/fp16, got {scale_dtype}"
-        return None
-
-    def auto_rejects(self, spec, shape, scale_dtype, device):
+            return Fit(f"needs at most 16 code values, format is {spec.describe()}")
+        if scale_dtype is not None and scale_dtype not in _FLOATS:
+            return Fit(f"scale dtype must be fp32/bf16/fp16, got {scale_dtype}")
+        if device is None:
+            return base
         device = torch.device(device)
         if device.type == "cuda":
-            return triton_kernels.unavailable_reason()
+            return Fit(not_automatic=triton_kernels.unavailable_reason())
         if device.type != "cpu":
-            return f"its kernels run on the CPU (native) and CUDA (Triton), weight is on {device}"
+            return Fit(not_automatic=f"its kernels run on the CPU (native) and CUDA (Triton), weight is on {device}")
         if not native.available():
-            return f"the native library is not available ({native.status().reason})"
-        return None
+            return Fit(not_automatic=f"the native library is not available ({native.status().reason})")
+        return base
 
 
-def _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias) -> None:
+def check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias) -> None:
     if len(shape) != 2:
         raise ValueError(f"shape: expected [N, K], got {list(shape)}")
     n, k = shape
@@ -239,7 +244,7 @@ def int4_groupwise_linear(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` in x's dtype for an :class:`Int4NativeLayout` weight. The reference:
     dequantize (bit-exact to ``dequantize_affine``), cast once to x's dtype, ``F.linear``."""
-    _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     w = dequantize_int4_native(packed, scale, shift, zero, shape[1], group_size, code_base, round_mul, round_add, x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
@@ -263,7 +268,7 @@ def _codebook(code_base: float) -> torch.Tensor:
 def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
     """Native: fused dequantize + dot in fp32 (weights exactly the reference's values, one
     rounding to x's dtype at the end), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
-    _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     return _linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
 
 
@@ -329,11 +334,6 @@ torch.library.register_autograd("torchq::int4_groupwise_linear", _backward, setu
 
 
 def _check_linear(x: torch.Tensor, w, bias) -> str | None:
-    impl = w.tensor_impl
-    if not isinstance(impl.layout, Int4NativeLayout):
-        return f"needs Int4NativeLayout, weight has {impl.layout!r}"
-    if x.dtype not in _FLOATS:
-        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     if w.act_quant is not None:
         return f"weight-only kernel, weight has {w.act_quant.describe()}"
     if x.device.type != "cpu":
@@ -364,10 +364,12 @@ def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.
                                  *impl.round_kinds, bias)
 
 
-register_linear_kernel(
-    "int4_native",
-    _check_linear,
-    _int4_native_linear,
-    description="torchq::int4_groupwise_linear: native fused dequantize + dot (CPU), Triton dequantize-GEMM / split-K GEMV (CUDA)",
-    priority=0,
+KERNELS = (
+    LinearKernel(
+        "int4_native",
+        _check_linear,
+        _int4_native_linear,
+        description="torchq::int4_groupwise_linear: native fused dequantize + dot (CPU), Triton dequantize-GEMM / "
+        "split-K GEMV (CUDA)",
+    ),
 )

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from ..canonical import PlainForm
-from ..dispatch import check_op_devices, register_linear_kernel
+from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
+from .base import Buffer, Fit, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4XPULayout", "Int4XPUImpl", "pack_xpu", "unpack_xpu", "xpu_dequantize"]
@@ -108,7 +108,7 @@ class Int4XPUImpl(TensorImpl):
     def expected_tensors(self) -> dict[str, Buffer | None]:
         spec = self.spec
         domain = spec.zero_point_domain
-        reason = self.layout.rejects(spec, self.shape, None, self.device) or zero_dtype_rejects(spec, self.zero_dtype)
+        reason = self.layout.fit(spec, self.shape, None, self.device).cannot_hold or zero_dtype_rejects(spec, self.zero_dtype)
         if reason is None and domain is ZeroPointDomain.FLOAT and self.zero_dtype not in SCALE_DTYPES:
             reason = f"zero_dtype: the XPU kernel reads zeros in the bf16/fp16 scale dtype, got {self.zero_dtype}"
         if reason is not None:
@@ -167,28 +167,28 @@ class Int4XPULayout(Layout):
 
     name = "int4_xpu"
     impl_class = Int4XPUImpl
-    auto_priority = 27
     device_specific = True
 
-    def rejects_format(self, spec, scale_dtype):
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
+
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
+        if shape is not None and len(shape) != 2:
+            return Fit(f"needs a 2-D weight, got shape {shape}")
         if spec.codebook is None and spec.zero_point_domain not in (ZeroPointDomain.INT, ZeroPointDomain.FLOAT):
-            return f"holds an INT or FLOAT zero point (the XPU kernels are asymmetric), got {spec.zero_point_domain.name}"
+            return Fit(f"holds an INT or FLOAT zero point (the XPU kernels are asymmetric), got {spec.zero_point_domain.name}")
         reason = groupwise_int4_rejects(spec, GROUP_SIZES)
         if reason is not None:
-            return reason
+            return Fit(reason)
         if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
-            return f"the XPU kernels read bf16/fp16 scales (the activation dtype), got {scale_dtype}"
-        return None
-
-    def rejects(self, spec, shape, scale_dtype, device):
-        if len(shape) != 2:
-            return f"needs a 2-D weight, got shape {shape}"
-        return self.rejects_format(spec, scale_dtype)
-
-    def auto_rejects(self, spec, shape, scale_dtype, device):
-        if torch.device(device).type != "xpu":
-            return f"XPU kernels, weight is on {device}"
-        return None
+            return Fit(f"the XPU kernels read bf16/fp16 scales (the activation dtype), got {scale_dtype}")
+        if device is not None and torch.device(device).type != "xpu":
+            return Fit(not_automatic=f"XPU kernels, weight is on {device}")
+        return base
 
 
 @torch.library.custom_op("torchq::int4_xpu_mm", mutates_args=())
@@ -214,8 +214,6 @@ def _int4_xpu_mm_xpu(x, packed, group_size, scales, int_zeros=None):
 
 def _check(x: torch.Tensor, w, bias) -> str | None:
     impl = w.tensor_impl
-    if not isinstance(impl.layout, Int4XPULayout):
-        return f"needs Int4XPULayout, weight has {impl.layout!r}"
     if x.device.type != "xpu":
         return f"XPU kernel, input is on {x.device}"
     scale_dtype = (impl.scale if impl.scale is not None else impl.scale_and_zero).dtype
@@ -235,10 +233,11 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return padded_linear(x, bias, *impl.shape, *impl.padded_shape, mm)
 
 
-register_linear_kernel(
-    "int4_xpu",
-    _check,
-    _linear,
-    description="aten._weight_int4pack_mm (float zero) / _weight_int4pack_mm_with_scales_and_zeros (int zero) on XPU",
-    priority=0,
+KERNELS = (
+    LinearKernel(
+        "int4_xpu",
+        _check,
+        _linear,
+        description="aten._weight_int4pack_mm (float zero) / _weight_int4pack_mm_with_scales_and_zeros (int zero) on XPU",
+    ),
 )

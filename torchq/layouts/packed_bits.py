@@ -19,7 +19,7 @@ import torch
 
 from ..bitpack import pack_bits, unpack_bits
 from ..canonical import PlainForm, QuantSpec
-from .base import Buffer, Layout, TensorImpl, plain_buffers
+from .base import Buffer, Fit, Layout, TensorImpl, plain_buffers
 
 __all__ = ["PackedBitsLayout", "PackedBitsImpl", "pack_bits", "unpack_bits"]
 
@@ -77,12 +77,14 @@ class PackedBitsLayout(Layout):
 
     name = "packed_bits"
     impl_class = PackedBitsImpl
-    auto_priority = 10
     holds_codebooks = True
 
-    def rejects(self, spec, shape, scale_dtype, device):
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
         if spec.bits > 7:
-            return f"packs 1-7-bit codes, format has {spec.bits} bits"
-        if len(shape) != 2:
-            return f"needs a 2-D weight, got shape {shape}"
-        return None
+            return Fit(f"packs 1-7-bit codes, format has {spec.bits} bits")
+        if shape is not None and len(shape) != 2:
+            return Fit(f"needs a 2-D weight, got shape {shape}")
+        return base

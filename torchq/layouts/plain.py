@@ -2,44 +2,38 @@
 
 Bytes per ``[N, K]`` weight: ``N*K`` codes of one byte (int8 for signed ranges, uint8 for
 unsigned), plus ``scale`` (and ``zero_point``) of shape ``ceil([N, K] / block_size)`` in their
-own dtypes. Works on every device. Kernels registered here (CPU):
+own dtypes. Works on every device. Its kernels, in the order they are tried (CPU unless noted):
 
 * ``int8_weight_only_cpu``: per-channel symmetric int8 weights ([-128, 127], no zero point)
-  through ``aten._weight_int8pack_mm``, for fp32/bf16/fp16 inputs; fp32/fp16 inputs go first to
-  ``int8_weight_only_cpu_bf16_compute`` (the same op in bf16, ~10x faster on CPU);
+  through ``aten._weight_int8pack_mm``, for fp32/bf16/fp16 inputs (bf16 is ~10x faster on CPU:
+  a config with ``compute_dtype=torch.bfloat16`` runs fp32/fp16 inputs in it);
 * ``int8_dynamic_cpu``: per-token dynamic int8 activations x per-channel int8 weights through
   ``torch._int_mm`` (int32 accumulation), rescaled in fp32.
 
 Ahead of those, when torchq's native library is available (:mod:`torchq.native`):
 ``int8_weight_only_native`` (``torchq::int8_weight_linear``, every activation dtype) and
 ``int8_dynamic_native`` (``torchq::int8_dynamic_linear``, bit-equal to ``int8_dynamic_cpu``).
-On CUDA: ``int8_dynamic_triton`` (the same op's Triton kernel, bit-equal as well).
+On CUDA: ``int8_dynamic_triton`` (the same op's Triton kernel, bit-equal as well). Last,
+``llm_int8_cpu`` for LLM.int8 weights.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .. import native, triton_kernels
 from ..activation import OutlierInt8, PerTokenInt8
+from ..backends.native_cpu.int8 import NATIVE_MIN_CODE, dynamic_linear_cpu, weight_linear_cpu
 from ..canonical import PlainForm
-from ..dispatch import check_op_devices, register_linear_kernel
-from ..int8_linear import (
-    NATIVE_MIN_CODE,
-    dynamic_linear_cpu,
-    int8_dynamic_linear,
-    int8_weight_linear,
-    weight_linear_cpu,
-)
+from ..dispatch import LinearKernel
+from ..ops.int8 import int8_dynamic_linear, int8_weight_linear, int8_weight_only_mm
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Layout, TensorImpl, plain_buffers
 
 __all__ = ["PlainLayout", "PlainImpl"]
 
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class PlainImpl(TensorImpl):
@@ -66,18 +60,17 @@ class PlainLayout(Layout):
 
     name = "plain"
     impl_class = PlainImpl
-    auto_priority = 0
     holds_codebooks = True
+
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
 
 
 def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool, device_type: str = "cpu") -> str | None:
     impl = w.tensor_impl
-    if not isinstance(impl.layout, PlainLayout):
-        return f"needs PlainLayout, weight has {impl.layout!r}"
     if x.device.type != device_type:
         return f"{device_type.upper()} kernel, input is on {x.device}"
-    if x.dtype not in _FLOAT_INPUTS:
-        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     spec = impl.spec
     if spec.zero_point_domain is not ZeroPointDomain.NONE or spec.quant_min < -128 or spec.quant_max > 127 or not spec.signed:
         return f"needs symmetric signed int8 codes with no zero point, weight is {spec.describe()}"
@@ -95,46 +88,6 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.to(y.dtype)
 
 
-_WARNED_UNALIGNED: set[tuple[int, ...]] = set()
-
-
-def _warn_unaligned(codes: torch.Tensor) -> None:
-    key = tuple(codes.shape)
-    if key not in _WARNED_UNALIGNED:
-        _WARNED_UNALIGNED.add(key)
-        warnings.warn(
-            f"torchq::int8_weight_only_mm: int8 codes of shape {list(key)} do not start on a 16-byte boundary, which "
-            f"crashes PyTorch's bf16 int8 kernel; copying them on every call (store an aligned copy, e.g. "
-            f"weight.clone(), to avoid it)",
-            RuntimeWarning, stacklevel=3,
-        )
-
-
-@torch.library.custom_op("torchq::int8_weight_only_mm", mutates_args=())
-def int8_weight_only_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ (codes [N, K] * scale [N]).T`` via ``aten._weight_int8pack_mm`` (scale cast to x's dtype).
-
-    PyTorch 2.13's bf16 path of that op crashes (segfault) when K is not a multiple of 16, so
-    such shapes compute in fp32 and cast back; it also crashes for M > 1 when the codes do not
-    start on a 16-byte boundary (a row slice of a view, say), so such codes are copied to an
-    aligned buffer first, with a one-time warning since that copy costs a pass over the weight."""
-    codes = codes.contiguous()  # the aten op requires it (a column slice, say)
-    if x.dtype == torch.bfloat16 and codes.data_ptr() % 16:
-        _warn_unaligned(codes)
-        codes = codes.clone()
-    if x.dtype == torch.bfloat16 and x.data_ptr() % 16:
-        x = x.clone()
-    if x.dtype == torch.bfloat16 and x.shape[1] % 16:
-        return torch.ops.aten._weight_int8pack_mm(x.float().contiguous(), codes, scale.reshape(-1).float()).to(x.dtype)
-    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), codes, scale.reshape(-1).to(x.dtype))
-
-
-@int8_weight_only_mm.register_fake
-def _(x, codes, scale):
-    check_op_devices("int8_weight_only_mm", x, codes=codes, scale=scale)
-    return x.new_empty(x.shape[0], codes.shape[0])
-
-
 def _int8_weight_only(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = w.tensor_impl.shape
     y = int8_weight_only_mm(x.reshape(-1, k), w.codes, w.scale)
@@ -147,17 +100,6 @@ def _int8_dynamic(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor
     acc = torch.ops.torchq.int8_linear_matmul(xq, w.codes)  # torch._int_mm, exact also for K == 1
     y = (acc.to(torch.float32) * xs) * w.scale.reshape(1, n).to(torch.float32)
     return _add_bias(y.to(x.dtype).reshape(*x.shape[:-1], n), bias)
-
-
-def _int8_weight_only_bf16_compute(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    y = _int8_weight_only(x.to(torch.bfloat16), w, None).to(x.dtype)
-    return _add_bias(y, bias)
-
-
-def _check_bf16_compute(x: torch.Tensor, w, b) -> str | None:
-    if x.dtype not in (torch.float32, torch.float16):
-        return f"only for fp32/fp16 inputs, input is {x.dtype}"
-    return _cpu_plain_int8_check(x, w, want_act=False)
 
 
 def _check_native(x: torch.Tensor, w, bias, *, want_act: bool) -> str | None:
@@ -205,48 +147,6 @@ def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch
     return native.run_linear(weight.dynamic(act.quant_min, act.quant_max, act.eps), x, bias)
 
 
-register_linear_kernel(
-    "int8_weight_only_native",
-    lambda x, w, b: _check_native(x, w, b, want_act=False),
-    _int8_weight_only_native,
-    description="torchq::int8_weight_linear: native fused dequantize + dot (fp32/bf16/fp16 input)",
-    priority=0,
-)
-register_linear_kernel(
-    "int8_dynamic_native",
-    lambda x, w, b: _check_native(x, w, b, want_act=True),
-    _int8_dynamic_native,
-    description="torchq::int8_dynamic_linear: native per-token int8 quantization + int8 dot (VNNI/AVX2), fp32 rescale",
-    priority=0,
-)
-
-
-# aten._weight_int8pack_mm is ~10x slower for fp32/fp16 inputs than for bf16 (13.2 ms vs
-# 1.25 ms at M=1, K=N=4096): those inputs run in bf16. Unregister "int8_weight_only_cpu_bf16_compute"
-# to compute in the input's own dtype.
-register_linear_kernel(
-    "int8_weight_only_cpu_bf16_compute",
-    _check_bf16_compute,
-    _int8_weight_only_bf16_compute,
-    description="fp32/fp16 input cast to bf16, aten._weight_int8pack_mm, output cast back",
-    priority=0,
-)
-register_linear_kernel(
-    "int8_weight_only_cpu",
-    lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=False),
-    _int8_weight_only,
-    description="aten._weight_int8pack_mm: int8 per-channel weight, float input",
-    priority=0,
-)
-register_linear_kernel(
-    "int8_dynamic_cpu",
-    lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=True),
-    _int8_dynamic,
-    description="per-token int8 input x int8 weight via torch._int_mm, fp32 rescale",
-    priority=0,
-)
-
-
 def _check_triton_dynamic(x: torch.Tensor, w, bias) -> str | None:
     return _cpu_plain_int8_check(x, w, want_act=True, device_type="cuda") or triton_kernels.cuda_rejects(x)
 
@@ -257,24 +157,10 @@ def _int8_dynamic_op(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Ten
     return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
 
 
-register_linear_kernel(
-    "int8_dynamic_triton",
-    _check_triton_dynamic,
-    _int8_dynamic_op,
-    description="torchq::int8_dynamic_linear on CUDA: Triton per-token int8 quantization + int8 tensor-core GEMM, "
-    "scales fused (bit-equal to the reference)",
-    priority=0,
-)
-
-
 def _check_llm_int8(x: torch.Tensor, w, bias) -> str | None:
     if not isinstance(w.act_quant, OutlierInt8):
         return "weight is not LLM.int8 (no outlier activation scheme)"
     impl = w.tensor_impl
-    if not isinstance(impl.layout, PlainLayout):
-        return f"needs PlainLayout, weight has {impl.layout!r}"
-    if x.dtype not in _FLOAT_INPUTS:
-        return f"input dtype {x.dtype} not in fp32/bf16/fp16"
     spec = impl.spec
     if (spec.quant_min, spec.quant_max) != (-127, 127) or spec.zero_point_domain is not ZeroPointDomain.NONE:
         return f"needs symmetric int8 [-127, 127] codes with no zero point, weight is {spec.describe()}"
@@ -310,10 +196,44 @@ def _llm_int8(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return _add_bias(y.to(x.dtype).reshape(*x.shape[:-1], n), bias)
 
 
-register_linear_kernel(
-    "llm_int8_cpu",
-    _check_llm_int8,
-    _llm_int8,
-    description="LLM.int8: outlier columns in fp32, the rest int8 x int8 via torchq::int8_linear_matmul",
-    priority=0,
+KERNELS = (
+    LinearKernel(
+        "int8_weight_only_native",
+        lambda x, w, b: _check_native(x, w, b, want_act=False),
+        _int8_weight_only_native,
+        description="torchq::int8_weight_linear: native fused dequantize + dot (fp32/bf16/fp16 input)",
+    ),
+    LinearKernel(
+        "int8_dynamic_native",
+        lambda x, w, b: _check_native(x, w, b, want_act=True),
+        _int8_dynamic_native,
+        description="torchq::int8_dynamic_linear: native per-token int8 quantization + int8 dot (VNNI/AVX2), fp32 rescale",
+    ),
+    # aten._weight_int8pack_mm is ~10x slower for fp32/fp16 inputs than for bf16 (13.2 ms vs
+    # 1.25 ms at M=1, K=N=4096): configs with compute_dtype=torch.bfloat16 run those inputs in bf16.
+    LinearKernel(
+        "int8_weight_only_cpu",
+        lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=False),
+        _int8_weight_only,
+        description="aten._weight_int8pack_mm: int8 per-channel weight, float input",
+    ),
+    LinearKernel(
+        "int8_dynamic_cpu",
+        lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=True),
+        _int8_dynamic,
+        description="per-token int8 input x int8 weight via torch._int_mm, fp32 rescale",
+    ),
+    LinearKernel(
+        "int8_dynamic_triton",
+        _check_triton_dynamic,
+        _int8_dynamic_op,
+        description="torchq::int8_dynamic_linear on CUDA: Triton per-token int8 quantization + int8 tensor-core GEMM, "
+        "scales fused (bit-equal to the reference)",
+    ),
+    LinearKernel(
+        "llm_int8_cpu",
+        _check_llm_int8,
+        _llm_int8,
+        description="LLM.int8: outlier columns in fp32, the rest int8 x int8 via torchq::int8_linear_matmul",
+    ),
 )

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from ..canonical import PlainForm
-from ..dispatch import check_op_devices, register_linear_kernel
+from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Layout, TensorImpl, zero_dtype_rejects
+from .base import Buffer, Fit, Layout, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["TensorCoreTiledLayout", "TensorCoreTiledImpl", "pack_tiled", "unpack_tiled", "tinygemm_dequantize"]
@@ -129,7 +129,7 @@ class TensorCoreTiledImpl(TensorImpl):
     def expected_tensors(self) -> dict[str, Buffer | None]:
         spec = self.spec
         domain = spec.zero_point_domain
-        reason = self.layout.rejects(spec, self.shape, torch.bfloat16, self.device) or zero_dtype_rejects(spec, self.zero_dtype)
+        reason = self.layout.fit(spec, self.shape, torch.bfloat16, self.device).cannot_hold or zero_dtype_rejects(spec, self.zero_dtype)
         if reason is None and domain is ZeroPointDomain.FLOAT and self.zero_dtype != torch.bfloat16:
             reason = f"zero_dtype: the kernel reads bf16 float zeros, got {self.zero_dtype}"
         if reason is not None:
@@ -198,28 +198,28 @@ class TensorCoreTiledLayout(Layout):
 
     name = "tensor_core_tiled"
     impl_class = TensorCoreTiledImpl
-    auto_priority = 28  # ahead of Int4NativeLayout on sm80+ CUDA devices (bf16 scales)
     device_specific = True
+
+    @classmethod
+    def linear_kernels(cls):
+        return KERNELS
 
     def __post_init__(self) -> None:
         if self.inner_k_tiles not in INNER_K_TILES:
             raise ValueError(f"inner_k_tiles: expected one of {INNER_K_TILES}, got {self.inner_k_tiles!r}")
 
-    def rejects_format(self, spec, scale_dtype):
+    def fit(self, spec, shape=None, scale_dtype=None, device=None):
+        base = super().fit(spec, shape, scale_dtype, device)
+        if not base.holds:
+            return base
+        if shape is not None and len(shape) != 2:
+            return Fit(f"needs a 2-D weight, got shape {shape}")
         reason = groupwise_int4_rejects(spec, GROUP_SIZES)
         if reason is not None:
-            return reason
+            return Fit(reason)
         if scale_dtype is not None and scale_dtype != torch.bfloat16:
-            return f"the kernel reads bf16 scales, got {scale_dtype} (quantize with scale_dtype=torch.bfloat16)"
-        return None
-
-    def rejects(self, spec, shape, scale_dtype, device):
-        if len(shape) != 2:
-            return f"needs a 2-D weight, got shape {shape}"
-        return self.rejects_format(spec, scale_dtype)
-
-    def auto_rejects(self, spec, shape, scale_dtype, device):
-        return _device_rejects(torch.device(device))
+            return Fit(f"the kernel reads bf16 scales, got {scale_dtype} (quantize with scale_dtype=torch.bfloat16)")
+        return base if device is None else Fit(not_automatic=_device_rejects(torch.device(device)))
 
 
 @functools.cache
@@ -259,15 +259,10 @@ def _int4_tensor_core_mm_cuda(x, packed, group_size, scales_and_zeros):
     return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, group_size, scales_and_zeros)
 
 
-def _check(x: torch.Tensor, w, bias, *, dtypes: tuple[torch.dtype, ...]) -> str | None:
-    impl = w.tensor_impl
-    if not isinstance(impl.layout, TensorCoreTiledLayout):
-        return f"needs TensorCoreTiledLayout, weight has {impl.layout!r}"
+def _check(x: torch.Tensor, w, bias) -> str | None:
     reason = _device_rejects(x.device)
     if reason is not None:
         return reason
-    if x.dtype not in dtypes:
-        return f"input dtype {x.dtype} not in {'/'.join(str(d).removeprefix('torch.') for d in dtypes)}"
     if w.act_quant is not None:
         return f"weight-only kernel, weight has {w.act_quant.describe()}"
     return None
@@ -279,20 +274,15 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return padded_linear(x, bias, *impl.shape, *impl.padded_shape, mm, compute_dtype=torch.bfloat16)
 
 
-register_linear_kernel(
-    "tensor_core_tiled",
-    lambda x, w, b: _check(x, w, b, dtypes=(torch.bfloat16,)),
-    _linear,
-    description="aten._weight_int4pack_mm (tinygemm, CUDA sm80+): bf16 input, tiled int4 weight",
-    priority=0,
-)
-# The kernel takes bf16 activations only: fp16/fp32 inputs are cast to bf16 and the output cast
-# back (one extra rounding of the input). Unregister "tensor_core_tiled_bf16_compute" to send them
-# to the fallback instead.
-register_linear_kernel(
-    "tensor_core_tiled_bf16_compute",
-    lambda x, w, b: _check(x, w, b, dtypes=(torch.float16, torch.float32)),
-    _linear,
-    description="fp16/fp32 input cast to bf16, aten._weight_int4pack_mm, output cast back",
-    priority=0,
+# The kernel takes bf16 activations only: a config with compute_dtype=torch.bfloat16 runs fp16/fp32
+# inputs through it (cast in, output cast back); without it they run through the same cast as a
+# visible fallback (a FallbackWarning; an error under torchq.strict()).
+KERNELS = (
+    LinearKernel(
+        "tensor_core_tiled",
+        _check,
+        _linear,
+        description="aten._weight_int4pack_mm (tinygemm, CUDA sm80+): bf16 input, tiled int4 weight",
+        dtypes=(torch.bfloat16,),
+    ),
 )

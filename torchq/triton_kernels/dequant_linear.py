@@ -36,11 +36,11 @@ __all__ = ["int4_groupwise_linear", "blockwise_4bit_linear", "dequant_linear", "
 
 AFFINE, CODEBOOK = 0, 1
 GEMV_MAX_M = 4
-_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # rounding kinds of _round_to
+ROUND_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # rounding kinds of round_to
 
 
 @triton.jit
-def _round_to(v, KIND: tl.constexpr):
+def round_to(v, KIND: tl.constexpr):
     """fp32 ``v`` rounded to nearest even bf16 (KIND 1) or fp16 (KIND 2), back in fp32 (KIND 0:
     unchanged). The bf16 rounding is done on the bits (what ``cvt.rn.bf16.f32`` and torch do,
     overflow to inf and NaN kept), since triton's interpreter truncates instead."""
@@ -70,9 +70,9 @@ def _weight_tile(n_idx, k_idx, N, K, packed_ptr, stride_pn, stride_gn, group, w0
         v = nib.to(tl.float32) + code_base
         if OPT_A:
             v = v + tl.load(w1 + g, mask=mask, other=0.0)
-        v = _round_to(v * tl.load(w0 + g, mask=mask, other=0.0), ROUND_MUL)
+        v = round_to(v * tl.load(w0 + g, mask=mask, other=0.0), ROUND_MUL)
         if OPT_B:
-            v = _round_to(v + tl.load(w2 + g, mask=mask, other=0.0), ROUND_ADD)
+            v = round_to(v + tl.load(w2 + g, mask=mask, other=0.0), ROUND_ADD)
     else:
         if OPT_A:
             c = tl.load(w2 + g, mask=mask, other=0).to(tl.int32)
@@ -101,13 +101,13 @@ def _gemv_kernel(x_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, k_per_split,
         xv = tl.load(x_ptr + m * stride_xm + k_idx, mask=k_idx < K, other=0.0)
         w = _weight_tile(n_idx, k_idx, N, K, packed_ptr, stride_pn, stride_gn, group, w0, w1, w2, w3, w4, w5, code_base,
                          FMT, OPT_A, OPT_B, ROUND_MUL, ROUND_ADD)
-        w = _round_to(w, X_KIND)  # the reference's one cast of each weight to x's dtype
+        w = round_to(w, X_KIND)  # the reference's one cast of each weight to x's dtype
         acc += tl.sum(w * xv.to(tl.float32)[None, :], axis=1)
     n_mask = n_idx < N
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n_idx, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * N + n_idx, _round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(out_ptr + m * N + n_idx, round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
         tl.store(out_ptr + (pid_k * M + m) * N + n_idx, acc, mask=n_mask)
 
@@ -133,7 +133,7 @@ def _gemm_kernel(x_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, k_per_split,
                      other=0.0)
         w = _weight_tile(n_idx, k_idx, N, K, packed_ptr, stride_pn, stride_gn, group, w0, w1, w2, w3, w4, w5, code_base,
                          FMT, OPT_A, OPT_B, ROUND_MUL, ROUND_ADD)
-        w = _round_to(w, X_KIND)  # the reference's one cast of each weight to x's dtype (exact below)
+        w = round_to(w, X_KIND)  # the reference's one cast of each weight to x's dtype (exact below)
         if DOT_F32:  # the interpreter's bf16 dot is broken: the same products in fp32
             acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
         else:
@@ -142,7 +142,7 @@ def _gemm_kernel(x_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, k_per_split,
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], _round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
 
@@ -177,7 +177,7 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
     b = dummy if bias is None else bias
     weight = (packed, stride_pn, stride_gn, group, *ws, float(code_base))
     flags = dict(FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), ROUND_MUL=round_mul, ROUND_ADD=round_add, HAS_BIAS=bias is not None,
-                 X_KIND=_KIND[x.dtype])
+                 X_KIND=ROUND_KINDS[x.dtype])
     if m <= GEMV_MAX_M:
         block_n, block_k = 32, 128
         split = _split_k(triton.cdiv(n, block_n) * m, k, block_k, x.device)
@@ -221,9 +221,9 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 
 def int4_groupwise_linear(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
     """``torchq::int4_groupwise_linear`` on Triton."""
-    from ..layouts.int4_native import _check
+    from ..layouts.int4_native import check_int4_groupwise_linear_args
 
-    _check(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     n, k = shape
     packed, scale = packed.contiguous(), scale.contiguous()
     shift = None if shift is None else shift.contiguous()

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dequant_linear import _KIND, _round_to
+from .dequant_linear import ROUND_KINDS, round_to
 
 __all__ = ["int8_dynamic_linear", "quantize_rows"]
 
@@ -65,9 +65,9 @@ def _int8_gemm_kernel(a_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, 
     n_mask = n_idx < N
     xs = tl.load(xs_ptr + m_idx, mask=m_mask, other=0.0)
     ws = tl.load(ws_ptr + n_idx, mask=n_mask, other=0.0)
-    y = _round_to((acc.to(tl.float32) * xs[:, None]) * ws[None, :], X_KIND)
+    y = round_to((acc.to(tl.float32) * xs[:, None]) * ws[None, :], X_KIND)
     if HAS_BIAS:
-        y = _round_to(y + tl.load(bias_ptr + n_idx, mask=n_mask, other=0.0).to(tl.float32)[None, :], X_KIND)
+        y = round_to(y + tl.load(bias_ptr + n_idx, mask=n_mask, other=0.0).to(tl.float32)[None, :], X_KIND)
     tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -86,9 +86,9 @@ def quantize_rows(x2: torch.Tensor, quant_min: int, quant_max: int, eps: float) 
 
 def int8_dynamic_linear(x, codes, scale, quant_min, quant_max, eps, bias=None):
     """``torchq::int8_dynamic_linear`` on Triton."""
-    from ..int8_linear import _check_dynamic
+    from ..ops.int8 import check_int8_dynamic_linear_args
 
-    _check_dynamic(x, codes, scale, quant_min, quant_max, eps, bias)
+    check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias)
     n, k = codes.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) != k:
@@ -104,6 +104,6 @@ def int8_dynamic_linear(x, codes, scale, quant_min, quant_max, eps, bias=None):
         block_n = 64 if m <= 64 else 128
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _int8_gemm_kernel[grid](xq, codes, xs, ws, codes if b is None else b, out, m, n, k, xq.shape[1], HAS_BIAS=b is not None,
-                                X_KIND=_KIND[x.dtype], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+                                X_KIND=ROUND_KINDS[x.dtype], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
                                 num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3, enable_fp_fusion=False)
     return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,10 @@
+"""Implementations of the ops of :mod:`torchq.ops` per device, registered against the op objects
+when imported (after the ops, before the layouts). A backend whose library is missing only makes
+its kernels unavailable, with the reason (``torchq.native.status()``, ``torchq.explain``).
+
+* :mod:`.native_cpu`: torchq's native CPU library (``torchq.native`` controls it).
+"""
+
+from . import native_cpu
+
+__all__ = ["native_cpu"]
