@@ -265,7 +265,8 @@ class PlainForm:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         s = self.spec
         if s.codebook is not None:  # code value * absmax in fp32, one cast
-            values = codebook_values(s.codebook).to(self.codes.device)[self.codes.long()]
+            # a new tensor of the values (not the module's): under fake tensor modes (torch.compile) it is fake too
+            values = torch.tensor(codebook_values(s.codebook).tolist(), device=self.codes.device)[self.codes.long()]
             n, k = self.codes.shape
             b0, b1 = s.block_size
             full = self.scale.repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
