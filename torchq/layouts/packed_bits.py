@@ -13,6 +13,7 @@ as a one-time ``FallbackWarning``). It exists for compact, device-independent st
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,7 @@ class PackedBitsImpl(TensorImpl):
         if dim == 0:
             sub = PlainForm(torch.empty(n, 1, dtype=spec.code_dtype, device=self.device), self.scale[:, :1],
                             None if self.zero_point is None else self.zero_point[:, :1],
-                            QuantSpec((spec.block_size[0], 1), spec.quant_min, spec.quant_max, spec.zero_point_domain))
+                            dataclasses.replace(spec, block_size=(spec.block_size[0], 1)))
             sub.narrow(0, start, length)  # validates block alignment
             b0 = spec.block_size[0]
             gs, ge = start // b0, -(-end // b0)
