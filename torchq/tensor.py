@@ -465,6 +465,12 @@ def _copy_(func, args, kwargs):
         if getattr(p, "_narrow_parent", None) is not None:
             raise NotImplementedError("copy_: into a narrow of a narrow of a packed layout; narrow once")
         full = p.tensor_impl.to_plain().map(torch.clone)
+        if full.nested is not None:  # the slice's scales would have to be double-quantized again with the rest
+            raise NotImplementedError(
+                f"copy_: into a slice of {p.label or tuple(p.shape)!r}, whose scales are double-quantized "
+                f"({full.spec.describe()}): their nested statistics span the whole scale grid, so a slice cannot be "
+                f"written without changing the other rows' scales; copy the whole weight"
+            )
         region = full.narrow(dim, start, length)
         for t_dst, t_src in zip(region.tensors().values(), src_impl.to_plain().tensors().values()):
             if t_dst is not None:
