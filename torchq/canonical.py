@@ -22,7 +22,7 @@ import torch
 
 from .blockwise.codebooks import QUANT_TYPES as CODEBOOKS
 from .blockwise.codebooks import codebook as codebook_values
-from .primitives import ZeroPointDomain, dequantize_affine, scale_shape
+from .primitives import ZeroPointDomain, dequantize_affine, expand_grid, scale_shape
 
 __all__ = ["QuantSpec", "PlainForm", "NestedScale", "code_dtype_for"]
 
@@ -171,6 +171,9 @@ class NestedScale:
         return NestedScale(fn(self.codes), fn(self.absmax), fn(self.offset))
 
 
+# the codebooks' fp32 values as Python floats (exact), for tensors built where they are used
+_CODEBOOK_VALUES = {name: tuple(codebook_values(name).tolist()) for name in CODEBOOKS}
+
 # dtypes a floating zero point may have (float64 has no kernel: every forward would fail)
 _ZERO_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -265,12 +268,9 @@ class PlainForm:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         s = self.spec
         if s.codebook is not None:  # code value * absmax in fp32, one cast
-            # a new tensor of the values (not the module's): under fake tensor modes (torch.compile) it is fake too
-            values = torch.tensor(codebook_values(s.codebook).tolist(), device=self.codes.device)[self.codes.long()]
-            n, k = self.codes.shape
-            b0, b1 = s.block_size
-            full = self.scale.repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
-            return (values * full).to(dtype)
+            # a new tensor of constants (not the module's tensor): under fake tensor modes (torch.compile) it is fake too
+            values = torch.tensor(_CODEBOOK_VALUES[s.codebook], device=self.codes.device)[self.codes.long()]
+            return (values * expand_grid(self.scale, s.block_size, self.codes.shape)).to(dtype)
         return dequantize_affine(
             self.codes, s.block_size, self.scale, self.zero_point, s.quant_min, s.quant_max, s.zero_point_domain, dtype
         )

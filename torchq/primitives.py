@@ -163,15 +163,28 @@ def _grid_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(shape)
 
 
+def expand_grid(t: torch.Tensor, block_size: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """A grid ``ceil(shape / block_size)`` repeated to ``shape``: each block's value on its elements.
+
+    Gathers by block index (``index_select``): inductor (torch 2.13) miscompiles the equivalent
+    ``repeat_interleave`` or expand + reshape followed by a slice to a partial last block."""
+    for dim, (s, b) in enumerate(zip(shape, block_size)):
+        if t.shape[dim] != s:
+            t = t.index_select(dim, torch.arange(s, device=t.device) // min(b, s))
+    return t
+
+
 def _blockwise(x: torch.Tensor, block_size: tuple[int, ...], fn, *grids: torch.Tensor | None):
-    """Apply ``fn(blocked_x, *blocked_grids)`` element-wise and return a tensor of x's shape."""
+    """Apply ``fn(blocked_x, *blocked_grids)`` element-wise and return a tensor of x's shape.
+
+    With partial blocks, ``fn`` gets x and the grids repeated to x's shape (:func:`expand_grid`)
+    instead: the same element-wise values, where padding x to whole blocks and slicing the result
+    back is miscompiled by inductor (torch 2.13: garbage in kept elements)."""
     shape = tuple(x.shape)
-    xp = _pad_to_blocks(x, block_size)
-    out = fn(_blocked(xp, block_size), *[None if g is None else _grid_view(g) for g in grids])
-    out = out.reshape(xp.shape)
-    if tuple(xp.shape) != shape:
-        out = out[tuple(slice(0, s) for s in shape)].contiguous()
-    return out
+    if any(s % min(b, s) for s, b in zip(shape, block_size)):
+        return fn(x, *[None if g is None else expand_grid(g, block_size, shape) for g in grids])
+    out = fn(_blocked(x, block_size), *[None if g is None else _grid_view(g) for g in grids])
+    return out.reshape(shape)
 
 
 def _block_min_max(x: torch.Tensor, block_size: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
