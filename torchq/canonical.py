@@ -195,6 +195,40 @@ class PlainForm:
     def __post_init__(self) -> None:
         self.validate()
 
+    @classmethod
+    def example(cls, spec: QuantSpec, shape: tuple[int, int], scale_dtype: torch.dtype = torch.float32, *,
+                zero_dtype: torch.dtype | None = None, seed: int = 0) -> PlainForm:
+        """A random valid plain form of ``spec`` and ``shape``, for tests of layouts (deterministic in
+        ``seed``): codes uniform over ``[quant_min, quant_max]`` (nibbles 0..15 for codebook formats),
+        positive scales of ``scale_dtype`` around 0.01 and zero points of ``spec``'s domain: integers
+        inside the code range in ``zero_dtype`` (default the code dtype) for INT, floats of about one
+        scale step times the range in ``zero_dtype`` (default ``scale_dtype``) for FLOAT. Codebook
+        formats take fp32 absmax (``scale_dtype`` must be fp32), double-quantized with
+        :meth:`NestedScale.quantize` when ``spec.double_quant``."""
+        if len(shape) != 2:
+            raise ValueError(f"shape: expected [N, K], got {tuple(shape)}")
+        if zero_dtype is not None and spec.zero_point_domain is ZeroPointDomain.NONE:
+            raise ValueError(f"zero_dtype: {spec.describe()} has no zero point, got {zero_dtype}")
+        gen = torch.Generator().manual_seed(seed)
+        grid = scale_shape(shape, spec.block_size)
+        codes = torch.randint(spec.quant_min, spec.quant_max + 1, tuple(shape), generator=gen).to(spec.code_dtype)
+        magnitude = torch.rand(grid, generator=gen) * 0.02 + 0.002
+        if spec.codebook is not None:
+            if scale_dtype != torch.float32:
+                raise ValueError(f"scale_dtype: codebook formats keep fp32 absmax, got {scale_dtype}")
+            absmax = magnitude * 50  # absmax of a block of weights ~ 0.1..1
+            nested = NestedScale.quantize(absmax) if spec.double_quant else None
+            return cls(codes, absmax if nested is None else nested.dequantize(), None, spec, nested)
+        domain = spec.zero_point_domain
+        if domain is ZeroPointDomain.INT:
+            zero = torch.randint(spec.quant_min, spec.quant_max + 1, grid, generator=gen).to(zero_dtype or spec.code_dtype)
+        elif domain is ZeroPointDomain.FLOAT:
+            steps = spec.quant_max - spec.quant_min
+            zero = ((torch.rand(grid, generator=gen) - 0.5) * magnitude * steps).to(zero_dtype or scale_dtype)
+        else:
+            zero = None
+        return cls(codes, magnitude.to(scale_dtype), zero, spec)
+
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.codes.shape)

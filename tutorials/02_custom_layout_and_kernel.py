@@ -16,7 +16,7 @@ from torch import nn
 
 import torchq
 from torchq.canonical import PlainForm
-from torchq.layouts import Fit, Layout, TensorImpl
+from torchq.layouts import Fit, Layout, LayoutExample, TensorImpl
 
 
 # 1. The TensorImpl: which tensors it holds, and the two conversions.
@@ -53,6 +53,15 @@ class TransposedInt8Layout(Layout):
             return Fit(f"needs one scale per output channel, got blocks {spec.block_size}")
         return base
 
+    @classmethod
+    def examples(cls):
+        """Weights it holds (format, shape, scale dtype). torchq's layout contract tests run every
+        registered layout on its examples: lossless round trip, slices, copy_, .to(), checkpoints,
+        torch.compile and every kernel against the reference."""
+        none = torchq.ZeroPointDomain.NONE
+        return (LayoutExample(cls(), torchq.QuantSpec((1, 96), -128, 127, none), (64, 96)),
+                LayoutExample(cls(), torchq.QuantSpec((1, 50), -127, 127, none), (33, 50), torch.bfloat16))
+
 
 # 3. The kernel: a custom op (+ fake for compile), and a LinearKernel (condition, impl).
 @torch.library.custom_op("tutorial::transposed_int8_mm", mutates_args=())
@@ -81,6 +90,11 @@ def run(x, weight, bias):
 
 KERNELS = (torchq.LinearKernel("tutorial_transposed_int8", accepts, run, description="x @ codes_t * scale",
                                 dtypes=(torch.float32, torch.bfloat16, torch.float16)),)
+
+# The examples convert losslessly (a random plain form of each, packed and unpacked).
+for example in TransposedInt8Layout.examples():
+    plain = PlainForm.example(example.spec, example.shape, example.scale_dtype)
+    assert example.layout.pack(plain).to_plain().equal(plain)
 
 # 4. Use it: any int8 per-channel config can name the layout.
 torch.manual_seed(0)

@@ -7,9 +7,9 @@ import importlib
 import pkgutil
 
 from . import preference
-from .base import Fit, Layout, TensorImpl, choose_layout, layout_from_json, layout_rejections, registered_layouts
+from .base import Fit, Layout, LayoutExample, TensorImpl, choose_layout, layout_from_json, layout_rejections, registered_layouts
 
-__all__ = ["Fit", "Layout", "TensorImpl", "choose_layout", "layout_from_json", "layout_rejections", "registered_layouts",
+__all__ = ["Fit", "Layout", "LayoutExample", "TensorImpl", "choose_layout", "layout_from_json", "layout_rejections", "registered_layouts",
            "preference"]
 
 for _mod in pkgutil.iter_modules(__path__):

@@ -21,7 +21,7 @@ from ..identity_cache import IdentityCache
 from ..primitives import ZeroPointDomain, scale_shape
 
 __all__ = [
-    "Layout", "Fit", "TensorImpl", "Buffer", "FLOATING", "INTEGER", "layout_from_json", "registered_layouts", "choose_layout",
+    "Layout", "LayoutExample", "Fit", "TensorImpl", "Buffer", "FLOATING", "INTEGER", "layout_from_json", "registered_layouts", "choose_layout",
     "layout_rejections", "placement_reason", "plain_buffers", "zero_dtype_rejects",
 ]
 
@@ -52,6 +52,23 @@ class Fit:
 
 
 HOLDS = Fit()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutExample:
+    """One weight a layout is documented to hold, for the layout contract tests: the layout (with
+    its options), the format, the ``[N, K]`` shape and the dtypes of the scales and zero points
+    (``zero_dtype`` None: the default of :meth:`~torchq.canonical.PlainForm.example`)."""
+
+    layout: Layout
+    spec: QuantSpec
+    shape: tuple[int, int]
+    scale_dtype: torch.dtype = torch.float32
+    zero_dtype: torch.dtype | None = None
+
+    def plain(self, seed: int = 0) -> PlainForm:
+        """A random plain form of this example (on the CPU)."""
+        return PlainForm.example(self.spec, self.shape, self.scale_dtype, zero_dtype=self.zero_dtype, seed=seed)
 
 
 class Layout:
@@ -87,6 +104,14 @@ class Layout:
         """This layout's own :class:`~torchq.dispatch.LinearKernel` s, in the order the dispatch
         tries them (after user kernels registered for the layout). Conditions need not check the
         layout: they are only asked about weights in it. None by default."""
+        return ()
+
+    @classmethod
+    def examples(cls) -> tuple[LayoutExample, ...]:
+        """Weights this layout holds, covering what it is documented to hold (formats, scale and
+        zero-point dtypes, padded shapes, layout options): the layout contract tests
+        (``tests/test_layout_contract.py``) run every registered layout on its examples, so a
+        layout must override this. None by default."""
         return ()
 
     def __reduce__(self):

@@ -27,9 +27,10 @@ from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.linear import TABLES, linear_cpu, native_weight
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..blockwise.ops import BLOCK_SIZES
-from ..canonical import NestedScale, PlainForm
+from ..canonical import NestedScale, PlainForm, QuantSpec
 from ..dispatch import LinearKernel
-from .base import Buffer, Fit, Layout, TensorImpl
+from ..primitives import ZeroPointDomain
+from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl
 
 __all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]
 
@@ -114,6 +115,17 @@ class Blockwise4bitLayout(Layout):
         if shape is not None and shape[1] % b1:
             return Fit(f"K={shape[1]} is not a multiple of the block size {b1}")
         return base
+
+    @classmethod
+    def examples(cls) -> tuple[LayoutExample, ...]:
+        none = ZeroPointDomain.NONE
+        return (
+            LayoutExample(cls(), QuantSpec((1, 64), 0, 15, none, "nf4"), (48, 128)),
+            LayoutExample(cls(), QuantSpec((1, 32), 0, 15, none, "fp4"), (33, 96)),
+            # 400 scales: two blocks of nested statistics, the second one partial
+            LayoutExample(cls(), QuantSpec((1, 64), 0, 15, none, "nf4", double_quant=True), (100, 256)),
+            LayoutExample(cls(), QuantSpec((1, 128), 0, 15, none, "fp4", double_quant=True), (31, 256)),
+        )
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..canonical import PlainForm
+from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Fit, Layout, TensorImpl, zero_dtype_rejects
+from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4CPULayout", "Int4CPUImpl"]
@@ -237,6 +237,17 @@ class Int4CPULayout(Layout):
         if scale_dtype is not None and scale_dtype not in _FLOAT_INPUTS:
             return Fit(f"scale dtype must be fp32/bf16/fp16, got {scale_dtype}")
         return base
+
+    @classmethod
+    def examples(cls) -> tuple[LayoutExample, ...]:
+        z = ZeroPointDomain
+        return (
+            LayoutExample(cls(), QuantSpec((1, 32), 0, 15, z.INT), (67, 96)),  # odd N, padded to the row block
+            LayoutExample(cls(), QuantSpec((1, 64), -8, 7, z.NONE), (33, 200), torch.bfloat16),  # padded K
+            LayoutExample(cls(), QuantSpec((1, 128), 0, 15, z.FLOAT), (16, 256), torch.float16, torch.bfloat16),
+            LayoutExample(cls(), QuantSpec((1, 256), -8, 7, z.INT), (8, 300), torch.bfloat16, torch.int32),
+            LayoutExample(cls(), QuantSpec((1, 32), 0, 7, z.INT), (20, 64)),  # 3 bits
+        )
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:

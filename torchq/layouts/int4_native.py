@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import native, triton_kernels
-from ..canonical import PlainForm
+from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel, check_op_devices
 from ..prefill import tile_dtype, tiled_linear, use_tiles
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Fit, Layout, TensorImpl
+from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl
 
 __all__ = ["Int4NativeLayout", "Int4NativeImpl", "int4_groupwise_linear"]
 
@@ -184,6 +184,17 @@ class Int4NativeLayout(Layout):
         if not native.available():
             return Fit(not_automatic=f"the native library is not available ({native.status().reason})")
         return base
+
+    @classmethod
+    def examples(cls) -> tuple[LayoutExample, ...]:
+        z = ZeroPointDomain
+        return (
+            LayoutExample(cls(), QuantSpec((1, 32), 0, 15, z.INT), (67, 96)),  # odd N
+            LayoutExample(cls(), QuantSpec((1, 64), -8, 7, z.NONE), (33, 200), torch.bfloat16),  # padded K
+            LayoutExample(cls(), QuantSpec((1, 128), 0, 15, z.FLOAT), (16, 256), torch.float16, torch.bfloat16),
+            LayoutExample(cls(), QuantSpec((1, 256), -4, 3, z.NONE), (9, 256)),  # 3 bits
+            LayoutExample(cls(), QuantSpec((1, 1024), 0, 15, z.INT), (5, 300), torch.bfloat16, torch.int32),  # K < group
+        )
 
 
 def check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias) -> None:

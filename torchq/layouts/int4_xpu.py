@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..canonical import PlainForm
+from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Fit, Layout, TensorImpl, zero_dtype_rejects
+from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["Int4XPULayout", "Int4XPUImpl", "pack_xpu", "unpack_xpu", "xpu_dequantize"]
@@ -189,6 +189,16 @@ class Int4XPULayout(Layout):
         if device is not None and torch.device(device).type != "xpu":
             return Fit(not_automatic=f"XPU kernels, weight is on {device}")
         return base
+
+    @classmethod
+    def examples(cls) -> tuple[LayoutExample, ...]:
+        z = ZeroPointDomain
+        return (
+            LayoutExample(cls(), QuantSpec((1, 32), 0, 15, z.INT), (37, 96), torch.bfloat16),  # odd N
+            LayoutExample(cls(), QuantSpec((1, 64), 0, 15, z.FLOAT), (16, 200), torch.float16),  # padded K
+            LayoutExample(cls(), QuantSpec((1, 128), -8, 7, z.INT), (64, 256), torch.bfloat16, torch.int16),
+            LayoutExample(cls(), QuantSpec((1, 256), 0, 15, z.FLOAT), (8, 300), torch.bfloat16),
+        )
 
 
 @torch.library.custom_op("torchq::int4_xpu_mm", mutates_args=())

@@ -20,7 +20,8 @@ import torch
 
 from ..bitpack import pack_bits, unpack_bits
 from ..canonical import PlainForm, QuantSpec
-from .base import Buffer, Fit, Layout, TensorImpl, plain_buffers
+from ..primitives import ZeroPointDomain
+from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl, plain_buffers
 
 __all__ = ["PackedBitsLayout", "PackedBitsImpl", "pack_bits", "unpack_bits"]
 
@@ -89,3 +90,16 @@ class PackedBitsLayout(Layout):
         if shape is not None and len(shape) != 2:
             return Fit(f"needs a 2-D weight, got shape {shape}")
         return base
+
+    @classmethod
+    def examples(cls) -> tuple[LayoutExample, ...]:
+        z = ZeroPointDomain
+        return (
+            LayoutExample(cls(), QuantSpec((1, 32), 0, 1, z.INT), (33, 70)),  # 1 bit, K not a multiple of 8
+            LayoutExample(cls(), QuantSpec((1, 100), -2, 1, z.NONE), (40, 100), torch.bfloat16),  # 2 bits per channel
+            LayoutExample(cls(), QuantSpec((1, 64), 0, 7, z.FLOAT), (17, 200), torch.bfloat16),  # 3 bits, padded K
+            LayoutExample(cls(), QuantSpec((2, 32), -16, 15, z.NONE), (24, 96)),  # 5 bits, 2-D blocks
+            LayoutExample(cls(), QuantSpec((1, 32), 0, 63, z.INT), (9, 64), torch.float16, torch.int32),  # 6 bits
+            LayoutExample(cls(), QuantSpec((1, 128), -64, 63, z.FLOAT), (31, 130), torch.float16),  # 7 bits
+            LayoutExample(cls(), QuantSpec((1, 64), 0, 15, z.NONE, codebook="fp4"), (16, 128)),
+        )

@@ -26,11 +26,11 @@ import torch
 from .. import native, triton_kernels
 from ..activation import OutlierInt8, PerTokenInt8
 from ..backends.native_cpu.int8 import NATIVE_MIN_CODE, dynamic_linear_cpu, weight_linear_cpu
-from ..canonical import PlainForm
+from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel
 from ..ops.int8 import int8_dynamic_linear, int8_weight_linear, int8_weight_only_mm
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Layout, TensorImpl, plain_buffers
+from .base import Buffer, Layout, LayoutExample, TensorImpl, plain_buffers
 
 __all__ = ["PlainLayout", "PlainImpl"]
 
@@ -65,6 +65,18 @@ class PlainLayout(Layout):
     @classmethod
     def linear_kernels(cls):
         return KERNELS
+
+    @classmethod
+    def examples(cls) -> tuple[LayoutExample, ...]:
+        z = ZeroPointDomain
+        return (
+            LayoutExample(cls(), QuantSpec((1, 200), -128, 127, z.NONE), (96, 200)),  # int8 per channel
+            LayoutExample(cls(), QuantSpec((1, 200), -127, 127, z.NONE), (33, 200), torch.bfloat16),
+            LayoutExample(cls(), QuantSpec((1, 32), 0, 7, z.INT), (65, 96), torch.bfloat16),  # 3-bit groupwise
+            LayoutExample(cls(), QuantSpec((1, 64), -8, 7, z.FLOAT), (40, 200), torch.float16),  # padded K
+            LayoutExample(cls(), QuantSpec((2, 32), 0, 255, z.INT), (34, 64), zero_dtype=torch.int32),  # 2-D blocks
+            LayoutExample(cls(), QuantSpec((1, 64), 0, 15, z.NONE, codebook="nf4"), (17, 200)),  # padded K
+        )
 
 
 def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool, device_type: str = "cpu") -> str | None:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..canonical import PlainForm
+from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel, check_op_devices
 from ..primitives import ZeroPointDomain
-from .base import Buffer, Fit, Layout, TensorImpl, zero_dtype_rejects
+from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
 __all__ = ["TensorCoreTiledLayout", "TensorCoreTiledImpl", "pack_tiled", "unpack_tiled", "tinygemm_dequantize"]
@@ -220,6 +220,16 @@ class TensorCoreTiledLayout(Layout):
         if scale_dtype is not None and scale_dtype != torch.bfloat16:
             return Fit(f"the kernel reads bf16 scales, got {scale_dtype} (quantize with scale_dtype=torch.bfloat16)")
         return base if device is None else Fit(not_automatic=_device_rejects(torch.device(device)))
+
+    @classmethod
+    def examples(cls) -> tuple[LayoutExample, ...]:
+        z, bf16 = ZeroPointDomain, torch.bfloat16
+        return (
+            LayoutExample(cls(), QuantSpec((1, 128), 0, 15, z.INT), (24, 256), bf16),
+            LayoutExample(cls(inner_k_tiles=2), QuantSpec((1, 32), -8, 7, z.NONE), (33, 96), bf16),  # odd N
+            LayoutExample(cls(inner_k_tiles=4), QuantSpec((1, 64), 0, 15, z.FLOAT), (40, 200), bf16),  # padded K
+            LayoutExample(cls(), QuantSpec((1, 256), 0, 15, z.INT), (8, 300), bf16, torch.int32),
+        )
 
 
 @functools.cache
