@@ -345,3 +345,18 @@ def test_invalid_inputs_are_never_cached_and_dead_weights_leave_the_cache():
     del q
     gc.collect()
     assert len(torchq.dispatch._KERNEL_CACHE) == before - 1
+
+
+def test_explain_says_why_automatic_layout_choice_passed_over_layouts():
+    auto = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    torchq.quantize_(auto, torchq.int8_weight_only())
+    report = torchq.explain(auto, torch.randn(2, 64))
+    passed_over = dict(report.decisions[0].layouts_passed_over)
+    expected = torchq.layouts.layout_rejections(auto[0].weight.tensor_impl.spec, (32, 64), torch.float32, "cpu")
+    ahead = list(expected)[:list(expected).index(auto[0].weight.quant_layout.name)]
+    assert passed_over == {name: expected[name] for name in ahead} and all(passed_over.values())
+    assert "layout chosen automatically" in str(report) and report.to_dict()[0]["layouts_passed_over"] == passed_over
+    named = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    torchq.quantize_(named, torchq.int8_weight_only(layout=torchq.layouts.PlainLayout()))
+    report = torchq.explain(named, torch.randn(2, 64))
+    assert report.decisions[0].layouts_passed_over == [] and "layout chosen automatically" not in str(report)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import dispatch
+from .layouts import layout_rejections
 from .tensor import AffineQuantizedTensor
 
 __all__ = ["explain", "ExplainReport", "LinearDecision"]
@@ -30,6 +31,9 @@ class LinearDecision:
     verdicts: list[tuple[str, str | None]] = field(default_factory=list)
     compute: str = ""  # the dtype computed in and how the input gets there ("bfloat16 (input cast)")
     fallback: str | None = None  # why this is not the kernel asked for (a cast fallback), else None
+    # automatic layout choice (the config names no layout): the layouts tried before this one on
+    # the weight's device, and why each was passed over
+    layouts_passed_over: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def rejected(self) -> list[tuple[str, str]]:
@@ -59,7 +63,8 @@ class ExplainReport:
     def to_dict(self) -> list[dict]:
         return [
             {"layer": d.layer, "config": d.config, "layout": d.layout, "format": d.format, "input": d.input,
-             "kernel": d.kernel, "compute": d.compute, "fallback": d.fallback, "rejected": dict(d.rejected)}
+             "kernel": d.kernel, "compute": d.compute, "fallback": d.fallback, "rejected": dict(d.rejected),
+             "layouts_passed_over": dict(d.layouts_passed_over)}
             for d in self.decisions
         ]
 
@@ -85,6 +90,15 @@ class ExplainReport:
                                  ("config", d.config), ("layout", d.layout),
                                  ("format", ", ".join(dict.fromkeys(x.format for x in ds)))):
                 lines += _wrap(f"  {label:<8}{value}", " " * 10)
+            passed_over: dict[str, list[str]] = {}  # layers of a group differ in shape: every distinct reason
+            for x in ds:
+                for layout, reason in x.layouts_passed_over:
+                    if layout not in passed_over.setdefault(reason, []):
+                        passed_over[reason].append(layout)
+            if passed_over:
+                lines.append("  layout chosen automatically; passed over (one line per reason):")
+                for reason, layouts in passed_over.items():
+                    lines += _wrap(f"    {', '.join(layouts)}: {reason}", " " * 8)
             reasons: dict[str, list[str]] = {}
             for k, reason in d.verdicts:
                 if k != d.kernel:
@@ -133,6 +147,21 @@ def _compute(plan: dispatch.LinearPlan) -> str:
     return f"{_dtype(plan.run_dtype)} (input {_dtype(plan.input_dtype)} cast, output cast back{asked})"
 
 
+def _layouts_passed_over(w: AffineQuantizedTensor) -> list[tuple[str, str]]:
+    """For a weight whose config left the layout to automatic choice: the layouts automatic choice
+    tries before the weight's own on its device, each with why it was passed over."""
+    if w.config is None or getattr(w.config, "layout", True) is not None:
+        return []
+    impl = w.tensor_impl
+    scale_dtype = impl.map(lambda t: t.to("meta")).to_plain().scale.dtype  # no data is unpacked
+    out = []
+    for name, reason in layout_rejections(impl.spec, impl.shape, scale_dtype, w.device).items():
+        if name == impl.layout.name:
+            break
+        out.append((name, reason or "would be chosen now (the weight was placed with other options or on another device)"))
+    return out
+
+
 def _decision(name: str, w: AffineQuantizedTensor, x: torch.Tensor, plan: dispatch.LinearPlan) -> LinearDecision:
     cfg = w.config
     kernel = plan.kernel
@@ -146,6 +175,7 @@ def _decision(name: str, w: AffineQuantizedTensor, x: torch.Tensor, plan: dispat
         verdicts=list(plan.verdicts),
         compute=_compute(plan),
         fallback=plan.fallback if kernel is not None else None,
+        layouts_passed_over=_layouts_passed_over(w),
     )
 
 
