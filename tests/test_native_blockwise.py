@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 import torchq
 from torchq import native, prefill
-from torchq.blockwise import double_dequantize, double_quantize, linear
-from torchq.blockwise.ops import BLOCK_SIZES
+from torchq.backends.native_cpu import lut4
+from torchq.blockwise import double_dequantize, double_quantize
+from torchq.ops.blockwise import BLOCK_SIZES
 
 ops = torch.ops.torchq
 NATIVE = native.status().available
@@ -108,7 +109,7 @@ def test_native_dequantize_matches_the_reference(isa, bf16):
     packed, args, dense = weight(n, k, block, "fp4", nested=True)
     dtype = torch.bfloat16 if bf16 else torch.float32
     out = torch.empty(n - 3, k, dtype=dtype)
-    w = linear.native_weight(packed.reshape(-1), linear.TABLES["fp4"], None, args["nested_codes"], args["nested_absmax"],
+    w = lut4.native_weight(packed.reshape(-1), lut4.TABLES["fp4"], None, args["nested_codes"], args["nested_absmax"],
                              args["nested_offset"], n, k, block)
     native.dequantize_rows(w, 3, n, out)
     assert torch.equal(out, dense[3:].to(dtype))
@@ -197,7 +198,7 @@ def test_gemv_4bit_uses_the_kernel_and_matches_its_reference():
     packed, args, dense = weight(n, k, block, "nf4", nested=False)
     x = torch.randn(1, k)
     from torchq.blockwise import codebook
-    from torchq.blockwise.ops import gemv_4bit_reference
+    from torchq.ops.blockwise import gemv_4bit_reference
 
     y = ops.gemv_4bit(x, packed.reshape(-1, 1), [n, k], args["absmax"], codebook("nf4"), block)
     ref = gemv_4bit_reference(x, packed.reshape(-1, 1), [n, k], args["absmax"], codebook("nf4"), block)
@@ -212,7 +213,7 @@ def test_gemv_4bit_with_blocks_crossing_rows_runs_the_reference_and_says_so():
     w = torch.randn(n, k)
     packed, absmax = ops.quantize_4bit(w, block, "nf4", torch.uint8)
     from torchq.blockwise import codebook
-    from torchq.blockwise.ops import gemv_4bit_reference
+    from torchq.ops.blockwise import gemv_4bit_reference
 
     x = torch.randn(1, k)
     with pytest.warns(native.NativeMissingWarning, match="blocks cross rows"):

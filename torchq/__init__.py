@@ -7,7 +7,7 @@
 # the ops first, then the backends registering against them, then the layouts
 from . import ops  # noqa: I001
 from . import backends  # noqa: I001
-from . import blockwise, interop, layouts, native, primitives, vectorwise
+from . import blockwise, interop, layouts, native, primitives
 from .activation import OutlierInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .canonical import PlainForm, QuantSpec
@@ -117,7 +117,6 @@ __all__ = [
     "set_strict",
     "strict",
     "unregister_linear_kernel",
-    "vectorwise",
 ]
 for _name in layouts.__all__:
     if _name.endswith("Layout") and _name != "Layout":

@@ -11,7 +11,7 @@ flattened weight, so they coincide with row groups exactly when ``B`` divides ``
   ``nested_absmax`` fp32 ``[ceil(N*K/B / 256)]``, ``nested_offset`` fp32 0-d
   (``absmax = DYNAMIC[codes] * nested_absmax[i // 256] + offset``).
 
-Linear: ``torch.ops.torchq.blockwise_4bit_linear`` (:mod:`torchq.blockwise.linear`): the fused
+Linear: ``torch.ops.torchq.blockwise_4bit_linear`` (:mod:`torchq.ops.blockwise`): the fused
 native kernel on the CPU, Triton kernels on CUDA (:mod:`torchq.triton_kernels`); gradients flow to the input and
 bias through the frozen weight (QLoRA).
 """
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import native, triton_kernels
+from ..backends.native_cpu.lut4 import TABLES, linear_cpu, native_weight
 from ..bitpack import pack_bits, unpack_bits
-from ..blockwise.linear import TABLES, linear_cpu, native_weight
 from ..blockwise.nested import NESTED_BLOCKSIZE
-from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm
 from ..dispatch import LinearKernel
+from ..ops.blockwise import BLOCK_SIZES
 from .base import Buffer, Fit, Layout, TensorImpl
 
 __all__ = ["Blockwise4bitLayout", "Blockwise4bitImpl"]

@@ -234,7 +234,7 @@ def int4_groupwise_linear(x, packed, scale, shift, zero, shape, group_size, code
 
 def blockwise_4bit_linear(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
     """``torchq::blockwise_4bit_linear`` on Triton."""
-    from ..blockwise.linear import _check
+    from ..ops.blockwise import check_blockwise_4bit_linear_args as _check
 
     _check(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
     n, k = shape
