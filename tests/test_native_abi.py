@@ -153,8 +153,8 @@ def _weights() -> dict[str, native.NativeWeight]:
     codes, absmax2, offset = double_quantize(absmax)
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
     return {
-        "lut4": lut4.native_weight(packed.reshape(-1), lut4.TABLES["nf4"], absmax, None, None, None, N, K, 64),
-        "lut4_nested": lut4.native_weight(packed.reshape(-1), lut4.TABLES["nf4"], None, codes, absmax2, offset, N, K, 64),
+        "lut4": lut4.blockwise_4bit_native_weight(packed.reshape(-1), lut4.TABLES["nf4"], absmax, None, None, None, N, K, 64),
+        "lut4_nested": lut4.blockwise_4bit_native_weight(packed.reshape(-1), lut4.TABLES["nf4"], None, codes, absmax2, offset, N, K, 64),
         "int8": native.int8_weight("int8_weight_linear", q, torch.rand(N) + 0.5, N, K),
         "int8_dynamic": native.int8_weight("int8_weight_linear", q, torch.rand(N) + 0.5, N, K).dynamic(-127, 127, 1e-5),
     }

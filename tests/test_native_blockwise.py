@@ -109,7 +109,7 @@ def test_native_dequantize_matches_the_reference(isa, bf16):
     packed, args, dense = weight(n, k, block, "fp4", nested=True)
     dtype = torch.bfloat16 if bf16 else torch.float32
     out = torch.empty(n - 3, k, dtype=dtype)
-    w = lut4.native_weight(packed.reshape(-1), lut4.TABLES["fp4"], None, args["nested_codes"], args["nested_absmax"],
+    w = lut4.blockwise_4bit_native_weight(packed.reshape(-1), lut4.TABLES["fp4"], None, args["nested_codes"], args["nested_absmax"],
                              args["nested_offset"], n, k, block)
     native.dequantize_rows(w, 3, n, out)
     assert torch.equal(out, dense[3:].to(dtype))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import native, triton_kernels
-from ..backends.native_cpu.lut4 import TABLES, linear_cpu, native_weight
+from ..backends.native_cpu.lut4 import TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
 from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..canonical import NestedScale, PlainForm
@@ -128,7 +128,7 @@ def _cached_native_weight(impl: Blockwise4bitImpl) -> native.NativeWeight | None
     tensors = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax)
     if not all(t is None or t.is_contiguous() for t in tensors):
         return None  # pointers into temporary copies cannot be cached
-    return native_weight(impl.packed, TABLES[impl.spec.codebook], impl.absmax, impl.nested_codes, impl.nested_absmax,
+    return blockwise_4bit_native_weight(impl.packed, TABLES[impl.spec.codebook], impl.absmax, impl.nested_codes, impl.nested_absmax,
                          impl.nested_offset, *impl.shape, impl.spec.block_size[1])
 
 
@@ -145,7 +145,7 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     if weight is not None:  # decode-sized: the least Python per call (the nested offset is read by the kernel)
         return native.run_linear(weight, x, bias)
     impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
-    return linear_cpu(x, *args)
+    return blockwise_linear_cpu(x, *args)
 
 
 KERNELS = (

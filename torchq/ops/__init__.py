@@ -9,6 +9,6 @@ The other op families still live beside their layouts (``layouts/int4_native.py`
 ``int4_cpu.py``, ``tensor_core_tiled.py``, ``int4_xpu.py``) and in ``blockwise/`` and ``vectorwise.py``.
 """
 
-from . import affine, blockwise, int8, vectorwise
+from . import affine, blockwise, int4, int8, vectorwise
 
-__all__ = ["affine", "blockwise", "int8", "vectorwise"]
+__all__ = ["affine", "blockwise", "int4", "int8", "vectorwise"]

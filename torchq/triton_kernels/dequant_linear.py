@@ -221,7 +221,7 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 
 def int4_groupwise_linear(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
     """``torchq::int4_groupwise_linear`` on Triton."""
-    from ..layouts.int4_native import check_int4_groupwise_linear_args
+    from ..ops.int4 import check_int4_groupwise_linear_args
 
     check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     n, k = shape

@@ -1,6 +1,8 @@
-"""The native CPU implementations of the 4-bit lookup-table linear ops (:mod:`torchq.ops.blockwise`):
-``blockwise_4bit_linear``, ``gemv_4bit`` and ``gemm_4bit`` through the lut4 kernel of torchq's
-native library (:func:`torchq.native.lut4_weight`, a 16-entry fp32 table per format).
+"""The native CPU implementations of the 4-bit lookup-table linear ops: ``blockwise_4bit_linear``,
+``gemv_4bit``, ``gemm_4bit`` (:mod:`torchq.ops.blockwise`) and ``int4_groupwise_linear``
+(:mod:`torchq.ops.int4`), through the lut4 kernel of torchq's native library
+(:func:`torchq.native.lut4_weight`: a 16-entry fp32 table of code values, per-group scales and,
+for int4, the shift / zero / rounding kinds that make each weight the reference's value).
 
 For decode-sized inputs one fused pass unpacks each weight to the same fp32 value as the
 reference, multiplies with ``x`` in fp32 and accumulates in fp32, rounding once to ``x``'s dtype
@@ -30,12 +32,19 @@ from ...ops.blockwise import (
     gemv_4bit,
     gemv_4bit_reference,
 )
+from ...ops.int4 import (
+    INT4_GROUPWISE_GROUP_SIZES,
+    check_int4_groupwise_linear_args,
+    int4_groupwise_linear,
+    int4_groupwise_reference,
+)
 from ...prefill import tile_dtype, tiled_linear, use_tiles
 
-__all__ = ["TABLES", "native_weight", "blockwise_4bit_linear_cpu", "linear_cpu", "gemv_4bit_cpu", "gemm_4bit_cpu"]
+__all__ = ["TABLES", "blockwise_4bit_native_weight", "blockwise_4bit_linear_cpu", "blockwise_linear_cpu", "gemv_4bit_cpu", "gemm_4bit_cpu",
+           "int4_groupwise_linear_cpu", "int4_native_weight", "int4_linear_cpu"]
 
 
-def native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> native.NativeWeight:
+def blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> native.NativeWeight:
     """An ``[n, k]`` weight for the native kernel from contiguous CPU tensors, each checked to hold
     what the kernel reads; ``table`` is the 16-entry codebook."""
     op = "blockwise_4bit_linear"
@@ -57,7 +66,7 @@ def _native_linear(x, packed, table, absmax, nested_codes, nested_absmax, nested
     absmax = None if absmax is None else absmax.contiguous()
     nested_codes = None if nested_codes is None else nested_codes.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    weight = native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
+    weight = blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
     m = x.numel() // k
     if not use_tiles(m, x.dtype):
         return native.run_linear(weight, x, bias)
@@ -73,10 +82,10 @@ _DYNAMIC = dynamic_map().contiguous()
 @blockwise_4bit_linear.register_kernel("cpu")
 def blockwise_4bit_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
     check_blockwise_4bit_linear_args(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
-    return linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    return blockwise_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
 
 
-def linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None) -> torch.Tensor:
+def blockwise_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None) -> torch.Tensor:
     """The CPU kernel on checked arguments (a layout's dispatch entry calls it directly in eager mode)."""
     lib = native.library()
     if lib is None or x.numel() == 0:
@@ -138,3 +147,60 @@ def gemm_4bit_cpu(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax
         return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, absmax, (absmax_8bit, absmax_offset))
     scale = gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset)
     return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, scale)
+
+
+# -- int4_groupwise_linear ----------------------------------------------------------------------------
+_CODEBOOKS: dict[float, torch.Tensor] = {}
+
+
+def _int4_codebook(code_base: float) -> torch.Tensor:
+    if code_base not in _CODEBOOKS:
+        _CODEBOOKS[code_base] = torch.arange(16, dtype=torch.float32) + code_base
+    return _CODEBOOKS[code_base]
+
+
+@int4_groupwise_linear.register_kernel("cpu")
+def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
+    """Native: fused dequantize + dot in fp32 (weights exactly the reference's values, one
+    rounding to x's dtype at the end), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
+    check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    return int4_linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
+
+
+def int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add) -> native.NativeWeight:
+    """An ``[n, k]`` weight for the native kernel, every buffer checked to hold what the kernel
+    reads (contiguous CPU tensors)."""
+    op = "int4_groupwise_linear"
+    if group_size not in INT4_GROUPWISE_GROUP_SIZES:
+        raise ValueError(f"torchq {op}: group_size: expected one of {INT4_GROUPWISE_GROUP_SIZES}, got {group_size}")
+    return native.lut4_weight(op, n, k, group_size, packed, _int4_codebook(code_base), scales=scale, shifts=shift, zeros=zero,
+                              round_mul=round_mul, round_add=round_add)
+
+
+def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias) -> torch.Tensor:
+    """The CPU kernel of ``int4_groupwise_linear`` on checked arguments (the layout's dispatch
+    entry calls it directly in eager mode)."""
+    lib = native.library()
+    if lib is None or x.numel() == 0:
+        if lib is None:
+            native.warn_reference("int4_groupwise_linear")
+        return int4_groupwise_reference(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias)
+    packed, scale = packed.contiguous(), scale.contiguous()  # no copies for the layout's own tensors
+    shift = None if shift is None else shift.contiguous()
+    zero = None if zero is None else zero.contiguous()
+    weight = int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
+    m = x.numel() // k
+    if not use_tiles(m, x.dtype):
+        return native.run_linear(weight, x, bias)
+    kp = weight.row_length
+
+    def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
+        # padded rows: dequantize into a [rows, Kp] buffer, keep the first K columns
+        full = w if kp == k else torch.empty(n1 - n0, kp, dtype=w.dtype)
+        native.dequantize_rows(weight, n0, n1, full)
+        if full is not w:
+            w.copy_(full[:, :k])
+
+    b = native.checked_bias(bias, n, "int4_groupwise_linear")
+    out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
