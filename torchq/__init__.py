@@ -50,10 +50,6 @@ from .layouts import Layout, TensorImpl, choose_layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain
 from .quantize import QuantizationError, SkippedLayerWarning, TiedWeightWarning, quantize_
 from .tensor import AffineQuantizedTensor
-from .triton_kernels import register_cuda_kernels as _register_cuda_kernels
-
-_register_cuda_kernels()
-
 __version__ = "0.1.0"
 
 __all__ = [

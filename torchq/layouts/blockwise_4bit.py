@@ -12,7 +12,7 @@ flattened weight, so they coincide with row groups exactly when ``B`` divides ``
   (``absmax = DYNAMIC[codes] * nested_absmax[i // 256] + offset``).
 
 Linear: ``torch.ops.torchq.blockwise_4bit_linear`` (:mod:`torchq.ops.blockwise`): the fused
-native kernel on the CPU, Triton kernels on CUDA (:mod:`torchq.triton_kernels`); gradients flow to the input and
+native kernel on the CPU, Triton kernels on CUDA (:mod:`torchq.backends.triton`); gradients flow to the input and
 bias through the frozen weight (QLoRA).
 """
 
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native, triton_kernels
+from .. import native
+from ..backends import triton as triton_backend
 from ..backends.native_cpu.lut4 import TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
 from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.nested import NESTED_BLOCKSIZE
@@ -120,7 +121,7 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
     if w.act_quant is not None:
         return f"weight has dynamic activation quantization ({w.act_quant.describe()})"
     if x.device.type != "cpu":
-        return triton_kernels.cuda_rejects(x)
+        return triton_backend.cuda_rejects(x)
     return None
 
 

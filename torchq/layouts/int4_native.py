@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import native, triton_kernels
+from .. import native
+from ..backends import triton as triton_backend
 from ..backends.native_cpu.lut4 import int4_linear_cpu, int4_native_weight
 from ..canonical import PlainForm
 from ..dispatch import LinearKernel
@@ -170,7 +171,7 @@ class Int4NativeLayout(Layout):
             return base
         device = torch.device(device)
         if device.type == "cuda":
-            return Fit(not_automatic=triton_kernels.unavailable_reason())
+            return Fit(not_automatic=triton_backend.unavailable_reason())
         if device.type != "cpu":
             return Fit(not_automatic=f"its kernels run on the CPU (native) and CUDA (Triton), weight is on {device}")
         if not native.available():
@@ -182,7 +183,7 @@ def _check_linear(x: torch.Tensor, w, bias) -> str | None:
     if w.act_quant is not None:
         return f"weight-only kernel, weight has {w.act_quant.describe()}"
     if x.device.type != "cpu":
-        return triton_kernels.cuda_rejects(x)
+        return triton_backend.cuda_rejects(x)
     return None
 
 

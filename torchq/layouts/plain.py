@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native, triton_kernels
+from .. import native
 from ..activation import OutlierInt8, PerTokenInt8
+from ..backends import triton as triton_backend
 from ..backends.native_cpu.int8 import NATIVE_MIN_CODE, dynamic_linear_cpu, weight_linear_cpu
 from ..canonical import PlainForm
 from ..dispatch import LinearKernel
@@ -148,7 +149,7 @@ def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch
 
 
 def _check_triton_dynamic(x: torch.Tensor, w, bias) -> str | None:
-    return _cpu_plain_int8_check(x, w, want_act=True, device_type="cuda") or triton_kernels.cuda_rejects(x)
+    return _cpu_plain_int8_check(x, w, want_act=True, device_type="cuda") or triton_backend.cuda_rejects(x)
 
 
 def _int8_dynamic_op(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
