@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native
 from ..backends import triton as triton_backend
+from ..backends.native_cpu import library as native_library
 from ..backends.native_cpu.lut4 import TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
 from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.nested import NESTED_BLOCKSIZE
@@ -125,7 +125,7 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
     return None
 
 
-def _cached_native_weight(impl: Blockwise4bitImpl) -> native.NativeWeight | None:
+def _cached_native_weight(impl: Blockwise4bitImpl) -> native_library.NativeWeight | None:
     tensors = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax)
     if not all(t is None or t.is_contiguous() for t in tensors):
         return None  # pointers into temporary copies cannot be cached
@@ -139,12 +139,12 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = impl.shape
     args = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], spec.block_size[1],
             spec.codebook, bias)
-    if not native.eager_cpu(x):
+    if not native_library.eager_cpu(x):
         return torch.ops.torchq.blockwise_4bit_linear(x, *args)
     # eager CPU: the arguments come from a validated layout, so the op's checks are skipped
-    weight = native.decode_weight(impl, x, _cached_native_weight)
+    weight = native_library.decode_weight(impl, x, _cached_native_weight)
     if weight is not None:  # decode-sized: the least Python per call (the nested offset is read by the kernel)
-        return native.run_linear(weight, x, bias)
+        return native_library.run_linear(weight, x, bias)
     impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
     return blockwise_linear_cpu(x, *args)
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from .. import native
 from ..backends import triton as triton_backend
+from ..backends.native_cpu import library as native_library
 from ..backends.native_cpu.lut4 import int4_linear_cpu, int4_native_weight
 from ..canonical import PlainForm
 from ..dispatch import LinearKernel
@@ -187,9 +188,9 @@ def _check_linear(x: torch.Tensor, w, bias) -> str | None:
     return None
 
 
-def _cached_native_weight(impl: Int4NativeImpl) -> native.NativeWeight | None:
+def _cached_native_weight(impl: Int4NativeImpl) -> native_library.NativeWeight | None:
     """:func:`~torchq.backends.native_cpu.lut4.int4_native_weight` of a layout's tensors, or None unless all are contiguous (it is
-    cached for the impl's lifetime by :func:`torchq.native.weight_args`)."""
+    cached for the impl's lifetime by :func:`torchq.backends.native_cpu.library.weight_args`)."""
     if not all(t is None or t.is_contiguous() for t in (impl.packed, impl.scale, impl.shift, impl.zero)):
         return None
     return int4_native_weight(impl.packed, impl.scale, impl.shift, impl.zero, *impl.shape, impl.group_size, impl.code_base,
@@ -199,10 +200,10 @@ def _cached_native_weight(impl: Int4NativeImpl) -> native.NativeWeight | None:
 def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4NativeImpl = w.tensor_impl
     n, k = impl.shape
-    if native.eager_cpu(x):  # arguments come from a validated layout: the op's checks are skipped
-        weight = native.decode_weight(impl, x, _cached_native_weight)
+    if native_library.eager_cpu(x):  # arguments come from a validated layout: the op's checks are skipped
+        weight = native_library.decode_weight(impl, x, _cached_native_weight)
         if weight is not None:  # decode-sized: the least Python per call
-            return native.run_linear(weight, x, bias)
+            return native_library.run_linear(weight, x, bias)
         impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
         return int4_linear_cpu(x, impl.packed, impl.scale, impl.shift, impl.zero, n, k, impl.group_size, impl.code_base,
                            *impl.round_kinds, bias)

@@ -1,7 +1,7 @@
 """The native CPU implementations of the 4-bit lookup-table linear ops: ``blockwise_4bit_linear``,
 ``gemv_4bit``, ``gemm_4bit`` (:mod:`torchq.ops.blockwise`) and ``int4_groupwise_linear``
 (:mod:`torchq.ops.int4`), through the lut4 kernel of torchq's native library
-(:func:`torchq.native.lut4_weight`: a 16-entry fp32 table of code values, per-group scales and,
+(:func:`torchq.backends.native_cpu.library.lut4_weight`: a 16-entry fp32 table of code values, per-group scales and,
 for int4, the shift / zero / rounding kinds that make each weight the reference's value).
 
 For decode-sized inputs one fused pass unpacks each weight to the same fp32 value as the
@@ -39,12 +39,13 @@ from ...ops.int4 import (
     int4_groupwise_reference,
 )
 from ...prefill import tile_dtype, tiled_linear, use_tiles
+from . import library as native_library
 
 __all__ = ["TABLES", "blockwise_4bit_native_weight", "blockwise_4bit_linear_cpu", "blockwise_linear_cpu", "gemv_4bit_cpu", "gemm_4bit_cpu",
            "int4_groupwise_linear_cpu", "int4_native_weight", "int4_linear_cpu"]
 
 
-def blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> native.NativeWeight:
+def blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> native_library.NativeWeight:
     """An ``[n, k]`` weight for the native kernel from contiguous CPU tensors, each checked to hold
     what the kernel reads; ``table`` is the 16-entry codebook."""
     op = "blockwise_4bit_linear"
@@ -54,7 +55,7 @@ def blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_abs
     nested = nested_codes is not None
     if nested == (absmax is not None) or (nested and (nested_absmax is None or nested_offset is None)):
         raise ValueError(f"torchq {op}: absmax, nested_*: pass exactly one of absmax and the three nested tensors")
-    return native.lut4_weight(op, n, k, blocksize, packed, table, scales=absmax,
+    return native_library.lut4_weight(op, n, k, blocksize, packed, table, scales=absmax,
                               nested=(nested_codes, nested_absmax, nested_offset, _DYNAMIC) if nested else None)
 
 
@@ -69,9 +70,9 @@ def _native_linear(x, packed, table, absmax, nested_codes, nested_absmax, nested
     weight = blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
     m = x.numel() // k
     if not use_tiles(m, x.dtype):
-        return native.run_linear(weight, x, bias)
-    b = native.checked_bias(bias, n, "blockwise_4bit_linear")
-    out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
+        return native_library.run_linear(weight, x, bias)
+    b = native_library.checked_bias(bias, n, "blockwise_4bit_linear")
+    out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -87,7 +88,7 @@ def blockwise_4bit_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, ne
 
 def blockwise_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None) -> torch.Tensor:
     """The CPU kernel on checked arguments (a layout's dispatch entry calls it directly in eager mode)."""
-    lib = native.library()
+    lib = native_library.library()
     if lib is None or x.numel() == 0:
         if lib is None:
             native.warn_reference("blockwise_4bit_linear")
@@ -102,7 +103,7 @@ def _native_4bit_matmul(op: str, A, B, shapeB, table, blocksize, bias, reference
     offset)`` the per-256 statistics of absmax double-quantized with the dynamic map), or
     ``reference()`` without the library, for blocks that cross rows (the kernel's blocks are row
     groups) and for inconsistent sizes (the reference raises the error)."""
-    lib = native.library()
+    lib = native_library.library()
     if lib is None:
         native.warn_reference(op)
         return reference()
@@ -167,20 +168,20 @@ def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, 
     return int4_linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
 
 
-def int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add) -> native.NativeWeight:
+def int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add) -> native_library.NativeWeight:
     """An ``[n, k]`` weight for the native kernel, every buffer checked to hold what the kernel
     reads (contiguous CPU tensors)."""
     op = "int4_groupwise_linear"
     if group_size not in INT4_GROUPWISE_GROUP_SIZES:
         raise ValueError(f"torchq {op}: group_size: expected one of {INT4_GROUPWISE_GROUP_SIZES}, got {group_size}")
-    return native.lut4_weight(op, n, k, group_size, packed, _int4_codebook(code_base), scales=scale, shifts=shift, zeros=zero,
+    return native_library.lut4_weight(op, n, k, group_size, packed, _int4_codebook(code_base), scales=scale, shifts=shift, zeros=zero,
                               round_mul=round_mul, round_add=round_add)
 
 
 def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias) -> torch.Tensor:
     """The CPU kernel of ``int4_groupwise_linear`` on checked arguments (the layout's dispatch
     entry calls it directly in eager mode)."""
-    lib = native.library()
+    lib = native_library.library()
     if lib is None or x.numel() == 0:
         if lib is None:
             native.warn_reference("int4_groupwise_linear")
@@ -191,16 +192,16 @@ def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, 
     weight = int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
     m = x.numel() // k
     if not use_tiles(m, x.dtype):
-        return native.run_linear(weight, x, bias)
+        return native_library.run_linear(weight, x, bias)
     kp = weight.row_length
 
     def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
         # padded rows: dequantize into a [rows, Kp] buffer, keep the first K columns
         full = w if kp == k else torch.empty(n1 - n0, kp, dtype=w.dtype)
-        native.dequantize_rows(weight, n0, n1, full)
+        native_library.dequantize_rows(weight, n0, n1, full)
         if full is not w:
             w.copy_(full[:, :k])
 
-    b = native.checked_bias(bias, n, "int4_groupwise_linear")
+    b = native_library.checked_bias(bias, n, "int4_groupwise_linear")
     out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
