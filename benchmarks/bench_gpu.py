@@ -101,7 +101,7 @@ def time_call(fn, device: torch.device, reps: int) -> list[float]:
 def interpreter_call(name: str, lin: nn.Module):
     """On the CPU (smoke runs) dispatch picks the native kernels: call the Triton function the
     CUDA dispatch would reach, directly, in the interpreter."""
-    from torchq.triton_kernels import dequant_linear, int8_linear
+    from torchq.backends.triton import dequant_linear, int8_linear
 
     w = lin.weight
     impl = w.tensor_impl
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)", file=sys.stderr)
         return 2
-    if device.type == "cpu" and not torchq.triton_kernels.interpreting():
+    if device.type == "cpu" and not torchq.backends.triton.interpreting():
         print("bench_gpu: --device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]

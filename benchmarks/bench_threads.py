@@ -57,21 +57,22 @@ def run_child(mode: str, threads: int, tokens: int, segments: int, quick: bool) 
 
     import torchq
     from torchq import native
+    from torchq.backends.native_cpu import library as native_library
     from torchq.examples import smollm
 
     torch.manual_seed(0)
     torch.set_num_threads(1 if mode in ("torch1", "float1") else threads)
     quantized = not mode.startswith("float")
     if mode in ("native1", "passive1"):
-        native.threads = lambda: 1  # read by every native call
+        native_library.threads = lambda: 1  # read by every native call
     calls = [0]
-    run_linear = native.run_linear
+    run_linear = native_library.run_linear
 
     def counting(*a, **k):
         calls[0] += 1
         return run_linear(*a, **k)
 
-    native.run_linear = counting
+    native_library.run_linear = counting
     model_name = "synthetic"
     if quick:
         model = smollm.SmolLM(smollm.Arch(layers=2, vocab=2048))
@@ -93,7 +94,7 @@ def run_child(mode: str, threads: int, tokens: int, segments: int, quick: bool) 
         smollm.generate(model, prompt, tokens)
         speeds.append(tokens / (time.perf_counter() - t))
     return dict(mode=mode, model=model_name, tok_s=speeds, native_calls_per_token=calls[0] / (segments * tokens),
-                torch_threads=torch.get_num_threads(), native_threads=native.threads(), isa=native.status().isa)
+                torch_threads=torch.get_num_threads(), native_threads=native_library.threads(), isa=native.status().isa)
 
 
 def spawn(mode: str, args) -> dict:

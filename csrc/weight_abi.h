@@ -1,7 +1,7 @@
 // The weight argument of the exported linears (tq_linear, tq_dequantize_rows): one struct with a
 // format tag, declared once here as an X-macro list of (name, C type, kind). The library exports
 // the list (tq_weight_abi: name, kind and byte offset of field i; tq_weight_size), and
-// torchq/native_abi.py builds its ctypes.Structure from it when the library loads, refusing a
+// torchq/backends/native_cpu/abi.py builds its ctypes.Structure from it when the library loads, refusing a
 // library whose fields, offsets, kinds, size or ABI version differ from what torchq fills.
 //
 // Formats and the fields each reads (every other pointer must be null; sizes in elements):
@@ -24,7 +24,7 @@
 #define TQ_ABI_VERSION 4
 
 enum tq_weight_format : int32_t { TQ_FORMAT_LUT4 = 1, TQ_FORMAT_INT8 = 2, TQ_FORMAT_INT8_DYNAMIC = 3 };
-// A field's kind as tq_weight_abi reports it: its C type, as torchq/native_abi.py maps it to ctypes.
+// A field's kind as tq_weight_abi reports it: its C type, as torchq/backends/native_cpu/abi.py maps it to ctypes.
 enum tq_field_kind : int { TQ_KIND_I32 = 0, TQ_KIND_I64 = 1, TQ_KIND_F32 = 2, TQ_KIND_PTR = 3 };
 
 #define TQ_WEIGHT_FIELDS(X)                                                                                   \

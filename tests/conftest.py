@@ -15,7 +15,7 @@ import torch
 from hypothesis import settings
 
 # Without a GPU, Triton kernels run in triton's CPU interpreter (read when a kernel is defined,
-# so before any torchq.triton_kernels module is imported).
+# so before any torchq.backends.triton module is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

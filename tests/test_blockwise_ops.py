@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import torchq  # noqa: F401  (registers torch.ops.torchq.*)
 from torchq.blockwise import FP4, NF4, codebook, dynamic_map
-from torchq.blockwise.ops import BLOCK_SIZES
 from torchq.checkpoint.codec import tensor_crc32
+from torchq.ops.blockwise import BLOCK_SIZES
 
 ops = torch.ops.torchq
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None

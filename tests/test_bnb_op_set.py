@@ -13,7 +13,7 @@ from torch.library import opcheck
 import torchq  # noqa: F401  (registers torch.ops.torchq.*)
 from torchq.blockwise import codebook, dynamic_map
 from torchq.blockwise.nested import double_quantize
-from torchq.blockwise.ops import gemm_4bit_reference, gemv_4bit_reference
+from torchq.ops.blockwise import gemm_4bit_reference, gemv_4bit_reference
 
 ops = torch.ops.torchq
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from test_native_blockwise import needs_native
 
 import torchq
-from torchq import AffineQuantizedTensor, native
+from torchq import AffineQuantizedTensor
 from torchq.activation import PerTokenInt8
+from torchq.backends.native_cpu import library as native_library
 from torchq.layouts.blockwise_4bit import Blockwise4bitImpl
 from torchq.layouts.int4_cpu import Int4CPULayout
 from torchq.layouts.int4_native import Int4NativeImpl, Int4NativeLayout
@@ -221,9 +222,9 @@ def test_cached_pointers_are_not_reused_for_another_claimed_shape(kind):
 @needs_native
 def test_checked_ptr_rejects_every_unsafe_buffer():
     good = torch.zeros(4, 8, dtype=torch.uint8)
-    assert native.checked_ptr("t", good, torch.uint8, 32) == good.data_ptr()
-    assert native.checked_ptr("t", None, torch.uint8, 32) is None
-    assert native.checked_ptr("t", torch.zeros(64, dtype=torch.uint8)[32:], torch.uint8, 32) is not None  # an offset view
+    assert native_library.checked_ptr("t", good, torch.uint8, 32) == good.data_ptr()
+    assert native_library.checked_ptr("t", None, torch.uint8, 32) is None
+    assert native_library.checked_ptr("t", torch.zeros(64, dtype=torch.uint8)[32:], torch.uint8, 32) is not None  # an offset view
     whole = torch.zeros(64, dtype=torch.uint8)
     shrunk = whole[:32]
     whole.untyped_storage().resize_(16)  # the view still claims 32 elements
@@ -237,7 +238,7 @@ def test_checked_ptr_rejects_every_unsafe_buffer():
     }
     for why, (t, message) in bad.items():
         with pytest.raises(ValueError, match=rf"t: .*{message}"):
-            native.checked_ptr("t", t, torch.uint8, 32)
+            native_library.checked_ptr("t", t, torch.uint8, 32)
         assert why
 
 
@@ -245,8 +246,8 @@ def test_checked_ptr_rejects_every_unsafe_buffer():
 def test_run_linear_checks_the_input_and_the_bias():
     w = _aqt("int8wo")
     impl = w.tensor_impl
-    weight = native.weight_args(impl, lambda i: native.int8_weight("int8", i.codes, i.scale.reshape(-1), 8, K))
-    run = lambda x, b=None: native.run_linear(weight, x, b)  # noqa: E731
+    weight = native_library.weight_args(impl, lambda i: native_library.int8_weight("int8", i.codes, i.scale.reshape(-1), 8, K))
+    run = lambda x, b=None: native_library.run_linear(weight, x, b)  # noqa: E731
     assert run(torch.randn(2, K)).shape == (2, 8)
     with pytest.raises(ValueError, match=r"x: expected a contiguous CPU torch.float32 tensor of 512 elements, got .*\[2, 255\]"):
         run(torch.randn(2, K - 1))

@@ -20,14 +20,9 @@ import torchq
 from torchq import ZeroPointDomain as Z
 from torchq.canonical import PlainForm, QuantSpec
 from torchq.layouts.base import placement_reason
-from torchq.layouts.int4_xpu import Int4XPULayout, int4_xpu_mm, pack_xpu, unpack_xpu, xpu_dequantize
-from torchq.layouts.tensor_core_tiled import (
-    TensorCoreTiledLayout,
-    int4_tensor_core_mm,
-    pack_tiled,
-    tinygemm_dequantize,
-    unpack_tiled,
-)
+from torchq.layouts.int4_xpu import Int4XPULayout, pack_xpu
+from torchq.layouts.tensor_core_tiled import TensorCoreTiledLayout, pack_tiled
+from torchq.ops.int4 import int4_tensor_core_mm, int4_xpu_mm, tinygemm_dequantize, unpack_tiled, unpack_xpu, xpu_dequantize
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

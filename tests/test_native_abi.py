@@ -1,4 +1,4 @@
-"""The weight struct shared by the native library and Python (csrc/weight_abi.h, torchq/native_abi.py).
+"""The weight struct shared by the native library and Python (csrc/weight_abi.h, torchq/backends/native_cpu/abi.py).
 
 * the library's self-description (``tq_weight_abi``, ``tq_weight_size``) is what the header
   declares and what Python's ctypes.Structure lays out;
@@ -23,8 +23,10 @@ import torch
 from test_native_blockwise import needs_native
 
 import torchq
-from torchq import native, native_abi
-from torchq.blockwise import double_quantize, linear
+from torchq.backends.native_cpu import abi as native_abi
+from torchq.backends.native_cpu import library as native_library
+from torchq.backends.native_cpu import lut4
+from torchq.blockwise import double_quantize
 
 pytestmark = needs_native
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +41,12 @@ def header_fields() -> list[tuple[str, str]]:
 
 
 def test_the_library_describes_the_struct_the_header_declares_and_python_lays_out():
-    lib = native.library()
-    assert lib.tq_abi_version() == native.ABI_VERSION == 4
+    lib = native_library.library()
+    assert lib.tq_abi_version() == native_library.ABI_VERSION == 4
     fields, size = native_abi.describe(lib)
     kinds = {"TQ_KIND_I32": 0, "TQ_KIND_I64": 1, "TQ_KIND_F32": 2, "TQ_KIND_PTR": 3}
     assert [(f.name, f.kind) for f in fields] == [(name, kinds[kind]) for name, kind in header_fields()]
-    struct = native._WEIGHT_STRUCT
+    struct = native_library.weight_struct()
     assert ctypes.sizeof(struct) == size
     for f in fields:
         assert getattr(struct, f.name).offset == f.offset, f.name
@@ -61,11 +63,11 @@ class StaleLibrary:
     def __getattr__(self, name):
         if name in self._replaced:
             return self._replaced[name]
-        return getattr(native.library(), name)
+        return getattr(native_library.library(), name)
 
 
 def _described_as(monkeypatch, change) -> None:
-    fields, size = native_abi.describe(native.library())
+    fields, size = native_abi.describe(native_library.library())
     monkeypatch.setattr(native_abi, "describe", lambda lib: change(list(fields), size))
 
 
@@ -86,16 +88,16 @@ def _moved(fields, size, name, by):
 )
 def test_a_library_describing_another_struct_is_refused(monkeypatch, change, reason):
     _described_as(monkeypatch, change)
-    struct, why = native.validate(native.library(), "_native.so")
+    struct, why = native_library.validate(native_library.library(), "_native.so")
     assert struct is None
     assert re.search(rf"^_native\.so: its weight struct.*{reason} \(stale build: reinstall\)$", why), why
 
 
 def test_a_library_of_another_abi_version_or_without_an_entry_point_is_refused():
     old = StaleLibrary(tq_abi_version=lambda: 3)
-    assert native.validate(old, "_native.so") == (None, "_native.so has ABI 3, this torchq needs 4 (stale build: reinstall)")
+    assert native_library.validate(old, "_native.so") == (None, "_native.so has ABI 3, this torchq needs 4 (stale build: reinstall)")
     missing = StaleLibrary(tq_linear=None)
-    assert native.validate(missing, "_native.so") == (None, "_native.so lacks tq_linear (stale build: reinstall)")
+    assert native_library.validate(missing, "_native.so") == (None, "_native.so lacks tq_linear (stale build: reinstall)")
 
 
 STALE_CHILD = """
@@ -145,23 +147,23 @@ def test_status_says_a_stale_library_is_refused_and_it_is_never_called():
 # -- the library checks the struct's consistency ---------------------------------------------------------
 
 
-def _weights() -> dict[str, native.NativeWeight]:
+def _weights() -> dict[str, native_library.NativeWeight]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=g)
     packed, absmax = torch.ops.torchq.quantize_4bit(w, 64, "nf4", torch.uint8)
     codes, absmax2, offset = double_quantize(absmax)
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
     return {
-        "lut4": linear.native_weight(packed.reshape(-1), linear.TABLES["nf4"], absmax, None, None, None, N, K, 64),
-        "lut4_nested": linear.native_weight(packed.reshape(-1), linear.TABLES["nf4"], None, codes, absmax2, offset, N, K, 64),
-        "int8": native.int8_weight("int8_weight_linear", q, torch.rand(N) + 0.5, N, K),
-        "int8_dynamic": native.int8_weight("int8_weight_linear", q, torch.rand(N) + 0.5, N, K).dynamic(-127, 127, 1e-5),
+        "lut4": lut4.blockwise_4bit_native_weight(packed.reshape(-1), lut4.TABLES["nf4"], absmax, None, None, None, N, K, 64),
+        "lut4_nested": lut4.blockwise_4bit_native_weight(packed.reshape(-1), lut4.TABLES["nf4"], None, codes, absmax2, offset, N, K, 64),
+        "int8": native_library.int8_weight("int8_weight_linear", q, torch.rand(N) + 0.5, N, K),
+        "int8_dynamic": native_library.int8_weight("int8_weight_linear", q, torch.rand(N) + 0.5, N, K).dynamic(-127, 127, 1e-5),
     }
 
 
-def _altered(weight: native.NativeWeight, **changes) -> native.NativeWeight:
+def _altered(weight: native_library.NativeWeight, **changes) -> native_library.NativeWeight:
     fields = {name: getattr(weight.struct, name) for name, _ in weight.struct._fields_}
-    return native.NativeWeight(weight.op, weight._tensors, **(fields | changes))
+    return native_library.NativeWeight(weight.op, weight._tensors, **(fields | changes))
 
 
 BAD_FIELDS = {
@@ -181,22 +183,22 @@ CASES = [(kind, i) for kind, bad in BAD_FIELDS.items() for i in range(len(bad))]
 def test_an_inconsistent_weight_struct_is_a_bad_argument(kind, case):
     good = _weights()[kind]
     bad = _altered(good, **BAD_FIELDS[kind][case])
-    lib = native.library()
+    lib = native_library.library()
     x, out, tile = torch.randn(2, 2 * K), torch.empty(2, 2 * N), torch.empty(2 * N, 2 * K)  # room for any claimed size
     assert lib.tq_linear(good.address, x.data_ptr(), 0, 2, None, out.data_ptr(), 1) == 0
     assert lib.tq_linear(bad.address, x.data_ptr(), 0, 2, None, out.data_ptr(), 1) == 1
     assert lib.tq_dequantize_rows(bad.address, 0, 1, tile.data_ptr(), 0, 1) == 1
     if (bad.n, bad.k, bad.row_length) == (good.n, good.k, good.row_length):
         with pytest.raises(RuntimeError, match=r"failed with status 1 \(1: bad argument"):
-            native.run_linear(bad, torch.randn(2, K), None)
+            native_library.run_linear(bad, torch.randn(2, K), None)
         with pytest.raises(RuntimeError, match=r"dequantize failed with status 1"):
-            native.dequantize_rows(bad, 0, 1, torch.empty(1, bad.row_length))
+            native_library.dequantize_rows(bad, 0, 1, torch.empty(1, bad.row_length))
 
 
 @pytest.mark.parametrize("kind", ["lut4", "int8"])
 def test_linear_and_dequantize_arguments_outside_the_struct_are_checked(kind):
     weight = _weights()[kind]
-    lib = native.library()
+    lib = native_library.library()
     x, out = torch.randn(1, K), torch.empty(1, N)
     assert lib.tq_linear(None, x.data_ptr(), 0, 1, None, out.data_ptr(), 1) == 1  # no weight
     assert lib.tq_linear(weight.address, x.data_ptr(), 3, 1, None, out.data_ptr(), 1) == 1  # unknown dtype
@@ -212,11 +214,11 @@ def test_linear_and_dequantize_arguments_outside_the_struct_are_checked(kind):
 def test_a_dynamic_weight_takes_no_bias_in_c_and_adds_it_after_rounding():
     weight = _weights()["int8_dynamic"]
     x, bias = torch.randn(3, K, dtype=torch.bfloat16), torch.randn(N, dtype=torch.bfloat16)
-    lib = native.library()
+    lib = native_library.library()
     out = torch.empty(3, N, dtype=torch.bfloat16)
     b32 = bias.float()
     assert lib.tq_linear(weight.address, x.data_ptr(), 1, 3, b32.data_ptr(), out.data_ptr(), 1) == 1
-    assert torch.equal(native.run_linear(weight, x, bias), native.run_linear(weight, x, None) + bias)
+    assert torch.equal(native_library.run_linear(weight, x, bias), native_library.run_linear(weight, x, None) + bias)
 
 
 def test_builders_check_every_buffer_against_the_sizes_the_struct_claims():
@@ -225,13 +227,13 @@ def test_builders_check_every_buffer_against_the_sizes_the_struct_claims():
     packed, table = tensors[0], tensors[1]
     codes, absmax2, offset = tensors[2:5]
     with pytest.raises(ValueError, match=r"nested_offset: expected a contiguous CPU torch.float32 tensor of 1 elements"):
-        native.lut4_weight("t", N, K, 64, packed, table, nested=(codes, absmax2, offset.to(torch.float64), tensors[5]))
+        native_library.lut4_weight("t", N, K, 64, packed, table, nested=(codes, absmax2, offset.to(torch.float64), tensors[5]))
     with pytest.raises(ValueError, match=r"packed: expected a contiguous CPU torch.uint8 tensor of 512 elements"):
-        native.lut4_weight("t", N, K, 64, packed[:-1], table, scales=torch.ones(N * K // 64))
+        native_library.lut4_weight("t", N, K, 64, packed[:-1], table, scales=torch.ones(N * K // 64))
     with pytest.raises(ValueError, match=r"scales, nested: pass exactly one"):
-        native.lut4_weight("t", N, K, 64, packed, table)
+        native_library.lut4_weight("t", N, K, 64, packed, table)
     with pytest.raises(ValueError, match=r"scales: expected a contiguous CPU torch.float32 tensor of 8 elements"):
-        native.int8_weight("t", torch.zeros(N * K, dtype=torch.int8), torch.ones(N + 1), N, K)
+        native_library.int8_weight("t", torch.zeros(N * K, dtype=torch.int8), torch.ones(N + 1), N, K)
     with pytest.raises(ValueError, match=r"dynamic activations need an int8 weight-only weight"):
         weights["lut4"].dynamic(-127, 127, 1e-5)
 
@@ -241,11 +243,11 @@ def test_the_nested_offset_is_read_at_every_call():
     weight = _weights()["lut4_nested"]
     offset = weight._tensors[4]
     x = torch.randn(1, K)
-    before = native.run_linear(weight, x, None)
+    before = native_library.run_linear(weight, x, None)
     offset.add_(1.0)
-    assert not torch.equal(native.run_linear(weight, x, None), before)
+    assert not torch.equal(native_library.run_linear(weight, x, None), before)
 
 
-def test_torchq_native_has_no_positional_entry_points():
-    assert not [name for name in native._SIGNATURES if re.match(r"tq_(int4|int8|blockwise4bit)_", name)]
-    assert isinstance(torchq.native.NativeWeight, type)
+def test_the_native_library_has_no_positional_entry_points():
+    assert not [name for name in native_library._SIGNATURES if re.match(r"tq_(int4|int8|blockwise4bit)_", name)]
+    assert isinstance(torchq.backends.native_cpu.library.NativeWeight, type)

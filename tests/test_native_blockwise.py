@@ -23,15 +23,17 @@ from hypothesis import strategies as st
 
 import torchq
 from torchq import native, prefill
-from torchq.blockwise import double_dequantize, double_quantize, linear
-from torchq.blockwise.ops import BLOCK_SIZES
+from torchq.backends.native_cpu import library as native_library
+from torchq.backends.native_cpu import lut4
+from torchq.blockwise import double_dequantize, double_quantize
+from torchq.ops.blockwise import BLOCK_SIZES
 
 ops = torch.ops.torchq
 NATIVE = native.status().available
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native library not built: {native.status().reason}")
 # every ISA up to the active one: the CPU's best, or the cap TORCHQ_NATIVE_ISA sets (so a run capped
 # at avx2 tests what an AVX2-only CPU runs, and never lifts the cap)
-ISAS = [] if not NATIVE else [isa for isa in native.ISA_NAMES if native.ISA_NAMES.index(isa) <= native.ISA_NAMES.index(native.status().isa)]
+ISAS = [] if not NATIVE else [isa for isa in native_library.ISA_NAMES if native_library.ISA_NAMES.index(isa) <= native_library.ISA_NAMES.index(native.status().isa)]
 U32 = 2.0**-24
 OUT_ROUNDING = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -68,7 +70,7 @@ def test_status_names_the_library_or_the_reason():
     if os.environ.get("TORCHQ_REQUIRE_NATIVE") == "1":  # CI: the install must have built it
         assert s.available, str(s)
     if s.available:
-        assert s.isa in native.ISA_NAMES and s.path and s.path.endswith(".so")
+        assert s.isa in native_library.ISA_NAMES and s.path and s.path.endswith(".so")
     else:
         assert s.reason
 
@@ -108,9 +110,9 @@ def test_native_dequantize_matches_the_reference(isa, bf16):
     packed, args, dense = weight(n, k, block, "fp4", nested=True)
     dtype = torch.bfloat16 if bf16 else torch.float32
     out = torch.empty(n - 3, k, dtype=dtype)
-    w = linear.native_weight(packed.reshape(-1), linear.TABLES["fp4"], None, args["nested_codes"], args["nested_absmax"],
+    w = lut4.blockwise_4bit_native_weight(packed.reshape(-1), lut4.TABLES["fp4"], None, args["nested_codes"], args["nested_absmax"],
                              args["nested_offset"], n, k, block)
-    native.dequantize_rows(w, 3, n, out)
+    native_library.dequantize_rows(w, 3, n, out)
     assert torch.equal(out, dense[3:].to(dtype))
 
 
@@ -197,7 +199,7 @@ def test_gemv_4bit_uses_the_kernel_and_matches_its_reference():
     packed, args, dense = weight(n, k, block, "nf4", nested=False)
     x = torch.randn(1, k)
     from torchq.blockwise import codebook
-    from torchq.blockwise.ops import gemv_4bit_reference
+    from torchq.ops.blockwise import gemv_4bit_reference
 
     y = ops.gemv_4bit(x, packed.reshape(-1, 1), [n, k], args["absmax"], codebook("nf4"), block)
     ref = gemv_4bit_reference(x, packed.reshape(-1, 1), [n, k], args["absmax"], codebook("nf4"), block)
@@ -212,7 +214,7 @@ def test_gemv_4bit_with_blocks_crossing_rows_runs_the_reference_and_says_so():
     w = torch.randn(n, k)
     packed, absmax = ops.quantize_4bit(w, block, "nf4", torch.uint8)
     from torchq.blockwise import codebook
-    from torchq.blockwise.ops import gemv_4bit_reference
+    from torchq.ops.blockwise import gemv_4bit_reference
 
     x = torch.randn(1, k)
     with pytest.warns(native.NativeMissingWarning, match="blocks cross rows"):

@@ -28,7 +28,8 @@ import torchq
 from torchq import native
 from torchq.canonical import PlainForm, QuantSpec
 from torchq.layouts import Int4CPULayout, Int4NativeLayout, PlainLayout
-from torchq.layouts.int4_native import GROUP_SIZES, dequantize_int4_native, int4_groupwise_linear
+from torchq.ops.int4 import INT4_GROUPWISE_GROUP_SIZES as GROUP_SIZES
+from torchq.ops.int4 import dequantize_int4_groupwise, int4_groupwise_linear
 from torchq.ops.int8 import int8_dynamic_linear, int8_weight_linear
 from torchq.primitives import ZeroPointDomain
 
@@ -79,7 +80,7 @@ def test_int4_layout_round_trips_and_dequantizes_bit_exactly(n, k, g, domain, sc
     assert impl.to_plain().equal(plain)
     rm, ra = impl.round_kinds
     for dtype in FLOATS:
-        ours = dequantize_int4_native(impl.packed, impl.scale, impl.shift, impl.zero, k, g, impl.code_base, rm, ra, dtype)
+        ours = dequantize_int4_groupwise(impl.packed, impl.scale, impl.shift, impl.zero, k, g, impl.code_base, rm, ra, dtype)
         assert torch.equal(ours, plain.dequantize(dtype))
 
 

@@ -21,6 +21,7 @@ from test_native_blockwise import ISAS, needs_native
 
 import torchq
 from torchq import native
+from torchq.backends.native_cpu import library as native_library
 
 pytestmark = needs_native
 HALVES = [torch.bfloat16, torch.float16]
@@ -29,14 +30,14 @@ HALVES = [torch.bfloat16, torch.float16]
 def to_f32(bits16: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(bits16.numel(), dtype=torch.float32)
     src = bits16.contiguous()
-    native.check(native.library().tq_to_f32(src.data_ptr(), native.DTYPE_CODES[dtype], src.numel(), out.data_ptr()), "to_f32")
+    native_library.check(native_library.library().tq_to_f32(src.data_ptr(), native_library.DTYPE_CODES[dtype], src.numel(), out.data_ptr()), "to_f32")
     return out
 
 
 def from_f32(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(x.numel(), dtype=dtype)
     src = x.contiguous()
-    native.check(native.library().tq_from_f32(src.data_ptr(), src.numel(), native.DTYPE_CODES[dtype], out.data_ptr()), "from_f32")
+    native_library.check(native_library.library().tq_from_f32(src.data_ptr(), src.numel(), native_library.DTYPE_CODES[dtype], out.data_ptr()), "from_f32")
     return out
 
 
@@ -88,7 +89,7 @@ def test_random_fp32_bit_patterns_narrow_as_torch_does(bits, dtype, isa):
 
 
 def test_conversion_hooks_reject_bad_arguments():
-    lib = native.library()
+    lib = native_library.library()
     buf = (ctypes.c_float * 4)()
     assert lib.tq_to_f32(ctypes.addressof(buf), 7, 4, ctypes.addressof(buf)) == 1
     assert lib.tq_from_f32(ctypes.addressof(buf), -1, 0, ctypes.addressof(buf)) == 1

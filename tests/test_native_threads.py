@@ -41,6 +41,7 @@ STRESS_CHILD = textwrap.dedent(
     import torch.nn.functional as F
     import torchq
     from torchq import native
+    from torchq.backends.native_cpu import library as native_library
 
     phases = [tuple(map(float, p.split(":"))) for p in sys.argv[1].split(",")]  # "threads:seconds,..."
     counts = [1, 2, 3, 4, 8]
@@ -51,11 +52,11 @@ STRESS_CHILD = textwrap.dedent(
         "int8_dyn": torchq.int8_dynamic_activation_int8_weight(),
     }
     calls = {}
-    real_run_linear = native.run_linear
+    real_run_linear = native_library.run_linear
     def counting(weight, *args, **kwargs):
         calls[weight.op] = calls.get(weight.op, 0) + 1
         return real_run_linear(weight, *args, **kwargs)
-    native.run_linear = counting
+    native_library.run_linear = counting
 
     gen = torch.Generator().manual_seed(0)
     cases = []  # (name, weight, bias, x): N = 8 and 64 alternate, M = 1 and 3

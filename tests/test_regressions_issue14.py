@@ -136,7 +136,7 @@ def test_zero_rows_give_an_empty_output_like_float(name, dtype):
         with torch.no_grad():
             y = lin(x)
         assert y.shape == (*shape[:-1], 72) and y.dtype == dtype
-    for op in (torch.ops.torchq.int8_vectorwise_quant, torchq.vectorwise.int8_vectorwise_quant):
+    for op in (torch.ops.torchq.int8_vectorwise_quant, torchq.ops.vectorwise.int8_vectorwise_quant):
         codes, stats, cols = op(torch.randn(0, 16), 6.0)
         assert codes.shape == (0, 16) and stats.shape == (0,) and cols.numel() == 0
 

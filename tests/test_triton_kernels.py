@@ -1,4 +1,4 @@
-"""Triton kernels (torchq.triton_kernels) against the ops' pure-PyTorch references.
+"""Triton kernels (torchq.backends.triton) against the ops' pure-PyTorch references.
 
 Without a GPU they run in triton's CPU interpreter (``TRITON_INTERPRET=1``, set by conftest) on
 small shapes: the dequantized weights are checked bit for bit through identity inputs (each
@@ -24,7 +24,7 @@ from torchq.layouts import Int4NativeLayout
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from torchq.triton_kernels import cuda_rejects, dequant_linear, int8_linear  # noqa: E402
+from torchq.backends.triton import cuda_rejects, dequant_linear, int8_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]

@@ -7,7 +7,7 @@
 # the ops first, then the backends registering against them, then the layouts
 from . import ops  # noqa: I001
 from . import backends  # noqa: I001
-from . import blockwise, interop, layouts, native, primitives, vectorwise
+from . import blockwise, interop, layouts, native, primitives
 from .activation import OutlierInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .canonical import PlainForm, QuantSpec
@@ -50,10 +50,6 @@ from .layouts import Layout, TensorImpl, choose_layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain
 from .quantize import QuantizationError, SkippedLayerWarning, TiedWeightWarning, quantize_
 from .tensor import AffineQuantizedTensor
-from .triton_kernels import register_cuda_kernels as _register_cuda_kernels
-
-_register_cuda_kernels()
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -117,7 +113,6 @@ __all__ = [
     "set_strict",
     "strict",
     "unregister_linear_kernel",
-    "vectorwise",
 ]
 for _name in layouts.__all__:
     if _name.endswith("Layout") and _name != "Layout":

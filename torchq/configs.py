@@ -311,7 +311,7 @@ class NF4WeightOnlyConfig(QuantConfig):
     compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        from .blockwise.ops import BLOCK_SIZES
+        from .ops.blockwise import BLOCK_SIZES
 
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size: expected a power of two in 32..4096, got {self.block_size!r}")

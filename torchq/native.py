@@ -1,7 +1,7 @@
 """torchq's native CPU kernels: the C++ library built from ``csrc/`` when the package is installed.
 
-The library has a plain C ABI (no torch or Python headers), is loaded here with :mod:`ctypes`,
-and is called from the CPU implementations of ``torchq::`` ops whose pure-PyTorch references
+The library has a plain C ABI (no torch or Python headers), is loaded with :mod:`ctypes`,
+and is called from the CPU implementations of ``torchq::`` ops (:mod:`torchq.backends.native_cpu`) whose pure-PyTorch references
 stay the fallback. It picks AVX-512, AVX2+FMA or a portable path at run time and threads over
 ``torch.get_num_threads()``.
 
@@ -10,12 +10,8 @@ stay the fallback. It picks AVX-512, AVX2+FMA or a portable path at run time and
   ``TORCHQ_NATIVE_SPIN_US`` lets the kernel threads spin that long for the next call (default 0).
 * :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
 
-Every kernel call goes through two functions, :func:`run_linear` and :func:`dequantize_rows`,
-with a :class:`NativeWeight`: the library's weight struct (``csrc/weight_abi.h``, mirrored by
-:mod:`torchq.native_abi` and checked against the library's own description when it loads),
-built once per weight by :func:`lut4_weight` or :func:`int8_weight`, which check every buffer
-against the sizes the struct claims (:func:`checked_ptr`); per call only x, the output, the
-bias and M are passed. :func:`weight_args` caches a layout's weight per tensor impl.
+The loading, validation and call path (``NativeWeight``, ``run_linear`` ...) are in
+:mod:`torchq.backends.native_cpu.library`; this module is the public control surface.
 
 When the library is absent, the first op that would have used it warns once
 (:class:`NativeMissingWarning`) naming the op, so a slow path is never silent.
@@ -23,46 +19,16 @@ When the library is absent, the first op that would have used it warns once
 
 from __future__ import annotations
 
-import contextvars
-import ctypes
-import importlib.machinery
-import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
+from . import dispatch
+from .backends.native_cpu.library import DISABLED, ISA_NAMES, library, load_error, loaded, threads
 
-from torchq import dispatch, native_abi
-from torchq.identity_cache import IdentityCache
-from torchq.prefill import use_tiles
-
-__all__ = [
-    "NativeMissingWarning", "NativeStatus", "NativeWeight", "available", "check_bias", "checked_bias", "checked_ptr", "checked_tile",
-    "decode_weight", "dequantize_rows", "disabled", "int8_weight", "library", "lut4_weight", "run_linear", "set_isa", "status",
-    "threads", "validate", "weight_args",
-]
-
-ABI_VERSION = 4
-ISA_NAMES = ("scalar", "avx2", "avx512")
-_c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
-# name -> (restype, argtypes) of every exported function
-_SIGNATURES: dict[str, tuple[object, list]] = {
-    "tq_abi_version": (_c_int, []),
-    "tq_supported_isa": (_c_int, []),
-    "tq_active_isa": (_c_int, []),
-    "tq_set_isa": (_c_int, [_c_int]),
-    "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
-    "tq_weight_size": (_c_int64, []),
-    "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
-    "tq_dequantize_rows": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int]),  # weight, n0, n1, dst, bf16, threads
-    "tq_to_f32": (_c_int, [_ptr, _c_int, _c_int64, _ptr]),
-    "tq_from_f32": (_c_int, [_ptr, _c_int64, _c_int, _ptr]),
-}
-
+__all__ = ["NativeMissingWarning", "NativeStatus", "available", "disabled", "reset_warnings", "set_isa", "status", "threads",
+           "warn_reference"]
 
 class NativeMissingWarning(UserWarning):
     """An op ran its pure-PyTorch reference because the native library is not available."""
@@ -82,56 +48,7 @@ class NativeStatus:
         return f"native CPU kernels: not available ({self.reason}); ops run their pure-PyTorch references"
 
 
-def _candidates() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-
-
-def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, type[ctypes.Structure] | None]:
-    if os.environ.get("TORCHQ_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
-        return None, None, "disabled by TORCHQ_NATIVE=0", None
-    found = [p for p in _candidates() if p.is_file()]
-    if not found:
-        return None, None, "torchq/_native library not built (reinstall with a C++ compiler: pip install -e .)", None
-    path = found[0]
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        return None, str(path), f"cannot load {path.name}: {e}", None
-    struct, reason = validate(lib, path.name)
-    return (lib if struct else None), str(path), reason, struct
-
-
-def validate(lib: ctypes.CDLL, name: str) -> tuple[type[ctypes.Structure] | None, str | None]:
-    """``(the weight struct's ctypes.Structure, None)`` when ``lib`` (the file ``name``) is the
-    library this torchq calls: every exported function present (their signatures set here), the
-    same ABI version, and a weight struct with the fields torchq fills, of the same kinds, at
-    the offsets ctypes lays out (:mod:`torchq.native_abi`); else ``(None, why not)``."""
-    for fn_name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, fn_name, None)
-        if fn is None:
-            return None, f"{name} lacks {fn_name} (stale build: reinstall)"
-        fn.restype, fn.argtypes = restype, argtypes
-    version = lib.tq_abi_version()
-    if version != ABI_VERSION:
-        return None, f"{name} has ABI {version}, this torchq needs {ABI_VERSION} (stale build: reinstall)"
-    struct, reason = native_abi.weight_structure(*native_abi.describe(lib))
-    if struct is None:
-        return None, f"{name}: {reason} (stale build: reinstall)"
-    return struct, None
-
-
-_LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
-# how many torchq.native.disabled() blocks enclose the calling thread (or task)
-_DISABLED: contextvars.ContextVar[int] = contextvars.ContextVar("torchq_native_disabled", default=0)
 _WARNED: set[str] = set()
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or None when it is missing or :func:`disabled` is in effect."""
-    if _LIB is None or _DISABLED.get():
-        return None
-    return _LIB
 
 
 def available() -> bool:
@@ -143,42 +60,40 @@ dispatch.add_selection_state(available)
 
 
 def status() -> NativeStatus:
-    if _LIB is None:
-        return NativeStatus(False, _PATH, None, None, _REASON)
-    isa, supported = ISA_NAMES[_LIB.tq_active_isa()], ISA_NAMES[_LIB.tq_supported_isa()]
-    if _DISABLED.get():
-        return NativeStatus(False, _PATH, None, supported, "disabled by torchq.native.disabled()")
-    return NativeStatus(True, _PATH, isa, supported, None)
+    lib, (path, reason) = loaded(), load_error()
+    if lib is None:
+        return NativeStatus(False, path, None, None, reason)
+    isa, supported = ISA_NAMES[lib.tq_active_isa()], ISA_NAMES[lib.tq_supported_isa()]
+    if DISABLED.get():
+        return NativeStatus(False, path, None, supported, "disabled by torchq.native.disabled()")
+    return NativeStatus(True, path, isa, supported, None)
 
 
 def set_isa(name: str) -> str:
     """Cap the ISA at ``name`` (scalar, avx2, avx512; clamped to the CPU's). Returns the one now active."""
     if name not in ISA_NAMES:
         raise ValueError(f"name: expected one of {ISA_NAMES}, got {name!r}")
-    if _LIB is None:
-        raise RuntimeError(f"torchq native library not available: {_REASON}")
-    return ISA_NAMES[_LIB.tq_set_isa(ISA_NAMES.index(name))]
+    lib = loaded()
+    if lib is None:
+        raise RuntimeError(f"torchq native library not available: {load_error()[1]}")
+    return ISA_NAMES[lib.tq_set_isa(ISA_NAMES.index(name))]
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
     """Within this block (on this thread), ops use their pure-PyTorch references."""
-    token = _DISABLED.set(_DISABLED.get() + 1)
+    token = DISABLED.set(DISABLED.get() + 1)
     try:
         yield
     finally:
-        _DISABLED.reset(token)
-
-
-def threads() -> int:
-    return max(1, torch.get_num_threads())
+        DISABLED.reset(token)
 
 
 def warn_reference(op: str, reason: str | None = None) -> None:
     """Warn once per op that it runs its (slower) reference: because the library is missing, or
     for ``reason`` (an input the native kernel does not take)."""
     key = f"{op}: {reason}" if reason else op
-    if key in _WARNED or _DISABLED.get():
+    if key in _WARNED or DISABLED.get():
         return
     _WARNED.add(key)
     warnings.warn(
@@ -194,234 +109,3 @@ def reset_warnings() -> None:
     _WARNED.clear()
 
 
-def eager_cpu(x: torch.Tensor) -> bool:
-    """True when a CPU op can be called as a plain function: ``x`` is on the CPU and no graph is
-    being traced. Dispatch kernels then skip the custom-op dispatcher (tens of microseconds per
-    call, a tenth of a decode-sized linear); torch.compile still sees the ``torchq::`` op."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-# The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def checked_ptr(name: str, t: torch.Tensor | None, dtype: torch.dtype, numel: int, op: str = "native call") -> int | None:
-    """``t``'s data pointer (None for None) once it is safe for C code to access ``numel``
-    elements of ``dtype`` there: a contiguous CPU tensor of exactly that dtype and number of
-    elements, all inside its storage. Every pointer torchq hands to the library comes from here
-    (or from a tensor allocated for the call), so a tensor whose metadata claims more bytes than
-    it holds raises a ValueError naming ``name`` instead of letting C read foreign memory."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"torchq {op}: {name}: expected a tensor, got {type(t).__name__}")
-    if t.dtype != dtype or not t.is_cpu or t.numel() != numel or not t.is_contiguous():  # the decode path: keep it lean
-        raise ValueError(
-            f"torchq {op}: {name}: expected a contiguous CPU {dtype} tensor of {numel} elements, got "
-            f"{'contiguous' if t.is_contiguous() else 'non-contiguous'} {t.dtype} {list(t.shape)} on {t.device}"
-        )
-    try:
-        held = t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError) as e:
-        raise ValueError(f"torchq {op}: {name}: expected a tensor with storage, got {type(t).__name__} ({e})") from None
-    if (t.storage_offset() + numel) * t.element_size() > held:
-        raise ValueError(f"torchq {op}: {name}: its storage holds {held} bytes, the call reads "
-                         f"{(t.storage_offset() + numel) * t.element_size()} (offset {t.storage_offset()} + {numel} "
-                         f"elements of {t.element_size()} bytes)")
-    return t.data_ptr()
-
-
-def check_bias(bias: torch.Tensor | None, n: int, op: str) -> None:
-    """Raise ValueError unless ``bias`` is None or a floating-point CPU tensor of ``n`` elements
-    (a meta bias's null pointer would read as "no bias" in C)."""
-    if bias is None:
-        return
-    if not isinstance(bias, torch.Tensor) or not bias.is_cpu or not bias.is_floating_point() or bias.numel() != n:
-        got = f"{bias.dtype} {list(bias.shape)} on {bias.device}" if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"torchq {op}: bias: expected a floating-point CPU tensor of {n} elements, got {got}")
-
-
-def checked_bias(bias: torch.Tensor | None, n: int, op: str) -> torch.Tensor | None:
-    """``bias`` as the contiguous fp32 ``[N]`` CPU tensor the kernels read (None for None),
-    checked with :func:`checked_ptr` (a meta bias, whose null pointer would read as "no bias"
-    in C, raises)."""
-    if bias is None:
-        return None
-    if not isinstance(bias, torch.Tensor):
-        check_bias(bias, n, op)  # raises, naming what was given
-    b = bias if bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous() else bias.reshape(-1).to(torch.float32).contiguous()
-    checked_ptr("bias", b, torch.float32, n, op)
-    return b
-
-
-def checked_tile(w: torch.Tensor, rows: int, cols: int, op: str) -> tuple[int, int]:
-    """``(pointer, bf16 flag)`` of a dequantization tile: the library writes ``rows x cols``
-    fp32 (flag 0) or bf16 (flag 1) values there."""
-    if w.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"torchq {op}: tile: expected fp32 or bf16, got {w.dtype}")
-    return checked_ptr("tile", w, w.dtype, rows * cols, op), int(w.dtype == torch.bfloat16)
-
-
-class NativeWeight:
-    """A weight as the library's ``tq_weight`` struct (``csrc/weight_abi.h``), built once by
-    :func:`lut4_weight` or :func:`int8_weight` after checking every buffer with
-    :func:`checked_ptr` against the sizes the struct claims; it holds those tensors, so its
-    pointers stay valid as long as it lives. Call it with :func:`run_linear` and
-    :func:`dequantize_rows`. ``op`` names the torchq op in error messages."""
-
-    __slots__ = ("struct", "address", "op", "format", "n", "k", "row_length", "_tensors", "_dynamic")
-
-    def __init__(self, op: str, tensors: tuple[torch.Tensor, ...], **fields: int | float | None) -> None:
-        if _WEIGHT_STRUCT is None:
-            raise RuntimeError(f"torchq {op}: native library not available: {_REASON}")
-        self.struct = _WEIGHT_STRUCT(**fields)
-        self.address = ctypes.addressof(self.struct)
-        self.op, self.format = op, self.struct.format
-        self.n, self.k, self.row_length = self.struct.n, self.struct.k, self.struct.row_length
-        self._tensors = tensors
-        self._dynamic: dict[tuple[int, int, float], NativeWeight] = {}
-
-    def dynamic(self, quant_min: int, quant_max: int, eps: float) -> NativeWeight:
-        """This int8 weight with activations quantized per row into ``[quant_min, quant_max]``
-        (:class:`torchq.activation.PerTokenInt8`), built once per range and eps."""
-        key = (quant_min, quant_max, eps)
-        found = self._dynamic.get(key)
-        if found is None:
-            if self.format != native_abi.FORMAT_INT8:
-                raise ValueError(f"torchq {self.op}: dynamic activations need an int8 weight-only weight, got format {self.format}")
-            fields = {name: getattr(self.struct, name) for name, _ in self.struct._fields_}
-            fields.update(format=native_abi.FORMAT_INT8_DYNAMIC, act_denom=(quant_max - quant_min) / 2, act_eps=eps,
-                          act_qmin=quant_min, act_qmax=quant_max)
-            found = self._dynamic[key] = NativeWeight("int8_dynamic_linear", self._tensors, **fields)
-        return found
-
-
-def lut4_weight(op: str, n: int, k: int, block: int, packed: torch.Tensor, codebook: torch.Tensor, *,
-                scales: torch.Tensor | None = None, nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                shifts: torch.Tensor | None = None, zeros: torch.Tensor | None = None, round_mul: int = 0,
-                round_add: int = 0) -> NativeWeight:
-    """An ``[n, k]`` 4-bit weight for the lut4 kernel: rows of ``row_length`` = k rounded up to a
-    multiple of ``block`` elements, zero-padded; ``packed`` uint8 ``[n * row_length / 2]`` (two
-    codes a byte, the first in the high nibble); ``codebook`` fp32 ``[16]``; per block of a row
-    either ``scales`` fp32 or ``nested = (codes uint8, absmax fp32 per 256 codes, offset fp32
-    [1], map fp32 [256])`` (scale = map[code] * absmax + offset, the offset read at each call);
-    optional ``shifts`` / ``zeros`` fp32 per block; ``round_mul`` / ``round_add`` 0 none, 1 bf16,
-    2 fp16. All contiguous CPU tensors."""
-    if (scales is None) == (nested is None):
-        raise ValueError(f"torchq {op}: scales, nested: pass exactly one")
-    row_length = -(-k // block) * block
-    groups = n * row_length // block
-    tensors = [packed, codebook, scales, shifts, zeros]
-    fields = {
-        "packed": checked_ptr("packed", packed, torch.uint8, n * row_length // 2, op),
-        "codebook": checked_ptr("codebook", codebook, torch.float32, 16, op),
-        "scales": checked_ptr("scales", scales, torch.float32, groups, op),
-        "shifts": checked_ptr("shifts", shifts, torch.float32, groups, op),
-        "zeros": checked_ptr("zeros", zeros, torch.float32, groups, op),
-    }
-    if nested is not None:
-        codes, absmax, offset, table = nested
-        tensors += nested
-        fields.update(
-            nested_codes=checked_ptr("nested_codes", codes, torch.uint8, groups, op),
-            nested_absmax=checked_ptr("nested_absmax", absmax, torch.float32, -(-groups // 256), op),
-            nested_offset=checked_ptr("nested_offset", offset, torch.float32, 1, op),
-            nested_map=checked_ptr("nested_map", table, torch.float32, 256, op),
-        )
-    return NativeWeight(op, tuple(t for t in tensors if t is not None), format=native_abi.FORMAT_LUT4, n=n, k=k,
-                        row_length=row_length, block=block, round_mul=round_mul, round_add=round_add, **fields)
-
-
-def int8_weight(op: str, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> NativeWeight:
-    """An ``[n, k]`` int8 weight-only weight: ``codes`` int8 ``[n * k]`` row-major, ``scales``
-    fp32 ``[n]`` (one per row), contiguous CPU tensors; :meth:`NativeWeight.dynamic` adds int8
-    activations."""
-    return NativeWeight(op, (codes, scales), format=native_abi.FORMAT_INT8, n=n, k=k, row_length=k,
-                        codes=checked_ptr("codes", codes, torch.int8, n * k, op),
-                        scales=checked_ptr("scales", scales, torch.float32, n, op))
-
-
-def run_linear(weight: NativeWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., K] @ W.T (+ bias)`` in x's dtype through ``tq_linear``: x is read and the output
-    written by the library, so the only tensor op here is the output allocation (and a copy for
-    a non-contiguous x). x and bias are checked here, on every call; the weight was checked
-    when it was built. A dynamic-activation weight's bias is added after the rounding to x's
-    dtype, as its reference does."""
-    op, k, n = weight.op, weight.k, weight.n
-    code = DTYPE_CODES.get(x.dtype)
-    if code is None:
-        raise TypeError(f"torchq {op}: x: expected fp32, bf16 or fp16, got {x.dtype}")
-    if x.dim() == 2 and x.is_contiguous():
-        rows = x
-    elif x.dim() and x.shape[-1] == k:
-        rows = x.reshape(-1, k).contiguous()
-    else:
-        raise ValueError(f"torchq {op}: x: expected last dimension K={k}, got shape {list(x.shape)}")
-    m = rows.shape[0]
-    xp = checked_ptr("x", rows, x.dtype, m * k, op)  # also checks K for a 2-D x (m * K elements)
-    out = torch.empty(m, n, dtype=x.dtype)
-    if weight.format != native_abi.FORMAT_INT8_DYNAMIC:
-        b = checked_bias(bias, n, op)  # referenced until the call returns
-        check(_LIB.tq_linear(weight.address, xp, code, m, ptr(b), out.data_ptr(), threads()), op)
-    else:
-        check_bias(bias, n, op)
-        check(_LIB.tq_linear(weight.address, xp, code, m, None, out.data_ptr(), threads()), op)
-        if bias is not None:
-            out = out + bias.to(x.dtype)
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
-
-
-def dequantize_rows(weight: NativeWeight, n0: int, n1: int, out: torch.Tensor) -> None:
-    """Weight rows ``[n0, n1)`` dequantized into ``out``, a contiguous fp32 or bf16
-    ``[n1 - n0, weight.row_length]`` tensor, through ``tq_dequantize_rows``: exactly the
-    reference's values (rounded to nearest even for bf16)."""
-    op = f"{weight.op} dequantize"
-    dst, bf16 = checked_tile(out, n1 - n0, weight.row_length, op)
-    check(_LIB.tq_dequantize_rows(weight.address, n0, n1, dst, bf16, threads()), op)
-
-
-_ARGS = IdentityCache()
-
-
-def weight_args(owner: object, build: Callable[[object], NativeWeight | None]) -> NativeWeight | None:
-    """The :class:`NativeWeight` of ``owner`` (a layout's tensor impl), built once per live
-    ``owner`` so a decode-sized call does not redo it.
-
-    ``build(owner)`` may only point into tensors that ``owner`` holds, never into copies: those
-    pointers stay valid, and see the current values, as long as ``owner`` lives (its tensors are
-    never re-allocated; ``copy_`` into a quantized weight writes in place). A copy of the owner
-    (deepcopy, ``.to``) is a new object and builds its own. ``build`` returns None when the
-    weight cannot be taken in place (a non-contiguous tensor, scales of another dtype); that
-    is not remembered, and the caller takes its general path."""
-    entry = _ARGS.get(owner)
-    shape = getattr(owner, "shape", None)
-    if entry is not None and entry[0] == shape:
-        return entry[1]
-    weight = build(owner)
-    if weight is not None:
-        # Built for this shape only, and holding every attribute the pointers may point into:
-        # reassigning one cannot leave them dangling.
-        _ARGS.set(owner, (shape, weight, tuple(vars(owner).values())))
-    return weight
-
-
-def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], NativeWeight | None]) -> NativeWeight | None:
-    """``owner``'s cached :class:`NativeWeight` (:func:`weight_args`) when the fused kernel takes
-    ``x @ W.T`` directly (eager CPU callers): the library is active and x has a decode-sized,
-    non-zero number of rows (:func:`torchq.prefill.use_tiles`); else None. ``owner.shape`` is
-    ``[N, K]``."""
-    if _LIB is None or _DISABLED.get():
-        return None
-    m = x.numel() // owner.shape[1]
-    if not m or use_tiles(m, x.dtype):
-        return None
-    return weight_args(owner, build)
-
-
-def ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def check(code: int, op: str) -> None:
-    if code != 0:
-        raise RuntimeError(f"torchq native {op} failed with status {code} (1: bad argument, 2: out of memory)")

@@ -2,9 +2,11 @@
 when imported (after the ops, before the layouts). A backend whose library is missing only makes
 its kernels unavailable, with the reason (``torchq.native.status()``, ``torchq.explain``).
 
-* :mod:`.native_cpu`: torchq's native CPU library (``torchq.native`` controls it).
+* :mod:`.native_cpu`: torchq's native CPU library (``torchq.native`` controls it);
+* :mod:`.aten`: PyTorch's own int4 kernels (tinygemm on CUDA, the XPU kernels);
+* :mod:`.triton`: Triton kernels on CUDA (triton itself is imported on the first CUDA call).
 """
 
-from . import native_cpu
+from . import aten, native_cpu, triton
 
-__all__ = ["native_cpu"]
+__all__ = ["aten", "native_cpu", "triton"]

@@ -11,8 +11,8 @@ flattened weight, so they coincide with row groups exactly when ``B`` divides ``
   ``nested_absmax`` fp32 ``[ceil(N*K/B / 256)]``, ``nested_offset`` fp32 0-d
   (``absmax = DYNAMIC[codes] * nested_absmax[i // 256] + offset``).
 
-Linear: ``torch.ops.torchq.blockwise_4bit_linear`` (:mod:`torchq.blockwise.linear`): the fused
-native kernel on the CPU, Triton kernels on CUDA (:mod:`torchq.triton_kernels`); gradients flow to the input and
+Linear: ``torch.ops.torchq.blockwise_4bit_linear`` (:mod:`torchq.ops.blockwise`): the fused
+native kernel on the CPU, Triton kernels on CUDA (:mod:`torchq.backends.triton`); gradients flow to the input and
 bias through the frozen weight (QLoRA).
 """
 
@@ -22,13 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native, triton_kernels
+from ..backends import triton as triton_backend
+from ..backends.native_cpu import library as native_library
+from ..backends.native_cpu.lut4 import TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
 from ..bitpack import pack_bits, unpack_bits
-from ..blockwise.linear import TABLES, linear_cpu, native_weight
 from ..blockwise.nested import NESTED_BLOCKSIZE
-from ..blockwise.ops import BLOCK_SIZES
 from ..canonical import NestedScale, PlainForm, QuantSpec
 from ..dispatch import LinearKernel
+from ..ops.blockwise import BLOCK_SIZES
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl
 
@@ -132,15 +133,15 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
     if w.act_quant is not None:
         return f"weight has dynamic activation quantization ({w.act_quant.describe()})"
     if x.device.type != "cpu":
-        return triton_kernels.cuda_rejects(x)
+        return triton_backend.cuda_rejects(x)
     return None
 
 
-def _cached_native_weight(impl: Blockwise4bitImpl) -> native.NativeWeight | None:
+def _cached_native_weight(impl: Blockwise4bitImpl) -> native_library.NativeWeight | None:
     tensors = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax)
     if not all(t is None or t.is_contiguous() for t in tensors):
         return None  # pointers into temporary copies cannot be cached
-    return native_weight(impl.packed, TABLES[impl.spec.codebook], impl.absmax, impl.nested_codes, impl.nested_absmax,
+    return blockwise_4bit_native_weight(impl.packed, TABLES[impl.spec.codebook], impl.absmax, impl.nested_codes, impl.nested_absmax,
                          impl.nested_offset, *impl.shape, impl.spec.block_size[1])
 
 
@@ -150,14 +151,14 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = impl.shape
     args = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], spec.block_size[1],
             spec.codebook, bias)
-    if not native.eager_cpu(x):
+    if not native_library.eager_cpu(x):
         return torch.ops.torchq.blockwise_4bit_linear(x, *args)
     # eager CPU: the arguments come from a validated layout, so the op's checks are skipped
-    weight = native.decode_weight(impl, x, _cached_native_weight)
+    weight = native_library.decode_weight(impl, x, _cached_native_weight)
     if weight is not None:  # decode-sized: the least Python per call (the nested offset is read by the kernel)
-        return native.run_linear(weight, x, bias)
+        return native_library.run_linear(weight, x, bias)
     impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
-    return linear_cpu(x, *args)
+    return blockwise_linear_cpu(x, *args)
 
 
 KERNELS = (

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ..canonical import PlainForm, QuantSpec
-from ..dispatch import LinearKernel, check_op_devices
+from ..dispatch import LinearKernel
+from ..ops.int4 import int4_cpu_mm
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
@@ -256,18 +257,6 @@ def _check(x: torch.Tensor, w, bias) -> str | None:
     if w.act_quant is not None:
         return f"weight-only kernel, weight has {w.act_quant.describe()}"
     return None
-
-
-@torch.library.custom_op("torchq::int4_cpu_mm", mutates_args=())
-def int4_cpu_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """``aten._weight_int4pack_mm_for_cpu`` with ``scales_and_zeros`` cast to x's dtype: ``[M, Np]``."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group_size, scales_and_zeros.to(x.dtype))
-
-
-@int4_cpu_mm.register_fake
-def _(x, packed, group_size, scales_and_zeros):
-    check_op_devices("int4_cpu_mm", x, packed=packed, scales_and_zeros=scales_and_zeros)
-    return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
 
 
 def _int4_cpu_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:

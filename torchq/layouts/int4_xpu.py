@@ -30,15 +30,15 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..canonical import PlainForm, QuantSpec
-from ..dispatch import LinearKernel, check_op_devices
+from ..dispatch import LinearKernel
+from ..ops.int4 import int4_xpu_mm, unpack_xpu
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
-__all__ = ["Int4XPULayout", "Int4XPUImpl", "pack_xpu", "unpack_xpu", "xpu_dequantize"]
+__all__ = ["Int4XPULayout", "Int4XPUImpl", "pack_xpu"]
 
 GROUP_SIZES = (32, 64, 128, 256)
 SCALE_DTYPES = (torch.bfloat16, torch.float16)
@@ -49,24 +49,6 @@ def pack_xpu(q: torch.Tensor) -> torch.Tensor:
     """Codes ``[Np, Kp]`` (0..15, ``Kp % 8 == 0``) to int32 words ``[Np, Kp/8]`` (see module doc)."""
     q = q.to(torch.uint8)
     return ((q[:, 1::2] << 4) | q[:, 0::2]).contiguous().view(torch.int32)
-
-
-def unpack_xpu(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_xpu`: uint8 codes ``[Np, Kp]``."""
-    b = packed.contiguous().view(torch.uint8)
-    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
-
-
-def xpu_dequantize(packed: torch.Tensor, group_size: int, scales: torch.Tensor, int_zeros: torch.Tensor | None,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """``[Np, Kp]`` weights as the XPU kernels form them: in fp32, one rounding to ``dtype``.
-    ``int_zeros`` None: ``scales`` is ``scale_and_zero`` and ``w = (q - 8)·s + zero``; else
-    ``w = (q - z)·s`` with ``scales`` and ``int_zeros`` ``[Kp/g, Np]``."""
-    q = unpack_xpu(packed).to(torch.float32)
-    full = lambda t: t.to(torch.float32).repeat_interleave(group_size, dim=0).t()  # noqa: E731  [Np, Kp]
-    if int_zeros is None:
-        return ((q - 8) * full(scales[..., 0]) + full(scales[..., 1])).to(dtype)
-    return ((q - full(int_zeros)) * full(scales)).to(dtype)
 
 
 def _shift(spec) -> int:
@@ -199,27 +181,6 @@ class Int4XPULayout(Layout):
             LayoutExample(cls(), QuantSpec((1, 128), -8, 7, z.INT), (64, 256), torch.bfloat16, torch.int16),
             LayoutExample(cls(), QuantSpec((1, 256), 0, 15, z.FLOAT), (8, 300), torch.bfloat16),
         )
-
-
-@torch.library.custom_op("torchq::int4_xpu_mm", mutates_args=())
-def int4_xpu_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales: torch.Tensor,
-                int_zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, Kp] @ W.T``: ``[M, Np]`` in x's dtype (see :func:`xpu_dequantize` for ``scales`` /
-    ``int_zeros``). Reference: :func:`xpu_dequantize` then ``F.linear``. XPU: the aten kernels."""
-    return F.linear(x, xpu_dequantize(packed, group_size, scales, int_zeros, x.dtype))
-
-
-@int4_xpu_mm.register_fake
-def _(x, packed, group_size, scales, int_zeros=None):
-    check_op_devices("int4_xpu_mm", x, packed=packed, scales=scales, int_zeros=int_zeros)
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
-@torch.library.register_kernel("torchq::int4_xpu_mm", "xpu")
-def _int4_xpu_mm_xpu(x, packed, group_size, scales, int_zeros=None):
-    if int_zeros is None:
-        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, group_size, scales)
-    return torch.ops.aten._weight_int4pack_mm_with_scales_and_zeros(x.contiguous(), packed, group_size, scales, int_zeros)
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import native, triton_kernels
+from .. import native
 from ..activation import OutlierInt8, PerTokenInt8
+from ..backends import triton as triton_backend
+from ..backends.native_cpu import library as native_library
 from ..backends.native_cpu.int8 import NATIVE_MIN_CODE, dynamic_linear_cpu, weight_linear_cpu
 from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel
@@ -125,42 +127,42 @@ def _check_native(x: torch.Tensor, w, bias, *, want_act: bool) -> str | None:
     return None
 
 
-def _in_place_int8_weight(impl) -> native.NativeWeight | None:
+def _in_place_int8_weight(impl) -> native_library.NativeWeight | None:
     """Codes and fp32 scales of a plain int8 weight as a native weight (cached per impl), or
     None when they cannot be used in place."""
     codes, scale = impl.codes, impl.scale
     if not (codes.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
         return None
     n, k = impl.shape
-    return native.int8_weight("int8_weight_linear", codes, scale, n, k)
+    return native_library.int8_weight("int8_weight_linear", codes, scale, n, k)
 
 
 def _int8_weight_only_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl = w.tensor_impl
-    if not native.eager_cpu(x):
+    if not native_library.eager_cpu(x):
         return int8_weight_linear(x, impl.codes, impl.scale, bias)
     # eager CPU: a validated layout's tensors, the op's checks are skipped
-    weight = native.decode_weight(impl, x, _in_place_int8_weight)
+    weight = native_library.decode_weight(impl, x, _in_place_int8_weight)
     if weight is None:
         impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
         return weight_linear_cpu(x, impl.codes, impl.scale, bias)
-    return native.run_linear(weight, x, bias)
+    return native_library.run_linear(weight, x, bias)
 
 
 def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     act = w.act_quant
     impl = w.tensor_impl
-    if not native.eager_cpu(x):
+    if not native_library.eager_cpu(x):
         return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
-    weight = native.decode_weight(impl, x, _in_place_int8_weight)  # the condition guarantees activation codes the kernel takes
+    weight = native_library.decode_weight(impl, x, _in_place_int8_weight)  # the condition guarantees activation codes the kernel takes
     if weight is None:
         impl.validate()
         return dynamic_linear_cpu(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
-    return native.run_linear(weight.dynamic(act.quant_min, act.quant_max, act.eps), x, bias)
+    return native_library.run_linear(weight.dynamic(act.quant_min, act.quant_max, act.eps), x, bias)
 
 
 def _check_triton_dynamic(x: torch.Tensor, w, bias) -> str | None:
-    return _cpu_plain_int8_check(x, w, want_act=True, device_type="cuda") or triton_kernels.cuda_rejects(x)
+    return _cpu_plain_int8_check(x, w, want_act=True, device_type="cuda") or triton_backend.cuda_rejects(x)
 
 
 def _int8_dynamic_op(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:

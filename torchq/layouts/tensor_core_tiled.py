@@ -33,27 +33,27 @@ from dataclasses import dataclass
 import torch
 
 from ..canonical import PlainForm, QuantSpec
-from ..dispatch import LinearKernel, check_op_devices
+from ..dispatch import LinearKernel
+from ..ops.int4 import TILE_ROWS, int4_tensor_core_mm, unpack_tiled
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl, zero_dtype_rejects
 from .int4_padded import format_codes, groupwise_int4_rejects, kernel_codes, padded_linear, round_up
 
-__all__ = ["TensorCoreTiledLayout", "TensorCoreTiledImpl", "pack_tiled", "unpack_tiled", "tinygemm_dequantize"]
+__all__ = ["TensorCoreTiledLayout", "TensorCoreTiledImpl", "pack_tiled"]
 
 GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = (2, 4, 8)
-N_TILE = 8
 
 
 def _padded(n: int, k: int, group_size: int, inner_k_tiles: int) -> tuple[int, int]:
-    return round_up(n, N_TILE), round_up(k, max(group_size, 16 * inner_k_tiles))
+    return round_up(n, TILE_ROWS), round_up(k, max(group_size, 16 * inner_k_tiles))
 
 
 def _tile_view(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
     """``[Np, Kp]`` codes viewed as ``[Np/8, Kp/(16t), 8 (row), 4 (c), t/2 (j), 2 (e), 2 (tile), 2 (half)]``."""
     np_, kp = q.shape
     t = inner_k_tiles
-    v = q.reshape(np_ // N_TILE, N_TILE, kp // (16 * t), t // 2, 2, 2, 4, 2)  # nt, row, kt, j, tile, half, c, e
+    v = q.reshape(np_ // TILE_ROWS, TILE_ROWS, kp // (16 * t), t // 2, 2, 2, 4, 2)  # nt, row, kt, j, tile, half, c, e
     return v.permute(0, 2, 1, 6, 3, 7, 4, 5)
 
 
@@ -63,19 +63,10 @@ def pack_tiled(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
     ``(q[:, 0::2] << 4) | q[:, 1::2]``."""
     np_, kp = q.shape
     t = inner_k_tiles
-    nib = _tile_view(q.to(torch.int64), t).reshape(np_ // N_TILE, kp // (16 * t), 32, t // 2, 8)
+    nib = _tile_view(q.to(torch.int64), t).reshape(np_ // TILE_ROWS, kp // (16 * t), 32, t // 2, 8)
     shifts = 4 * torch.arange(8, dtype=torch.int64, device=q.device)
     words = (nib << shifts).sum(-1)  # slot order e, tile, half = 4e + 2·tile + half
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_tiled(packed: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
-    """Inverse of :func:`pack_tiled`: uint8 codes ``[Np, Kp]`` (traceable, any device)."""
-    t = packed.shape[-1] * 2
-    shifts = 4 * torch.arange(8, dtype=torch.int32, device=packed.device)
-    nib = ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [nt, kt, 32, t/2, 8]
-    nib = nib.reshape(np_ // N_TILE, kp // (16 * t), N_TILE, 4, t // 2, 2, 2, 2)  # nt, kt, row, c, j, e, tile, half
-    return nib.permute(0, 2, 1, 4, 6, 7, 3, 5).reshape(np_, kp)
 
 
 @functools.cache
@@ -98,20 +89,6 @@ def _pack(q8: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
             )
         return torch.ops.aten._convert_weight_to_int4pack(((q8[:, 0::2] << 4) | q8[:, 1::2]).contiguous(), inner_k_tiles)
     return pack_tiled(q8, inner_k_tiles)
-
-
-def tinygemm_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, shape: tuple[int, int]) -> torch.Tensor:
-    """bf16 ``[N, K]`` weights exactly as ``_weight_int4pack_mm`` forms them: one bf16 FMA
-    ``(q' - 8)·s + zero`` (a single rounding, unlike the plain form's multiply then add).
-
-    The exact value is formed in fp64 (the product is exact; the sum is exact unless the zero is
-    below ~2^-40 of the product, where only a tie could round differently)."""
-    n, k = shape
-    np_, kp = scales_and_zeros.shape[1], scales_and_zeros.shape[0] * group_size
-    q = unpack_tiled(packed, np_, kp).to(torch.float64) - 8
-    sz = scales_and_zeros.to(torch.float64).repeat_interleave(group_size, dim=0)  # [Kp, Np, 2]
-    w = q * sz[..., 0].t() + sz[..., 1].t()
-    return w.to(torch.bfloat16)[:n, :k]
 
 
 class TensorCoreTiledImpl(TensorImpl):
@@ -138,7 +115,7 @@ class TensorCoreTiledImpl(TensorImpl):
         np_, kp = self.padded_shape
         g, t = self.group_size, self.layout.inner_k_tiles
         return {
-            "packed": Buffer((np_ // N_TILE, kp // (16 * t), 32, t // 2), torch.int32, contiguous=True),
+            "packed": Buffer((np_ // TILE_ROWS, kp // (16 * t), 32, t // 2), torch.int32, contiguous=True),
             "scales_and_zeros": Buffer((kp // g, np_, 2), torch.bfloat16, contiguous=True),
             "int_zero": Buffer((n, -(-k // g)), self.zero_dtype) if domain is ZeroPointDomain.INT else None,
         }
@@ -246,27 +223,6 @@ def _device_rejects(device: torch.device) -> str | None:
     if cap < (8, 0):
         return f"needs compute capability 8.0+ (bf16 tensor cores), {device} has {cap[0]}.{cap[1]}"
     return None
-
-
-@torch.library.custom_op("torchq::int4_tensor_core_mm", mutates_args=())
-def int4_tensor_core_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """``x`` bf16 ``[M, Kp]`` @ the tiled weight: bf16 ``[M, Np]``. Reference (any device):
-    :func:`tinygemm_dequantize`, fp32 matmul, one rounding to bf16 (the kernel's arithmetic up to
-    the order of its fp32 sums). CUDA: ``aten._weight_int4pack_mm``."""
-    np_, kp = scales_and_zeros.shape[1], scales_and_zeros.shape[0] * group_size
-    w = tinygemm_dequantize(packed, scales_and_zeros, group_size, (np_, kp))
-    return (x.to(torch.float32) @ w.to(torch.float32).t()).to(torch.bfloat16)
-
-
-@int4_tensor_core_mm.register_fake
-def _(x, packed, group_size, scales_and_zeros):
-    check_op_devices("int4_tensor_core_mm", x, packed=packed, scales_and_zeros=scales_and_zeros)
-    return x.new_empty(x.shape[0], scales_and_zeros.shape[1], dtype=torch.bfloat16)
-
-
-@torch.library.register_kernel("torchq::int4_tensor_core_mm", "cuda")
-def _int4_tensor_core_mm_cuda(x, packed, group_size, scales_and_zeros):
-    return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, group_size, scales_and_zeros)
 
 
 def _check(x: torch.Tensor, w, bias) -> str | None:

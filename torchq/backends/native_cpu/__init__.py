@@ -1,6 +1,10 @@
 """torchq's native CPU kernels as implementations of :mod:`torchq.ops` (the library is loaded
-by :mod:`torchq.native`; without it each op runs its reference, with a one-time warning)."""
+by :mod:`torchq.native`; without it each op runs its reference, with a one-time warning).
 
-from . import int8
+* :mod:`.int8`: ``int8_weight_linear``, ``int8_dynamic_linear``;
+* :mod:`.lut4`: ``blockwise_4bit_linear``, ``gemv_4bit``, ``gemm_4bit``.
+"""
 
-__all__ = ["int8"]
+from . import int8, lut4
+
+__all__ = ["int8", "lut4"]

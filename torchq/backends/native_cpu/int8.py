@@ -1,5 +1,6 @@
 """The native CPU implementations of the int8-weight linear ops (:mod:`torchq.ops.int8`): the
-fused kernels of torchq's native library (``tq_linear`` on an int8 :class:`~torchq.native.NativeWeight`), dequantized
+fused kernels of torchq's native library (``tq_linear`` on an int8
+:class:`~torchq.backends.native_cpu.library.NativeWeight`), dequantized
 tiles + ``torch.mm`` for prefill-sized inputs (:mod:`torchq.prefill`), and the ops' references when
 the library is missing or disabled (with a one-time :class:`~torchq.native.NativeMissingWarning`)."""
 
@@ -17,6 +18,7 @@ from ...ops.int8 import (
     int8_weight_reference,
 )
 from ...prefill import tile_dtype, tiled_linear, use_tiles
+from . import library as native_library
 
 __all__ = ["NATIVE_MIN_CODE", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu", "weight_linear_cpu", "dynamic_linear_cpu"]
 
@@ -30,7 +32,7 @@ def int8_weight_linear_cpu(x, codes, scale, bias=None):
 def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU kernel of ``torchq::int8_weight_linear`` on checked arguments (dispatch entries
     call it directly in eager mode)."""
-    lib = native.library()
+    lib = native_library.library()
     if lib is None or x.numel() == 0:
         if lib is None:
             native.warn_reference("int8_weight_linear")
@@ -39,12 +41,12 @@ def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     m = x.numel() // k
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
-    weight = native.int8_weight("int8_weight_linear", codes, scale, n, k)
+    weight = native_library.int8_weight("int8_weight_linear", codes, scale, n, k)
     if use_tiles(m, x.dtype):
-        b = native.checked_bias(bias, n, "int8_weight_linear")
-        out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
+        b = native_library.checked_bias(bias, n, "int8_weight_linear")
+        out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
-    return native.run_linear(weight, x, bias)
+    return native_library.run_linear(weight, x, bias)
 
 
 # The AVX2 kernel's sign trick needs activation codes in [-127, 127].
@@ -59,7 +61,7 @@ def int8_dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias=Non
 
 def dynamic_linear_cpu(x, codes, scale, quant_min: int, quant_max: int, eps: float, bias=None) -> torch.Tensor:
     """The CPU kernel of ``torchq::int8_dynamic_linear`` on checked arguments."""
-    lib = native.library()
+    lib = native_library.library()
     if lib is None or x.numel() == 0 or quant_min < NATIVE_MIN_CODE:
         if lib is None:
             native.warn_reference("int8_dynamic_linear")
@@ -69,5 +71,5 @@ def dynamic_linear_cpu(x, codes, scale, quant_min: int, quant_max: int, eps: flo
     n, k = codes.shape
     codes = codes.contiguous()
     scale = scale.reshape(-1).to(torch.float32).contiguous()
-    weight = native.int8_weight("int8_dynamic_linear", codes, scale, n, k).dynamic(quant_min, quant_max, eps)
-    return native.run_linear(weight, x, bias)
+    weight = native_library.int8_weight("int8_dynamic_linear", codes, scale, n, k).dynamic(quant_min, quant_max, eps)
+    return native_library.run_linear(weight, x, bias)

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from .blockwise.out_overloads import define_out_overload
-from .dispatch import one_device_fake
+from ..dispatch import one_device_fake
+from .out_overloads import define_out_overload
 
 __all__ = ["int8_vectorwise_quant", "int8_vectorwise_dequant", "int8_linear_matmul", "int8_mm_dequant", "int8_scaled_mm",
            "int8_linear_dequant", "int8_double_quant", "int8_mixed_scaled_mm"]

@@ -4,7 +4,7 @@
 Both formats store a ``[N, K]`` weight as bytes ``[N, Kp/2]`` with element ``2j`` of a row in the
 high nibble of byte ``j``, and one scale per row group:
 
-* ``AFFINE`` (:class:`~torchq.layouts.int4_native.Int4NativeLayout`, tinygemm / integer / symmetric
+* ``AFFINE`` (:class:`~torchq.layouts.Int4NativeLayout`, tinygemm / integer / symmetric
   zero points): ``v = R_mul((u + code_base + shift) · scale)``, then ``R_add(v + zero)``, fp32
   tensors ``[N, G]``, ``R`` the rounding to the scale dtype;
 * ``CODEBOOK`` (NF4 / FP4, bitsandbytes bytes): ``v = codebook[u] · absmax`` with fp32 absmax per
@@ -28,8 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..blockwise.codebooks import codebook, dynamic_map
-from ..blockwise.nested import NESTED_BLOCKSIZE
+from ...blockwise.codebooks import codebook, dynamic_map
+from ...blockwise.nested import NESTED_BLOCKSIZE
+from ...ops.blockwise import check_blockwise_4bit_linear_args
+from ...ops.int4 import check_int4_groupwise_linear_args
 from . import interpreting
 
 __all__ = ["int4_groupwise_linear", "blockwise_4bit_linear", "dequant_linear", "GEMV_MAX_M"]
@@ -221,8 +223,6 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 
 def int4_groupwise_linear(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
     """``torchq::int4_groupwise_linear`` on Triton."""
-    from ..layouts.int4_native import check_int4_groupwise_linear_args
-
     check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     n, k = shape
     packed, scale = packed.contiguous(), scale.contiguous()
@@ -234,9 +234,7 @@ def int4_groupwise_linear(x, packed, scale, shift, zero, shape, group_size, code
 
 def blockwise_4bit_linear(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
     """``torchq::blockwise_4bit_linear`` on Triton."""
-    from ..blockwise.linear import _check
-
-    _check(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    check_blockwise_4bit_linear_args(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
     n, k = shape
     packed = packed.contiguous()
     nested = nested_codes is not None

@@ -1,6 +1,7 @@
-"""Triton kernels: the CUDA implementations of torchq's linear ops.
+"""Triton kernels: the CUDA implementations of torchq's linear ops, registered against the op
+objects of :mod:`torchq.ops` when this module is imported.
 
-* ``torchq::int4_groupwise_linear`` (:class:`~torchq.layouts.int4_native.Int4NativeLayout`):
+* ``torchq::int4_groupwise_linear`` (:class:`~torchq.layouts.Int4NativeLayout`):
   :mod:`.dequant_linear`, format ``AFFINE``;
 * ``torchq::blockwise_4bit_linear`` (NF4 / FP4): :mod:`.dequant_linear`, format ``CODEBOOK``;
 * ``torchq::int8_dynamic_linear`` (per-token int8 activations x int8 weights): :mod:`.int8_linear`.
@@ -22,7 +23,11 @@ import os
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "cuda_rejects", "interpreting", "register_cuda_kernels"]
+from ...ops.blockwise import blockwise_4bit_linear
+from ...ops.int4 import int4_groupwise_linear
+from ...ops.int8 import int8_dynamic_linear
+
+__all__ = ["available", "unavailable_reason", "cuda_rejects", "interpreting"]
 
 
 @functools.cache
@@ -62,21 +67,19 @@ def cuda_rejects(x: torch.Tensor) -> str | None:
     return None
 
 
-def register_cuda_kernels() -> None:
-    """Register the CUDA implementations of the ops (called once by ``import torchq``, after the
-    ops exist); each imports its Triton module on first use."""
+def _lazy_kernel(module: str, fn: str):
+    """The CUDA kernel ``fn`` of ``module`` (a Triton module of this package), imported on its first call."""
 
-    def lazy(module: str, fn: str):
-        def run(*args, **kwargs):
-            reason = unavailable_reason()
-            if reason is not None:
-                raise RuntimeError(f"torchq: the CUDA kernel of {fn} is a Triton kernel: {reason}")
-            return getattr(importlib.import_module(f"{__name__}.{module}"), fn)(*args, **kwargs)
+    def run(*args, **kwargs):
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"torchq: the CUDA kernel of {fn} is a Triton kernel: {reason}")
+        return getattr(importlib.import_module(f"{__name__}.{module}"), fn)(*args, **kwargs)
 
-        run.__name__ = f"{fn}_cuda"
-        return run
+    run.__name__ = f"{fn}_cuda"
+    return run
 
-    torch.library.register_kernel("torchq::int4_groupwise_linear", "cuda", lazy("dequant_linear", "int4_groupwise_linear"))
-    torch.library.register_kernel("torchq::blockwise_4bit_linear", "cuda", lazy("dequant_linear", "blockwise_4bit_linear"))
-    torch.library.register_kernel("torchq::int8_dynamic_linear", "cuda", lazy("int8_linear", "int8_dynamic_linear"))
 
+int4_groupwise_linear.register_kernel("cuda")(_lazy_kernel("dequant_linear", "int4_groupwise_linear"))
+blockwise_4bit_linear.register_kernel("cuda")(_lazy_kernel("dequant_linear", "blockwise_4bit_linear"))
+int8_dynamic_linear.register_kernel("cuda")(_lazy_kernel("int8_linear", "int8_dynamic_linear"))

@@ -1,4 +1,5 @@
-"""bitsandbytes-compatible blockwise ops: ``torch.ops.torchq.quantize_4bit`` and friends.
+"""bitsandbytes-compatible blockwise ops (``torch.ops.torchq.quantize_4bit`` and friends) and
+``torchq::blockwise_4bit_linear``, the linear of :class:`~torchq.layouts.Blockwise4bitLayout`.
 
 Each op has bitsandbytes' schema (argument names, types, defaults), a fake implementation for
 ``torch.compile``, and a pure-PyTorch implementation that is the executable spec and the fallback
@@ -35,9 +36,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..dispatch import one_device_fake
-from .codebooks import FP4_MAGNITUDES, NF4, codebook
-from .nested import NESTED_BLOCKSIZE, double_dequantize
+from ..blockwise.codebooks import FP4_MAGNITUDES, NF4, codebook
+from ..blockwise.nested import NESTED_BLOCKSIZE, double_dequantize
+from ..dispatch import check_op_devices, one_device_fake
 from .out_overloads import define_out_overload
 
 __all__ = [
@@ -54,6 +55,10 @@ __all__ = [
     "gemm_4bit_reference",
     "check_gemm_4bit",
     "gemm_4bit_absmax",
+    "blockwise_4bit_linear",
+    "check_blockwise_4bit_linear_args",
+    "blockwise_4bit_weight",
+    "blockwise_4bit_reference",
 ]
 
 BLOCK_SIZES = tuple(2**i for i in range(5, 13))  # 32 ... 4096
@@ -277,7 +282,7 @@ def gemv_4bit(
     """``A @ W.T`` in A's dtype, ``W = code[nibbles of B] * absmax`` of shape ``shapeB = [N, K]``
     (``code``: the 16-value table of the format). Reference: dequantize in fp32, cast once to
     A's dtype, ``F.linear``. On the CPU the native fused kernel runs instead when built
-    (:mod:`torchq.blockwise.linear`)."""
+    (:mod:`torchq.backends.native_cpu.lut4`)."""
     return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
 
 
@@ -379,7 +384,7 @@ def gemm_4bit(
     """``A @ W.T + bias`` in A's dtype for the 4-bit ``[N, K] = shapeB`` weight ``W`` of ``B``
     (``quant_type`` codebook times the per-block absmax, see :func:`gemm_4bit_absmax`).
     Reference: dequantize in fp32, cast once to A's dtype, ``F.linear``. On the CPU the native
-    fused kernel runs instead when built (:mod:`torchq.blockwise.linear`). Differentiable in A
+    fused kernel runs instead when built (:mod:`torchq.backends.native_cpu.lut4`). Differentiable in A
     and bias."""
     return gemm_4bit_reference(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
 
@@ -453,3 +458,103 @@ def _dequantize_with_table(A, absmax, blocksize, table, shape, dtype):
         values = torch.cat([values, values.new_zeros(pad)])
     out = (values.reshape(nb, blocksize) * absmax.reshape(nb, 1)).reshape(-1)[:n]
     return out.to(dtype).reshape(tuple(shape))
+
+
+# -- blockwise_4bit_linear (the layout's op: absmax plain or double-quantized) ---------------------
+def check_blockwise_4bit_linear_args(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize,
+                                     quant_type, bias) -> None:
+    """The argument checks of :func:`blockwise_4bit_linear` (metadata only)."""
+    check_blocksize(blocksize)
+    if len(shape) != 2:
+        raise ValueError(f"shape: expected [N, K], got {list(shape)}")
+    n, k = shape
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x: expected fp32, bf16 or fp16, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x: expected last dimension K={k}, got shape {list(x.shape)}")
+    if k % blocksize:
+        raise ValueError(f"shape: K={k} must be a multiple of blocksize {blocksize}")
+    if packed.dtype != torch.uint8 or packed.numel() != n * k // 2:
+        raise ValueError(f"packed: expected uint8 with {n * k // 2} bytes for shape {list(shape)}, got {packed.dtype} with {packed.numel()}")
+    groups = n * k // blocksize
+    if (absmax is None) == (nested_codes is None):
+        raise ValueError("absmax, nested_codes: pass exactly one of the plain fp32 absmax and the double-quantized form")
+    if absmax is not None and (absmax.dtype != torch.float32 or absmax.numel() != groups):
+        raise ValueError(f"absmax: expected fp32 with {groups} entries, got {absmax.dtype} with {absmax.numel()}")
+    if nested_codes is not None:
+        if nested_absmax is None or nested_offset is None:
+            raise ValueError("nested_absmax, nested_offset: required with nested_codes")
+        if nested_codes.dtype != torch.uint8 or nested_codes.numel() != groups:
+            raise ValueError(f"nested_codes: expected uint8 with {groups} entries, got {nested_codes.dtype} with {nested_codes.numel()}")
+        want = -(-groups // NESTED_BLOCKSIZE)
+        if nested_absmax.dtype != torch.float32 or nested_absmax.numel() != want:
+            raise ValueError(f"nested_absmax: expected fp32 with {want} entries, got {nested_absmax.dtype} with {nested_absmax.numel()}")
+        if nested_offset.dtype != torch.float32 or nested_offset.numel() != 1:
+            raise ValueError(f"nested_offset: expected one fp32 value, got {nested_offset.dtype} with {nested_offset.numel()}")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"bias: expected {n} entries, got shape {list(bias.shape)}")
+
+
+def blockwise_4bit_weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, K]`` weight in fp32, cast once to ``dtype`` (absmax plain, or double-dequantized)."""
+    if absmax is None:
+        absmax = double_dequantize(nested_codes.reshape(-1), nested_absmax, nested_offset)
+    return dequantize_4bit(packed, absmax.reshape(-1), blocksize, quant_type, list(shape), dtype)
+
+
+def blockwise_4bit_reference(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type,
+                             bias=None) -> torch.Tensor:
+    """:func:`blockwise_4bit_linear`'s meaning on checked arguments: the weight in x's dtype, ``F.linear``."""
+    w = blockwise_4bit_weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+@torch.library.custom_op("torchq::blockwise_4bit_linear", mutates_args=())
+def blockwise_4bit_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor | None,
+    nested_codes: torch.Tensor | None,
+    nested_absmax: torch.Tensor | None,
+    nested_offset: torch.Tensor | None,
+    shape: Sequence[int],
+    blocksize: int,
+    quant_type: str,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` in x's dtype for the ``[N, K]`` NF4 / FP4 weight
+    ``W = codebook[nibbles of packed] * absmax`` (bitsandbytes' bytes; ``absmax`` fp32 per block,
+    or double-quantized in the three ``nested_*`` tensors; see :mod:`torchq.layouts.blockwise_4bit`).
+    Reference: dequantize to fp32, cast once to x's dtype, ``F.linear``. Gradients flow to ``x``
+    and ``bias``; the quantized weight is frozen (QLoRA)."""
+    check_blockwise_4bit_linear_args(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    return blockwise_4bit_reference(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+
+
+@blockwise_4bit_linear.register_fake
+def _(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
+    check_op_devices("blockwise_4bit_linear", x, packed=packed, absmax=absmax, nested_codes=nested_codes,
+                     nested_absmax=nested_absmax, nested_offset=nested_offset, bias=bias)
+    return x.new_empty((*x.shape[:-1], shape[0]))
+
+
+def _blockwise_4bit_setup(ctx, inputs, output) -> None:
+    x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias = inputs
+    ctx.save_for_backward(packed, absmax, nested_codes, nested_absmax, nested_offset)
+    ctx.meta = (list(shape), blocksize, quant_type, x.dtype, bias is not None, None if bias is None else bias.dtype)
+
+
+def _blockwise_4bit_backward(ctx, grad):
+    packed, absmax, nested_codes, nested_absmax, nested_offset = ctx.saved_tensors
+    shape, blocksize, quant_type, x_dtype, has_bias, bias_dtype = ctx.meta
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = blockwise_4bit_weight(packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, grad.dtype)
+        grad_x = (grad @ w).to(x_dtype)
+    if has_bias and ctx.needs_input_grad[9]:
+        grad_bias = grad.reshape(-1, shape[0]).sum(0).to(bias_dtype)
+    return grad_x, None, None, None, None, None, None, None, None, grad_bias
+
+
+blockwise_4bit_linear.register_autograd(_blockwise_4bit_backward, setup_context=_blockwise_4bit_setup)

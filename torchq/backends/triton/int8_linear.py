@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...ops.int8 import check_int8_dynamic_linear_args
 from .dequant_linear import ROUND_KINDS, round_to
 
 __all__ = ["int8_dynamic_linear", "quantize_rows"]
@@ -86,8 +87,6 @@ def quantize_rows(x2: torch.Tensor, quant_min: int, quant_max: int, eps: float) 
 
 def int8_dynamic_linear(x, codes, scale, quant_min, quant_max, eps, bias=None):
     """``torchq::int8_dynamic_linear`` on Triton."""
-    from ..ops.int8 import check_int8_dynamic_linear_args
-
     check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias)
     n, k = codes.shape
     x2 = x.reshape(-1, k)

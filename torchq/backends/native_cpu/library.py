@@ -1,0 +1,359 @@
+"""Loading torchq's native CPU library and its one call path.
+
+The library (``torchq/_native*.so``, built from ``csrc/``) has a plain C ABI and is loaded with
+:mod:`ctypes`; :func:`validate` refuses one whose exported functions, ABI version or weight
+struct (:mod:`.abi`) differ from what this torchq calls. Every kernel call goes through
+:func:`run_linear` and :func:`dequantize_rows` with a :class:`NativeWeight`: the library's
+weight struct, built once per weight by :func:`lut4_weight` or :func:`int8_weight`, which check
+every buffer against the sizes the struct claims (:func:`checked_ptr`); per call only x, the
+output, the bias and M are passed. :func:`weight_args` caches a layout's weight per tensor impl.
+:mod:`torchq.native` is the public control module (status, ISA, disabling, warnings).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import importlib.machinery
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ...identity_cache import IdentityCache
+from ...prefill import use_tiles
+from . import abi
+
+__all__ = [
+    "ABI_VERSION", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "check", "check_bias", "checked_bias", "checked_ptr",
+    "checked_tile", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
+    "lut4_weight", "ptr", "run_linear", "threads", "validate", "weight_args", "weight_struct",
+]
+
+ABI_VERSION = 4
+ISA_NAMES = ("scalar", "avx2", "avx512")
+_c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+# name -> (restype, argtypes) of every exported function
+_SIGNATURES: dict[str, tuple[object, list]] = {
+    "tq_abi_version": (_c_int, []),
+    "tq_supported_isa": (_c_int, []),
+    "tq_active_isa": (_c_int, []),
+    "tq_set_isa": (_c_int, [_c_int]),
+    "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
+    "tq_weight_size": (_c_int64, []),
+    "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
+    "tq_dequantize_rows": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int]),  # weight, n0, n1, dst, bf16, threads
+    "tq_to_f32": (_c_int, [_ptr, _c_int, _c_int64, _ptr]),
+    "tq_from_f32": (_c_int, [_ptr, _c_int64, _c_int, _ptr]),
+}
+
+
+def _candidates() -> list[Path]:
+    here = Path(__file__).resolve().parents[2]  # torchq/
+    return [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, type[ctypes.Structure] | None]:
+    if os.environ.get("TORCHQ_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None, None, "disabled by TORCHQ_NATIVE=0", None
+    found = [p for p in _candidates() if p.is_file()]
+    if not found:
+        return None, None, "torchq/_native library not built (reinstall with a C++ compiler: pip install -e .)", None
+    path = found[0]
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, str(path), f"cannot load {path.name}: {e}", None
+    struct, reason = validate(lib, path.name)
+    return (lib if struct else None), str(path), reason, struct
+
+
+def validate(lib: ctypes.CDLL, name: str) -> tuple[type[ctypes.Structure] | None, str | None]:
+    """``(the weight struct's ctypes.Structure, None)`` when ``lib`` (the file ``name``) is the
+    library this torchq calls: every exported function present (their signatures set here), the
+    same ABI version, and a weight struct with the fields torchq fills, of the same kinds, at
+    the offsets ctypes lays out (:mod:`.abi`); else ``(None, why not)``."""
+    for fn_name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, fn_name, None)
+        if fn is None:
+            return None, f"{name} lacks {fn_name} (stale build: reinstall)"
+        fn.restype, fn.argtypes = restype, argtypes
+    version = lib.tq_abi_version()
+    if version != ABI_VERSION:
+        return None, f"{name} has ABI {version}, this torchq needs {ABI_VERSION} (stale build: reinstall)"
+    struct, reason = abi.weight_structure(*abi.describe(lib))
+    if struct is None:
+        return None, f"{name}: {reason} (stale build: reinstall)"
+    return struct, None
+
+
+_LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
+# how many torchq.native.disabled() blocks enclose the calling thread (or task)
+_DISABLED: contextvars.ContextVar[int] = contextvars.ContextVar("torchq_native_disabled", default=0)
+_WARNED: set[str] = set()
+
+
+_LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
+# how many torchq.native.disabled() blocks enclose the calling thread (or task)
+DISABLED: contextvars.ContextVar[int] = contextvars.ContextVar("torchq_native_disabled", default=0)
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The loaded library whether or not :func:`torchq.native.disabled` is in effect (None when missing)."""
+    return _LIB
+
+
+def load_error() -> tuple[str | None, str | None]:
+    """``(path of the library file found, why it is not loaded)`` (both None when none was looked for or it loaded)."""
+    return _PATH, _REASON
+
+
+def weight_struct() -> type[ctypes.Structure] | None:
+    """The ``ctypes.Structure`` of the loaded library's weight struct (None without the library)."""
+    return _WEIGHT_STRUCT
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None when it is missing or :func:`disabled` is in effect."""
+    if _LIB is None or DISABLED.get():
+        return None
+    return _LIB
+
+
+def threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def eager_cpu(x: torch.Tensor) -> bool:
+    """True when a CPU op can be called as a plain function: ``x`` is on the CPU and no graph is
+    being traced. Dispatch kernels then skip the custom-op dispatcher (tens of microseconds per
+    call, a tenth of a decode-sized linear); torch.compile still sees the ``torchq::`` op."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+# The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def checked_ptr(name: str, t: torch.Tensor | None, dtype: torch.dtype, numel: int, op: str = "native call") -> int | None:
+    """``t``'s data pointer (None for None) once it is safe for C code to access ``numel``
+    elements of ``dtype`` there: a contiguous CPU tensor of exactly that dtype and number of
+    elements, all inside its storage. Every pointer torchq hands to the library comes from here
+    (or from a tensor allocated for the call), so a tensor whose metadata claims more bytes than
+    it holds raises a ValueError naming ``name`` instead of letting C read foreign memory."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"torchq {op}: {name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype != dtype or not t.is_cpu or t.numel() != numel or not t.is_contiguous():  # the decode path: keep it lean
+        raise ValueError(
+            f"torchq {op}: {name}: expected a contiguous CPU {dtype} tensor of {numel} elements, got "
+            f"{'contiguous' if t.is_contiguous() else 'non-contiguous'} {t.dtype} {list(t.shape)} on {t.device}"
+        )
+    try:
+        held = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError) as e:
+        raise ValueError(f"torchq {op}: {name}: expected a tensor with storage, got {type(t).__name__} ({e})") from None
+    if (t.storage_offset() + numel) * t.element_size() > held:
+        raise ValueError(f"torchq {op}: {name}: its storage holds {held} bytes, the call reads "
+                         f"{(t.storage_offset() + numel) * t.element_size()} (offset {t.storage_offset()} + {numel} "
+                         f"elements of {t.element_size()} bytes)")
+    return t.data_ptr()
+
+
+def check_bias(bias: torch.Tensor | None, n: int, op: str) -> None:
+    """Raise ValueError unless ``bias`` is None or a floating-point CPU tensor of ``n`` elements
+    (a meta bias's null pointer would read as "no bias" in C)."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.is_cpu or not bias.is_floating_point() or bias.numel() != n:
+        got = f"{bias.dtype} {list(bias.shape)} on {bias.device}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"torchq {op}: bias: expected a floating-point CPU tensor of {n} elements, got {got}")
+
+
+def checked_bias(bias: torch.Tensor | None, n: int, op: str) -> torch.Tensor | None:
+    """``bias`` as the contiguous fp32 ``[N]`` CPU tensor the kernels read (None for None),
+    checked with :func:`checked_ptr` (a meta bias, whose null pointer would read as "no bias"
+    in C, raises)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor):
+        check_bias(bias, n, op)  # raises, naming what was given
+    b = bias if bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous() else bias.reshape(-1).to(torch.float32).contiguous()
+    checked_ptr("bias", b, torch.float32, n, op)
+    return b
+
+
+def checked_tile(w: torch.Tensor, rows: int, cols: int, op: str) -> tuple[int, int]:
+    """``(pointer, bf16 flag)`` of a dequantization tile: the library writes ``rows x cols``
+    fp32 (flag 0) or bf16 (flag 1) values there."""
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"torchq {op}: tile: expected fp32 or bf16, got {w.dtype}")
+    return checked_ptr("tile", w, w.dtype, rows * cols, op), int(w.dtype == torch.bfloat16)
+
+
+class NativeWeight:
+    """A weight as the library's ``tq_weight`` struct (``csrc/weight_abi.h``), built once by
+    :func:`lut4_weight` or :func:`int8_weight` after checking every buffer with
+    :func:`checked_ptr` against the sizes the struct claims; it holds those tensors, so its
+    pointers stay valid as long as it lives. Call it with :func:`run_linear` and
+    :func:`dequantize_rows`. ``op`` names the torchq op in error messages."""
+
+    __slots__ = ("struct", "address", "op", "format", "n", "k", "row_length", "_tensors", "_dynamic")
+
+    def __init__(self, op: str, tensors: tuple[torch.Tensor, ...], **fields: int | float | None) -> None:
+        if _WEIGHT_STRUCT is None:
+            raise RuntimeError(f"torchq {op}: native library not available: {_REASON}")
+        self.struct = _WEIGHT_STRUCT(**fields)
+        self.address = ctypes.addressof(self.struct)
+        self.op, self.format = op, self.struct.format
+        self.n, self.k, self.row_length = self.struct.n, self.struct.k, self.struct.row_length
+        self._tensors = tensors
+        self._dynamic: dict[tuple[int, int, float], NativeWeight] = {}
+
+    def dynamic(self, quant_min: int, quant_max: int, eps: float) -> NativeWeight:
+        """This int8 weight with activations quantized per row into ``[quant_min, quant_max]``
+        (:class:`torchq.activation.PerTokenInt8`), built once per range and eps."""
+        key = (quant_min, quant_max, eps)
+        found = self._dynamic.get(key)
+        if found is None:
+            if self.format != abi.FORMAT_INT8:
+                raise ValueError(f"torchq {self.op}: dynamic activations need an int8 weight-only weight, got format {self.format}")
+            fields = {name: getattr(self.struct, name) for name, _ in self.struct._fields_}
+            fields.update(format=abi.FORMAT_INT8_DYNAMIC, act_denom=(quant_max - quant_min) / 2, act_eps=eps,
+                          act_qmin=quant_min, act_qmax=quant_max)
+            found = self._dynamic[key] = NativeWeight("int8_dynamic_linear", self._tensors, **fields)
+        return found
+
+
+def lut4_weight(op: str, n: int, k: int, block: int, packed: torch.Tensor, codebook: torch.Tensor, *,
+                scales: torch.Tensor | None = None, nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                shifts: torch.Tensor | None = None, zeros: torch.Tensor | None = None, round_mul: int = 0,
+                round_add: int = 0) -> NativeWeight:
+    """An ``[n, k]`` 4-bit weight for the lut4 kernel: rows of ``row_length`` = k rounded up to a
+    multiple of ``block`` elements, zero-padded; ``packed`` uint8 ``[n * row_length / 2]`` (two
+    codes a byte, the first in the high nibble); ``codebook`` fp32 ``[16]``; per block of a row
+    either ``scales`` fp32 or ``nested = (codes uint8, absmax fp32 per 256 codes, offset fp32
+    [1], map fp32 [256])`` (scale = map[code] * absmax + offset, the offset read at each call);
+    optional ``shifts`` / ``zeros`` fp32 per block; ``round_mul`` / ``round_add`` 0 none, 1 bf16,
+    2 fp16. All contiguous CPU tensors."""
+    if (scales is None) == (nested is None):
+        raise ValueError(f"torchq {op}: scales, nested: pass exactly one")
+    row_length = -(-k // block) * block
+    groups = n * row_length // block
+    tensors = [packed, codebook, scales, shifts, zeros]
+    fields = {
+        "packed": checked_ptr("packed", packed, torch.uint8, n * row_length // 2, op),
+        "codebook": checked_ptr("codebook", codebook, torch.float32, 16, op),
+        "scales": checked_ptr("scales", scales, torch.float32, groups, op),
+        "shifts": checked_ptr("shifts", shifts, torch.float32, groups, op),
+        "zeros": checked_ptr("zeros", zeros, torch.float32, groups, op),
+    }
+    if nested is not None:
+        codes, absmax, offset, table = nested
+        tensors += nested
+        fields.update(
+            nested_codes=checked_ptr("nested_codes", codes, torch.uint8, groups, op),
+            nested_absmax=checked_ptr("nested_absmax", absmax, torch.float32, -(-groups // 256), op),
+            nested_offset=checked_ptr("nested_offset", offset, torch.float32, 1, op),
+            nested_map=checked_ptr("nested_map", table, torch.float32, 256, op),
+        )
+    return NativeWeight(op, tuple(t for t in tensors if t is not None), format=abi.FORMAT_LUT4, n=n, k=k,
+                        row_length=row_length, block=block, round_mul=round_mul, round_add=round_add, **fields)
+
+
+def int8_weight(op: str, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> NativeWeight:
+    """An ``[n, k]`` int8 weight-only weight: ``codes`` int8 ``[n * k]`` row-major, ``scales``
+    fp32 ``[n]`` (one per row), contiguous CPU tensors; :meth:`NativeWeight.dynamic` adds int8
+    activations."""
+    return NativeWeight(op, (codes, scales), format=abi.FORMAT_INT8, n=n, k=k, row_length=k,
+                        codes=checked_ptr("codes", codes, torch.int8, n * k, op),
+                        scales=checked_ptr("scales", scales, torch.float32, n, op))
+
+
+def run_linear(weight: NativeWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K] @ W.T (+ bias)`` in x's dtype through ``tq_linear``: x is read and the output
+    written by the library, so the only tensor op here is the output allocation (and a copy for
+    a non-contiguous x). x and bias are checked here, on every call; the weight was checked
+    when it was built. A dynamic-activation weight's bias is added after the rounding to x's
+    dtype, as its reference does."""
+    op, k, n = weight.op, weight.k, weight.n
+    code = DTYPE_CODES.get(x.dtype)
+    if code is None:
+        raise TypeError(f"torchq {op}: x: expected fp32, bf16 or fp16, got {x.dtype}")
+    if x.dim() == 2 and x.is_contiguous():
+        rows = x
+    elif x.dim() and x.shape[-1] == k:
+        rows = x.reshape(-1, k).contiguous()
+    else:
+        raise ValueError(f"torchq {op}: x: expected last dimension K={k}, got shape {list(x.shape)}")
+    m = rows.shape[0]
+    xp = checked_ptr("x", rows, x.dtype, m * k, op)  # also checks K for a 2-D x (m * K elements)
+    out = torch.empty(m, n, dtype=x.dtype)
+    if weight.format != abi.FORMAT_INT8_DYNAMIC:
+        b = checked_bias(bias, n, op)  # referenced until the call returns
+        check(_LIB.tq_linear(weight.address, xp, code, m, ptr(b), out.data_ptr(), threads()), op)
+    else:
+        check_bias(bias, n, op)
+        check(_LIB.tq_linear(weight.address, xp, code, m, None, out.data_ptr(), threads()), op)
+        if bias is not None:
+            out = out + bias.to(x.dtype)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+def dequantize_rows(weight: NativeWeight, n0: int, n1: int, out: torch.Tensor) -> None:
+    """Weight rows ``[n0, n1)`` dequantized into ``out``, a contiguous fp32 or bf16
+    ``[n1 - n0, weight.row_length]`` tensor, through ``tq_dequantize_rows``: exactly the
+    reference's values (rounded to nearest even for bf16)."""
+    op = f"{weight.op} dequantize"
+    dst, bf16 = checked_tile(out, n1 - n0, weight.row_length, op)
+    check(_LIB.tq_dequantize_rows(weight.address, n0, n1, dst, bf16, threads()), op)
+
+
+_ARGS = IdentityCache()
+
+
+def weight_args(owner: object, build: Callable[[object], NativeWeight | None]) -> NativeWeight | None:
+    """The :class:`NativeWeight` of ``owner`` (a layout's tensor impl), built once per live
+    ``owner`` so a decode-sized call does not redo it.
+
+    ``build(owner)`` may only point into tensors that ``owner`` holds, never into copies: those
+    pointers stay valid, and see the current values, as long as ``owner`` lives (its tensors are
+    never re-allocated; ``copy_`` into a quantized weight writes in place). A copy of the owner
+    (deepcopy, ``.to``) is a new object and builds its own. ``build`` returns None when the
+    weight cannot be taken in place (a non-contiguous tensor, scales of another dtype); that
+    is not remembered, and the caller takes its general path."""
+    entry = _ARGS.get(owner)
+    shape = getattr(owner, "shape", None)
+    if entry is not None and entry[0] == shape:
+        return entry[1]
+    weight = build(owner)
+    if weight is not None:
+        # Built for this shape only, and holding every attribute the pointers may point into:
+        # reassigning one cannot leave them dangling.
+        _ARGS.set(owner, (shape, weight, tuple(vars(owner).values())))
+    return weight
+
+
+def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], NativeWeight | None]) -> NativeWeight | None:
+    """``owner``'s cached :class:`NativeWeight` (:func:`weight_args`) when the fused kernel takes
+    ``x @ W.T`` directly (eager CPU callers): the library is active and x has a decode-sized,
+    non-zero number of rows (:func:`torchq.prefill.use_tiles`); else None. ``owner.shape`` is
+    ``[N, K]``."""
+    if _LIB is None or DISABLED.get():
+        return None
+    m = x.numel() // owner.shape[1]
+    if not m or use_tiles(m, x.dtype):
+        return None
+    return weight_args(owner, build)
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def check(code: int, op: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"torchq native {op} failed with status {code} (1: bad argument, 2: out of memory)")

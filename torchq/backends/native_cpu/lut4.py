@@ -1,0 +1,207 @@
+"""The native CPU implementations of the 4-bit lookup-table linear ops: ``blockwise_4bit_linear``,
+``gemv_4bit``, ``gemm_4bit`` (:mod:`torchq.ops.blockwise`) and ``int4_groupwise_linear``
+(:mod:`torchq.ops.int4`), through the lut4 kernel of torchq's native library
+(:func:`torchq.backends.native_cpu.library.lut4_weight`: a 16-entry fp32 table of code values, per-group scales and,
+for int4, the shift / zero / rounding kinds that make each weight the reference's value).
+
+For decode-sized inputs one fused pass unpacks each weight to the same fp32 value as the
+reference, multiplies with ``x`` in fp32 and accumulates in fp32, rounding once to ``x``'s dtype
+(so bf16/fp16 results are at least as accurate as the reference's). More rows (prefill): the same
+kernel up to 64 rows, or weight tiles dequantized natively (exactly the reference's values) and
+multiplied with ``torch.mm`` (:mod:`torchq.prefill`). Without the library each op runs its
+reference, with a one-time :class:`~torchq.native.NativeMissingWarning`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import native
+from ...blockwise.codebooks import codebook, dynamic_map
+from ...blockwise.nested import NESTED_BLOCKSIZE
+from ...ops.blockwise import (
+    blockwise_4bit_linear,
+    blockwise_4bit_reference,
+    check_blocksize,
+    check_blockwise_4bit_linear_args,
+    check_gemm_4bit,
+    check_gemv_4bit,
+    gemm_4bit,
+    gemm_4bit_absmax,
+    gemm_4bit_reference,
+    gemv_4bit,
+    gemv_4bit_reference,
+)
+from ...ops.int4 import (
+    INT4_GROUPWISE_GROUP_SIZES,
+    check_int4_groupwise_linear_args,
+    int4_groupwise_linear,
+    int4_groupwise_reference,
+)
+from ...prefill import tile_dtype, tiled_linear, use_tiles
+from . import library as native_library
+
+__all__ = ["TABLES", "blockwise_4bit_native_weight", "blockwise_4bit_linear_cpu", "blockwise_linear_cpu", "gemv_4bit_cpu", "gemm_4bit_cpu",
+           "int4_groupwise_linear_cpu", "int4_native_weight", "int4_linear_cpu"]
+
+
+def blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> native_library.NativeWeight:
+    """An ``[n, k]`` weight for the native kernel from contiguous CPU tensors, each checked to hold
+    what the kernel reads; ``table`` is the 16-entry codebook."""
+    op = "blockwise_4bit_linear"
+    check_blocksize(blocksize)
+    if k % blocksize:
+        raise ValueError(f"torchq {op}: K={k} must be a multiple of blocksize {blocksize}")
+    nested = nested_codes is not None
+    if nested == (absmax is not None) or (nested and (nested_absmax is None or nested_offset is None)):
+        raise ValueError(f"torchq {op}: absmax, nested_*: pass exactly one of absmax and the three nested tensors")
+    return native_library.lut4_weight(op, n, k, blocksize, packed, table, scales=absmax,
+                              nested=(nested_codes, nested_absmax, nested_offset, _DYNAMIC) if nested else None)
+
+
+def _native_linear(x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias): fused kernel for small M (fp32 arithmetic, one rounding to
+    x's dtype), dequantized tiles + torch.mm (see torchq.prefill.use_tiles)."""
+    # contiguous copies (none for the layout's own tensors) stay referenced by the weight
+    packed, table = packed.contiguous(), table.contiguous()
+    absmax = None if absmax is None else absmax.contiguous()
+    nested_codes = None if nested_codes is None else nested_codes.contiguous()
+    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
+    weight = blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
+    m = x.numel() // k
+    if not use_tiles(m, x.dtype):
+        return native_library.run_linear(weight, x, bias)
+    b = native_library.checked_bias(bias, n, "blockwise_4bit_linear")
+    out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+TABLES = {name: codebook(name).contiguous() for name in ("nf4", "fp4")}
+_DYNAMIC = dynamic_map().contiguous()
+
+
+@blockwise_4bit_linear.register_kernel("cpu")
+def blockwise_4bit_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
+    check_blockwise_4bit_linear_args(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    return blockwise_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+
+
+def blockwise_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None) -> torch.Tensor:
+    """The CPU kernel on checked arguments (a layout's dispatch entry calls it directly in eager mode)."""
+    lib = native_library.library()
+    if lib is None or x.numel() == 0:
+        if lib is None:
+            native.warn_reference("blockwise_4bit_linear")
+        return blockwise_4bit_reference(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
+    n, k = shape
+    return _native_linear(x, packed, TABLES[quant_type], absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias)
+
+
+def _native_4bit_matmul(op: str, A, B, shapeB, table, blocksize, bias, reference, absmax, nested=None) -> torch.Tensor:
+    """``A @ W.T (+ bias)`` through the native kernel for a checked ``gemv_4bit`` / ``gemm_4bit``
+    call on the CPU (16-value ``table``; ``absmax`` fp32 per block, or with ``nested = (codes,
+    offset)`` the per-256 statistics of absmax double-quantized with the dynamic map), or
+    ``reference()`` without the library, for blocks that cross rows (the kernel's blocks are row
+    groups) and for inconsistent sizes (the reference raises the error)."""
+    lib = native_library.library()
+    if lib is None:
+        native.warn_reference(op)
+        return reference()
+    n, k = shapeB
+    if A.numel() == 0:
+        return reference()
+    if k % blocksize:
+        native.warn_reference(op, f"blocks cross rows (K={k} is not a multiple of blocksize {blocksize})")
+        return reference()
+    packed = B.reshape(-1).view(torch.uint8) if B.dtype != torch.uint8 else B.reshape(-1)
+    groups = n * k // blocksize
+    if nested is None:
+        consistent = absmax.dtype == torch.float32 and absmax.numel() == groups
+        scales = (absmax.reshape(-1), None, None, None)
+    else:
+        codes, offset = nested
+        consistent = (codes.dtype == torch.uint8 and codes.numel() == groups and absmax.dtype == torch.float32
+                      and absmax.numel() == -(-groups // NESTED_BLOCKSIZE) and offset.numel() == 1)
+        scales = (None, codes.reshape(-1), absmax.reshape(-1), offset.float().reshape(()))
+    if packed.numel() != n * k // 2 or not consistent:
+        return reference()
+    return _native_linear(A, packed, table, *scales, n, k, blocksize, bias)
+
+
+@gemv_4bit.register_kernel("cpu")
+def gemv_4bit_cpu(A, B, shapeB, absmax, code, blocksize):
+    def reference() -> torch.Tensor:
+        return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
+
+    check_gemv_4bit(A, B, shapeB, absmax, code, blocksize)
+    return _native_4bit_matmul("gemv_4bit", A, B, shapeB, code, blocksize, None, reference, absmax)
+
+
+@gemm_4bit.register_kernel("cpu")
+def gemm_4bit_cpu(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None):
+    def reference() -> torch.Tensor:
+        return gemm_4bit_reference(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+
+    check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+    table = TABLES[quant_type]
+    if absmax_8bit is not None and torch.equal(absmax_code, _DYNAMIC):  # the kernel's own nested path
+        return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, absmax, (absmax_8bit, absmax_offset))
+    scale = gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset)
+    return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, scale)
+
+
+# -- int4_groupwise_linear ----------------------------------------------------------------------------
+_CODEBOOKS: dict[float, torch.Tensor] = {}
+
+
+def _int4_codebook(code_base: float) -> torch.Tensor:
+    if code_base not in _CODEBOOKS:
+        _CODEBOOKS[code_base] = torch.arange(16, dtype=torch.float32) + code_base
+    return _CODEBOOKS[code_base]
+
+
+@int4_groupwise_linear.register_kernel("cpu")
+def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
+    """Native: fused dequantize + dot in fp32 (weights exactly the reference's values, one
+    rounding to x's dtype at the end), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
+    check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
+    return int4_linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
+
+
+def int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add) -> native_library.NativeWeight:
+    """An ``[n, k]`` weight for the native kernel, every buffer checked to hold what the kernel
+    reads (contiguous CPU tensors)."""
+    op = "int4_groupwise_linear"
+    if group_size not in INT4_GROUPWISE_GROUP_SIZES:
+        raise ValueError(f"torchq {op}: group_size: expected one of {INT4_GROUPWISE_GROUP_SIZES}, got {group_size}")
+    return native_library.lut4_weight(op, n, k, group_size, packed, _int4_codebook(code_base), scales=scale, shifts=shift, zeros=zero,
+                              round_mul=round_mul, round_add=round_add)
+
+
+def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias) -> torch.Tensor:
+    """The CPU kernel of ``int4_groupwise_linear`` on checked arguments (the layout's dispatch
+    entry calls it directly in eager mode)."""
+    lib = native_library.library()
+    if lib is None or x.numel() == 0:
+        if lib is None:
+            native.warn_reference("int4_groupwise_linear")
+        return int4_groupwise_reference(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias)
+    packed, scale = packed.contiguous(), scale.contiguous()  # no copies for the layout's own tensors
+    shift = None if shift is None else shift.contiguous()
+    zero = None if zero is None else zero.contiguous()
+    weight = int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
+    m = x.numel() // k
+    if not use_tiles(m, x.dtype):
+        return native_library.run_linear(weight, x, bias)
+    kp = weight.row_length
+
+    def dequant_rows(n0: int, n1: int, w: torch.Tensor) -> None:
+        # padded rows: dequantize into a [rows, Kp] buffer, keep the first K columns
+        full = w if kp == k else torch.empty(n1 - n0, kp, dtype=w.dtype)
+        native_library.dequantize_rows(weight, n0, n1, full)
+        if full is not w:
+            w.copy_(full[:, :k])
+
+    b = native_library.checked_bias(bias, n, "int4_groupwise_linear")
+    out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
