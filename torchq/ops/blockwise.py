@@ -286,8 +286,9 @@ def gemv_4bit(
     return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
 
 
-def check_gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> None:
-    """The argument checks of :func:`gemv_4bit` that need no tensor data (shared with its fake)."""
+def _check_4bit_matmul_operands(A, B, shapeB) -> None:
+    """What gemv_4bit and gemm_4bit check alike: ``shapeB`` is ``[N, K]``, A is float with last
+    dimension K, B is packed 4-bit storage."""
     if len(shapeB) != 2:
         raise ValueError(f"shapeB: expected [N, K], got {list(shapeB)}")
     if A.dtype not in _FLOATS:
@@ -295,6 +296,11 @@ def check_gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> None:
     if A.dim() < 1 or A.shape[-1] != shapeB[1]:
         raise ValueError(f"A: expected last dimension {shapeB[1]} (K of shapeB {list(shapeB)}), got shape {list(A.shape)}")
     _check_packed_4bit_storage(B)
+
+
+def check_gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> None:
+    """The argument checks of :func:`gemv_4bit` that need no tensor data (shared with its fake)."""
+    _check_4bit_matmul_operands(A, B, shapeB)
     if code.dtype != torch.float32 or code.shape != (16,):
         raise ValueError(f"code: expected the 16 fp32 values of a 4-bit format, got {code.dtype} {list(code.shape)}")
     _check_packed_4bit(B, absmax, blocksize, shapeB, A.dtype)
@@ -324,13 +330,7 @@ def check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8b
     """The argument checks of :func:`gemm_4bit` that need no tensor data (shared with its fake)."""
     check_blocksize(blocksize)
     codebook(quant_type)
-    if len(shapeB) != 2:
-        raise ValueError(f"shapeB: expected [N, K], got {list(shapeB)}")
-    if A.dtype not in _FLOATS:
-        raise TypeError(f"A: expected fp32, bf16 or fp16, got {A.dtype}")
-    if A.dim() < 1 or A.shape[-1] != shapeB[1]:
-        raise ValueError(f"A: expected last dimension {shapeB[1]} (K of shapeB {list(shapeB)}), got shape {list(A.shape)}")
-    _check_packed_4bit_storage(B)
+    _check_4bit_matmul_operands(A, B, shapeB)
     if absmax.dtype != torch.float32:
         raise TypeError(f"absmax: expected fp32, got {absmax.dtype}")
     nb = -(-_numel(shapeB) // blocksize)
