@@ -51,29 +51,83 @@ bool valid_shape(int64_t N, int64_t K, int64_t block) {
   return N >= 1 && K >= 32 && block >= 32 && !(block & (block - 1)) && K % block == 0;
 }
 
+// TORCHQ_NATIVE_DECODE=0 turns the decode paths off (the table path then serves every M): for
+// comparisons and tests, not for users.
+static const bool kDecodeEnabled = [] {
+  const char* s = getenv("TORCHQ_NATIVE_DECODE");
+  return !(s && strcmp(s, "0") == 0);
+}();
+
+// The decode path for this call (p.decode, and its function and lane width), or DECODE_NONE.
+int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
+  const Lut4Kernels& ks = kernels().lut4;
+  if (!kDecodeEnabled || p.M > kLut4DecodeMaxM || !ks.decode) return DECODE_NONE;
+  const int kind = lut4_decode_kind(p);
+  if (kind == DECODE_NONE) return DECODE_NONE;
+  if (p.K % (8 * ks.decode_lanes) == 0) {
+    *fn = ks.decode;
+    *lanes = ks.decode_lanes;
+    return kind;
+  }
+  if (ks.narrow_decode && p.K % (8 * ks.narrow_lanes) == 0) {
+    *fn = ks.narrow_decode;
+    *lanes = ks.narrow_lanes;
+    return kind;
+  }
+  return DECODE_NONE;
+}
+
 // out = x @ W.T (+ bias), x [M, K_in] and out [M, N] of `dtype`: converts and zero-pads the
-// activations to fp32 rows of p.K and permutes them (see lut4_linear.h), runs the rows into an
-// fp32 output, then rounds it to `dtype` (once, at the end).
+// activations to fp32 rows of p.K and permutes them for the chosen path (see lut4_linear.h), runs
+// the rows into an fp32 output, then rounds it to `dtype` (once, at the end).
 int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
   const int64_t M = p.M, K = p.K, N = p.N;
+  Lut4DecodeFn decode = nullptr;
+  int lanes = 0;
+  p.decode = choose_decode(p, &decode, &lanes);
+  const size_t esize = dtype_size(dtype);
   const size_t xp_bytes = (M * K * sizeof(float) + 63) / 64 * 64;
+  const int64_t span = p.decode ? (p.block > 8 * lanes ? p.block : 8 * lanes) : 0;
+  const size_t xsum_bytes = p.decode == DECODE_AFFINE ? (M * (K / span) * lanes * sizeof(float) + 63) / 64 * 64 : 0;
+  const size_t row_bytes = (K * sizeof(float) + 63) / 64 * 64;
   const size_t out_bytes = dtype == DT_F32 ? 0 : (M * N * sizeof(float) + 63) / 64 * 64;
-  char* buf = static_cast<char*>(aligned_alloc(64, xp_bytes + K * sizeof(float) + out_bytes + 64));
+  char* buf = static_cast<char*>(aligned_alloc(64, xp_bytes + xsum_bytes + row_bytes + out_bytes + 64));
   if (!buf) return OUT_OF_MEMORY;
   float* xp = reinterpret_cast<float*>(buf);
-  float* row = reinterpret_cast<float*>(buf + xp_bytes);
-  const size_t esize = dtype_size(dtype);
+  float* xsums = reinterpret_cast<float*>(buf + xp_bytes);
+  float* row = reinterpret_cast<float*>(buf + xp_bytes + xsum_bytes);
+  if (p.decode) {  // non-finite activations take the table path: its inf * w is the reference's
+    for (int64_t m = 0; m < M && p.decode; ++m) {
+      to_f32_row(static_cast<const char*>(x) + m * K_in * esize, dtype, K_in, K, row);
+      for (int64_t k = 0; k < K; ++k)
+        if (!__builtin_isfinite(row[k])) {
+          p.decode = DECODE_NONE;
+          decode = nullptr;
+          break;
+        }
+    }
+  }
+  const int64_t chunk = p.decode ? 8 * lanes : 32;
+  int16_t order[128];  // the element each position of a chunk takes
+  for (int64_t i = 0; i < chunk; ++i)
+    order[i] = static_cast<int16_t>(p.decode ? lut4_decode_element(p.decode, lanes, i) : i < 16 ? 2 * i : 2 * (i - 16) + 1);
   for (int64_t m = 0; m < M; ++m) {
     to_f32_row(static_cast<const char*>(x) + m * K_in * esize, dtype, K_in, K, row);
-    for (int64_t k = 0; k < K; k += 32)
-      for (int j = 0; j < 16; ++j) {
-        xp[m * K + k + j] = row[k + 2 * j];
-        xp[m * K + k + 16 + j] = row[k + 2 * j + 1];
-      }
+    for (int64_t k = 0; k < K; k += chunk)
+      for (int64_t i = 0; i < chunk; ++i) xp[m * K + k + i] = row[k + order[i]];
+    if (p.decode == DECODE_AFFINE)  // per span and lane: the sum of the lane's activations
+      for (int64_t k0 = 0; k0 < K; k0 += span)
+        for (int l = 0; l < lanes; ++l) {
+          double sum = 0.0;
+          for (int64_t k = k0; k < k0 + span; k += chunk)
+            for (int v = 0; v < 8; ++v) sum += xp[m * K + k + v * lanes + l];
+          xsums[(m * (K / span) + k0 / span) * lanes + l] = static_cast<float>(sum);
+        }
   }
   p.xp = xp;
-  p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + (K * sizeof(float) + 63) / 64 * 64);
-  RowsJob job{p, kernels().lut4.rows};
+  p.xsums = xsums;
+  p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + xsum_bytes + row_bytes);
+  RowsJob job{p, decode ? decode : kernels().lut4.rows};
   parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
@@ -99,7 +153,7 @@ bool valid_lut4(const tq_weight& w) {
 Lut4Params params(const tq_weight& w, int64_t M, const float* bias) {
   return Lut4Params{nullptr, M, w.row_length, w.n, w.block, w.packed, w.codebook, w.scales, w.nested_codes,
                     w.nested_absmax, w.nested_offset ? *w.nested_offset : 0.0f, w.nested_map, bias, nullptr,
-                    w.shifts, w.zeros, w.round_mul, w.round_add};
+                    w.shifts, w.zeros, w.round_mul, w.round_add, DECODE_NONE, nullptr};
 }
 
 }  // namespace

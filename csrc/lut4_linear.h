@@ -20,8 +20,29 @@
 // (float zero point: zeros = z, ``(q - mid) * s + z``) or c + qmin with shifts = -z (integer
 // zero point, ``(q - z) * s``), rounded in the scale / zero dtypes: exactly dequantize_affine.
 //
-// Activations arrive as fp32 rows permuted per chunk of 32 elements: the 16 even elements,
-// then the 16 odd ones (the order in which high and low nibbles of 16 bytes unpack).
+// Activations arrive as fp32 rows permuted per chunk: for the table path, per chunk of 32 elements,
+// the 16 even elements then the 16 odd ones (the order in which high and low nibbles of 16 bytes
+// unpack); for a decode path (below), in that path's lane order (lut4_decode_element).
+//
+// Decode paths (M <= kLut4DecodeMaxM, vector ISAs; chosen per call by lut4_decode_kind): a chunk
+// of 8W weights (W = the ISA's fp32 lanes: 4W packed bytes) is loaded as W 32-bit lanes of 8
+// nibbles each and unpacked with shifts and masks, no shuffles, into 8 vectors.
+//  * DECODE_AFFINE (codebook[c] = codebook[0] + c, scales and zeros unrounded: affine int4 with
+//    fp32 scale / zero): per lane l of the chunks of a span (max(block, chunk) weights), with
+//    c the nibbles, d = codebook[0] + shift_b and X_l the lane's sum of x over the span
+//    (xsums: summed in double, rounded once): tot_l += s_b (sum c x + d X_l), then
+//    tot_l += z_b X_l; out = the sum of the lanes. The weights are exact and a one-hot row of x
+//    gives exactly the weight (the reference's roundings of (c + d) s and + z); otherwise only
+//    the order and grouping of the fp32 sum differ from sum_k w_k x_k:
+//    |out - sum_k w_k x_k| <= ~(K + 2) u sum_k (|(c_k + d) s_b| + |z_b|) |x_k|, u = 2^-24.
+//  * DECODE_CODEBOOK (no shifts / zeros / rounding: NF4, FP4, their double-quantized absmax):
+//    per lane tot_l += s_b sum codebook[c] x (codebook[c]: vpermps): one-hot exact, the bound
+//    above with |w_k| = |s_b codebook[c_k]|.
+//  * DECODE_TABLE16 (entries rounded to bf16 by their last step: affine int4 with bf16 scales):
+//    the block's 16 exact bf16 weights looked up with byte shuffles (vpshufb of their low and
+//    high bytes); out = sum_k w_k x_k in fp32, in the path's order: one-hot exact, the bound
+//    with |w_k|.
+// Rows with inf / NaN activations take the table path (its products are the reference's).
 #pragma once
 #include <stdint.h>
 
@@ -42,9 +63,38 @@ struct Lut4Params {
   const float* shifts;       // [N*K/block] added to the codebook value before scaling, or null
   const float* zeros;        // [N*K/block] added after scaling, or null
   int round_mul, round_add;  // Round kinds after the multiply / the add
+  int decode;                // DecodeKind of this call (DECODE_NONE: the table path)
+  const float* xsums;        // DECODE_AFFINE: [M, K / span, W] each lane's sum of x per span
 };
 
 enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
+enum DecodeKind : int { DECODE_NONE = 0, DECODE_AFFINE = 1, DECODE_CODEBOOK = 2, DECODE_TABLE16 = 3 };
+static constexpr int64_t kLut4DecodeMaxM = 4;
+
+// The decode path p's weight allows (DECODE_NONE if none): see above.
+static inline int lut4_decode_kind(const Lut4Params& p) {
+  const bool rounded = p.round_mul != ROUND_NONE || (p.zeros && p.round_add != ROUND_NONE);
+  if (!rounded) {
+    bool affine = true;
+    for (int c = 1; c < 16; ++c) affine = affine && p.codebook[c] == p.codebook[0] + static_cast<float>(c);
+    if (affine) return DECODE_AFFINE;
+    return p.shifts || p.zeros ? DECODE_NONE : DECODE_CODEBOOK;
+  }
+  const int last = p.zeros ? p.round_add : p.round_mul;
+  return last == ROUND_BF16 ? DECODE_TABLE16 : DECODE_NONE;
+}
+
+// The element (within its chunk of 8W) that position i of a permuted chunk holds, for decode kind
+// `kind` on an ISA of W fp32 lanes: position i = v * W + l is lane l of the chunk's vector v.
+static inline int64_t lut4_decode_element(int kind, int W, int64_t i) {
+  const int64_t v = i / W, l = i % W;
+  if (kind != DECODE_TABLE16) return 8 * l + (v ^ 1);  // nibble v of 32-bit lane l: byte 4l + v/2
+  // vector v = 4h + 2p + f: h = high (0) / low (1) nibbles; p = unpacklo / unpackhi of the
+  // shuffled bytes; f = even / odd 16-bit slot of lane l = 4L + q (L: its 128-bit lane)
+  const int64_t h = v >> 2, pp = (v >> 1) & 1, f = v & 1, L = l / 4, q = l % 4;
+  const int64_t byte = 16 * L + 8 * pp + 2 * q + f;
+  return 2 * byte + h;
+}
 
 // The absmax of block g of row n, bit-exact to torchq's reference (compiled without FP
 // contraction, so map * absmax2 + offset is two roundings as in PyTorch).
@@ -61,10 +111,17 @@ typedef void (*Lut4RowsFn)(const Lut4Params& p, int64_t n0, int64_t n1);
 // or as bf16 (round to nearest even, as torch's .to(torch.bfloat16)). Uses p's weight fields only.
 typedef void (*Lut4DequantFn)(const Lut4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
 
-// One ISA's kernels (see kernels.h).
+// Rows [n0, n1) of the output through p.decode's path; activations in its lane order.
+typedef void (*Lut4DecodeFn)(const Lut4Params& p, int64_t n0, int64_t n1);
+
+// One ISA's kernels (see kernels.h); decode_lanes = 0 and decode = null where the ISA has none.
 struct Lut4Kernels {
   Lut4RowsFn rows;
   Lut4DequantFn dequant;
+  Lut4DecodeFn decode;
+  int decode_lanes;  // W of decode's lane order: it needs K to be a multiple of 8 * decode_lanes
+  Lut4DecodeFn narrow_decode;  // a narrower ISA's decode for the K that decode cannot take
+  int narrow_lanes;
 };
 extern const Lut4Kernels kLut4Scalar, kLut4Avx2, kLut4Avx512;
 

@@ -5,5 +5,5 @@
 #include "lut4_linear_body.h"
 
 namespace tq {
-extern const Lut4Kernels kLut4Avx512 = {&Lut4Kernel<Avx512>::rows, &Lut4Kernel<Avx512>::dequant};
+extern const Lut4Kernels kLut4Avx512 = {&Lut4Kernel<Avx512>::rows, &Lut4Kernel<Avx512>::dequant, &Lut4Kernel<Avx512>::decode, Avx512::kLanes, nullptr, 0};
 }  // namespace tq

@@ -21,6 +21,7 @@ namespace {
 template <class T>
 struct Lut4Kernel {
   using F = typename T::F;
+  using I = typename T::I;
   static constexpr int W = T::kLanes;
   static constexpr int kChunk = 32 / W;  // vectors per 16 packed bytes (32 weights)
   static constexpr int kFusedMaxM = 4;
@@ -161,6 +162,171 @@ struct Lut4Kernel {
       }
     }
     free(buf);
+  }
+
+  // ---- decode paths (M <= kLut4DecodeMaxM; see lut4_linear.h) ----
+  static constexpr int64_t kDecodeChunk = 8 * W;  // weights per chunk: W lanes of 8 nibbles
+
+  // Per weight row of a decode tile: the factored paths' per-block scales s_b (the weight's own
+  // array, or computed from double-quantized absmax into own), shifts and zeros (the weight's, or
+  // null), or DECODE_TABLE16's byte tables (in own).
+  struct RowWork {
+    char* own;  // row_work_bytes(G) of workspace
+    const float* scales;
+    const float* shifts;
+    const float* zeros;
+    const uint8_t* lo;
+    const uint8_t* hi;
+  };
+  static size_t row_work_bytes(int64_t G) { return (2 * 16 * (G + 4) + 63) / 64 * 64; }  // >= (G + 4) floats too
+
+  template <int KIND>
+  static void prepare_row(const Lut4Params& p, const Table& code, int64_t n, RowWork& r) {
+    const int64_t G = p.K / p.block;
+    if constexpr (KIND == DECODE_TABLE16) {
+      uint8_t* lo = reinterpret_cast<uint8_t*>(r.own);
+      uint8_t* hi = lo + 16 * (G + 4);
+      for (int64_t g = 0; g < G; ++g) {
+        const Table t = table(p, code, n, g);
+        T::table16_store(t.v, lo + 16 * g, hi + 16 * g);
+      }
+      r.lo = lo;
+      r.hi = hi;
+    } else {
+      if (p.absmax) {
+        r.scales = p.absmax + n * G;
+      } else {
+        float* s = reinterpret_cast<float*>(r.own);
+        for (int64_t g = 0; g < G; ++g) s[g] = lut4_scale(p, n, g);
+        r.scales = s;
+      }
+      r.shifts = p.shifts ? p.shifts + n * G : nullptr;
+      r.zeros = p.zeros ? p.zeros + n * G : nullptr;
+    }
+  }
+
+  // The values of blocks g.. for the lanes of a chunk: one value for the whole chunk, or (blocks
+  // shorter than a chunk) lane l's block's, reading only the chunk's blocks.
+  static F per_lane(const float* v, int64_t g, bool whole, int64_t blocks, I lane_block) {
+    return whole ? T::set1(v[g]) : T::block_lanes(v + g, blocks, lane_block);
+  }
+
+  // out[m0..m0+MT, n..n+NT] through decode path KIND, rows' RowWork in r[0..NT). Factored paths,
+  // per span of max(block, chunk) weights and per lane: acc = sum c x (DECODE_AFFINE: the nibble
+  // c; DECODE_CODEBOOK: codebook[c]); DECODE_AFFINE then acc = d X + acc, with X the lane's sum
+  // of x over the span (p.xsums); tot = acc s + tot; with zeros tot = z X + tot. A one-hot row of
+  // x thus gives exactly the weight ((c + d) s, then + z: the reference's roundings).
+  template <int KIND, int NT, int MT>
+  TQ_TILE static void decode_tile(const Lut4Params& p, const RowWork* r, int64_t n, int64_t m0) {
+    constexpr int A = MT == 1 ? 2 : 1;  // accumulators per output
+    constexpr int64_t C = kDecodeChunk;
+    const int64_t K = p.K, B = p.block, span = B > C ? B : C, spans = K / span;
+    const Table code = load_code(p.codebook);
+    const I lane_block = T::block_lane_index(B);
+    const bool whole = B >= C;  // one block per chunk (else C / B blocks split each chunk)
+    const int64_t blocks = whole ? 1 : C / B;
+    const F code0 = T::set1(p.codebook[0]);
+    const uint8_t* w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = p.packed + (n + t) * (K / 2);
+    const float* x[MT];
+    for (int m = 0; m < MT; ++m) x[m] = p.xp + (m0 + m) * K;
+    const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));  // see fused_tile
+    const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
+    F tot[NT][MT];
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) tot[t][m] = T::zero();
+    for (int64_t k0 = 0; k0 < K; k0 += span) {
+      F acc[NT][MT][A];
+      for (int t = 0; t < NT; ++t)
+        for (int m = 0; m < MT; ++m)
+          for (int a = 0; a < A; ++a) acc[t][m][a] = T::zero();
+      for (int64_t k = k0; k < k0 + span; k += C) {
+        for (int q = 0; q < NT * C / 2; q += 64)
+          if (ahead + q < ahead_end) _mm_prefetch(ahead + q, _MM_HINT_T0);
+        ahead += NT * C / 2;
+        for (int t = 0; t < NT; ++t) {
+          const I v = T::load_chunk(w[t] + k / 2);
+          if constexpr (KIND == DECODE_TABLE16) {
+            F wv[8];
+            T::table16_lookup(T::table16_load(r[t].lo + 16 * (k / B), B), T::table16_load(r[t].hi + 16 * (k / B), B), v, wv);
+            for (int j = 0; j < 8; ++j)
+              for (int m = 0; m < MT; ++m) acc[t][m][j % A] = T::fmadd(wv[j], T::loadu(x[m] + k + W * j), acc[t][m][j % A]);
+          } else {
+            for (int j = 0; j < 8; ++j) {
+              const F wv = KIND == DECODE_AFFINE ? T::to_float(T::nibble(v, j)) : T::codebook_lookup(code.v, v, j);
+              for (int m = 0; m < MT; ++m) acc[t][m][j % A] = T::fmadd(wv, T::loadu(x[m] + k + W * j), acc[t][m][j % A]);
+            }
+          }
+        }
+      }
+      const int64_t g = k0 / B;
+      for (int t = 0; t < NT; ++t) {
+        if constexpr (KIND == DECODE_TABLE16) {
+          for (int m = 0; m < MT; ++m) tot[t][m] = T::add(tot[t][m], A == 2 ? T::add(acc[t][m][0], acc[t][m][A - 1]) : acc[t][m][0]);
+        } else {
+          const F sv = per_lane(r[t].scales, g, whole, blocks, lane_block);
+          F dv, zv;
+          if constexpr (KIND == DECODE_AFFINE) {  // d = codebook[0] + shift: integers, exact
+            dv = r[t].shifts ? T::add(code0, per_lane(r[t].shifts, g, whole, blocks, lane_block)) : code0;
+            if (r[t].zeros) zv = per_lane(r[t].zeros, g, whole, blocks, lane_block);
+          }
+          for (int m = 0; m < MT; ++m) {
+            F a = A == 2 ? T::add(acc[t][m][0], acc[t][m][A - 1]) : acc[t][m][0];
+            if constexpr (KIND == DECODE_AFFINE) {
+              const F xs = T::loadu(p.xsums + ((m0 + m) * spans + k0 / span) * W);
+              a = T::fmadd(dv, xs, a);
+              tot[t][m] = T::fmadd(a, sv, tot[t][m]);
+              if (r[t].zeros) tot[t][m] = T::fmadd(zv, xs, tot[t][m]);
+            } else {
+              tot[t][m] = T::fmadd(a, sv, tot[t][m]);
+            }
+          }
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) {
+        const float s = T::hsum(tot[t][m]);
+        p.out[(m0 + m) * p.N + n + t] = p.bias ? s + p.bias[n + t] : s;
+      }
+  }
+
+  template <int KIND>
+  static void decode_kind(const Lut4Params& p, int64_t n0, int64_t n1) {
+    constexpr int R = T::kLut4DecodeRows;
+    const int64_t G = p.K / p.block;
+    const size_t per_row = row_work_bytes(G);
+    char* work = static_cast<char*>(aligned_alloc(64, R * per_row));
+    if (!work) {
+      lut4_rows_portable(p, n0, n1);  // cannot happen for sane K; stay correct anyway
+      return;
+    }
+    const Table code = load_code(p.codebook);
+    RowWork r[R];
+    for (int t = 0; t < R; ++t) r[t].own = work + t * per_row;
+    auto run = [&](auto nt, int64_t n, auto&& m_tiles) {
+      for (int t = 0; t < decltype(nt)::value; ++t) prepare_row<KIND>(p, code, n + t, r[t]);
+      m_tiles(nt, n);
+    };
+    if (p.M == 1) {
+      tiles_then_singles<R>(n0, n1, [&](auto nt, int64_t n) {
+        run(nt, n, [&](auto nt2, int64_t n2) { decode_tile<KIND, decltype(nt2)::value, 1>(p, r, n2, 0); });
+      });
+    } else {
+      tiles_then_singles<R / 2>(n0, n1, [&](auto nt, int64_t n) {
+        run(nt, n, [&](auto nt2, int64_t n2) {
+          tiles_then_remainder<2>(0, p.M, [&](auto mt, int64_t m) { decode_tile<KIND, decltype(nt2)::value, decltype(mt)::value>(p, r, n2, m); });
+        });
+      });
+    }
+    free(work);
+  }
+
+  static void decode(const Lut4Params& p, int64_t n0, int64_t n1) {
+    if (p.decode == DECODE_AFFINE) decode_kind<DECODE_AFFINE>(p, n0, n1);
+    else if (p.decode == DECODE_CODEBOOK) decode_kind<DECODE_CODEBOOK>(p, n0, n1);
+    else if (p.decode == DECODE_TABLE16) decode_kind<DECODE_TABLE16>(p, n0, n1);
+    else rows(p, n0, n1);  // not reached: the caller permutes for a decode kind
   }
 
   static void dequant(const Lut4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16) {

@@ -19,6 +19,8 @@ struct Avx2 {
   // panel tile.
   static constexpr int kLut4FusedRows = 2;
   static constexpr int kLut4PanelM = 3;
+  // lut4 decode tiles: weight rows per tile for one activation row (two accumulators each).
+  static constexpr int kLut4DecodeRows = 4;
 
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
@@ -96,6 +98,64 @@ struct Avx2 {
         if (bf16) store_bf16(static_cast<uint16_t*>(dst) + k + 8 * i, out[i]);
         else _mm256_storeu_ps(static_cast<float*>(dst) + k + 8 * i, out[i]);
       }
+    }
+  }
+
+  // lut4 decode paths (lut4_linear.h): a chunk of 64 weights as 8 lanes of 8 nibbles.
+  static I load_chunk(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  // Nibble j of each lane (code 0..15).
+  static I nibble(I v, int j) {
+    if (j == 7) return _mm256_srli_epi32(v, 28);
+    return _mm256_and_si256(j ? _mm256_srli_epi32(v, 4 * j) : v, _mm256_set1_epi32(15));
+  }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  // codebook[nibble j] for a 16-entry codebook in two vectors: two vpermps on its low 3 bits, a
+  // blend on its bit 3 (moved to the sign bit).
+  static F codebook_lookup(const F* codebook, I v, int j) {
+    const I idx = j ? _mm256_srli_epi32(v, 4 * j) : v;
+    const F a = _mm256_permutevar8x32_ps(codebook[0], idx), b = _mm256_permutevar8x32_ps(codebook[1], idx);
+    const I sign = j == 7 ? v : _mm256_slli_epi32(v, 28 - 4 * j);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(sign));
+  }
+  // The per-lane value of per-block values s (s[0] for the chunk's first block) when blocks of
+  // `block` < 64 weights split a chunk: lane l holds weights 8l..8l+7, block 8l / block.
+  static I block_lane_index(int64_t block) {
+    alignas(32) int idx[8];
+    for (int l = 0; l < 8; ++l) idx[l] = static_cast<int>(8 * l / block);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+  }
+  static F block_lanes(const float* s, int64_t count, I index) {  // count = 2 (block 32)
+    (void)count;
+    const __m128 v = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), index);
+  }
+  // DECODE_TABLE16: the 16 bf16-exact entries (two vectors) as two 16-byte tables: low and high
+  // bytes of their bf16 bits.
+  static void table16_store(const F* entries, uint8_t* lo, uint8_t* hi) {
+    const I a = _mm256_srli_epi32(_mm256_castps_si256(entries[0]), 16), b = _mm256_srli_epi32(_mm256_castps_si256(entries[1]), 16);
+    const I words = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);  // 16 x u16 in order
+    const I split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const I bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, split), 0xD8);  // lo 0..15 | hi 0..15
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(bytes, 1));
+  }
+  // The chunk's table in each 128-bit lane (32 weights): the block's, or two consecutive blocks'
+  // when block = 32.
+  static I table16_load(const uint8_t* t, int64_t block) {
+    if (block >= 64) return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
+  }
+  // The 64 weights of a chunk from its byte tables, as 8 vectors in DECODE_TABLE16's lane order.
+  static void table16_lookup(I lo, I hi, I v, F w[8]) {
+    const I low = _mm256_set1_epi8(15), top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const I idx[2] = {_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(v, low)};
+    for (int h = 0; h < 2; ++h) {
+      const I L = _mm256_shuffle_epi8(lo, idx[h]), H = _mm256_shuffle_epi8(hi, idx[h]);
+      const I p0 = _mm256_unpacklo_epi8(L, H), p1 = _mm256_unpackhi_epi8(L, H);
+      w[4 * h + 0] = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
+      w[4 * h + 1] = _mm256_castsi256_ps(_mm256_and_si256(p0, top));
+      w[4 * h + 2] = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
+      w[4 * h + 3] = _mm256_castsi256_ps(_mm256_and_si256(p1, top));
     }
   }
 

@@ -116,13 +116,14 @@ def test_native_dequantize_matches_the_reference(isa, bf16):
     assert torch.equal(out, dense[3:].to(dtype))
 
 
-def error_bound(x: torch.Tensor, dense: torch.Tensor, bias, dtype) -> torch.Tensor:
+def error_bound(x: torch.Tensor, dense: torch.Tensor, bias, dtype, terms: torch.Tensor | None = None) -> torch.Tensor:
     """Per-output bound: fp32 accumulation over K terms (any order), the weights' rounding to
     bf16/fp16 where a path computes in the input dtype, the rounding of x @ W.T to bf16 before the
     bias is added (bf16 tiles + GEMM), and the output's rounding (relative, plus one subnormal step
-    for outputs below the dtype's normal range)."""
+    for outputs below the dtype's normal range). ``terms``: the magnitude of each weight's terms
+    where a path sums them separately (the lut4 decode path's (c + d) s and z), else |dense|."""
     k = x.shape[-1]
-    mag = x.double().abs() @ dense.double().abs().T
+    mag = x.double().abs() @ (dense.double().abs() if terms is None else terms.double()).T
     exact = x.double() @ dense.double().T + (0 if bias is None else bias.double())
     weight_rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # absolute rounding step below the normal range
@@ -130,9 +131,9 @@ def error_bound(x: torch.Tensor, dense: torch.Tensor, bias, dtype) -> torch.Tens
     return (k + 2) * U32 * mag + (weight_rounding + gemm_rounding) * mag + OUT_ROUNDING[dtype] * exact.abs() * 2 + subnormal, exact
 
 
-def assert_within_bound(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, dtype) -> None:
+def assert_within_bound(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias, dtype, terms: torch.Tensor | None = None) -> None:
     """``y`` (the kernel's [M, N] output) is within :func:`error_bound` of the exact product."""
-    bound, exact = error_bound(x, dense, bias, dtype)
+    bound, exact = error_bound(x, dense, bias, dtype, terms)
     err = (y.double() - exact).abs()
     # an exact value within the bound of the dtype's largest finite value may round to inf
     overflow = y.isinf() & (torch.sign(y.double()) == torch.sign(exact)) & (exact.abs() + bound >= torch.finfo(dtype).max)

@@ -59,6 +59,17 @@ def int4_plain(n: int, k: int, g: int, domain: str, scale_dtype: torch.dtype, se
     return plain
 
 
+def term_magnitudes(plain: PlainForm) -> torch.Tensor:
+    """|(q - mid) s| + |z| per weight for a float zero point (the lut4 decode path sums the two
+    terms separately), |w| otherwise."""
+    if plain.spec.zero_point_domain != ZeroPointDomain.FLOAT:
+        return plain.dequantize(torch.float32).abs()
+    mid = (plain.spec.quant_min + plain.spec.quant_max + 1) // 2
+    scaled = PlainForm(plain.codes, plain.scale, torch.zeros_like(plain.zero_point), plain.spec).dequantize(torch.float32)
+    zero = PlainForm(torch.full_like(plain.codes, mid), plain.scale, plain.zero_point, plain.spec).dequantize(torch.float32)
+    return scaled.abs() + zero.abs()
+
+
 def int4_impl(plain: PlainForm):
     return Int4NativeLayout().pack(plain)
 
@@ -130,18 +141,50 @@ def test_int4_random_inputs_within_the_accumulation_bound(n, k, g, m, dtype, dom
     with forced_tiles(fast_bf16):
         y = run_int4(x, int4_impl(plain), bias)
     assert y.dtype == dtype and y.shape == (m, n)
-    assert_within_bound(y, x, plain.dequantize(torch.float32), bias, dtype)
+    assert_within_bound(y, x, plain.dequantize(torch.float32), bias, dtype, term_magnitudes(plain))
 
 
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("m", [1, 4, 9, 80])
-def test_int4_threads_and_isas_within_the_bound(isa, threads, m):
-    plain = int4_plain(131, 512, 128, "float", torch.bfloat16)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_threads_and_isas_within_the_bound(isa, threads, m, scale_dtype):
+    plain = int4_plain(131, 512, 128, "float", scale_dtype)
     x = torch.randn(m, 512)
     y = run_int4(x, int4_impl(plain))
-    assert_within_bound(y, x, plain.dequantize(torch.float32), None, torch.float32)
+    assert_within_bound(y, x, plain.dequantize(torch.float32), None, torch.float32, term_magnitudes(plain))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("domain", ["float", "int", "none"])
+@pytest.mark.parametrize("scale_dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("g", GROUP_SIZES)
+def test_int4_decode_paths_one_hot_bound_and_non_finite(isa, domain, scale_dtype, g):
+    """M <= 4 runs the decode paths (lut4_linear.h) where the weight allows: K = 576 is 9 chunks of
+    64 (AVX2) and 4.5 of 128 (AVX-512 then takes the AVX2-width decode), 1024 a whole number of
+    both. One-hot rows give the exact weights, random rows stay within the bound, and a row with
+    inf / NaN gives the reference's inf / NaN (such rows take the table path)."""
+    for k in (576, 1024):
+        if k % g:
+            continue
+        plain = int4_plain(21, k, g, domain, scale_dtype, seed=g + k)
+        impl = int4_impl(plain)
+        dense = plain.dequantize(torch.float32)
+        for m in (1, 2, 3, 4):
+            cols = torch.randint(0, k, (m,), generator=torch.Generator().manual_seed(m))
+            one_hot = torch.zeros(m, k)
+            one_hot[torch.arange(m), cols] = 1.0
+            assert torch.equal(run_int4(one_hot, impl), dense[:, cols].T)
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
+            assert_within_bound(run_int4(x, impl), x, dense, None, torch.float32, term_magnitudes(plain))
+            x[0, 3] = float("inf")
+            x[m - 1, k - 1] = float("nan") if m > 1 else x[m - 1, k - 1]
+            ref = x.double() @ dense.double().T
+            y = run_int4(x, impl).double()
+            assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+            assert torch.equal(y[y.isinf()], ref[ref.isinf()])
 
 
 def test_int4_weight_only_picks_the_native_layout_and_kernel():
