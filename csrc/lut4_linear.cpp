@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
+
 #include "common.h"
 #include "kernels.h"
 #include "weight_abi.h"
@@ -51,17 +53,17 @@ bool valid_shape(int64_t N, int64_t K, int64_t block) {
   return N >= 1 && K >= 32 && block >= 32 && !(block & (block - 1)) && K % block == 0;
 }
 
-// TORCHQ_NATIVE_DECODE=0 turns the decode paths off (the table path then serves every M): for
-// comparisons and tests, not for users.
-static const bool kDecodeEnabled = [] {
+// Whether M <= 4 calls may take a decode path (lut4_linear.h). Off: the table path serves every M
+// (TORCHQ_NATIVE_DECODE=0 at load, or tq_set_lut4_decode): for comparisons and tests.
+std::atomic<bool> g_decode_enabled{[] {
   const char* s = getenv("TORCHQ_NATIVE_DECODE");
   return !(s && strcmp(s, "0") == 0);
-}();
+}()};
 
 // The decode path for this call (p.decode, and its function and lane width), or DECODE_NONE.
 int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
   const Lut4Kernels& ks = kernels().lut4;
-  if (!kDecodeEnabled || p.M > kLut4DecodeMaxM || !ks.decode) return DECODE_NONE;
+  if (!g_decode_enabled.load(std::memory_order_relaxed) || p.M > kLut4DecodeMaxM || !ks.decode) return DECODE_NONE;
   const int kind = lut4_decode_kind(p);
   if (kind == DECODE_NONE) return DECODE_NONE;
   if (p.K % (8 * ks.decode_lanes) == 0) {
@@ -170,3 +172,6 @@ int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool 
 }
 
 }  // namespace tq
+
+// Allow (1) or forbid (0) the lut4 decode paths; returns the previous setting.
+TQ_API int tq_set_lut4_decode(int enabled) { return tq::g_decode_enabled.exchange(enabled != 0) ? 1 : 0; }

@@ -38,7 +38,8 @@
 //  * DECODE_CODEBOOK (no shifts / zeros / rounding: NF4, FP4, their double-quantized absmax):
 //    per lane tot_l += s_b sum codebook[c] x (codebook[c]: vpermps): one-hot exact, the bound
 //    above with |w_k| = |s_b codebook[c_k]|.
-//  * DECODE_TABLE16 (entries rounded to bf16 by their last step: affine int4 with bf16 scales):
+//  * DECODE_TABLE16 (entries rounded to bf16 by their last step: affine int4 with bf16 scales;
+//    blocks of 64 or more):
 //    the block's 16 exact bf16 weights looked up with byte shuffles (vpshufb of their low and
 //    high bytes); out = sum_k w_k x_k in fp32, in the path's order: one-hot exact, the bound
 //    with |w_k|.
@@ -80,8 +81,9 @@ static inline int lut4_decode_kind(const Lut4Params& p) {
     if (affine) return DECODE_AFFINE;
     return p.shifts || p.zeros ? DECODE_NONE : DECODE_CODEBOOK;
   }
+  // blocks of 32 rebuild the byte tables for every 32 weights: the table path is faster there
   const int last = p.zeros ? p.round_add : p.round_mul;
-  return last == ROUND_BF16 ? DECODE_TABLE16 : DECODE_NONE;
+  return last == ROUND_BF16 && p.block >= 64 ? DECODE_TABLE16 : DECODE_NONE;
 }
 
 // The element (within its chunk of 8W) that position i of a permuted chunk holds, for decode kind

@@ -12,11 +12,12 @@ output, the bias and M are passed. :func:`weight_args` caches a layout's weight 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
 import importlib.machinery
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "lut4_weight", "ptr", "run_linear", "threads", "validate", "weight_args", "weight_struct",
+    "lut4_decode", "lut4_weight", "ptr", "run_linear", "threads", "validate", "weight_args", "weight_struct",
 ]
 
 ABI_VERSION = 4
@@ -41,6 +42,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_supported_isa": (_c_int, []),
     "tq_active_isa": (_c_int, []),
     "tq_set_isa": (_c_int, [_c_int]),
+    "tq_set_lut4_decode": (_c_int, [_c_int]),
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
     "tq_weight_size": (_c_int64, []),
     "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
@@ -91,12 +93,6 @@ def validate(lib: ctypes.CDLL, name: str) -> tuple[type[ctypes.Structure] | None
 
 _LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
 # how many torchq.native.disabled() blocks enclose the calling thread (or task)
-_DISABLED: contextvars.ContextVar[int] = contextvars.ContextVar("torchq_native_disabled", default=0)
-_WARNED: set[str] = set()
-
-
-_LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
-# how many torchq.native.disabled() blocks enclose the calling thread (or task)
 DISABLED: contextvars.ContextVar[int] = contextvars.ContextVar("torchq_native_disabled", default=0)
 
 
@@ -124,6 +120,20 @@ def library() -> ctypes.CDLL | None:
 
 def threads() -> int:
     return max(1, torch.get_num_threads())
+
+
+@contextlib.contextmanager
+def lut4_decode(enabled: bool) -> Iterator[None]:
+    """Allow or forbid the lut4 kernel's decode paths (M <= 4, see csrc/lut4_linear.h) within the
+    block, process-wide: for tests and benchmarks that compare them with the table path."""
+    if _LIB is None:
+        yield
+        return
+    before = _LIB.tq_set_lut4_decode(int(enabled))
+    try:
+        yield
+    finally:
+        _LIB.tq_set_lut4_decode(before)
 
 
 def eager_cpu(x: torch.Tensor) -> bool:
