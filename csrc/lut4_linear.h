@@ -38,11 +38,6 @@
 //  * DECODE_CODEBOOK (no shifts / zeros / rounding: NF4, FP4, their double-quantized absmax):
 //    per lane tot_l += s_b sum codebook[c] x (codebook[c]: vpermps): one-hot exact, the bound
 //    above with |w_k| = |s_b codebook[c_k]|.
-//  * DECODE_TABLE16 (entries rounded to bf16 by their last step: affine int4 with bf16 scales;
-//    blocks of 64 or more):
-//    the block's 16 exact bf16 weights looked up with byte shuffles (vpshufb of their low and
-//    high bytes); out = sum_k w_k x_k in fp32, in the path's order: one-hot exact, the bound
-//    with |w_k|.
 // Rows with inf / NaN activations take the table path (its products are the reference's).
 #pragma once
 #include <stdint.h>
@@ -69,33 +64,27 @@ struct Lut4Params {
 };
 
 enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
-enum DecodeKind : int { DECODE_NONE = 0, DECODE_AFFINE = 1, DECODE_CODEBOOK = 2, DECODE_TABLE16 = 3 };
+enum DecodeKind : int { DECODE_NONE = 0, DECODE_AFFINE = 1, DECODE_CODEBOOK = 2 };
 static constexpr int64_t kLut4DecodeMaxM = 4;
 
 // The decode path p's weight allows (DECODE_NONE if none): see above.
 static inline int lut4_decode_kind(const Lut4Params& p) {
-  const bool rounded = p.round_mul != ROUND_NONE || (p.zeros && p.round_add != ROUND_NONE);
-  if (!rounded) {
-    bool affine = true;
-    for (int c = 1; c < 16; ++c) affine = affine && p.codebook[c] == p.codebook[0] + static_cast<float>(c);
-    if (affine) return DECODE_AFFINE;
-    return p.shifts || p.zeros ? DECODE_NONE : DECODE_CODEBOOK;
-  }
-  // blocks of 32 rebuild the byte tables for every 32 weights: the table path is faster there
-  const int last = p.zeros ? p.round_add : p.round_mul;
-  return last == ROUND_BF16 && p.block >= 64 ? DECODE_TABLE16 : DECODE_NONE;
+  // Entries rounded to bf16 / fp16 are not affine in the code: the table path serves them (a
+  // byte-shuffle lookup of bf16 tables per block measured no faster on AVX2 than its vpermps
+  // lookup, the per-block table being rebuilt for every row).
+  if (p.round_mul != ROUND_NONE || (p.zeros && p.round_add != ROUND_NONE)) return DECODE_NONE;
+  bool affine = true;
+  for (int c = 1; c < 16; ++c) affine = affine && p.codebook[c] == p.codebook[0] + static_cast<float>(c);
+  if (affine) return DECODE_AFFINE;
+  return p.shifts || p.zeros ? DECODE_NONE : DECODE_CODEBOOK;
 }
 
 // The element (within its chunk of 8W) that position i of a permuted chunk holds, for decode kind
 // `kind` on an ISA of W fp32 lanes: position i = v * W + l is lane l of the chunk's vector v.
 static inline int64_t lut4_decode_element(int kind, int W, int64_t i) {
+  (void)kind;  // both kinds unpack nibble v of 32-bit lane l: byte 4l + v / 2, high nibble for odd v
   const int64_t v = i / W, l = i % W;
-  if (kind != DECODE_TABLE16) return 8 * l + (v ^ 1);  // nibble v of 32-bit lane l: byte 4l + v/2
-  // vector v = 4h + 2p + f: h = high (0) / low (1) nibbles; p = unpacklo / unpackhi of the
-  // shuffled bytes; f = even / odd 16-bit slot of lane l = 4L + q (L: its 128-bit lane)
-  const int64_t h = v >> 2, pp = (v >> 1) & 1, f = v & 1, L = l / 4, q = l % 4;
-  const int64_t byte = 16 * L + 8 * pp + 2 * q + f;
-  return 2 * byte + h;
+  return 8 * l + (v ^ 1);
 }
 
 // The absmax of block g of row n, bit-exact to torchq's reference (compiled without FP

@@ -167,42 +167,27 @@ struct Lut4Kernel {
   // ---- decode paths (M <= kLut4DecodeMaxM; see lut4_linear.h) ----
   static constexpr int64_t kDecodeChunk = 8 * W;  // weights per chunk: W lanes of 8 nibbles
 
-  // Per weight row of a decode tile: the factored paths' per-block scales s_b (the weight's own
-  // array, or computed from double-quantized absmax into own), shifts and zeros (the weight's, or
-  // null), or DECODE_TABLE16's byte tables (in own).
+  // Per weight row of a decode tile: the per-block scales s_b (the weight's own array, or computed
+  // from double-quantized absmax into own), shifts and zeros (the weight's, or null).
   struct RowWork {
     char* own;  // row_work_bytes(G) of workspace
     const float* scales;
     const float* shifts;
     const float* zeros;
-    const uint8_t* lo;
-    const uint8_t* hi;
   };
-  static size_t row_work_bytes(int64_t G) { return (2 * 16 * (G + 4) + 63) / 64 * 64; }  // >= (G + 4) floats too
+  static size_t row_work_bytes(int64_t G) { return (G * sizeof(float) + 63) / 64 * 64; }
 
-  template <int KIND>
-  static void prepare_row(const Lut4Params& p, const Table& code, int64_t n, RowWork& r) {
+  static void prepare_row(const Lut4Params& p, int64_t n, RowWork& r) {
     const int64_t G = p.K / p.block;
-    if constexpr (KIND == DECODE_TABLE16) {
-      uint8_t* lo = reinterpret_cast<uint8_t*>(r.own);
-      uint8_t* hi = lo + 16 * (G + 4);
-      for (int64_t g = 0; g < G; ++g) {
-        const Table t = table(p, code, n, g);
-        T::table16_store(t.v, lo + 16 * g, hi + 16 * g);
-      }
-      r.lo = lo;
-      r.hi = hi;
+    if (p.absmax) {
+      r.scales = p.absmax + n * G;
     } else {
-      if (p.absmax) {
-        r.scales = p.absmax + n * G;
-      } else {
-        float* s = reinterpret_cast<float*>(r.own);
-        for (int64_t g = 0; g < G; ++g) s[g] = lut4_scale(p, n, g);
-        r.scales = s;
-      }
-      r.shifts = p.shifts ? p.shifts + n * G : nullptr;
-      r.zeros = p.zeros ? p.zeros + n * G : nullptr;
+      float* s = reinterpret_cast<float*>(r.own);
+      for (int64_t g = 0; g < G; ++g) s[g] = lut4_scale(p, n, g);
+      r.scales = s;
     }
+    r.shifts = p.shifts ? p.shifts + n * G : nullptr;
+    r.zeros = p.zeros ? p.zeros + n * G : nullptr;
   }
 
   // The values of blocks g.. for the lanes of a chunk: one value for the whole chunk, or (blocks
@@ -246,40 +231,29 @@ struct Lut4Kernel {
         ahead += NT * C / 2;
         for (int t = 0; t < NT; ++t) {
           const I v = T::load_chunk(w[t] + k / 2);
-          if constexpr (KIND == DECODE_TABLE16) {
-            F wv[8];
-            T::table16_lookup(T::table16_load(r[t].lo + 16 * (k / B), B), T::table16_load(r[t].hi + 16 * (k / B), B), v, wv);
-            for (int j = 0; j < 8; ++j)
-              for (int m = 0; m < MT; ++m) acc[t][m][j % A] = T::fmadd(wv[j], T::loadu(x[m] + k + W * j), acc[t][m][j % A]);
-          } else {
-            for (int j = 0; j < 8; ++j) {
-              const F wv = KIND == DECODE_AFFINE ? T::to_float(T::nibble(v, j)) : T::codebook_lookup(code.v, v, j);
-              for (int m = 0; m < MT; ++m) acc[t][m][j % A] = T::fmadd(wv, T::loadu(x[m] + k + W * j), acc[t][m][j % A]);
-            }
+          for (int j = 0; j < 8; ++j) {
+            const F wv = KIND == DECODE_AFFINE ? T::to_float(T::nibble(v, j)) : T::codebook_lookup(code.v, v, j);
+            for (int m = 0; m < MT; ++m) acc[t][m][j % A] = T::fmadd(wv, T::loadu(x[m] + k + W * j), acc[t][m][j % A]);
           }
         }
       }
       const int64_t g = k0 / B;
       for (int t = 0; t < NT; ++t) {
-        if constexpr (KIND == DECODE_TABLE16) {
-          for (int m = 0; m < MT; ++m) tot[t][m] = T::add(tot[t][m], A == 2 ? T::add(acc[t][m][0], acc[t][m][A - 1]) : acc[t][m][0]);
-        } else {
-          const F sv = per_lane(r[t].scales, g, whole, blocks, lane_block);
-          F dv, zv;
-          if constexpr (KIND == DECODE_AFFINE) {  // d = codebook[0] + shift: integers, exact
-            dv = r[t].shifts ? T::add(code0, per_lane(r[t].shifts, g, whole, blocks, lane_block)) : code0;
-            if (r[t].zeros) zv = per_lane(r[t].zeros, g, whole, blocks, lane_block);
-          }
-          for (int m = 0; m < MT; ++m) {
-            F a = A == 2 ? T::add(acc[t][m][0], acc[t][m][A - 1]) : acc[t][m][0];
-            if constexpr (KIND == DECODE_AFFINE) {
-              const F xs = T::loadu(p.xsums + ((m0 + m) * spans + k0 / span) * W);
-              a = T::fmadd(dv, xs, a);
-              tot[t][m] = T::fmadd(a, sv, tot[t][m]);
-              if (r[t].zeros) tot[t][m] = T::fmadd(zv, xs, tot[t][m]);
-            } else {
-              tot[t][m] = T::fmadd(a, sv, tot[t][m]);
-            }
+        const F sv = per_lane(r[t].scales, g, whole, blocks, lane_block);
+        F dv, zv;
+        if constexpr (KIND == DECODE_AFFINE) {  // d = codebook[0] + shift: integers, exact
+          dv = r[t].shifts ? T::add(code0, per_lane(r[t].shifts, g, whole, blocks, lane_block)) : code0;
+          if (r[t].zeros) zv = per_lane(r[t].zeros, g, whole, blocks, lane_block);
+        }
+        for (int m = 0; m < MT; ++m) {
+          F a = A == 2 ? T::add(acc[t][m][0], acc[t][m][A - 1]) : acc[t][m][0];
+          if constexpr (KIND == DECODE_AFFINE) {
+            const F xs = T::loadu(p.xsums + ((m0 + m) * spans + k0 / span) * W);
+            a = T::fmadd(dv, xs, a);
+            tot[t][m] = T::fmadd(a, sv, tot[t][m]);
+            if (r[t].zeros) tot[t][m] = T::fmadd(zv, xs, tot[t][m]);
+          } else {
+            tot[t][m] = T::fmadd(a, sv, tot[t][m]);
           }
         }
       }
@@ -301,11 +275,10 @@ struct Lut4Kernel {
       lut4_rows_portable(p, n0, n1);  // cannot happen for sane K; stay correct anyway
       return;
     }
-    const Table code = load_code(p.codebook);
     RowWork r[R];
     for (int t = 0; t < R; ++t) r[t].own = work + t * per_row;
     auto run = [&](auto nt, int64_t n, auto&& m_tiles) {
-      for (int t = 0; t < decltype(nt)::value; ++t) prepare_row<KIND>(p, code, n + t, r[t]);
+      for (int t = 0; t < decltype(nt)::value; ++t) prepare_row(p, n + t, r[t]);
       m_tiles(nt, n);
     };
     if (p.M == 1) {
@@ -325,7 +298,6 @@ struct Lut4Kernel {
   static void decode(const Lut4Params& p, int64_t n0, int64_t n1) {
     if (p.decode == DECODE_AFFINE) decode_kind<DECODE_AFFINE>(p, n0, n1);
     else if (p.decode == DECODE_CODEBOOK) decode_kind<DECODE_CODEBOOK>(p, n0, n1);
-    else if (p.decode == DECODE_TABLE16) decode_kind<DECODE_TABLE16>(p, n0, n1);
     else rows(p, n0, n1);  // not reached: the caller permutes for a decode kind
   }
 

@@ -129,36 +129,6 @@ struct Avx2 {
     const __m128 v = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), index);
   }
-  // DECODE_TABLE16: the 16 bf16-exact entries (two vectors) as two 16-byte tables: low and high
-  // bytes of their bf16 bits.
-  static void table16_store(const F* entries, uint8_t* lo, uint8_t* hi) {
-    const I a = _mm256_srli_epi32(_mm256_castps_si256(entries[0]), 16), b = _mm256_srli_epi32(_mm256_castps_si256(entries[1]), 16);
-    const I words = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);  // 16 x u16 in order
-    const I split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const I bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, split), 0xD8);  // lo 0..15 | hi 0..15
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(bytes));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(bytes, 1));
-  }
-  // The chunk's table in each 128-bit lane (32 weights): the block's, or two consecutive blocks'
-  // when block = 32.
-  static I table16_load(const uint8_t* t, int64_t block) {
-    if (block >= 64) return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
-  }
-  // The 64 weights of a chunk from its byte tables, as 8 vectors in DECODE_TABLE16's lane order.
-  static void table16_lookup(I lo, I hi, I v, F w[8]) {
-    const I low = _mm256_set1_epi8(15), top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    const I idx[2] = {_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(v, low)};
-    for (int h = 0; h < 2; ++h) {
-      const I L = _mm256_shuffle_epi8(lo, idx[h]), H = _mm256_shuffle_epi8(hi, idx[h]);
-      const I p0 = _mm256_unpacklo_epi8(L, H), p1 = _mm256_unpackhi_epi8(L, H);
-      w[4 * h + 0] = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
-      w[4 * h + 1] = _mm256_castsi256_ps(_mm256_and_si256(p0, top));
-      w[4 * h + 2] = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
-      w[4 * h + 3] = _mm256_castsi256_ps(_mm256_and_si256(p1, top));
-    }
-  }
-
   // int8: 8 int8 codes as fp32.
   static F load_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));

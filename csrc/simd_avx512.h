@@ -113,35 +113,6 @@ struct Avx512 {
     const __m128 v = count == 4 ? _mm_loadu_ps(s) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
     return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v));
   }
-  static void table16_store(const F* entries, uint8_t* lo, uint8_t* hi) {
-    const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(entries[0]), 16));
-    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m256i bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, split), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(bytes));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(bytes, 1));
-  }
-  // The chunk's table in each of its four 128-bit lanes (32 weights each).
-  static I table16_load(const uint8_t* t, int64_t block) {
-    if (block >= 128) return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-    if (block == 64) {
-      const I two = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
-      return _mm512_shuffle_i64x2(two, two, _MM_SHUFFLE(1, 1, 0, 0));
-    }
-    return _mm512_loadu_si512(t);
-  }
-  static void table16_lookup(I lo, I hi, I v, F w[8]) {
-    const I low = _mm512_set1_epi8(15), top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    const I idx[2] = {_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_and_si512(v, low)};
-    for (int h = 0; h < 2; ++h) {
-      const I L = _mm512_shuffle_epi8(lo, idx[h]), H = _mm512_shuffle_epi8(hi, idx[h]);
-      const I p0 = _mm512_unpacklo_epi8(L, H), p1 = _mm512_unpackhi_epi8(L, H);
-      w[4 * h + 0] = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
-      w[4 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(p0, top));
-      w[4 * h + 2] = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
-      w[4 * h + 3] = _mm512_castsi512_ps(_mm512_and_si512(p1, top));
-    }
-  }
-
   // int8: 16 int8 codes as fp32.
   static F load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
