@@ -48,8 +48,6 @@ struct Tables {
     by_isa[ISA_SCALAR] = {ISA_SCALAR, kLut4Scalar, kInt8Scalar};
     by_isa[ISA_AVX2] = {ISA_AVX2, kLut4Avx2, kInt8Avx2};
     by_isa[ISA_AVX512] = {ISA_AVX512, kLut4Avx512, kInt8Avx512};
-    by_isa[ISA_AVX512].lut4.narrow_decode = kLut4Avx2.decode;  // rows of K = 64 (mod 128)
-    by_isa[ISA_AVX512].lut4.narrow_lanes = kLut4Avx2.decode_lanes;
     if (!use_vnni()) {
       by_isa[ISA_AVX512].int8.dynamic_rows = kInt8Avx2.dynamic_rows;
       by_isa[ISA_AVX512].int8.dynamic_offset = kInt8Avx2.dynamic_offset;

@@ -71,11 +71,6 @@ int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
     *lanes = ks.decode_lanes;
     return kind;
   }
-  if (ks.narrow_decode && p.K % (8 * ks.narrow_lanes) == 0) {
-    *fn = ks.narrow_decode;
-    *lanes = ks.narrow_lanes;
-    return kind;
-  }
   return DECODE_NONE;
 }
 
@@ -155,7 +150,7 @@ bool valid_lut4(const tq_weight& w) {
 Lut4Params params(const tq_weight& w, int64_t M, const float* bias) {
   return Lut4Params{nullptr, M, w.row_length, w.n, w.block, w.packed, w.codebook, w.scales, w.nested_codes,
                     w.nested_absmax, w.nested_offset ? *w.nested_offset : 0.0f, w.nested_map, bias, nullptr,
-                    w.shifts, w.zeros, w.round_mul, w.round_add, DECODE_NONE, nullptr};
+                    w.shifts, w.zeros, w.round_mul, w.round_add, DECODE_NONE, nullptr, w.row_length / w.block};
 }
 
 }  // namespace

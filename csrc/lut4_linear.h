@@ -24,7 +24,7 @@
 // the 16 even elements then the 16 odd ones (the order in which high and low nibbles of 16 bytes
 // unpack); for a decode path (below), in that path's lane order (lut4_decode_element).
 //
-// Decode paths (M <= kLut4DecodeMaxM, vector ISAs; chosen per call by lut4_decode_kind): a chunk
+// Decode paths (M <= kLut4DecodeMaxM, AVX2; chosen per call by lut4_decode_kind): a chunk
 // of 8W weights (W = the ISA's fp32 lanes: 4W packed bytes) is loaded as W 32-bit lanes of 8
 // nibbles each and unpacked with shifts and masks, no shuffles, into 8 vectors.
 //  * DECODE_AFFINE (codebook[c] = codebook[0] + c, scales and zeros unrounded: affine int4 with
@@ -61,6 +61,7 @@ struct Lut4Params {
   int round_mul, round_add;  // Round kinds after the multiply / the add
   int decode;                // DecodeKind of this call (DECODE_NONE: the table path)
   const float* xsums;        // DECODE_AFFINE: [M, K / span, W] each lane's sum of x per span
+  int64_t blocks_per_row;    // K / block (hoisted: a 64-bit division per block cost ~3 ns)
 };
 
 enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
@@ -90,7 +91,7 @@ static inline int64_t lut4_decode_element(int kind, int W, int64_t i) {
 // The absmax of block g of row n, bit-exact to torchq's reference (compiled without FP
 // contraction, so map * absmax2 + offset is two roundings as in PyTorch).
 static inline float lut4_scale(const Lut4Params& p, int64_t n, int64_t g) {
-  const int64_t b = n * (p.K / p.block) + g;
+  const int64_t b = n * p.blocks_per_row + g;
   if (p.absmax) return p.absmax[b];
   const float t = p.nested_map[p.nested_codes[b]] * p.nested_absmax[b >> 8];
   return t + p.nested_offset;
@@ -109,10 +110,8 @@ typedef void (*Lut4DecodeFn)(const Lut4Params& p, int64_t n0, int64_t n1);
 struct Lut4Kernels {
   Lut4RowsFn rows;
   Lut4DequantFn dequant;
-  Lut4DecodeFn decode;
-  int decode_lanes;  // W of decode's lane order: it needs K to be a multiple of 8 * decode_lanes
-  Lut4DecodeFn narrow_decode;  // a narrower ISA's decode for the K that decode cannot take
-  int narrow_lanes;
+  Lut4DecodeFn decode;  // null where the table path is faster at every M (AVX-512)
+  int decode_lanes;     // W of decode's lane order: it needs K to be a multiple of 8 * decode_lanes
 };
 extern const Lut4Kernels kLut4Scalar, kLut4Avx2, kLut4Avx512;
 

@@ -48,7 +48,7 @@ struct Lut4Kernel {
   // The 16 weight values of block g of row n (see lut4_linear.h); NF4 / FP4 take one multiply.
   static Table table(const Lut4Params& p, const Table& code, int64_t n, int64_t g) {
     const F s = T::set1(lut4_scale(p, n, g));
-    const int64_t b = n * (p.K / p.block) + g;
+    const int64_t b = n * p.blocks_per_row + g;
     Table lut;
     for (int i = 0; i < 16 / W; ++i) lut.v[i] = entries(p, code.v[i], s, b);
     return lut;
@@ -178,7 +178,7 @@ struct Lut4Kernel {
   static size_t row_work_bytes(int64_t G) { return (G * sizeof(float) + 63) / 64 * 64; }
 
   static void prepare_row(const Lut4Params& p, int64_t n, RowWork& r) {
-    const int64_t G = p.K / p.block;
+    const int64_t G = p.blocks_per_row;
     if (p.absmax) {
       r.scales = p.absmax + n * G;
     } else {

@@ -19,7 +19,7 @@ float round_to(float v, int kind) {
 
 // The table entry for code value c of block g of row n (the scalar form of the vector tables).
 float lut4_value(const Lut4Params& p, float c, int64_t n, int64_t g) {
-  const int64_t b = n * (p.K / p.block) + g;
+  const int64_t b = n * p.blocks_per_row + g;
   if (p.shifts) c += p.shifts[b];
   float v = round_to(c * lut4_scale(p, n, g), p.round_mul);
   if (p.zeros) v = round_to(v + p.zeros[b], p.round_add);
@@ -68,6 +68,6 @@ void lut4_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1) {
   }
 }
 
-extern const Lut4Kernels kLut4Scalar = {&lut4_rows_portable, &dequant, nullptr, 0, nullptr, 0};
+extern const Lut4Kernels kLut4Scalar = {&lut4_rows_portable, &dequant, nullptr, 0};
 
 }  // namespace tq

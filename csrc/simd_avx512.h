@@ -17,7 +17,6 @@ struct Avx512 {
   // lut4 tiles: rows per fused (small-M) tile; activation rows per panel tile (32 registers).
   static constexpr int kLut4FusedRows = 4;
   static constexpr int kLut4PanelM = 4;
-  static constexpr int kLut4DecodeRows = 4;
 
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
@@ -95,24 +94,6 @@ struct Avx512 {
     }
   }
 
-  // lut4 decode paths (lut4_linear.h): a chunk of 128 weights as 16 lanes of 8 nibbles.
-  static I load_chunk(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  static I nibble(I v, int j) {
-    if (j == 7) return _mm512_srli_epi32(v, 28);
-    return _mm512_and_si512(j ? _mm512_srli_epi32(v, 4 * j) : v, _mm512_set1_epi32(15));
-  }
-  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
-  // codebook[nibble j]: one vpermps (it reads the low 4 bits of each index).
-  static F codebook_lookup(const F* codebook, I v, int j) { return _mm512_permutexvar_ps(j ? _mm512_srli_epi32(v, 4 * j) : v, codebook[0]); }
-  static I block_lane_index(int64_t block) {
-    alignas(64) int idx[16];
-    for (int l = 0; l < 16; ++l) idx[l] = static_cast<int>(8 * l / block);
-    return _mm512_load_si512(idx);
-  }
-  static F block_lanes(const float* s, int64_t count, I index) {  // count = 2 (block 64) or 4 (block 32)
-    const __m128 v = count == 4 ? _mm_loadu_ps(s) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
-    return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v));
-  }
   // int8: 16 int8 codes as fp32.
   static F load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

@@ -162,10 +162,9 @@ def test_int4_threads_and_isas_within_the_bound(isa, threads, m, scale_dtype):
 @pytest.mark.parametrize("scale_dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("g", GROUP_SIZES)
 def test_int4_decode_paths_one_hot_bound_and_non_finite(isa, domain, scale_dtype, g):
-    """M <= 4 runs the decode paths (lut4_linear.h) where the weight allows: K = 576 is 9 chunks of
-    64 (AVX2) and 4.5 of 128 (AVX-512 then takes the AVX2-width decode), 1024 a whole number of
-    both. One-hot rows give the exact weights, random rows stay within the bound, and a row with
-    inf / NaN gives the reference's inf / NaN (such rows take the table path)."""
+    """M <= 4 on AVX2 runs the decode paths (lut4_linear.h) where the weight allows (fp32 scales).
+    One-hot rows give the exact weights, random rows stay within the bound, and a row with inf /
+    NaN gives the reference's inf / NaN (such rows take the table path)."""
     for k in (576, 1024):
         if k % g:
             continue
