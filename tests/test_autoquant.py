@@ -151,3 +151,11 @@ def test_default_candidates_cover_layouts_and_their_kernels(tmp_path):
     assert per["int4-g128@int4_cpu"]["kernel"].startswith("int4_cpu")
     assert per["nf4"]["kernel"] == "blockwise_4bit_linear"
     assert all(v["ms"] > 0 for v in per.values())
+    assert "int4-g128-fp32" not in per  # an fp32 model's int4 scales are fp32 already
+
+
+def test_default_candidates_add_fp32_scales_for_half_models_on_cpu():
+    names = set(torchq.autotune.default_candidates("cpu", torch.bfloat16))
+    assert {"int4-g128-fp32", "int4-g32-fp32"} <= names
+    assert torchq.autotune.default_candidates("cpu", torch.bfloat16)["int4-g128-fp32"].scale_dtype == torch.float32
+    assert not {"int4-g128-fp32", "int4-g32-fp32"} & set(torchq.autotune.default_candidates("cpu", torch.float32))

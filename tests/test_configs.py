@@ -74,6 +74,7 @@ def test_automatic_layout_choice_by_device():
 
 def test_config_from_name():
     assert torchq.config_from_name("int4-g64") == torchq.int4_weight_only(group_size=64)
+    assert torchq.config_from_name("int4-g32-fp32") == torchq.int4_weight_only(group_size=32, scale_dtype=torch.float32)
     assert torchq.config_from_name("intx3-g32") == torchq.intx_weight_only(bits=3, group_size=32)
     assert torchq.config_from_name("int8wo") == torchq.int8_weight_only()
     assert torchq.config_from_name("nf4") == torchq.nf4_weight_only()

@@ -52,13 +52,18 @@ CACHE_VERSION = 1
 SAMPLE_ROWS = 16
 
 
-def default_candidates(device: torch.device | str = "cpu") -> dict[str, QuantConfig]:
+def default_candidates(device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, QuantConfig]:
     """The configs tried when ``candidates`` is None: int8 weight-only and dynamic, int4 g128 / g32
     and NF4 in the device's default layouts, plus int4 g128 in every other registered layout that
     has a kernel on ``device`` (``"int4-g128@<layout name>"``; on a CPU, PyTorch's own int4
-    packing; on CUDA, the Triton layout beside tinygemm), found by asking the dispatch table."""
-    out = {name: config_from_name(name) for name in ["int8wo", "int8dq", "int4-g128", "int4-g32", "nf4"]}
+    packing; on CUDA, the Triton layout beside tinygemm), found by asking the dispatch table. On a
+    CPU, for a model of ``dtype`` bf16 / fp16, also int4 g128 / g32 with fp32 scales and zeros
+    (``"int4-g128-fp32"``: more accurate, and the form the AVX2 decode path takes at M <= 4)."""
+    names = ["int8wo", "int8dq", "int4-g128", "int4-g32", "nf4"]
     device = torch.device(device)
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        names += ["int4-g128-fp32", "int4-g32-fp32"]
+    out = {name: config_from_name(name) for name in names}
     probe = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.bfloat16)
     default = out["int4-g128"].quantize_weight(probe).quant_layout
     for name, cls in registered_layouts().items():
@@ -323,7 +328,8 @@ def autoquant(
         raise TypeError(f"min_sqnr: expected a number of dB or None, got {min_sqnr!r}")
     if candidates is None:
         first = next((p for p in model.parameters()), None)
-        candidates = default_candidates("cpu" if first is None or first.device.type == "meta" else first.device)
+        candidates = default_candidates("cpu" if first is None or first.device.type == "meta" else first.device,
+                                        None if first is None else first.dtype)
     elif isinstance(candidates, Mapping):
         bad = {k: type(v).__name__ for k, v in candidates.items() if not isinstance(v, QuantConfig)}
         if bad:

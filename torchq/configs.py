@@ -384,8 +384,9 @@ def intx_weight_only(bits: int = 4, group_size: int | None = 32, **kwargs: Any) 
 
 def config_from_name(name: str) -> QuantConfig:
     """A config from its short name, as used by benchmarks and command lines: ``int8wo``,
-    ``int8dq``, ``int4-g<G>`` (e.g. ``int4-g128``), ``intx<B>-g<G>`` (e.g. ``intx3-g32``), or
-    ``nf4`` / ``fp4`` with an optional ``-b<block>`` (double-quantized scales)."""
+    ``int8dq``, ``int4-g<G>`` (e.g. ``int4-g128``; ``int4-g<G>-fp32``: fp32 scales and zeros
+    whatever the weight's dtype, the form the AVX2 decode path factors), ``intx<B>-g<G>`` (e.g.
+    ``intx3-g32``), or ``nf4`` / ``fp4`` with an optional ``-b<block>`` (double-quantized scales)."""
     import re
 
     if name == "int8wo":
@@ -394,11 +395,11 @@ def config_from_name(name: str) -> QuantConfig:
         return int8_dynamic_activation_int8_weight()
     if m := re.fullmatch(r"(nf4|fp4)(-b(\d+))?", name):
         return NF4WeightOnlyConfig(block_size=int(m[3] or 64), quant_type=m[1])
-    if m := re.fullmatch(r"int4-g(\d+)", name):
-        return int4_weight_only(group_size=int(m[1]))
+    if m := re.fullmatch(r"int4-g(\d+)(-fp32)?", name):
+        return int4_weight_only(group_size=int(m[1]), **({"scale_dtype": torch.float32} if m[2] else {}))
     if m := re.fullmatch(r"intx(\d)-g(\d+)", name):
         return intx_weight_only(bits=int(m[1]), group_size=int(m[2]))
-    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int4-g<G>, intx<B>-g<G>, nf4[-b<B>] or fp4[-b<B>]")
+    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int4-g<G>[-fp32], intx<B>-g<G>, nf4[-b<B>] or fp4[-b<B>]")
 
 
 def nf4_weight_only(
