@@ -226,8 +226,8 @@ struct Lut4Kernel {
         for (int m = 0; m < MT; ++m)
           for (int a = 0; a < A; ++a) acc[t][m][a] = T::zero();
       for (int64_t k = k0; k < k0 + span; k += C) {
-        for (int q = 0; q < NT * C / 2; q += 64)
-          if (ahead + q < ahead_end) _mm_prefetch(ahead + q, _MM_HINT_T0);
+        if (ahead < ahead_end)  // lines past the end: the last tile fetches nothing ahead
+          for (int q = 0; q < NT * C / 2; q += 64) _mm_prefetch(ahead + q, _MM_HINT_T0);
         ahead += NT * C / 2;
         for (int t = 0; t < NT; ++t) {
           const I v = T::load_chunk(w[t] + k / 2);
