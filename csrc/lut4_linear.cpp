@@ -93,11 +93,13 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   float* xp = reinterpret_cast<float*>(buf);
   float* xsums = reinterpret_cast<float*>(buf + xp_bytes);
   float* row = reinterpret_cast<float*>(buf + xp_bytes + xsum_bytes);
-  if (p.decode) {  // non-finite activations take the table path: its inf * w is the reference's
+  // Non-finite activations take the table path (its inf * w is the reference's), and so do huge
+  // ones: the decode paths' separate terms (c x and d X) can overflow where sum (c + d) x does not.
+  if (p.decode) {
     for (int64_t m = 0; m < M && p.decode; ++m) {
       to_f32_row(static_cast<const char*>(x) + m * K_in * esize, dtype, K_in, K, row);
       for (int64_t k = 0; k < K; ++k)
-        if (!__builtin_isfinite(row[k])) {
+        if (!(__builtin_fabsf(row[k]) < 0x1p64f)) {  // also NaN
           p.decode = DECODE_NONE;
           decode = nullptr;
           break;

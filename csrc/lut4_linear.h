@@ -38,7 +38,8 @@
 //  * DECODE_CODEBOOK (no shifts / zeros / rounding: NF4, FP4, their double-quantized absmax):
 //    per lane tot_l += s_b sum codebook[c] x (codebook[c]: vpermps): one-hot exact, the bound
 //    above with |w_k| = |s_b codebook[c_k]|.
-// Rows with inf / NaN activations take the table path (its products are the reference's).
+// Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
+// products are the reference's; the separate terms above could overflow where the sum does not).
 #pragma once
 #include <stdint.h>
 

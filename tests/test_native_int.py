@@ -177,7 +177,9 @@ def test_int4_decode_paths_one_hot_bound_and_non_finite(isa, domain, scale_dtype
             one_hot[torch.arange(m), cols] = 1.0
             assert torch.equal(run_int4(one_hot, impl), dense[:, cols].T)
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
-            assert_within_bound(run_int4(x, impl), x, dense, None, torch.float32, term_magnitudes(plain))
+            for magnitude in (1.0, 1e-30, 1e18, 1e30):  # 1e30: past 2^64, the table path
+                xm = x * magnitude
+                assert_within_bound(run_int4(xm, impl), xm, dense, None, torch.float32, term_magnitudes(plain))
             x[0, 3] = float("inf")
             x[m - 1, k - 1] = float("nan") if m > 1 else x[m - 1, k - 1]
             ref = x.double() @ dense.double().T
