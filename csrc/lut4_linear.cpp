@@ -53,17 +53,18 @@ bool valid_shape(int64_t N, int64_t K, int64_t block) {
   return N >= 1 && K >= 32 && block >= 32 && !(block & (block - 1)) && K % block == 0;
 }
 
-// Whether M <= 4 calls may take a decode path (lut4_linear.h). Off: the table path serves every M
-// (TORCHQ_NATIVE_DECODE=0 at load, or tq_set_lut4_decode): for comparisons and tests.
-std::atomic<bool> g_decode_enabled{[] {
-  const char* s = getenv("TORCHQ_NATIVE_DECODE");
-  return !(s && strcmp(s, "0") == 0);
+// The paths calls may take (Lut4Paths bits): both unless TORCHQ_NATIVE_DECODE=0 /
+// TORCHQ_NATIVE_GEMM=0 at load or tq_set_lut4_paths turn one off (for comparisons and tests).
+std::atomic<int> g_paths{[] {
+  const char* d = getenv("TORCHQ_NATIVE_DECODE");
+  const char* g = getenv("TORCHQ_NATIVE_GEMM");
+  return (d && strcmp(d, "0") == 0 ? 0 : LUT4_DECODE) | (g && strcmp(g, "0") == 0 ? 0 : LUT4_GEMM);
 }()};
 
 // The decode path for this call (p.decode, and its function and lane width), or DECODE_NONE.
 int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
   const Lut4Kernels& ks = kernels().lut4;
-  if (!g_decode_enabled.load(std::memory_order_relaxed) || p.M > kLut4DecodeMaxM || !ks.decode) return DECODE_NONE;
+  if (!(lut4_paths() & LUT4_DECODE) || p.M > kLut4DecodeMaxM || !ks.decode) return DECODE_NONE;
   const int kind = lut4_decode_kind(p);
   if (kind == DECODE_NONE) return DECODE_NONE;
   if (p.K % (8 * ks.decode_lanes) == 0) {
@@ -126,7 +127,8 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   p.xp = xp;
   p.xsums = xsums;
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + xsum_bytes + row_bytes);
-  RowsJob job{p, decode ? decode : kernels().lut4.rows};
+  const Lut4RowsFn rows = p.M >= kLut4GemmMinM && lut4_gemm_active() ? kernels().lut4.gemm : kernels().lut4.rows;
+  RowsJob job{p, decode ? decode : rows};
   parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
@@ -157,6 +159,9 @@ Lut4Params params(const tq_weight& w, int64_t M, const float* bias) {
 
 }  // namespace
 
+int lut4_paths() { return g_paths.load(std::memory_order_relaxed); }
+bool lut4_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().lut4.gemm; }
+
 int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const float* bias, void* out, int threads) {
   if (!valid_lut4(w)) return BAD_ARGUMENT;
   return linear(params(w, M, bias), x, dtype, w.k, out, threads);
@@ -170,5 +175,8 @@ int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool 
 
 }  // namespace tq
 
-// Allow (1) or forbid (0) the lut4 decode paths; returns the previous setting.
-TQ_API int tq_set_lut4_decode(int enabled) { return tq::g_decode_enabled.exchange(enabled != 0) ? 1 : 0; }
+// Allow the lut4 paths in `paths` (Lut4Paths bits), forbid the others; returns the previous
+// bits (a negative `paths` only reads them).
+TQ_API int tq_set_lut4_paths(int paths) { return paths < 0 ? tq::lut4_paths() : tq::g_paths.exchange(paths & 3); }
+// 1 when calls of more than 4 rows take the GEMM path on the active ISA.
+TQ_API int tq_lut4_gemm_active() { return tq::lut4_gemm_active() ? 1 : 0; }

@@ -38,6 +38,13 @@
 //  * DECODE_CODEBOOK (no shifts / zeros / rounding: NF4, FP4, their double-quantized absmax):
 //    per lane tot_l += s_b sum codebook[c] x (codebook[c]: vpermps): one-hot exact, the bound
 //    above with |w_k| = |s_b codebook[c_k]|.
+//
+// GEMM path (M >= kLut4GemmMinM, AVX2; Lut4Kernels.gemm): weight panels of 2W rows x 256 positions unpack to
+// their exact values into an L1-resident, k-major buffer (a block of panels in L2), and 6 x 2W
+// register tiles of broadcast-activation FMAs run every activation row over them: each weight is
+// unpacked once per call. Per output, fp32 sums over each 256-position block, added in order:
+// within the fp32 bound of sum_k w_k x_k, one-hot exact.
+//
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not).
 #pragma once
@@ -68,6 +75,8 @@ struct Lut4Params {
 enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
 enum DecodeKind : int { DECODE_NONE = 0, DECODE_AFFINE = 1, DECODE_CODEBOOK = 2 };
 static constexpr int64_t kLut4DecodeMaxM = 4;
+// Rows from which the GEMM path runs (below, the panels of rows: faster up to about 48 rows on AVX2).
+static constexpr int64_t kLut4GemmMinM = 64;
 
 // The decode path p's weight allows (DECODE_NONE if none): see above.
 static inline int lut4_decode_kind(const Lut4Params& p) {
@@ -113,7 +122,14 @@ struct Lut4Kernels {
   Lut4DequantFn dequant;
   Lut4DecodeFn decode;  // null where the table path is faster at every M (AVX-512)
   int decode_lanes;     // W of decode's lane order: it needs K to be a multiple of 8 * decode_lanes
+  Lut4RowsFn gemm;      // M >= kLut4GemmMinM (table-path activation order); null where not faster
 };
+
+// Which of the decode and GEMM paths calls may take (bits), and whether the active ISA's table
+// has a GEMM path that is allowed (then the native rows beat dequantized tiles + torch.mm at every M).
+enum Lut4Paths : int { LUT4_DECODE = 1, LUT4_GEMM = 2 };
+int lut4_paths();
+bool lut4_gemm_active();
 extern const Lut4Kernels kLut4Scalar, kLut4Avx2, kLut4Avx512;
 
 // The portable rows (kLut4Scalar.rows), also the vector kernels' fallback when their unpacking

@@ -68,6 +68,6 @@ void lut4_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1) {
   }
 }
 
-extern const Lut4Kernels kLut4Scalar = {&lut4_rows_portable, &dequant, nullptr, 0};
+extern const Lut4Kernels kLut4Scalar = {&lut4_rows_portable, &dequant, nullptr, 0, nullptr};
 
 }  // namespace tq

@@ -18,6 +18,7 @@ struct Avx2 {
   // lut4 tiles: 16 registers, so 2 rows per fused (small-M) tile and 3 activation rows per
   // panel tile.
   static constexpr int kLut4FusedRows = 2;
+  static constexpr int kGemmRows = 6;  // lut4 GEMM tiles: rows x 2 vectors of accumulators
   static constexpr int kLut4PanelM = 3;
   // lut4 decode tiles: weight rows per tile for one activation row (two accumulators each).
   static constexpr int kLut4DecodeRows = 4;

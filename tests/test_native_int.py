@@ -158,6 +158,28 @@ def test_int4_threads_and_isas_within_the_bound(isa, threads, m, scale_dtype):
 
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("g", GROUP_SIZES)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_many_rows_one_hot_and_bound(isa, g, scale_dtype):
+    """M >= 64 on AVX2 runs the GEMM path (weight panels of 16 rows x 256 positions): K = 600
+    pads to whole groups and ends in a partial 256-block, N = 37 ends in a partial panel; one-hot
+    rows give the exact weights and random rows stay within the bound."""
+    k, n = 600, 37
+    plain = int4_plain(n, k, g, "float", scale_dtype, seed=g)
+    impl = int4_impl(plain)
+    dense = plain.dequantize(torch.float32)
+    for m in (64, 67):
+        cols = torch.randint(0, k, (m,), generator=torch.Generator().manual_seed(m))
+        one_hot = torch.zeros(m, k)
+        one_hot[torch.arange(m), cols] = 1.0
+        assert torch.equal(run_int4(one_hot, impl), dense[:, cols].T)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + g))
+        bias = torch.randn(n)
+        assert_within_bound(run_int4(x, impl, bias), x, dense, bias, torch.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("domain", ["float", "int", "none"])
 @pytest.mark.parametrize("scale_dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("g", GROUP_SIZES)

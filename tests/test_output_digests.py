@@ -6,10 +6,10 @@ Intended changes:
 * issue 15: fp32/fp16 inputs of kernels that used to be reached through a ``*_bf16_compute`` twin
   now compute in their own dtype; with ``compute_dtype=torch.bfloat16`` in the config those cases
   reproduce the recorded digests bit for bit;
-* issue 16: M <= 4 calls of the native lut4 kernel (int4, NF4 / FP4) on AVX2 take its
-  decode paths, which sum in another order (their bound and one-hot exactness are tested in
-  test_native_int.py / test_native_blockwise.py); with the decode paths off every case reproduces
-  the recorded digests, and with them on only those cases change."""
+* issue 16: calls of the native lut4 kernel (int4, NF4 / FP4) on AVX2 take its decode (M <= 4)
+  and GEMM (M > 4) paths, which sum in another order (their bound and one-hot exactness are
+  tested in test_native_int.py / test_native_blockwise.py); with those paths off every case
+  reproduces the recorded digests, and with them on only the lut4 kernel's cases change."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent / "golden"))
 import output_digests  # noqa: E402
 
 from torchq import native  # noqa: E402
-from torchq.backends.native_cpu.library import lut4_decode  # noqa: E402
+from torchq.backends.native_cpu.library import lut4_paths  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -55,27 +55,27 @@ def _rejected_earlier(before: dict[str, str], now: dict[str, str]) -> dict[str, 
 @pytest.mark.parametrize("mode", ["native", "reference"])
 def test_outputs_match_recorded_digests(stored, mode):
     kernels: dict[str, str] = {}
-    with lut4_decode(False):
+    with lut4_paths(decode=False, gemm=False):
         now = output_digests.record(native_enabled=mode == "native", kernels=kernels)
     before = _rejected_earlier(stored[mode], now)
     assert sorted(now) == sorted(before), "the case grid changed"
     was_bf16 = {k for k, kernel in kernels.items() if output_digests.computed_in_bf16_before(k, kernel)}
     changed = {k: (before[k], now[k]) for k in before if before[k] != now[k] and k not in was_bf16}
     assert not changed, f"{len(changed)} of {len(before)} outputs changed, e.g. {dict(list(changed.items())[:8])}"
-    with lut4_decode(False):
+    with lut4_paths(decode=False, gemm=False):
         in_bf16 = output_digests.record(native_enabled=mode == "native", compute_dtype=torch.bfloat16)
     differs = {k: (before[k], in_bf16[k]) for k in sorted(was_bf16) if before[k] != in_bf16[k]}
     assert not differs, f"{len(differs)} of {len(was_bf16)} cases that computed in bf16 before differ with " \
         f"compute_dtype=torch.bfloat16, e.g. {dict(list(differs.items())[:8])}"
 
 
-def test_lut4_decode_paths_change_only_their_cases(stored):
+def test_lut4_avx2_paths_change_only_their_cases(stored):
     kernels: dict[str, str] = {}
-    with lut4_decode(False):
+    with lut4_paths(decode=False, gemm=False):
         table_path = output_digests.record(native_enabled=True)
     decode = output_digests.record(native_enabled=True, kernels=kernels)
     changed = {k for k in decode if decode[k] != table_path[k]}
-    outside = sorted(k for k in changed if kernels.get(k) not in output_digests.LUT4_KERNELS or int(k.rsplit("/m", 1)[1]) > 4)
-    assert not outside, f"{len(outside)} cases outside the lut4 kernel's M <= 4 calls changed, e.g. {outside[:8]}"
-    # the decode paths exist on AVX2 only (the AVX-512 table path is faster)
+    outside = sorted(k for k in changed if kernels.get(k) not in output_digests.LUT4_KERNELS)
+    assert not outside, f"{len(outside)} cases outside the lut4 kernel's calls changed, e.g. {outside[:8]}"
+    # the decode and GEMM paths exist on AVX2 only (on AVX-512 the table and panel paths are as fast)
     assert bool(changed) == (native.available() and native.status().isa == "avx2"), f"{len(changed)} cases changed"

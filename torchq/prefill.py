@@ -52,8 +52,12 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if x_dtype == torch.bfloat16 and FAST_BF16_MATMUL else torch.float32
 
 
-def use_tiles(m: int, x_dtype: torch.dtype) -> bool:
-    """Whether ``m`` activation rows of ``x_dtype`` go to dequantized tiles + GEMM."""
+def use_tiles(m: int, x_dtype: torch.dtype, native_gemm: bool = False) -> bool:
+    """Whether ``m`` activation rows of ``x_dtype`` go to dequantized tiles + GEMM. ``native_gemm``:
+    the kernel has a native fp32 GEMM path (the lut4 kernel on AVX2), which beats tiles + GEMM
+    whenever the tiles would be fp32."""
+    if native_gemm and tile_dtype(x_dtype) == torch.float32:
+        return False
     return m > FUSED_MAX_M and (tile_dtype(x_dtype) == torch.bfloat16 or m > PANEL_MAX_M)
 
 

@@ -29,7 +29,7 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "lut4_decode", "lut4_weight", "ptr", "run_linear", "threads", "validate", "weight_args", "weight_struct",
+    "lut4_gemm_active", "lut4_paths", "lut4_weight", "ptr", "run_linear", "threads", "validate", "weight_args", "weight_struct",
 ]
 
 ABI_VERSION = 4
@@ -42,7 +42,8 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_supported_isa": (_c_int, []),
     "tq_active_isa": (_c_int, []),
     "tq_set_isa": (_c_int, [_c_int]),
-    "tq_set_lut4_decode": (_c_int, [_c_int]),
+    "tq_set_lut4_paths": (_c_int, [_c_int]),  # Lut4Paths bits (negative: read)
+    "tq_lut4_gemm_active": (_c_int, []),
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
     "tq_weight_size": (_c_int64, []),
     "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
@@ -123,17 +124,24 @@ def threads() -> int:
 
 
 @contextlib.contextmanager
-def lut4_decode(enabled: bool) -> Iterator[None]:
-    """Allow or forbid the lut4 kernel's decode paths (M <= 4, see csrc/lut4_linear.h) within the
-    block, process-wide: for tests and benchmarks that compare them with the table path."""
+def lut4_paths(decode: bool = True, gemm: bool = True) -> Iterator[None]:
+    """Allow or forbid the lut4 kernel's AVX2 decode (M <= 4) and GEMM (M >= 64) paths (see
+    csrc/lut4_linear.h) within the block, process-wide: for tests and benchmarks that compare
+    them with the table and panel paths."""
     if _LIB is None:
         yield
         return
-    before = _LIB.tq_set_lut4_decode(int(enabled))
+    before = _LIB.tq_set_lut4_paths(int(decode) | 2 * int(gemm))
     try:
         yield
     finally:
-        _LIB.tq_set_lut4_decode(before)
+        _LIB.tq_set_lut4_paths(before)
+
+
+def lut4_gemm_active() -> bool:
+    """Whether lut4 calls of many rows run the native GEMM path (AVX2, allowed): then the native
+    kernel beats dequantized tiles + torch.mm at every M (:func:`torchq.prefill.use_tiles`)."""
+    return _LIB is not None and not DISABLED.get() and bool(_LIB.tq_lut4_gemm_active())
 
 
 def eager_cpu(x: torch.Tensor) -> bool:

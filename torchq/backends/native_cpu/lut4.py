@@ -69,7 +69,7 @@ def _native_linear(x, packed, table, absmax, nested_codes, nested_absmax, nested
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
     weight = blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
     m = x.numel() // k
-    if not use_tiles(m, x.dtype):
+    if not use_tiles(m, x.dtype, native_library.lut4_gemm_active()):
         return native_library.run_linear(weight, x, bias)
     b = native_library.checked_bias(bias, n, "blockwise_4bit_linear")
     out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
@@ -191,7 +191,7 @@ def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, 
     zero = None if zero is None else zero.contiguous()
     weight = int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
     m = x.numel() // k
-    if not use_tiles(m, x.dtype):
+    if not use_tiles(m, x.dtype, native_library.lut4_gemm_active()):
         return native_library.run_linear(weight, x, bias)
     kp = weight.row_length
 
