@@ -39,11 +39,11 @@
 //    per lane tot_l += s_b sum codebook[c] x (codebook[c]: vpermps): one-hot exact, the bound
 //    above with |w_k| = |s_b codebook[c_k]|.
 //
-// GEMM path (M >= kLut4GemmMinM, AVX2; Lut4Kernels.gemm): weight panels of 2W rows x 256 positions unpack to
-// their exact values into an L1-resident, k-major buffer (a block of panels in L2), and 6 x 2W
-// register tiles of broadcast-activation FMAs run every activation row over them: each weight is
-// unpacked once per call. Per output, fp32 sums over each 256-position block, added in order:
-// within the fp32 bound of sum_k w_k x_k, one-hot exact.
+// GEMM path (M >= kLut4GemmMinM, AVX2; Lut4Kernels.gemm): weight panels of 2W rows x 256
+// positions unpack to their exact values into an L1-resident, k-major buffer (a block of panels in
+// L2), and 6 x 2W register tiles of broadcast-activation FMAs run every activation row over them:
+// each weight is unpacked once per call. Per output, fp32 sums over each 256-position block,
+// added in order: within the fp32 bound of sum_k w_k x_k, one-hot exact.
 //
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not).
