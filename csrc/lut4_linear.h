@@ -39,7 +39,7 @@
 //    per lane tot_l += s_b sum codebook[c] x (codebook[c]: vpermps): one-hot exact, the bound
 //    above with |w_k| = |s_b codebook[c_k]|.
 //
-// GEMM path (M >= kLut4GemmMinM, AVX2; Lut4Kernels.gemm): weight panels of 2W rows x 256
+// GEMM path (M >= kLut4GemmMinM, AVX2 and AVX-512; Lut4Kernels.gemm): weight panels of 2W rows x 256
 // positions unpack to their exact values into an L1-resident, k-major buffer (a block of panels in
 // L2), and 6 x 2W register tiles of broadcast-activation FMAs run every activation row over them:
 // each weight is unpacked once per call. Per output, fp32 sums over each 256-position block,
@@ -75,7 +75,7 @@ struct Lut4Params {
 enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
 enum DecodeKind : int { DECODE_NONE = 0, DECODE_AFFINE = 1, DECODE_CODEBOOK = 2 };
 static constexpr int64_t kLut4DecodeMaxM = 4;
-// Rows from which the GEMM path runs (below, the panels of rows: faster up to about 48 rows on AVX2).
+// Rows from which the GEMM path runs (below, the panels of rows: faster up to about 48 rows).
 static constexpr int64_t kLut4GemmMinM = 64;
 
 // The decode path p's weight allows (DECODE_NONE if none): see above.

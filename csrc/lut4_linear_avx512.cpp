@@ -1,10 +1,10 @@
-// The lut4 kernel (lut4_linear_body.h) for AVX-512 (F, BW, VL, DQ) + FMA: the table path for
-// every M (its one-vpermps lookup measured faster than the decode paths' shifts and masks). Linkage: as
+// The lut4 kernel (lut4_linear_body.h) for AVX-512 (F, BW, VL, DQ) + FMA: no decode paths (the
+// table path's one-vpermps lookup measured faster than their shifts and masks), the GEMM path. Linkage: as
 // lut4_linear_avx2.cpp (everything internal but kLut4Avx512).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 #include "simd_avx512.h"
 #include "lut4_linear_body.h"
 
 namespace tq {
-extern const Lut4Kernels kLut4Avx512 = {&Lut4Kernel<Avx512>::rows, &Lut4Kernel<Avx512>::dequant, nullptr, 0, nullptr};
+extern const Lut4Kernels kLut4Avx512 = {&Lut4Kernel<Avx512>::rows, &Lut4Kernel<Avx512>::dequant, nullptr, 0, &Lut4Kernel<Avx512>::gemm_rows};
 }  // namespace tq

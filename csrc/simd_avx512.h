@@ -16,6 +16,7 @@ struct Avx512 {
   static constexpr int kLanes = 16;
   // lut4 tiles: rows per fused (small-M) tile; activation rows per panel tile (32 registers).
   static constexpr int kLut4FusedRows = 4;
+  static constexpr int kGemmRows = 12;  // lut4 GEMM tiles: rows x 2 vectors of accumulators
   static constexpr int kLut4PanelM = 4;
 
   static F zero() { return _mm512_setzero_ps(); }

@@ -161,7 +161,7 @@ def test_int4_threads_and_isas_within_the_bound(isa, threads, m, scale_dtype):
 @pytest.mark.parametrize("g", GROUP_SIZES)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_int4_many_rows_one_hot_and_bound(isa, g, scale_dtype):
-    """M >= 64 on AVX2 runs the GEMM path (weight panels of 16 rows x 256 positions): K = 600
+    """M >= 64 on AVX2 / AVX-512 runs the GEMM path (weight panels of 2W rows x 256 positions): K = 600
     pads to whole groups and ends in a partial 256-block, N = 37 ends in a partial panel; one-hot
     rows give the exact weights and random rows stay within the bound."""
     k, n = 600, 37

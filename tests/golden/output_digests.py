@@ -154,8 +154,8 @@ def record(native_enabled: bool = True, compute_dtype: torch.dtype | None = None
 BF16_TWINNED = ("int4_cpu", "int8_weight_only_cpu", "tensor_core_tiled")
 
 
-# The kernels that run the native lut4 kernel (its AVX2 decode and GEMM paths changed the sum
-# order in issue 16).
+# The kernels that run the native lut4 kernel (its decode and GEMM paths changed the sum order in
+# issue 16).
 LUT4_KERNELS = ("int4_native", "blockwise_4bit_linear")
 
 

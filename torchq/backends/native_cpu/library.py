@@ -125,7 +125,7 @@ def threads() -> int:
 
 @contextlib.contextmanager
 def lut4_paths(decode: bool = True, gemm: bool = True) -> Iterator[None]:
-    """Allow or forbid the lut4 kernel's AVX2 decode (M <= 4) and GEMM (M >= 64) paths (see
+    """Allow or forbid the lut4 kernel's decode (AVX2, M <= 4) and GEMM (M >= 64) paths (see
     csrc/lut4_linear.h) within the block, process-wide: for tests and benchmarks that compare
     them with the table and panel paths."""
     if _LIB is None:
@@ -139,7 +139,7 @@ def lut4_paths(decode: bool = True, gemm: bool = True) -> Iterator[None]:
 
 
 def lut4_gemm_active() -> bool:
-    """Whether lut4 calls of many rows run the native GEMM path (AVX2, allowed): then the native
+    """Whether lut4 calls of many rows run the native GEMM path (AVX2 / AVX-512, allowed): then the native
     kernel beats dequantized tiles + torch.mm at every M (:func:`torchq.prefill.use_tiles`)."""
     return _LIB is not None and not DISABLED.get() and bool(_LIB.tq_lut4_gemm_active())
 
