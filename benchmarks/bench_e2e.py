@@ -438,11 +438,17 @@ def footnotes(result: dict, timings: dict[str, dict[str, Timing]]) -> str:
     if peer is not None and "system_info" in peer:
         lines.append(f"# llama.cpp: {peer['threads']} threads, built for this machine (the ISA caps do not apply to it): "
                      f"{peer['system_info'].strip()}")
-        compiled = [x for x in r["rows"] if x["config"].endswith("+compile") and "decode" in x]
-        if compiled and "decode" in peer:
-            best = max(compiled, key=lambda x: x["decode"]["median"])
-            lines.append(f"# fastest compiled torchq decode ({best['config']}) is {best['decode']['median'] / peer['decode']['median']:.2f}x "
-                         f"llama.cpp's ({best['decode']['median']:.1f} vs {peer['decode']['median']:.1f} tok/s)")
+        for kind, chosen in (("eager", lambda c: not c.endswith("+compile")), ("compiled", lambda c: c.endswith("+compile"))):
+            torchq_rows = [x for x in r["rows"] if x["config"] != "llama.cpp" and chosen(x["config"]) and "decode" in x]
+            if not torchq_rows or "decode" not in peer:
+                continue
+            best = max(torchq_rows, key=lambda x: x["decode"]["median"])
+            fastest = min(torchq_rows, key=lambda x: x["prefill"]["median"])
+            lines.append(f"# torchq {kind} vs llama.cpp (speed ratio, >1 = torchq faster): decode {best['config']} "
+                         f"{best['decode']['median']:.1f} vs {peer['decode']['median']:.1f} tok/s = "
+                         f"{best['decode']['median'] / peer['decode']['median']:.2f}x; prefill {fastest['config']} "
+                         f"{fastest['prefill']['median']:.0f} vs {peer['prefill']['median']:.0f} ms = "
+                         f"{peer['prefill']['median'] / fastest['prefill']['median']:.2f}x")
     for measure, group in timings.items():
         note = noise_note(group, measure)
         if note:
