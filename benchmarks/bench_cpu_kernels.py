@@ -24,11 +24,20 @@ a cache (at least ``--rotate-mb`` MB of weights per config; the L3 of a server C
 Columns: ``ms`` (median per call), ``x best float`` (fastest float / this, >1 = faster) and, at
 M=1, ``%bw``: the weight's bytes (codes + scales) / time / the read bandwidth measured next to
 that row (the better of just before and just after it: a shared machine's bandwidth drifts by 2x
-within minutes). The configs of a row are timed in interleaved rounds for the same reason.
+within minutes). The configs of a row are timed in interleaved rounds for the same reason
+(:func:`torchq.timing.time_interleaved`); ``*`` marks a cell whose timing is noisy.
 
-    python benchmarks/bench_cpu_kernels.py                         # full run (~10 minutes on 2 cores)
+ISA: ``--isa native`` runs on what the machine has; ``--isa avx2`` (``avx512``, ``scalar``) re-runs
+the script in a subprocess with torchq's and PyTorch's kernels capped there (``isa_caps.py``:
+PyTorch reads its caps when it is imported). By default a machine with more than AVX2 runs both
+``native`` and ``avx2`` (users run AVX2-only CPUs). Each run's tables are headed by the ISA it ran
+under (torchq's native ISA, ``torch.backends.cpu.get_cpu_capability()``); the JSON has one entry
+per run in ``runs`` and every row in ``rows``, with its ``isa``.
+
+    python benchmarks/bench_cpu_kernels.py                         # full run (~10 minutes on 2 cores per ISA)
     python benchmarks/bench_cpu_kernels.py --quick                 # one shape, M in {1, 16}
     python benchmarks/bench_cpu_kernels.py --shapes 4096x4096 --m 1 --dtypes bf16 --json out.json
+    python benchmarks/bench_cpu_kernels.py --quick --isa avx2      # only as an AVX2 CPU would run it
 """
 
 from __future__ import annotations
@@ -37,10 +46,10 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +58,11 @@ from torch import nn
 import torchq
 from torchq.layouts import Int4CPULayout
 from torchq.ops.int8 import int8_dynamic_linear
+from torchq.timing import Timing, time_interleaved
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling isa_caps module, also when loaded by path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import isa_caps  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = ("float", "float32", "aten-int4", "aten-int8", "fbgemm", "int_mm", "int4", "nf4", "int8wo", "int8dq")
@@ -152,37 +166,90 @@ def _quantized_int4_cpu(k: int, n: int, dtype: torch.dtype) -> nn.Linear:
     return lin
 
 
-def time_case(case: Case, x: torch.Tensor, budget_s: float, min_reps: int, start: int = 0) -> list[float]:
-    """Seconds per call for ``min_reps`` calls or ``budget_s`` seconds (at most 2000 calls),
-    cycling through the case's weights from index ``start``."""
-    ws = case.weights
-    samples: list[float] = []
-    t0 = time.perf_counter()
-    i = start
-    while len(samples) < min_reps or (time.perf_counter() - t0 < budget_s and len(samples) < 2000):
-        w = ws[i % len(ws)]
-        t = time.perf_counter()
-        case.call(x, w)
-        samples.append(time.perf_counter() - t)
-        i += 1
-    return samples
-
-
-def time_cases(cases: dict, x: torch.Tensor, budget_s: float, min_reps: int, rounds: int = 5) -> dict[str, float]:
-    """Median seconds per call of every case, measured in ``rounds`` interleaved rounds (each case
-    gets a slice of every round), so that a slow phase of a shared machine hits all of them alike."""
-    samples: dict[str, list[float]] = {c: [] for c in cases}
-    for c, case in list(cases.items()):  # warm up; drop cases that cannot run
-        try:
+def time_cases(cases: dict, x: torch.Tensor, budget_s: float, min_reps: int, rounds: int = 5) -> dict[str, Timing]:
+    """Seconds per call of every case, measured in ``rounds`` interleaved rounds (each case gets a
+    slice of every round, at least ``min_reps`` calls in all and up to ``budget_s`` seconds, at most
+    2000 calls), so that a slow phase of a shared machine hits all of them alike. Each call takes
+    the case's next weight copy. Cases that fail their warm-up are reported and left out."""
+    fns = {}
+    for c, case in cases.items():
+        try:  # warm up; drop cases that cannot run
             for i in range(min(3, len(case.weights)) or 1):
                 case.call(x, case.weights[i % len(case.weights)])
         except Exception as e:
             print(f"  {c} M={x.shape[0]}: failed ({type(e).__name__}: {e})")
-            del samples[c]
-    for _ in range(rounds):
-        for c in samples:
-            samples[c] += time_case(cases[c], x, budget_s / rounds, max(1, min_reps // rounds), start=len(samples[c]))
-    return {c: statistics.median(v) for c, v in samples.items()}
+            continue
+        fns[c] = _cycling_call(case, x)
+    return time_interleaved(fns, rounds=rounds, budget_s=budget_s, min_reps=max(1, min_reps // rounds),
+                            max_reps=2000 // rounds, warmup=0)
+
+
+def _cycling_call(case: Case, x: torch.Tensor):
+    """A zero-argument call of ``case`` on ``x`` that takes the next weight copy each time."""
+    state = {"i": 0}
+
+    def call() -> None:
+        case.call(x, case.weights[state["i"] % len(case.weights)])
+        state["i"] += 1
+    return call
+
+
+def run(args: argparse.Namespace, isa: str) -> dict:
+    """One run of every shape, dtype and M under the ISA this process has; prints the tables and
+    returns the results (``rows`` tagged with ``isa``)."""
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.m.split(",")]
+    dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
+    configs = [c for c in args.configs.split(",") if c]
+    info = isa_caps.isa_info(isa)
+    label = isa_caps.isa_label(info)
+    print(f"# {label}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; {torchq.native.status()}")
+    bw = read_bandwidth(args.bandwidth_gib)
+    print(f"read bandwidth (torch.sum over {args.bandwidth_gib:g} GiB fp32): {bw:.1f} GB/s\n")
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "native": str(torchq.native.status()),
+               "read_bandwidth_gbs": bw, **info, "rows": []}
+    torch.set_grad_enabled(False)
+    noisy = False
+    for k, n in shapes:
+        for dtype in dtypes:
+            dname = str(dtype).replace("torch.", "")
+            cases = {}
+            for c in configs:
+                try:
+                    cases[c] = Case(c, k, n, dtype, int(args.rotate_mb * 1e6))
+                except Exception as e:  # an op PyTorch lacks on this build: say so, go on
+                    print(f"  {c} on {k}x{n} {dname}: unavailable ({type(e).__name__}: {e})")
+            header = f"{'M':>4} " + " ".join(f"{c:>18}" for c in cases)
+            print(f"== Linear({k}, {n}), {dname} activations, {label}: ms (x fastest float){'; %bw at M=1' if 1 in ms else ''}")
+            print(header)
+            for m in ms:
+                x = torch.randn(m, k).to(dtype)
+                if m == 1:  # shared machines drift: the bandwidth next to the row, the best of before and after
+                    before = read_bandwidth(args.bandwidth_gib / 2, 3)
+                timings = time_cases(cases, x, args.budget, args.min_reps)
+                row_bw = max(before, read_bandwidth(args.bandwidth_gib / 2, 3)) if m == 1 else bw
+                floats = [timings[c].median for c in ("float", "float32") if c in timings]
+                best = min(floats) if floats else None
+                cells = []
+                for c, timing in timings.items():
+                    t = timing.median
+                    ratio = best / t if best else float("nan")
+                    frac = cases[c].nbytes / t / 1e9 / row_bw if m == 1 else None
+                    noisy |= timing.noisy
+                    cell = f"{t * 1e3:.3f}{'*' if timing.noisy else ''} ({ratio:.2f}x)" + (f" {100 * frac:.0f}%" if frac is not None else "")
+                    cells.append(f"{cell:>18}")
+                    results["rows"].append({"isa": isa, "K": k, "N": n, "dtype": dname, "M": m, "config": c, "ms": t * 1e3,
+                                            "x_fastest_float": ratio, "weight_bytes": cases[c].nbytes,
+                                            "bandwidth_fraction": frac, "row_bandwidth_gbs": row_bw if m == 1 else None,
+                                            "timing_ms": timing.to_dict(1e3)})
+                print(f"{m:>4} " + " ".join(cells) + (f"   (bandwidth {row_bw:.1f} GB/s)" if m == 1 else ""))
+            print()
+            del cases
+    if noisy:
+        print("* noisy: interquartile range above 25% of the median, or the median above 2x the fastest call "
+              "(a shared machine); rerun on an idle machine to rank those cells\n")
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,60 +263,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotate-mb", type=float, default=320.0, help="weights per config to rotate through (MB)")
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the tensor the bandwidth is read from")
     ap.add_argument("--quick", action="store_true", help="4096x4096, M in {1, 16}, short budget")
+    ap.add_argument("--isa", choices=isa_caps.ISA_CHOICES, default=None,
+                    help="run under this ISA (avx2/avx512/scalar: in a subprocess with the caps set); default: native, "
+                         "and avx2 too when the machine has more than AVX2")
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args(argv)
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(raw_argv)
     if args.quick:
         args.shapes, args.m, args.budget, args.rotate_mb = "4096x4096", "1,16", 0.1, 160.0
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    ms = [int(v) for v in args.m.split(",")]
-    dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
-    configs = [c for c in args.configs.split(",") if c]
-    unknown = set(configs) - set(CONFIGS)
+    unknown = {c for c in args.configs.split(",") if c} - set(CONFIGS)
     if unknown:
         ap.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; {torchq.native.status()}")
-    bw = read_bandwidth(args.bandwidth_gib)
-    print(f"read bandwidth (torch.sum over {args.bandwidth_gib:g} GiB fp32): {bw:.1f} GB/s\n")
-    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "native": str(torchq.native.status()),
-               "read_bandwidth_gbs": bw, "rows": []}
-    torch.set_grad_enabled(False)
-    for k, n in shapes:
-        for dtype in dtypes:
-            dname = str(dtype).replace("torch.", "")
-            cases = {}
-            for c in configs:
-                try:
-                    cases[c] = Case(c, k, n, dtype, int(args.rotate_mb * 1e6))
-                except Exception as e:  # an op PyTorch lacks on this build: say so, go on
-                    print(f"  {c} on {k}x{n} {dname}: unavailable ({type(e).__name__}: {e})")
-            header = f"{'M':>4} " + " ".join(f"{c:>17}" for c in cases)
-            print(f"== Linear({k}, {n}), {dname} activations: ms (x fastest float){'; %bw at M=1' if 1 in ms else ''}")
-            print(header)
-            for m in ms:
-                x = torch.randn(m, k).to(dtype)
-                if m == 1:  # shared machines drift: the bandwidth next to the row, the best of before and after
-                    before = read_bandwidth(args.bandwidth_gib / 2, 3)
-                times = time_cases(cases, x, args.budget, args.min_reps)
-                row_bw = max(before, read_bandwidth(args.bandwidth_gib / 2, 3)) if m == 1 else bw
-                floats = [times[c] for c in ("float", "float32") if c in times]
-                best = min(floats) if floats else None
-                cells = []
-                for c, t in times.items():
-                    ratio = best / t if best else float("nan")
-                    frac = cases[c].nbytes / t / 1e9 / row_bw if m == 1 else None
-                    cell = f"{t * 1e3:.3f} ({ratio:.2f}x)" + (f" {100 * frac:.0f}%" if frac is not None else "")
-                    cells.append(f"{cell:>17}")
-                    results["rows"].append({"K": k, "N": n, "dtype": dname, "M": m, "config": c, "ms": t * 1e3,
-                                            "x_fastest_float": ratio, "weight_bytes": cases[c].nbytes,
-                                            "bandwidth_fraction": frac, "row_bandwidth_gbs": row_bw if m == 1 else None})
-                print(f"{m:>4} " + " ".join(cells) + (f"   (bandwidth {row_bw:.1f} GB/s)" if m == 1 else ""))
-            print()
-            del cases
+    runs = []
+    for isa in [args.isa] if args.isa else isa_caps.default_isas():
+        if isa_caps.runs_here(isa):
+            runs.append(run(args, isa))
+        else:
+            runs.append(isa_caps.run_capped(__file__, raw_argv, isa))
     if args.json:
+        summaries = [{k: v for k, v in r.items() if k not in ("rows", "runs")} for r in runs]
+        results = summaries[0] | {"runs": summaries, "rows": [row for r in runs for row in r["rows"]]}
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
+        if not isa_caps.runs_capped():
+            print(f"wrote {args.json}")
     return 0
 
 

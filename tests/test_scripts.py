@@ -57,6 +57,47 @@ def test_bench_cpu_kernels_runs_every_config_and_writes_json(tmp_path, capsys):
     assert "failed" not in capsys.readouterr().out
 
 
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_cpu_kernels_isa_option_caps_torchq_and_torch_in_a_subprocess(tmp_path, capsys):
+    """--isa avx2 runs only capped (torchq's kernels and PyTorch's, in a subprocess), labels its
+    tables and JSON with the ISA; --isa native runs here, uncapped; the default adds avx2 on a
+    machine with more."""
+    import json
+
+    import torch
+
+    import torchq
+
+    mod = _load_script("bench_cpu_kernels")
+    small = ["--shapes", "64x32", "--m", "1", "--dtypes", "fp32", "--configs", "float,int4", "--budget", "0.01",
+             "--min-reps", "1", "--rotate-mb", "0.1", "--bandwidth-gib", "0.001"]
+    path = tmp_path / "avx2.json"
+    assert mod.main(small + ["--isa", "avx2", "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    assert [r["isa"] for r in out["runs"]] == ["avx2"] and {r["isa"] for r in out["rows"]} == {"avx2"}
+    run = out["runs"][0]
+    assert run["torch_cpu_capability"] in ("AVX2", "DEFAULT") and run["caps"]["ATEN_CPU_CAPABILITY"] == "avx2"
+    if torchq.native.available():
+        assert run["native_isa"] in ("avx2", "scalar")
+    assert "ISA avx2: torchq native" in capsys.readouterr().out
+    assert mod.main(small + ["--isa", "native", "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    assert [r["isa"] for r in out["runs"]] == ["native"]
+    assert out["runs"][0]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert mod.main(small + ["--json", str(path)]) == 0
+    expected = ["native", "avx2"] if mod.isa_caps.machine_isa() == "avx512" else ["native"]
+    assert [r["isa"] for r in json.loads(path.read_text())["runs"]] == expected
+    with pytest.raises(SystemExit):
+        mod.main(small + ["--isa", "avx3"])
+    assert mod.isa_caps.without_options(["--m", "1", "--isa", "avx2", "--json=x", "--quick"], ("--isa", "--json")) == ["--m", "1", "--quick"]
+
+
 def test_bench_gpu_runs_and_writes_json(tmp_path, capsys):
     """On a GPU: every config on a small shape. Without one: the Triton configs in the interpreter
     (TRITON_INTERPRET=1, set by conftest), and a clear exit code for --device cuda."""
