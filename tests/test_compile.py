@@ -68,3 +68,16 @@ def test_compile_fallback_warns_and_strict_raises():
     torch._dynamo.reset()
     with torchq.strict(), pytest.raises(Exception, match="strict mode forbids"):
         torch.compile(m, fullgraph=True)(x)
+
+
+def test_compiled_embedding_lookup_on_a_quantized_weight_does_not_recompile_per_token():
+    """A tied lm_head / embedding under torch.compile: the index bounds check is an async assert
+    in the graph, not a data-dependent branch (which broke the graph and guarded on each token id)."""
+    emb = torch.nn.Embedding(64, 32)
+    emb.weight = torch.nn.Parameter(torchq.int8_weight_only().quantize_weight(emb.weight.detach()), requires_grad=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(emb, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for token in (3, 17, 63):
+            idx = torch.tensor([[token]])
+            assert torch.equal(compiled(idx), emb.weight.dequantize()[idx])

@@ -504,8 +504,11 @@ def _index(func, args, kwargs):
     if idx.dtype == torch.bool:
         idx = idx.nonzero().flatten()
     n = self.shape[0]
-    if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
-        raise IndexError(f"index: indices out of range for dim 0 of size {n}")
+    if idx.numel():
+        if torch.compiler.is_compiling():  # no data-dependent branch in a graph (it would break and guard on the ids)
+            torch._assert_async(((idx >= -n) & (idx < n)).all(), f"index: indices out of range for dim 0 of size {n}")
+        elif int(idx.min()) < -n or int(idx.max()) >= n:
+            raise IndexError(f"index: indices out of range for dim 0 of size {n}")
     flat = idx.flatten() % n
     if flat.numel() == 0:
         return torch.empty(*idx.shape, self.shape[1], dtype=self.dtype, device=self.device)
