@@ -82,6 +82,9 @@ CONFIGS: dict[str, Callable[[], torchq.QuantConfig]] = {
     "int8wo": torchq.int8_weight_only,
     "int8dq": torchq.int8_dynamic_activation_int8_weight,
 }
+# also known (not run by default): fp32 scales and zeros for bf16 / fp16 models (the AVX2 decode path)
+KNOWN = {**CONFIGS, "int4-g32-fp32": lambda: torchq.config_from_name("int4-g32-fp32"),
+         "int4-g128-fp32": lambda: torchq.config_from_name("int4-g128-fp32")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SENTENCES = [
     "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.", "A man is riding a horse.",
@@ -213,7 +216,7 @@ def quantized(model: nn.Module, name: str, lm_head: str = "same") -> nn.Module:
     the GGUF file keeps it in Q8_0) or left in ``float``."""
     if lm_head not in LM_HEAD:
         raise ValueError(f"lm_head: expected one of {LM_HEAD}, got {lm_head!r}")
-    config = CONFIGS[name]()
+    config = KNOWN[name]()
     if lm_head != "same":
         config = {"lm_head": torchq.int8_weight_only() if lm_head == "int8" else None, "_default": config}
     out = copy.deepcopy(model)
@@ -469,7 +472,7 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated torchq configs, float always included (known: {', '.join(CONFIGS)})")
+                    help=f"comma-separated torchq configs, float always included (known: {', '.join(KNOWN)})")
     ap.add_argument("--models", default="smollm,minilm", help="comma-separated: smollm, minilm")
     ap.add_argument("--peers", default="llama.cpp", help="comma-separated peers: llama.cpp, or none")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
@@ -490,9 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(raw_argv)
     configs = [c for c in args.configs.split(",") if c and c != "float"]
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in KNOWN]
     if unknown:
-        ap.error(f"--configs: unknown {unknown}; known: float, {', '.join(CONFIGS)}")
+        ap.error(f"--configs: unknown {unknown}; known: float, {', '.join(KNOWN)}")
     args.configs = ["float"] + configs
     args.models = [m for m in args.models.split(",") if m]
     if not args.models or set(args.models) - {"smollm", "minilm"}:
