@@ -74,7 +74,7 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   p.xp = xp;
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + (K * sizeof(float) + 63) / 64 * 64);
   RowsJob job{p, kernels().lut4.rows};
-  parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs);
+  parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs, M * N * K);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
   return OK;
