@@ -125,7 +125,7 @@ def min_parallel_work(work: int | None = None) -> int:
     """The least work, in multiply-adds, a native linear gives each of its threads (a smaller
     call runs on the calling thread alone: waking a worker would cost more than the work);
     with ``work``, set it (0: always split by ``torch.get_num_threads()``) and return the
-    previous value. Default 1 << 20, or ``TORCHQ_NATIVE_MIN_PARALLEL_WORK`` when the library
+    previous value. Default 1 << 16, or ``TORCHQ_NATIVE_MIN_PARALLEL_WORK`` when the library
     loads. Results are the same bits either way."""
     if _LIB is None:
         raise RuntimeError(f"torchq native library not available: {_REASON}")
