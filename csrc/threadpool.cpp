@@ -109,9 +109,10 @@ Pool* pool() {
 }
 
 // Default 1 << 16 multiply-adds per range (a few microseconds of a decode-sized kernel on one
-// core): below that, waking a worker costs more than the range saves. Measured in a 30-layer
-// SmolLM2-shaped decode (benchmarks/bench_percall.py) on 2 cores: splitting even 576x576 M=1
-// calls (3.3e5) in two paid there, 1 << 18 and 1 << 20 were slower.
+// core): below that, waking a worker costs more than the range saves (K=576 N=64 M=1 int4: 3 us
+// on one thread, 8.5 us split in two). In a 30-layer SmolLM2-shaped int4 decode on 2 loaded cores
+// (min_parallel_work values alternated in one process) splitting even the 576x576 M=1 calls
+// (3.3e5) paid: medians 83 ms always split, 84 ms at 1 << 16, 111 ms at 1 << 18, 151 ms at 1 << 20.
 std::atomic<int64_t> g_min_parallel_work{[] {
   const char* s = getenv("TORCHQ_NATIVE_MIN_PARALLEL_WORK");
   return s && *s ? static_cast<int64_t>(atoll(s)) : static_cast<int64_t>(1) << 16;
