@@ -25,8 +25,15 @@ int active_isa();
 // bounds are multiples of `grain` (except the end). The caller runs the first range itself.
 // Afterwards the workers spin for `spin_us` microseconds before sleeping: worth it between
 // back-to-back kernels, harmful when PyTorch's own threads run next (they share the cores).
+// `work`: the call's size in multiply-adds (0: unknown); each range gets at least
+// min_parallel_work() of it, so a small call runs on the caller's thread alone (waking a
+// worker costs more than the work). The ranges only decide who computes what: every element's
+// result is the same whichever thread runs it.
 typedef void (*RangeFn)(void* ctx, int64_t begin, int64_t end);
-void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, int spin_us = 0);
+void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, int spin_us = 0, int64_t work = 0);
+// The least work (multiply-adds) worth a range of its own: TORCHQ_NATIVE_MIN_PARALLEL_WORK at load,
+// tq_set_min_parallel_work later.
+int64_t min_parallel_work();
 
 // Error codes returned by the exported kernels (0 = success).
 enum Status : int { OK = 0, BAD_ARGUMENT = 1, OUT_OF_MEMORY = 2 };

@@ -91,7 +91,7 @@ int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int
   const size_t esize = dtype_size(dtype);
   for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * esize, dtype, K, Kp, xp + m * Kp);
   RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32}, kernels().int8.weight_rows};
-  parallel_for(N, 4, threads, run_rows, &job, kSpinUs);
+  parallel_for(N, 4, threads, run_rows, &job, kSpinUs, M * N * K);
   o.finish(out, dtype, M * N);
   free(xp);
   return OK;
@@ -121,11 +121,11 @@ int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t*
     xf = w;
   }
   QuantJob q{kern.quantize_rows, xf, K, Kp, Int8Quant{denom, eps, qmin, qmax}, kern.dynamic_offset, buf, xs};
-  parallel_for(M, 1, threads, quantize_rows, &q, 0);
+  parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
   const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
                      offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, codes, scale, nullptr, o.f32};
   RowsJob job{p, kern.dynamic_rows};
-  parallel_for(N, 4, threads, run_rows, &job, kSpinUs);
+  parallel_for(N, 4, threads, run_rows, &job, kSpinUs, M * N * K);
   o.finish(out, dtype, M * N);
   free(buf);
   return OK;

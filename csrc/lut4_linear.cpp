@@ -129,7 +129,7 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + xsum_bytes + row_bytes);
   const Lut4RowsFn rows = p.M >= kLut4GemmMinM && lut4_gemm_active() ? kernels().lut4.gemm : kernels().lut4.rows;
   RowsJob job{p, decode ? decode : rows};
-  parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs);
+  parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs, M * N * K);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
   return OK;

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchq
+from torchq import dispatch
 from torchq.dispatch import dequantized_linear
 from torchq.layouts.packed_bits import PackedBitsLayout
 
@@ -250,6 +251,28 @@ def test_gradient_flows_to_input_and_bias_through_frozen_weight():
     F.linear(xr, lin.weight.dequantize(), br).square().sum().backward()
     assert torch.allclose(x.grad, xr.grad, rtol=1e-3, atol=1e-3)
     assert torch.allclose(lin.bias.grad, br.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_only_gradient_skips_the_autograd_function(dtype, monkeypatch):
+    """An input without grad and a bias that wants one (an nn.Linear outside no_grad): the kernel
+    runs without the autograd Function, the bias gets its gradient from the addition, and the
+    output is the one the Function path gives (bias added after the kernel's rounding)."""
+    lin = torch.nn.Linear(64, 32).to(dtype)
+    torchq.quantize_(lin, torchq.int4_weight_only(group_size=32))
+    x = torch.randn(3, 64, dtype=dtype)
+    applied = []
+    real_apply = dispatch._QuantizedLinearGrad.apply
+    monkeypatch.setattr(dispatch._QuantizedLinearGrad, "apply", lambda *a: applied.append(1) or real_apply(*a))
+    y = lin(x)
+    assert not applied and y.requires_grad
+    y.float().square().sum().backward()
+    with torch.no_grad():
+        kernel_only = F.linear(x, lin.weight)
+    assert torch.equal(y.detach(), kernel_only + lin.bias.detach())
+    assert torch.equal(lin.bias.grad, (2 * y.detach().float()).sum(0).to(dtype))
+    xg = x.clone().requires_grad_(True)  # an input that wants a gradient still takes the Function
+    assert torch.equal(lin(xg).detach(), y.detach()) and applied
 
 
 # -- the kernel-choice cache -----------------------------------------------------------------------

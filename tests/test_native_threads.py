@@ -1,10 +1,12 @@
 """The native thread pool (csrc/threadpool.cpp, ``tq::parallel_for``) under concurrency.
 
 * stress: several Python threads call int4 / NF4 / int8 weight-only / int8 dynamic layers of
-  alternating shapes (N = 8 and 64, M = 1 and 3) while the torch thread count cycles through
+  alternating shapes (N = 8 and 64, M = 1 and 3; every call split, TORCHQ_NATIVE_MIN_PARALLEL_WORK=0)
+  while the torch thread count cycles through
   1, 2, 3, 4, 8 (more threads than cores: contention is the point); every output must equal the
   single-threaded one bit for bit. It runs in a child process under a time limit, so a hang (the
   caller spinning on a work counter that never reaches zero) fails instead of blocking CI;
+* the least work per thread: a call kept on one thread and the same call split agree bit for bit;
 * the pool alone: a small C++ driver (tests/native/tsan_driver.cpp) hammers ``parallel_for``
   from several threads with varying sizes, part counts and spins, built with -O2 (every element
   visited once, no hang) and with ``-fsanitize=thread`` (TSan must report nothing; an
@@ -112,8 +114,10 @@ STRESS_CHILD = textwrap.dedent(
 def run_stress(phases: str, limit: float) -> list[list[int]]:
     """Runs the child with `phases` ("python_threads:seconds,..."); its calls per Python thread."""
     try:
+        # every call split over the torch threads: the default least work per thread would keep these small layers on one
+        env = dict(os.environ, TORCHQ_NATIVE_MIN_PARALLEL_WORK="0")
         proc = subprocess.run([sys.executable, "-c", STRESS_CHILD, phases], cwd=ROOT, capture_output=True, text=True,
-                              timeout=limit)
+                              timeout=limit, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail(f"native linears called from Python threads ({phases}) hung: no result after {limit:.0f} s")
     assert proc.returncode == 0, f"stress {phases}: exit code {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
@@ -126,6 +130,57 @@ def test_concurrent_calls_equal_single_threaded() -> None:
     to one thread, no hang, no crash."""
     summary = run_stress("1:1.5,4:1.5", limit=90.0)
     assert all(sum(done) > 20 for done in summary), summary
+
+
+@needs_native
+def test_min_parallel_work_is_read_set_and_checked() -> None:
+    from torchq.backends.native_cpu import library as native_library
+
+    default = native_library.min_parallel_work()
+    assert default == int(os.environ.get("TORCHQ_NATIVE_MIN_PARALLEL_WORK", 1 << 16))
+    try:
+        assert native_library.min_parallel_work(123) == default and native_library.min_parallel_work() == 123
+    finally:
+        native_library.min_parallel_work(default)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="work: expected a non-negative int"):
+            native_library.min_parallel_work(bad)
+
+
+@needs_native
+@pytest.mark.parametrize("config", ["int4", "nf4", "int8_wo", "int8_dyn"])
+def test_one_thread_below_the_work_threshold_and_split_calls_agree(config: str) -> None:
+    """The same call split over 2 threads (least work 0), kept on the caller's thread (least work
+    above the call's), and at the default: bit-equal, for decode (M = 1) and small-batch shapes."""
+    import torch
+    import torch.nn.functional as F
+
+    import torchq
+    from torchq.backends.native_cpu import library as native_library
+
+    configs = {"int4": torchq.int4_weight_only(group_size=64), "nf4": torchq.nf4_weight_only(block_size=64),
+               "int8_wo": torchq.int8_weight_only(), "int8_dyn": torchq.int8_dynamic_activation_int8_weight()}
+    gen = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(576, 200)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(200, 576, generator=gen))
+    model = torch.nn.Sequential(lin)
+    torchq.quantize_(model, configs[config])
+    default, torch_threads = native_library.min_parallel_work(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for m in (1, 3):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, 576, generator=gen).to(dtype)
+                outs = []
+                for least in (0, 1 << 40, default):
+                    native_library.min_parallel_work(least)
+                    with torch.no_grad():
+                        outs.append(F.linear(x, model[0].weight, model[0].bias.to(dtype)))
+                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (config, m, dtype)
+    finally:
+        native_library.min_parallel_work(default)
+        torch.set_num_threads(torch_threads)
 
 
 # -- the pool alone, from C++ ---------------------------------------------------------------------

@@ -39,6 +39,23 @@ def test_bench_serialization_quick_runs_and_writes_json(tmp_path, capsys):
     assert "save_quantized" in out and "FAIL" not in out
 
 
+def test_bench_percall_quick_runs_every_config_and_writes_json(tmp_path, capsys):
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_percall", ROOT / "benchmarks" / "bench_percall.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "out.json"
+    assert mod.main(["--quick", "--dtypes", "bf16", "--threads", "2", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    cells = {(r["what"], r["shape"], r["config"]) for r in rows}
+    configs = {"float", "int4", "nf4", "int8wo", "int8dq"}
+    assert cells == {(w, s, c) for w, s in (("layer", "576x576"), ("layer", "576x1536"), ("model", "2 layers")) for c in configs}
+    assert all(r["median_us"] > 0 and r["min_us"] <= r["median_us"] <= r["max_us"] and r["threads"] == 2 for r in rows)
+    assert all(r["vs_float"] == 1.0 for r in rows if r["config"] == "float")
+    assert "vs float" in capsys.readouterr().out
+
+
 def test_bench_cpu_kernels_runs_every_config_and_writes_json(tmp_path, capsys):
     import json
 

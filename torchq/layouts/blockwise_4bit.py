@@ -147,6 +147,9 @@ def _cached_native_weight(impl: Blockwise4bitImpl) -> native_library.NativeWeigh
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Blockwise4bitImpl = w.tensor_impl
+    out = native_library.decode_linear(impl, x, bias, _cached_native_weight)
+    if out is not None:  # decode-sized, eager CPU: the least Python per call (the nested offset is read by the kernel)
+        return out
     spec = impl.spec
     n, k = impl.shape
     args = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], spec.block_size[1],
@@ -154,9 +157,6 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     if not native_library.eager_cpu(x):
         return torch.ops.torchq.blockwise_4bit_linear(x, *args)
     # eager CPU: the arguments come from a validated layout, so the op's checks are skipped
-    weight = native_library.decode_weight(impl, x, _cached_native_weight)
-    if weight is not None:  # decode-sized: the least Python per call (the nested offset is read by the kernel)
-        return native_library.run_linear(weight, x, bias)
     impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
     return blockwise_linear_cpu(x, *args)
 

@@ -210,11 +210,11 @@ def _cached_native_weight(impl: Int4NativeImpl) -> native_library.NativeWeight |
 
 def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4NativeImpl = w.tensor_impl
+    out = native_library.decode_linear(impl, x, bias, _cached_native_weight)
+    if out is not None:  # decode-sized, eager CPU: the least Python per call
+        return out
     n, k = impl.shape
     if native_library.eager_cpu(x):  # arguments come from a validated layout: the op's checks are skipped
-        weight = native_library.decode_weight(impl, x, _cached_native_weight)
-        if weight is not None:  # decode-sized: the least Python per call
-            return native_library.run_linear(weight, x, bias)
         impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
         return int4_linear_cpu(x, impl.packed, impl.scale, impl.shift, impl.zero, n, k, impl.group_size, impl.code_base,
                            *impl.round_kinds, bias)

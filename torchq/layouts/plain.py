@@ -139,26 +139,27 @@ def _in_place_int8_weight(impl) -> native_library.NativeWeight | None:
 
 def _int8_weight_only_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl = w.tensor_impl
+    out = native_library.decode_linear(impl, x, bias, _in_place_int8_weight)
+    if out is not None:  # decode-sized, eager CPU: the least Python per call
+        return out
     if not native_library.eager_cpu(x):
         return int8_weight_linear(x, impl.codes, impl.scale, bias)
     # eager CPU: a validated layout's tensors, the op's checks are skipped
-    weight = native_library.decode_weight(impl, x, _in_place_int8_weight)
-    if weight is None:
-        impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
-        return weight_linear_cpu(x, impl.codes, impl.scale, bias)
-    return native_library.run_linear(weight, x, bias)
+    impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
+    return weight_linear_cpu(x, impl.codes, impl.scale, bias)
 
 
 def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     act = w.act_quant
     impl = w.tensor_impl
+    # the condition guarantees activation codes the kernel takes
+    out = native_library.decode_linear(impl, x, bias, _in_place_int8_weight, (act.quant_min, act.quant_max, act.eps))
+    if out is not None:
+        return out
     if not native_library.eager_cpu(x):
         return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
-    weight = native_library.decode_weight(impl, x, _in_place_int8_weight)  # the condition guarantees activation codes the kernel takes
-    if weight is None:
-        impl.validate()
-        return dynamic_linear_cpu(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
-    return native_library.run_linear(weight.dynamic(act.quant_min, act.quant_max, act.eps), x, bias)
+    impl.validate()
+    return dynamic_linear_cpu(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
 
 
 def _check_triton_dynamic(x: torch.Tensor, w, bias) -> str | None:

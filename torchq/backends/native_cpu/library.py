@@ -28,8 +28,9 @@ from . import abi
 
 __all__ = [
     "ABI_VERSION", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "check", "check_bias", "checked_bias", "checked_ptr",
-    "checked_tile", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "lut4_gemm_active", "lut4_paths", "lut4_weight", "ptr", "run_linear", "threads", "validate", "weight_args", "weight_struct",
+    "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
+    "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "ptr", "run_linear", "threads", "validate", "weight_args",
+    "weight_struct",
 ]
 
 ABI_VERSION = 4
@@ -48,6 +49,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_weight_size": (_c_int64, []),
     "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
     "tq_dequantize_rows": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int]),  # weight, n0, n1, dst, bf16, threads
+    "tq_set_min_parallel_work": (_c_int64, [_c_int64]),  # the least multiply-adds per thread (negative: read)
     "tq_to_f32": (_c_int, [_ptr, _c_int, _c_int64, _ptr]),
     "tq_from_f32": (_c_int, [_ptr, _c_int64, _c_int, _ptr]),
 }
@@ -144,11 +146,24 @@ def lut4_gemm_active() -> bool:
     return _LIB is not None and not DISABLED.get() and bool(_LIB.tq_lut4_gemm_active())
 
 
+def min_parallel_work(work: int | None = None) -> int:
+    """The least work, in multiply-adds, a native linear gives each of its threads (a smaller
+    call runs on the calling thread alone: waking a worker would cost more than the work);
+    with ``work``, set it (0: always split by ``torch.get_num_threads()``) and return the
+    previous value. Default 1 << 16, or ``TORCHQ_NATIVE_MIN_PARALLEL_WORK`` when the library
+    loads. Results are the same bits either way."""
+    if _LIB is None:
+        raise RuntimeError(f"torchq native library not available: {_REASON}")
+    if work is not None and (isinstance(work, bool) or not isinstance(work, int) or work < 0):
+        raise ValueError(f"work: expected a non-negative int, got {work!r}")
+    return int(_LIB.tq_set_min_parallel_work(-1 if work is None else work))
+
+
 def eager_cpu(x: torch.Tensor) -> bool:
     """True when a CPU op can be called as a plain function: ``x`` is on the CPU and no graph is
     being traced. Dispatch kernels then skip the custom-op dispatcher (tens of microseconds per
     call, a tenth of a decode-sized linear); torch.compile still sees the ``torchq::`` op."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+    return x.is_cpu and not torch.compiler.is_compiling()
 
 
 # The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
@@ -366,6 +381,24 @@ def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], Nati
     if not m or use_tiles(m, x.dtype):
         return None
     return weight_args(owner, build)
+
+
+def decode_linear(owner: object, x: torch.Tensor, bias: torch.Tensor | None, build: Callable[[object], NativeWeight | None],
+                  dynamic: tuple[int, int, float] | None = None) -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` through the fused kernel (:func:`run_linear`) with ``owner``'s cached
+    weight (:func:`decode_weight`; ``dynamic``: :meth:`NativeWeight.dynamic`'s arguments) when an
+    eager CPU caller can take it (:func:`eager_cpu`), else None (the caller takes its general
+    path). :func:`eager_cpu`, :func:`decode_weight` and :func:`run_linear` in one call: this is
+    every decode-sized layer's path."""
+    if _LIB is None or DISABLED.get() or not x.is_cpu or torch.compiler.is_compiling():
+        return None
+    m = x.numel() // owner.shape[1]
+    if not m or use_tiles(m, x.dtype):
+        return None
+    weight = weight_args(owner, build)
+    if weight is None:
+        return None
+    return run_linear(weight if dynamic is None else weight.dynamic(*dynamic), x, bias)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
