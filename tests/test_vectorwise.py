@@ -161,3 +161,14 @@ def test_matches_bitsandbytes_where_the_formulas_agree():
     mine = ops.int8_mm_dequant(c, rs, cs, torch.float32)
     bnb = torch.ops.bitsandbytes.int8_mm_dequant(c, rs, cs, torch.float32)
     assert torch.allclose(mine, bnb, rtol=3e-5, atol=0)  # 1/127^2 vs bitsandbytes' 6.200124e-05
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 1023, 1024, 1025, 4099])
+def test_int8_linear_matmul_is_exact_where_16_bit_pair_sums_would_saturate(k):
+    """torch._int_mm on CPUs without VNNI (oneDNN's AVX2 kernel) saturates 16-bit pair sums; the
+    op's CPU path must give the exact int32 sums: extreme codes, and random ones."""
+    g = torch.Generator().manual_seed(k)
+    for a, b in [(torch.full((3, k), 127, dtype=torch.int8), torch.full((5, k), -128, dtype=torch.int8)),
+                 (torch.randint(-128, 128, (4, k), generator=g, dtype=torch.int8), torch.randint(-128, 128, (6, k), generator=g, dtype=torch.int8))]:
+        exact = (a.long() @ b.long().t()).to(torch.int32)
+        assert torch.equal(torch.ops.torchq.int8_linear_matmul(a, b), exact)

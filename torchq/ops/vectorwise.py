@@ -162,13 +162,33 @@ def _check_int8_pair(A: torch.Tensor, B: torch.Tensor) -> None:
         raise ValueError(f"B: expected [N, K] with K = {A.shape[-1]} (A's last dimension), got shape {list(B.shape)}")
 
 
+# K columns per fp32 GEMM in _exact_int8_mm_cpu: every partial sum of int8 x int8 products over
+# them is an integer of magnitude <= 1024 * 128 * 128 = 2^24, exact in fp32 in any order.
+_EXACT_FP32_K = 1024
+
+
+def _exact_int8_mm_cpu(a: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] @ B [N, K].T`` in exact int32 on the CPU. Not ``torch._int_mm``: on CPUs without
+    VNNI its oneDNN kernel multiplies through 16-bit pair sums that saturate (torch 2.13 with
+    AVX2 only: sums off by tens of thousands). fp32 GEMMs over blocks of 1024 columns are exact
+    (see _EXACT_FP32_K), summed in int32; fp64 when fp32 matmuls may run at reduced precision."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return (a.double() @ B.double().t()).to(torch.int32)
+    out = torch.zeros(a.shape[0], B.shape[0], dtype=torch.int32)
+    for k0 in range(0, a.shape[1], _EXACT_FP32_K):
+        out.add_((a[:, k0:k0 + _EXACT_FP32_K].float() @ B[:, k0:k0 + _EXACT_FP32_K].float().t()).to(torch.int32))
+    return out
+
+
 @torch.library.custom_op("torchq::int8_linear_matmul", mutates_args=(), schema="(Tensor A, Tensor B) -> Tensor")
 def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     _check_int8_pair(A, B)
     a = _rows(A)
     if a.shape[1] == 1:  # torch._int_mm on CPU returns wrong sums for K == 1 (torch 2.13): an outer product
         out = a.to(torch.int32) * B.to(torch.int32).reshape(1, -1)
-    elif a.device.type in ("cpu", "cuda"):
+    elif a.device.type == "cpu":
+        out = _exact_int8_mm_cpu(a, B)
+    elif a.device.type == "cuda":
         out = torch._int_mm(a, B.t())
     else:
         out = (a.long() @ B.long().t()).to(torch.int32)
