@@ -103,6 +103,16 @@ def test_row_and_column_slices(ex, device):
 
 
 @pytest.mark.parametrize("ex, device", CASES)
+def test_plain_rows_equal_the_rows_of_the_plain_form(ex, device):
+    """TensorImpl.plain_rows (embedding lookups) gathers exactly to_plain().rows(index)."""
+    impl = _weight(ex, device).tensor_impl
+    n = ex.shape[0]
+    index = torch.tensor([n - 1, 0, n // 2, 0], device=device)
+    for dtype in FLOATS:
+        assert torch.equal(impl.plain_rows(index).dequantize(dtype), impl.to_plain().rows(index).dequantize(dtype))
+
+
+@pytest.mark.parametrize("ex, device", CASES)
 def test_copy_into_a_narrowed_view(ex, device):
     n, block_n = ex.shape[0], ex.spec.block_size[0]
     dst, src = _weight(ex, device, seed=1), _weight(ex, device, seed=2)

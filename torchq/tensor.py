@@ -512,7 +512,7 @@ def _index(func, args, kwargs):
     flat = idx.flatten() % n
     if flat.numel() == 0:
         return torch.empty(*idx.shape, self.shape[1], dtype=self.dtype, device=self.device)
-    rows = self.to_plain().rows(flat).dequantize(self.dtype)
+    rows = self.tensor_impl.plain_rows(flat).dequantize(self.dtype)
     return rows.reshape(*idx.shape, self.shape[1])
 
 

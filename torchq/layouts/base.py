@@ -435,6 +435,12 @@ class TensorImpl:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.to_plain().dequantize(dtype)
 
+    def plain_rows(self, index: torch.Tensor) -> PlainForm:
+        """The plain form of rows ``index`` (dim 0, in range), as ``to_plain().rows(index)``.
+        Layouts whose rows are stored apart override it to gather those rows only: an embedding
+        lookup on a tied weight then costs its rows, not an unpacking of the whole table."""
+        return self.to_plain().rows(index)
+
     def narrow_view(self, dim: int, start: int, length: int) -> TensorImpl | None:
         """A slice whose tensors are views of this impl's storage, or None if the layout cannot
         slice there without copying (the caller then goes through the plain form)."""

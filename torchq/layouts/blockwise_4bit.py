@@ -18,6 +18,7 @@ bias through the frozen weight (QLoRA).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,11 @@ class Blockwise4bitImpl(TensorImpl):
         n, k = self.shape
         codes = unpack_bits(self.packed, 4, k)
         return PlainForm(codes, self.scale(), None, self.spec, self.nested())
+
+    def plain_rows(self, index: torch.Tensor) -> PlainForm:
+        # as to_plain().rows(index): the rows' codes and fp32 absmax (double quantization resolved)
+        codes = unpack_bits(self.packed[index], 4, self.shape[1])
+        return PlainForm(codes, self.scale()[index], None, dataclasses.replace(self.spec, double_quant=False))
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,12 @@ class Int4NativeImpl(TensorImpl):
             zero = None
         return PlainForm(codes, self.scale.to(self.scale_dtype), zero, spec)
 
+    def plain_rows(self, index: torch.Tensor) -> PlainForm:
+        fields = {f: (None if getattr(self, f) is None else getattr(self, f)[index]) for f in self.tensor_fields}
+        rows = type(self)(self.layout, self.spec, (index.numel(), self.shape[1]), **fields,
+                          scale_dtype=self.scale_dtype, zero_dtype=self.zero_dtype)
+        return rows.to_plain()
+
     def narrow_view(self, dim: int, start: int, length: int) -> Int4NativeImpl | None:
         if dim != 0:
             return None
