@@ -68,8 +68,9 @@ import torchq
 from torchq.examples import minilm, smollm
 from torchq.timing import Timing, noise_note
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling isa_caps module, also when loaded by path
+if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling modules, also when loaded by path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_real_models  # noqa: E402
 import isa_caps  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "declaration.txt"
@@ -86,14 +87,7 @@ CONFIGS: dict[str, Callable[[], torchq.QuantConfig]] = {
 KNOWN = {**CONFIGS, "int4-g32-fp32": lambda: torchq.config_from_name("int4-g32-fp32"),
          "int4-g128-fp32": lambda: torchq.config_from_name("int4-g128-fp32")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SENTENCES = [
-    "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.", "A man is riding a horse.",
-    "A woman is playing violin.", "Two men pushed carts through the woods.", "A man is riding a white horse on an enclosed ground.",
-    "A monkey is playing drums.", "Someone in a gorilla costume is playing a set of drums.",
-    "Quantization stores each weight in four bits and a scale per group of weights.",
-    "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
-    "Stock markets fell sharply after the announcement.", "How do I reset my password?",
-    "The recipe calls for two cups of flour and a pinch of salt.", "Neural networks can be compressed without retraining.",
+SENTENCES = bench_real_models.SENTENCES + [  # the main job's 16, then 24 more: a batch of 40
     "The train to Edinburgh leaves at half past nine.", "She planted tomatoes, beans and a row of sunflowers.",
     "My laptop battery drains quickly when the screen is bright.", "The committee postponed its decision until next week.",
     "A cat sleeps on the warm windowsill.", "Rain is expected over the weekend in the north.",
