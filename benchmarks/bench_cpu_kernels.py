@@ -209,46 +209,46 @@ def run(args: argparse.Namespace, isa: str) -> dict:
     print(f"read bandwidth (torch.sum over {args.bandwidth_gib:g} GiB fp32): {bw:.1f} GB/s\n")
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "native": str(torchq.native.status()),
                "read_bandwidth_gbs": bw, **info, "rows": []}
-    torch.set_grad_enabled(False)
-    noisy = False
-    for k, n in shapes:
-        for dtype in dtypes:
-            dname = str(dtype).replace("torch.", "")
-            cases = {}
-            for c in configs:
-                try:
-                    cases[c] = Case(c, k, n, dtype, int(args.rotate_mb * 1e6))
-                except Exception as e:  # an op PyTorch lacks on this build: say so, go on
-                    print(f"  {c} on {k}x{n} {dname}: unavailable ({type(e).__name__}: {e})")
-            header = f"{'M':>4} " + " ".join(f"{c:>18}" for c in cases)
-            print(f"== Linear({k}, {n}), {dname} activations, {label}: ms (x fastest float){'; %bw at M=1' if 1 in ms else ''}")
-            print(header)
-            for m in ms:
-                x = torch.randn(m, k).to(dtype)
-                if m == 1:  # shared machines drift: the bandwidth next to the row, the best of before and after
-                    before = read_bandwidth(args.bandwidth_gib / 2, 3)
-                timings = time_cases(cases, x, args.budget, args.min_reps)
-                row_bw = max(before, read_bandwidth(args.bandwidth_gib / 2, 3)) if m == 1 else bw
-                floats = [timings[c].median for c in ("float", "float32") if c in timings]
-                best = min(floats) if floats else None
-                cells = []
-                for c, timing in timings.items():
-                    t = timing.median
-                    ratio = best / t if best else float("nan")
-                    frac = cases[c].nbytes / t / 1e9 / row_bw if m == 1 else None
-                    noisy |= timing.noisy
-                    cell = f"{t * 1e3:.3f}{'*' if timing.noisy else ''} ({ratio:.2f}x)" + (f" {100 * frac:.0f}%" if frac is not None else "")
-                    cells.append(f"{cell:>18}")
-                    results["rows"].append({"isa": isa, "K": k, "N": n, "dtype": dname, "M": m, "config": c, "ms": t * 1e3,
-                                            "x_fastest_float": ratio, "weight_bytes": cases[c].nbytes,
-                                            "bandwidth_fraction": frac, "row_bandwidth_gbs": row_bw if m == 1 else None,
-                                            "timing_ms": timing.to_dict(1e3)})
-                print(f"{m:>4} " + " ".join(cells) + (f"   (bandwidth {row_bw:.1f} GB/s)" if m == 1 else ""))
-            print()
-            del cases
-    if noisy:
-        print("* noisy: interquartile range above 25% of the median, or the median above 2x the fastest call "
-              "(a shared machine); rerun on an idle machine to rank those cells\n")
+    with torch.no_grad():  # a context, not set_grad_enabled: callers (the tests) keep their grad mode
+        noisy = False
+        for k, n in shapes:
+            for dtype in dtypes:
+                dname = str(dtype).replace("torch.", "")
+                cases = {}
+                for c in configs:
+                    try:
+                        cases[c] = Case(c, k, n, dtype, int(args.rotate_mb * 1e6))
+                    except Exception as e:  # an op PyTorch lacks on this build: say so, go on
+                        print(f"  {c} on {k}x{n} {dname}: unavailable ({type(e).__name__}: {e})")
+                header = f"{'M':>4} " + " ".join(f"{c:>18}" for c in cases)
+                print(f"== Linear({k}, {n}), {dname} activations, {label}: ms (x fastest float){'; %bw at M=1' if 1 in ms else ''}")
+                print(header)
+                for m in ms:
+                    x = torch.randn(m, k).to(dtype)
+                    if m == 1:  # shared machines drift: the bandwidth next to the row, the best of before and after
+                        before = read_bandwidth(args.bandwidth_gib / 2, 3)
+                    timings = time_cases(cases, x, args.budget, args.min_reps)
+                    row_bw = max(before, read_bandwidth(args.bandwidth_gib / 2, 3)) if m == 1 else bw
+                    floats = [timings[c].median for c in ("float", "float32") if c in timings]
+                    best = min(floats) if floats else None
+                    cells = []
+                    for c, timing in timings.items():
+                        t = timing.median
+                        ratio = best / t if best else float("nan")
+                        frac = cases[c].nbytes / t / 1e9 / row_bw if m == 1 else None
+                        noisy |= timing.noisy
+                        cell = f"{t * 1e3:.3f}{'*' if timing.noisy else ''} ({ratio:.2f}x)" + (f" {100 * frac:.0f}%" if frac is not None else "")
+                        cells.append(f"{cell:>18}")
+                        results["rows"].append({"isa": isa, "K": k, "N": n, "dtype": dname, "M": m, "config": c, "ms": t * 1e3,
+                                                "x_fastest_float": ratio, "weight_bytes": cases[c].nbytes,
+                                                "bandwidth_fraction": frac, "row_bandwidth_gbs": row_bw if m == 1 else None,
+                                                "timing_ms": timing.to_dict(1e3)})
+                    print(f"{m:>4} " + " ".join(cells) + (f"   (bandwidth {row_bw:.1f} GB/s)" if m == 1 else ""))
+                print()
+                del cases
+        if noisy:
+            print("* noisy: interquartile range above 25% of the median, or the median above 2x the fastest call "
+                  "(a shared machine); rerun on an idle machine to rank those cells\n")
     return results
 
 

@@ -504,20 +504,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--new-tokens: expected >= 2 (decode steps are timed between tokens), got {args.new_tokens}")
     if args.batch > len(SENTENCES):
         ap.error(f"--batch: expected at most {len(SENTENCES)}, got {args.batch}")
-    torch.set_grad_enabled(False)
-    results = []
-    for isa in [args.isa] if args.isa else isa_caps.default_isas():
-        if isa_caps.runs_here(isa):
-            result = run(args, isa)
-            print(report(result), flush=True)
-            results.append(result)
-        else:
-            results += isa_caps.run_capped(__file__, raw_argv, isa)["runs"]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"runs": results}, f, indent=1)
-        if not isa_caps.runs_capped():
-            print(f"wrote {args.json}")
+    with torch.no_grad():  # a context, not set_grad_enabled: callers (the tests) keep their grad mode
+        results = []
+        for isa in [args.isa] if args.isa else isa_caps.default_isas():
+            if isa_caps.runs_here(isa):
+                result = run(args, isa)
+                print(report(result), flush=True)
+                results.append(result)
+            else:
+                results += isa_caps.run_capped(__file__, raw_argv, isa)["runs"]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"runs": results}, f, indent=1)
+            if not isa_caps.runs_capped():
+                print(f"wrote {args.json}")
     return 0
 
 

@@ -68,3 +68,13 @@ def threads(request):
 def sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:
     ref, y = ref.detach().double(), y.detach().double()
     return float(20 * torch.log10(ref.norm() / (ref - y).norm()))
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_is_restored():
+    """A test (or a script's main() it calls) that turns autograd off globally and leaves it off
+    breaks every gradient test after it: fail that test instead."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left autograd disabled (torch.set_grad_enabled(False) not undone)")
