@@ -110,7 +110,7 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   const int64_t chunk = p.decode ? 8 * lanes : 32;
   int16_t order[128];  // the element each position of a chunk takes
   for (int64_t i = 0; i < chunk; ++i)
-    order[i] = static_cast<int16_t>(p.decode ? lut4_decode_element(p.decode, lanes, i) : i < 16 ? 2 * i : 2 * (i - 16) + 1);
+    order[i] = static_cast<int16_t>(p.decode ? lut4_decode_element(lanes, i) : i < 16 ? 2 * i : 2 * (i - 16) + 1);
   for (int64_t m = 0; m < M; ++m) {
     to_f32_row(static_cast<const char*>(x) + m * K_in * esize, dtype, K_in, K, row);
     for (int64_t k = 0; k < K; k += chunk)

@@ -53,7 +53,7 @@
 namespace tq {
 
 struct Lut4Params {
-  const float* xp;  // [M, K], permuted per chunk of 32 (see above)
+  const float* xp;  // [M, K], permuted for the call's path (see above)
   int64_t M, K, N, block;
   const uint8_t* packed;     // [N, K/2]
   const float* codebook;     // 16 fp32 values
@@ -90,10 +90,10 @@ static inline int lut4_decode_kind(const Lut4Params& p) {
   return p.shifts || p.zeros ? DECODE_NONE : DECODE_CODEBOOK;
 }
 
-// The element (within its chunk of 8W) that position i of a permuted chunk holds, for decode kind
-// `kind` on an ISA of W fp32 lanes: position i = v * W + l is lane l of the chunk's vector v.
-static inline int64_t lut4_decode_element(int kind, int W, int64_t i) {
-  (void)kind;  // both kinds unpack nibble v of 32-bit lane l: byte 4l + v / 2, high nibble for odd v
+// The element (within its chunk of 8W) that position i of a permuted chunk holds for the decode
+// paths on an ISA of W fp32 lanes: position i = v * W + l is nibble v of 32-bit lane l (byte
+// 4l + v / 2, the high nibble for odd v).
+static inline int64_t lut4_decode_element(int W, int64_t i) {
   const int64_t v = i / W, l = i % W;
   return 8 * l + (v ^ 1);
 }
