@@ -154,11 +154,16 @@ def run_shape(k: int, n: int, ms: list[int], configs: list[str], device: torch.d
         x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
         with torch.inference_mode():
             ref = base(x)
-            kernels, outs = {}, {}
+            kernels, outs, failed = {}, {}, {}
             for name, lin in layers.items():
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    outs[name] = calls[name](x)
+                    try:
+                        outs[name] = calls[name](x)
+                    except Exception as e:  # a kernel that fails at this shape: a row that says so, the others still run
+                        failed[name] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                        print(f"# {name} {k}x{n} M={m}: {failed[name]}", file=sys.stderr)
+                        continue
                     report = torchq.explain(lin, x) if name != "bf16" and device.type == "cuda" else None
                 if name == "bf16":
                     kernels[name] = "cuBLAS F.linear" if device.type == "cuda" else "F.linear"
@@ -166,11 +171,14 @@ def run_shape(k: int, n: int, ms: list[int], configs: list[str], device: torch.d
                     kernels[name] = "triton interpreter (direct call)" if report is None else "; ".join(sorted(set(report.kernels().values())))
                 for _ in range(args.warmup):
                     calls[name](x)
-            times: dict[str, list[float]] = {name: [] for name in layers}
+            times: dict[str, list[float]] = {name: [] for name in layers if name not in failed}
             for _ in range(args.rounds):
-                for name in layers:
+                for name in times:
                     times[name] += time_call(lambda fn=calls[name], x=x: fn(x), device, args.reps)
         for name, lin in layers.items():
+            if name in failed:
+                rows.append(dict(shape=f"{k}x{n}", M=m, config=name, us=None, sqnr=None, kernel=failed[name], hbm_pct=None))
+                continue
             us = statistics.median(times[name])
             moved = weight_bytes(lin) + 2 * m * (k + n)
             rows.append(dict(shape=f"{k}x{n}", M=m, config=name, us=us, sqnr=sqnr_db(ref, outs[name]), kernel=kernels[name],
@@ -185,9 +193,9 @@ def add_ratios(rows: list[dict]) -> None:
     for group in groups.values():
         bf16 = next((r["us"] for r in group if r["config"] == "bf16"), None)
         for r in group:
-            others = [o["us"] for o in group if o is not r]
-            r["vs_bf16"] = None if bf16 is None else bf16 / r["us"]
-            r["vs_best"] = min(others) / r["us"] if others else None
+            others = [o["us"] for o in group if o is not r and o["us"] is not None]
+            r["vs_bf16"] = None if bf16 is None or r["us"] is None else bf16 / r["us"]
+            r["vs_best"] = min(others) / r["us"] if others and r["us"] is not None else None
 
 
 def format_table(rows: list[dict]) -> str:
@@ -241,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# device: {name}; torch {torch.__version__}; triton {__import__('triton').__version__}")
     rows = []
     for k, n in shapes:
-        rows += run_shape(k, n, ms, configs, device, args)
-    add_ratios(rows)
+        shape_rows = run_shape(k, n, ms, configs, device, args)
+        add_ratios(shape_rows)
+        print(format_table(shape_rows), flush=True)  # as each shape finishes: a run cut short still reports
+        rows += shape_rows
+    print("# all shapes")
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

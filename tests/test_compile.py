@@ -81,3 +81,19 @@ def test_compiled_embedding_lookup_on_a_quantized_weight_does_not_recompile_per_
         for token in (3, 17, 63):
             idx = torch.tensor([[token]])
             assert torch.equal(compiled(idx), emb.weight.dequantize()[idx])
+
+
+@pytest.mark.parametrize("config", ["int8_weight_only", "int4_weight_only", "nf4_weight_only", "int8_dynamic_activation_int8_weight"])
+def test_dynamic_shapes_when_dynamo_runs_nodes_outside_is_compiling(monkeypatch, config):
+    """Some PyTorch versions (2.11) run a graph node on fake tensors with symbolic sizes while
+    ``torch.compiler.is_compiling()`` is False: the eager plan cache must not try to hash those
+    sizes (it raised "unhashable type: non-nested SymInt" on a recompile for a new batch size)."""
+    from torchq import dispatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    torchq.quantize_(model, getattr(torchq, config)())
+    ref = [model(torch.randn(m, 64, generator=torch.Generator().manual_seed(m))) for m in (3, 5)]
+    monkeypatch.setattr(dispatch.torch.compiler, "is_compiling", lambda: False)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for m, want in zip((3, 5), ref):
+        assert torch.allclose(compiled(torch.randn(m, 64, generator=torch.Generator().manual_seed(m))), want, atol=1e-4)

@@ -39,15 +39,23 @@ def reference(op, *args):
         return op(*cpu)
 
 
+def on(device, t):
+    return None if t is None else t.to(device)
+
+
 def int4_args(impl, x, bias=None):
+    """The op's arguments for weight ``impl`` (CPU), its tensors moved to x's device."""
     n, k = impl.shape
-    return (x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base, *impl.round_kinds, bias)
+    d = x.device
+    return (x, on(d, impl.packed), on(d, impl.scale), on(d, impl.shift), on(d, impl.zero), [n, k], impl.group_size,
+            impl.code_base, *impl.round_kinds, bias)
 
 
 def nf4_args(impl, x, bias=None):
     spec = impl.spec
-    return (x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, list(impl.shape),
-            spec.block_size[1], spec.codebook, bias)
+    d = x.device
+    return (x, on(d, impl.packed), on(d, impl.absmax), on(d, impl.nested_codes), on(d, impl.nested_absmax),
+            on(d, impl.nested_offset), list(impl.shape), spec.block_size[1], spec.codebook, bias)
 
 
 def identity_rows(k: int, m: int, dtype) -> torch.Tensor:

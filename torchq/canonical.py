@@ -23,6 +23,7 @@ import torch
 from .blockwise.codebooks import QUANT_TYPES as CODEBOOKS
 from .blockwise.codebooks import codebook as codebook_values
 from .primitives import ZeroPointDomain, dequantize_affine, expand_grid, scale_shape
+from .tracing import traced
 
 __all__ = ["QuantSpec", "PlainForm", "NestedScale", "code_dtype_for"]
 
@@ -286,7 +287,7 @@ class PlainForm:
                 raise ValueError(f"nested.offset: expected a 0-d fp32 tensor, got {nq.offset.dtype} {tuple(nq.offset.shape)}")
             if any(t.device != self.codes.device for t in nq.tensors().values()):
                 raise ValueError(f"nested: expected device {self.codes.device} (the codes' device)")
-            concrete = self.codes.device.type != "meta" and not torch.compiler.is_compiling()
+            concrete = self.codes.device.type != "meta" and not traced(self.codes)
             if concrete and not torch.equal(nq.dequantize(), self.scale):
                 raise ValueError("scale: differs from the reconstruction of its double-quantized form")
 

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .identity_cache import IdentityCache
+from .tracing import traced
 
 __all__ = [
     "ALL_LAYOUTS",
@@ -523,7 +524,7 @@ def _execute(plan: LinearPlan, x: torch.Tensor, weight: Any, bias: torch.Tensor 
 
 def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a quantized (non-transposed ``[N, K]``) weight."""
-    if _RECORDERS or torch.compiler.is_compiling():
+    if _RECORDERS or traced(x):
         key = None
     else:  # _cached_plan inlined: this is every decode call's path
         key = _signature(x, weight, bias)
@@ -561,7 +562,7 @@ class _QuantizedLinearGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, impl):
-        if torch.compiler.is_compiling():
+        if traced(x):
             ctx.save_for_backward(weight)
         else:  # the packed data, not the wrapper: a saved wrapper blocks torch.utils.swap_tensors
             ctx.weight_impl = weight.tensor_impl  # (module.to(dtype) while this graph is alive)

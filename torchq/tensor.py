@@ -22,6 +22,7 @@ from . import dispatch
 from .canonical import PlainForm, QuantSpec, code_dtype_for
 from .layouts.base import Layout, TensorImpl, choose_layout
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
+from .tracing import traced
 
 __all__ = ["AffineQuantizedTensor"]
 
@@ -505,7 +506,7 @@ def _index(func, args, kwargs):
         idx = idx.nonzero().flatten()
     n = self.shape[0]
     if idx.numel():
-        if torch.compiler.is_compiling():  # no data-dependent branch in a graph (it would break and guard on the ids)
+        if traced(idx):  # no data-dependent branch in a graph (it would break and guard on the ids)
             torch._assert_async(((idx >= -n) & (idx < n)).all(), f"index: indices out of range for dim 0 of size {n}")
         elif int(idx.min()) < -n or int(idx.max()) >= n:
             raise IndexError(f"index: indices out of range for dim 0 of size {n}")

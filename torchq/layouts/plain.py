@@ -32,6 +32,7 @@ from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel
 from ..ops.int8 import int8_dynamic_linear, int8_weight_linear, int8_weight_only_mm
 from ..primitives import ZeroPointDomain
+from ..tracing import traced
 from .base import Buffer, Layout, LayoutExample, TensorImpl, plain_buffers
 
 __all__ = ["PlainLayout", "PlainImpl"]
@@ -201,7 +202,7 @@ def _llm_int8(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     acc = torch.ops.torchq.int8_linear_matmul(codes, w.codes)
     scale = w.scale.reshape(1, n).to(torch.float32)
     y = acc.to(torch.float32) * (row_absmax / 127).reshape(-1, 1) * scale
-    if torch.compiler.is_compiling():  # dense fp32 matmul of the masked input (no data-dependent gather)
+    if traced(x2):  # dense fp32 matmul of the masked input (no data-dependent gather)
         xo = torch.where(col_mask, x2.to(torch.float32), 0.0)
         y = y + xo @ (w.codes.to(torch.float32) * scale.reshape(n, 1)).t()
     else:  # gather the outlier columns (0 columns add 0)

@@ -464,6 +464,8 @@ def _dequantize_with_table(A, absmax, blocksize, table, shape, dtype):
 def check_blockwise_4bit_linear_args(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize,
                                      quant_type, bias) -> None:
     """The argument checks of :func:`blockwise_4bit_linear` (metadata only)."""
+    check_op_devices("blockwise_4bit_linear", x, packed=packed, absmax=absmax, nested_codes=nested_codes,
+                     nested_absmax=nested_absmax, nested_offset=nested_offset, bias=bias)
     check_blocksize(blocksize)
     if len(shape) != 2:
         raise ValueError(f"shape: expected [N, K], got {list(shape)}")

@@ -55,6 +55,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias) -> None:
     """The argument checks of :func:`int4_groupwise_linear` (metadata only)."""
+    check_op_devices("int4_groupwise_linear", x, packed=packed, scale=scale, shift=shift, zero=zero, bias=bias)
     if len(shape) != 2:
         raise ValueError(f"shape: expected [N, K], got {list(shape)}")
     n, k = shape

@@ -42,6 +42,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_int8_weight_args(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
     """The argument checks of ``int8_weight_linear`` (and the weight part of ``int8_dynamic_linear``)."""
+    check_op_devices("int8_weight_linear", x, codes=codes, scale=scale, bias=bias)
     if x.dtype not in _FLOATS:
         raise TypeError(f"x: expected fp32, bf16 or fp16, got {x.dtype}")
     if codes.dtype != torch.int8 or codes.dim() != 2:
@@ -80,6 +81,7 @@ def _(x, codes, scale, bias=None):
 
 def check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias) -> None:
     """The argument checks of ``int8_dynamic_linear``."""
+    check_op_devices("int8_dynamic_linear", x, codes=codes, scale=scale, bias=bias)
     check_int8_weight_args(x, codes, scale, bias)
     if not (-128 <= quant_min < 0 < quant_max <= 127 and quant_min + quant_max in (0, -1)):
         raise ValueError(f"quant_min, quant_max: expected a symmetric int8 range ([-q, q] or [-q-1, q]), got [{quant_min}, {quant_max}]")

@@ -24,6 +24,7 @@ import torch
 
 from ...identity_cache import IdentityCache
 from ...prefill import use_tiles
+from ...tracing import traced
 from . import abi
 
 __all__ = [
@@ -163,7 +164,7 @@ def eager_cpu(x: torch.Tensor) -> bool:
     """True when a CPU op can be called as a plain function: ``x`` is on the CPU and no graph is
     being traced. Dispatch kernels then skip the custom-op dispatcher (tens of microseconds per
     call, a tenth of a decode-sized linear); torch.compile still sees the ``torchq::`` op."""
-    return x.is_cpu and not torch.compiler.is_compiling()
+    return x.is_cpu and not traced(x)
 
 
 # The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
@@ -390,7 +391,7 @@ def decode_linear(owner: object, x: torch.Tensor, bias: torch.Tensor | None, bui
     eager CPU caller can take it (:func:`eager_cpu`), else None (the caller takes its general
     path). :func:`eager_cpu`, :func:`decode_weight` and :func:`run_linear` in one call: this is
     every decode-sized layer's path."""
-    if _LIB is None or DISABLED.get() or not x.is_cpu or torch.compiler.is_compiling():
+    if _LIB is None or DISABLED.get() or not x.is_cpu or traced(x):
         return None
     m = x.numel() // owner.shape[1]
     if not m or use_tiles(m, x.dtype):

@@ -8,6 +8,8 @@
    fused epilogue ``y = (acc · s_x) · s_w`` in fp32, one rounding to x's dtype, ``+ bias`` in x's
    dtype (the reference adds the bias after that rounding).
 
+Both divisions use ``tl.math.div_rn`` (correctly rounded): triton's ``/`` on fp32 compiles to
+the approximate ``div.full.f32`` on CUDA (up to 2 ulp off), which changes codes at rounding ties.
 ``rint`` is formed as ``(v + 1.5·2^23) - 1.5·2^23`` on values already clamped to the int8 range,
 exact round-half-to-even in fp32 on any backend (kernels launch without FMA contraction).
 """
@@ -24,7 +26,6 @@ from .dequant_linear import ROUND_KINDS, round_to
 __all__ = ["int8_dynamic_linear", "quantize_rows"]
 
 
-
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, K, Kp, stride_xm, denom, eps, qmin, qmax, BLOCK_K: tl.constexpr):
     m = tl.program_id(0)
@@ -35,11 +36,11 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, K, Kp, stride_xm, denom, 
         a = tl.abs(tl.load(x_ptr + m * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32))
         has_nan = tl.maximum(has_nan, (a != a).to(tl.int32))
         amax = tl.where(a > amax, a, amax)
-    s = tl.max(amax, axis=0) / denom
+    s = tl.math.div_rn(tl.max(amax, axis=0), denom)  # IEEE division: triton's `/` is approximate on CUDA
     s = tl.where(s < eps, eps, s)
     s = tl.where(tl.max(has_nan, axis=0) > 0, float("nan"), s)
     tl.store(scale_ptr + m, s)
-    r = 1.0 / s
+    r = tl.math.div_rn(1.0, s)
     for k0 in range(0, Kp, BLOCK_K):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_ptr + m * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32) * r
