@@ -160,6 +160,8 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = impl.shape
     args = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], spec.block_size[1],
             spec.codebook, bias)
+    if triton_backend.eager_cuda(x):  # the custom-op dispatcher costs more than a decode-sized kernel
+        return triton_backend.blockwise_4bit_linear_cuda(x, *args)
     if not native_library.eager_cpu(x):
         return torch.ops.torchq.blockwise_4bit_linear(x, *args)
     # eager CPU: the arguments come from a validated layout, so the op's checks are skipped

@@ -224,8 +224,8 @@ def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.
         impl.validate()  # cheap next to a prefill; the decode path's pointers were checked when cached
         return int4_linear_cpu(x, impl.packed, impl.scale, impl.shift, impl.zero, n, k, impl.group_size, impl.code_base,
                            *impl.round_kinds, bias)
-    return int4_groupwise_linear(x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base,
-                                 *impl.round_kinds, bias)
+    op = triton_backend.int4_groupwise_linear_cuda if triton_backend.eager_cuda(x) else int4_groupwise_linear
+    return op(x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base, *impl.round_kinds, bias)
 
 
 KERNELS = (

@@ -170,7 +170,8 @@ def _check_triton_dynamic(x: torch.Tensor, w, bias) -> str | None:
 def _int8_dynamic_op(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     act = w.act_quant
     impl = w.tensor_impl
-    return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
+    op = triton_backend.int8_dynamic_linear_cuda if triton_backend.eager_cuda(x) else int8_dynamic_linear
+    return op(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
 
 
 def _check_llm_int8(x: torch.Tensor, w, bias) -> str | None:
