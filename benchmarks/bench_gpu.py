@@ -5,9 +5,12 @@ Every case is a bias-free ``nn.Linear(K, N)`` in bf16 (fixed seed), quantized wi
 ``torchq.quantize_`` and timed with CUDA events (median over repetitions after warm-up, the
 configs of a row interleaved so clock drift hits them alike). Columns:
 
-* ``us``: median time per call; ``vs_bf16``: bf16 ``F.linear`` time / this (>1 = faster);
-  ``vs_best``: the fastest other config of the row / this;
-* ``hbm%`` (M=1 only): bytes the call must read (weight + scales + activations) / time, as a
+* ``us``: median time per call, host overhead included (eager use); ``vs_bf16``: bf16
+  ``F.linear`` time / this (>1 = faster); ``vs_best``: the fastest other config of the row / this;
+* ``gpu_us``: device time per call, the call replayed from a CUDA graph (no host overhead: what
+  a captured or compiled model pays); ``gpu_vs_bf16`` likewise;
+* ``hbm%`` (M=1 only): bytes the call must read (weight + scales + activations) / time (the
+  device time ``gpu_us`` where the call could be captured), as a
   fraction of the device's peak HBM bandwidth (``--hbm-tbs``, default: the H100 SXM 3.35 TB/s,
   the H200 4.8 TB/s, else measured with a device-to-device copy);
 * ``sqnr``: output vs the bf16 float layer, dB; ``kernel``: what ``torchq.explain`` reports.
@@ -44,8 +47,8 @@ from torchq.layouts.tensor_core_tiled import TensorCoreTiledLayout
 DEFAULT_SHAPES = "4096x4096,4096x14336,8192x8192,8192x28672,28672x8192"  # KxN (Llama 3 8B / 70B projections)
 DEFAULT_CONFIGS = "bf16,tinygemm,triton-int4,triton-nf4,triton-int8dq"
 PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}
-COLUMNS = [("shape", "<"), ("M", ">"), ("config", "<"), ("us", ">"), ("vs_bf16", ">"), ("vs_best", ">"), ("hbm%", ">"),
-           ("sqnr", ">"), ("kernel", "<")]
+COLUMNS = [("shape", "<"), ("M", ">"), ("config", "<"), ("us", ">"), ("vs_bf16", ">"), ("vs_best", ">"), ("gpu_us", ">"),
+           ("gpu_vs_bf16", ">"), ("hbm%", ">"), ("sqnr", ">"), ("kernel", "<")]
 
 
 def make_config(name: str):
@@ -77,6 +80,34 @@ def peak_hbm_tbs(device: torch.device, override: float | None) -> float | None:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return 2 * buf.numel() / min(times) / 1e12
+
+
+def graph_time(fn, reps: int) -> float | None:
+    """Device time per call in microseconds, host overhead excluded: ``fn`` captured once in a
+    CUDA graph and replayed ``reps`` times (best of 3). None (with the reason on stderr) when the
+    call cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # e.g. a host synchronization inside the call
+        print(f"# CUDA graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
 
 
 def time_call(fn, device: torch.device, reps: int) -> list[float]:
@@ -171,6 +202,8 @@ def run_shape(k: int, n: int, ms: list[int], configs: list[str], device: torch.d
                     kernels[name] = "triton interpreter (direct call)" if report is None else "; ".join(sorted(set(report.kernels().values())))
                 for _ in range(args.warmup):
                     calls[name](x)
+            gpu_us = {name: graph_time(lambda fn=calls[name], x=x: fn(x), args.reps) if device.type == "cuda" else None
+                      for name in layers if name not in failed}
             times: dict[str, list[float]] = {name: [] for name in layers if name not in failed}
             for _ in range(args.rounds):
                 for name in times:
@@ -181,8 +214,9 @@ def run_shape(k: int, n: int, ms: list[int], configs: list[str], device: torch.d
                 continue
             us = statistics.median(times[name])
             moved = weight_bytes(lin) + 2 * m * (k + n)
-            rows.append(dict(shape=f"{k}x{n}", M=m, config=name, us=us, sqnr=sqnr_db(ref, outs[name]), kernel=kernels[name],
-                             hbm_pct=(100 * moved / (us * 1e-6) / (hbm * 1e12)) if (hbm and m == 1) else None))
+            rows.append(dict(shape=f"{k}x{n}", M=m, config=name, us=us, gpu_us=gpu_us[name], sqnr=sqnr_db(ref, outs[name]),
+                             kernel=kernels[name],
+                             hbm_pct=(100 * moved / ((gpu_us[name] or us) * 1e-6) / (hbm * 1e12)) if (hbm and m == 1) else None))
     return rows
 
 
@@ -196,6 +230,8 @@ def add_ratios(rows: list[dict]) -> None:
             others = [o["us"] for o in group if o is not r and o["us"] is not None]
             r["vs_bf16"] = None if bf16 is None or r["us"] is None else bf16 / r["us"]
             r["vs_best"] = min(others) / r["us"] if others and r["us"] is not None else None
+            gpu_bf16 = next((o.get("gpu_us") for o in group if o["config"] == "bf16"), None)
+            r["gpu_vs_bf16"] = gpu_bf16 / r["gpu_us"] if gpu_bf16 and r.get("gpu_us") else None
 
 
 def format_table(rows: list[dict]) -> str:
@@ -203,9 +239,9 @@ def format_table(rows: list[dict]) -> str:
         v = r.get("hbm_pct" if key == "hbm%" else key)
         if v is None:
             return "-"
-        if key == "us":
+        if key in ("us", "gpu_us"):
             return f"{v:.1f}"
-        if key in ("vs_bf16", "vs_best"):
+        if key in ("vs_bf16", "vs_best", "gpu_vs_bf16"):
             return f"{v:.2f}x"
         if key in ("hbm%", "sqnr"):
             return f"{v:.1f}"

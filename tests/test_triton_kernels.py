@@ -8,6 +8,8 @@ torch.compile and larger shapes."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -241,3 +243,38 @@ def test_cuda_dispatch_runs_the_triton_kernels(config, m):
     with torchq.strict():
         yc = compiled(x)
     assert sqnr(y.float(), yc.float()) > 40
+
+
+# -- launch: fewer pipeline stages when shared memory runs out -------------------------------------------
+class _StagesLimitedKernel:
+    """Stands in for a JIT kernel whose launch needs more shared memory than the device has above
+    ``fits`` pipeline stages (what triton raises at launch on a GPU)."""
+
+    def __init__(self, fits: int):
+        self.fn = types.SimpleNamespace(__name__=f"limited_{fits}_{id(self)}")
+        self.fits, self.tried = fits, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages, **meta):
+            self.tried.append(num_stages)
+            if num_stages > self.fits:
+                raise triton.runtime.errors.OutOfResources(64 * 1024 * num_stages, 200 * 1024, "shared memory")
+
+        return launch
+
+
+def test_launch_retries_with_fewer_stages_and_remembers():
+    kernel = _StagesLimitedKernel(fits=1)
+    dequant_linear._launch(kernel, (1,), (), dict(BLOCK_N=32, num_stages=3), ("key",))
+    assert kernel.tried == [3, 2, 1]
+    dequant_linear._launch(kernel, (1,), (), dict(BLOCK_N=32, num_stages=3), ("key",))
+    assert kernel.tried == [3, 2, 1, 1]  # the count that fits is remembered for this configuration
+    dequant_linear._launch(kernel, (1,), (), dict(BLOCK_N=64, num_stages=3), ("key",))
+    assert kernel.tried[4:] == [3, 2, 1]  # other block sizes: their own count
+
+
+def test_launch_raises_when_one_stage_does_not_fit():
+    kernel = _StagesLimitedKernel(fits=0)
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        dequant_linear._launch(kernel, (1,), (), dict(BLOCK_N=32, num_stages=2), ("key",))
+    assert kernel.tried == [2, 1]
