@@ -29,7 +29,8 @@ def test_codes_and_scales_reconstruct_each_block_within_half_a_step(rows, k, sca
     want = x32.abs().amax(-1) / 127
     assert torch.equal(scales, want)
     deq = codes.reshape(rows, -1, 32).float() * scales.unsqueeze(-1)
-    assert ((deq - x32).abs() <= scales.unsqueeze(-1) / 2 * (1 + 1e-6) + 1e-45).all()
+    # half a step, plus the fp32 roundings of x / a (a tie can land on either side) and of a * q
+    assert ((deq - x32).abs() <= scales.unsqueeze(-1) / 2 + x32.abs() * 2.0**-21 + 1e-45).all()
     nonzero = want > 0
     assert (codes.reshape(rows, -1, 32).abs().amax(-1)[nonzero] == 127).all()  # the block's largest element maps to 127
     assert torch.equal(Q.fake_quantize(x), deq.reshape(rows, kp)[:, :k].to(dtype))
