@@ -80,6 +80,8 @@ CONFIGS: dict[str, Callable[[], torchq.QuantConfig]] = {
     "int4-g64": lambda: torchq.int4_weight_only(group_size=64),
     "int4-g128": lambda: torchq.int4_weight_only(group_size=128),
     "nf4": torchq.nf4_weight_only,
+    "int4a8": lambda: torchq.config_from_name("int4a8-g32"),
+    "nf4a8": lambda: torchq.config_from_name("nf4a8"),
     "int8wo": torchq.int8_weight_only,
     "int8dq": torchq.int8_dynamic_activation_int8_weight,
 }

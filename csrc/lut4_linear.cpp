@@ -135,6 +135,82 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   return OK;
 }
 
+// The int8-activation path (lut4_linear.h): quantizes each activation row per 32-block exactly as
+// torchq.activation.PerBlockInt8 does into the kernels' order, then runs kernels().lut4.q8.
+int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
+  if (p.round_mul != ROUND_NONE || p.round_add != ROUND_NONE) return BAD_ARGUMENT;
+  bool affine = true;
+  float cmax = 0.0f;
+  for (int c = 0; c < 16; ++c) {
+    affine = affine && p.codebook[c] == p.codebook[0] + static_cast<float>(c);
+    const float v = __builtin_fabsf(p.codebook[c]);
+    if (!(v <= 3.0e38f)) return BAD_ARGUMENT;  // also NaN
+    cmax = v > cmax ? v : cmax;
+  }
+  if (!affine && (p.shifts || p.zeros || cmax == 0.0f)) return BAD_ARGUMENT;
+  p.q8_affine = affine ? 1 : 0;
+  p.q8_unit = cmax / 127.0f;
+  for (int c = 0; c < 16; ++c)
+    p.q8_table[c] = affine ? 0 : static_cast<int8_t>(__builtin_nearbyintf(127.0f * (p.codebook[c] / cmax)));
+  const int64_t M = p.M, K = p.K, N = p.N, kq = (K + 63) / 64 * 64, G = p.blocks_per_row;
+  const size_t esize = dtype_size(dtype);
+  const size_t q_bytes = (M * kq + 63) / 64 * 64;
+  const size_t a_bytes = (M * (kq / 64) * 8 * sizeof(float) + 63) / 64 * 64;
+  const size_t blk_bytes = (M * G * sizeof(float) + 63) / 64 * 64;
+  const size_t row_bytes = (kq * sizeof(float) + 63) / 64 * 64;
+  const size_t out_bytes = dtype == DT_F32 ? 0 : (M * N * sizeof(float) + 63) / 64 * 64;
+  char* buf = static_cast<char*>(aligned_alloc(64, q_bytes + a_bytes + blk_bytes + row_bytes + out_bytes + 64));
+  if (!buf) return OUT_OF_MEMORY;
+  int8_t* xq8 = reinterpret_cast<int8_t*>(buf);
+  float* xa = reinterpret_cast<float*>(buf + q_bytes);
+  float* xblk = reinterpret_cast<float*>(buf + q_bytes + a_bytes);
+  float* row = reinterpret_cast<float*>(buf + q_bytes + a_bytes + blk_bytes);
+  for (int64_t m = 0; m < M; ++m) {
+    to_f32_row(static_cast<const char*>(x) + m * K_in * esize, dtype, K_in, K, row);
+    for (int64_t k = K; k < kq; ++k) row[k] = 0.0f;
+    double block_sum = 0.0;  // sum over the current weight block of a_j * Q_j
+    for (int64_t j = 0; j < kq / 32; ++j) {
+      const float* v = row + 32 * j;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < 32; ++i) {
+        const float a = __builtin_fabsf(v[i]);
+        finite = finite && a <= 3.4028235e38f;  // false for inf and NaN
+        amax = a > amax ? a : amax;
+      }
+      const float a = finite ? amax / 127.0f : __builtin_nanf("");
+      int32_t qsum = 0;
+      int8_t* dst = xq8 + m * kq + (j / 2) * 64 + (j % 2) * 16;
+      for (int i = 0; i < 32; ++i) {
+        float q = finite && a > 0.0f ? __builtin_nearbyintf(v[i] / a) : 0.0f;
+        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+        const int8_t c = static_cast<int8_t>(q);
+        dst[(i & 1) * 32 + i / 2] = c;
+        qsum += c;
+      }
+      float* av = xa + (m * (kq / 64) + j / 2) * 8 + (j % 2) * 4;
+      for (int l = 0; l < 4; ++l) av[l] = affine ? a : a * p.q8_unit;  // the codebook kind's unit folded in
+      if (32 * j < K) {
+        block_sum += static_cast<double>(a) * qsum;
+        if ((32 * (j + 1)) % p.block == 0 || 32 * (j + 1) >= K) {
+          xblk[m * G + 32 * j / p.block] = static_cast<float>(block_sum);
+          block_sum = 0.0;
+        }
+      }
+    }
+  }
+  p.xq8 = xq8;
+  p.xa = xa;
+  p.xblk = xblk;
+  p.kq = kq;
+  p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + q_bytes + a_bytes + blk_bytes + row_bytes);
+  RowsJob job{p, kernels().lut4.q8};
+  parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs, M * N * K / 4);
+  if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
+  free(buf);
+  return OK;
+}
+
 int dequantize(const Lut4Params& p, int64_t n0, int64_t n1, void* out, bool out_bf16, int threads) {
   DequantJob job{&p, kernels().lut4.dequant, n0, out, out_bf16};
   parallel_for(n1 - n0, 1, threads, run_dequant, &job);
@@ -152,9 +228,10 @@ bool valid_lut4(const tq_weight& w) {
 }
 
 Lut4Params params(const tq_weight& w, int64_t M, const float* bias) {
-  return Lut4Params{nullptr, M, w.row_length, w.n, w.block, w.packed, w.codebook, w.scales, w.nested_codes,
-                    w.nested_absmax, w.nested_offset ? *w.nested_offset : 0.0f, w.nested_map, bias, nullptr,
-                    w.shifts, w.zeros, w.round_mul, w.round_add, DECODE_NONE, nullptr, w.row_length / w.block};
+  Lut4Params p{nullptr, M, w.row_length, w.n, w.block, w.packed, w.codebook, w.scales, w.nested_codes,
+               w.nested_absmax, w.nested_offset ? *w.nested_offset : 0.0f, w.nested_map, bias, nullptr,
+               w.shifts, w.zeros, w.round_mul, w.round_add, DECODE_NONE, nullptr, w.row_length / w.block};
+  return p;  // the int8-activation fields are zero until linear_q8 sets them
 }
 
 }  // namespace
@@ -164,6 +241,7 @@ bool lut4_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().lut4.ge
 
 int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const float* bias, void* out, int threads) {
   if (!valid_lut4(w)) return BAD_ARGUMENT;
+  if (w.format == TQ_FORMAT_LUT4_INT8ACT) return linear_q8(params(w, M, bias), x, dtype, w.k, out, threads);
   return linear(params(w, M, bias), x, dtype, w.k, out, threads);
 }
 

@@ -47,6 +47,24 @@
 //
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not).
+//
+// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, every M): each activation row is
+// quantized per 32-element block j exactly as torchq.activation.PerBlockInt8 does (fp32
+// a_j = amax / 127, q = rint(x / a_j) in [-127, 127]; a block with inf / NaN gets a_j = NaN, codes
+// 0; rows zero-padded), and the weights enter as integers:
+//  * affine (codebook[c] = codebook[0] + c, int4): with d_b = codebook[0] + shift_b,
+//    out = sum_b [ s_b * sum_{j in b} a_j I_j  +  (s_b d_b + z_b) * sum_{j in b} a_j Q_j ],
+//    I_j = sum c q and Q_j = sum q exact in int32, sum_{j in b} a_j Q_j per call in double,
+//    rounded once: within ~(K + 4) u sum_k (|(c_k + d_b) s_b| + |z_b|) |a q_k| of
+//    sum_k w_k (a q)_k, w_k the exact weight;
+//  * codebook (NF4 / FP4: no shifts / zeros): the 16 values as int8 t_c = rint(127 codebook[c] /
+//    cmax), cmax = max |codebook|, out = sum_b s_b (cmax / 127) sum_{j in b} a_j sum t_c q: the
+//    weights are approximated by s_b cmax t_c / 127 (|error| <= s_b cmax / 254 each), plus the
+//    fp32 bound above.
+// Activations for it: xq8 [M, kq] codes (kq = K rounded up to 64, zero-padded), per 64-element
+// chunk the 32 even elements (the chunk's first 32-block's 16, then the second's) then the 32 odd
+// ones; xa [M, kq / 64, 8] each chunk's two block scales (a_j, times cmax / 127 for the codebook
+// kind), 4 copies each; xblk [M, K / block] sum_{j in b} a_j Q_j.
 #pragma once
 #include <stdint.h>
 
@@ -70,6 +88,14 @@ struct Lut4Params {
   int decode;                // DecodeKind of this call (DECODE_NONE: the table path)
   const float* xsums;        // DECODE_AFFINE: [M, K / span, W] each lane's sum of x per span
   int64_t blocks_per_row;    // K / block (hoisted: a 64-bit division per block cost ~3 ns)
+  // int8-activation path (see above)
+  const int8_t* xq8;         // [M, kq]
+  const float* xa;           // [M, kq / 64, 8]
+  int64_t kq;                // K rounded up to 64
+  const float* xblk;         // [M, K / block]
+  int q8_affine;             // 1: affine codebook (offset term), 0: int8 codebook q8_table
+  int8_t q8_table[16];       // codebook kind: rint(127 codebook[c] / cmax)
+  float q8_unit;             // codebook kind: cmax / 127
 };
 
 enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
@@ -123,6 +149,7 @@ struct Lut4Kernels {
   Lut4DecodeFn decode;  // null where the table path is faster at every M (AVX-512)
   int decode_lanes;     // W of decode's lane order: it needs K to be a multiple of 8 * decode_lanes
   Lut4RowsFn gemm;      // M >= kLut4GemmMinM (table-path activation order); null where not faster
+  Lut4RowsFn q8;        // the int8-activation path (every ISA)
 };
 
 // Which of the decode and GEMM paths calls may take (bits), and whether the active ISA's table
@@ -135,5 +162,15 @@ extern const Lut4Kernels kLut4Scalar, kLut4Avx2, kLut4Avx512;
 // The portable rows (kLut4Scalar.rows), also the vector kernels' fallback when their unpacking
 // buffer cannot be allocated.
 void lut4_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1);
+// The int8-activation rows: portable, and AVX2 (also the AVX-512 table's: 32-byte vpmaddubsw).
+void lut4_q8_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1);
+void lut4_q8_rows_avx2(const Lut4Params& p, int64_t n0, int64_t n1);
+
+// The affine offset and scale of block g of row n for the int8-activation path.
+static inline float lut4_q8_offset(const Lut4Params& p, int64_t n, int64_t g, float s) {
+  const int64_t b = n * p.blocks_per_row + g;
+  const float d = p.shifts ? p.codebook[0] + p.shifts[b] : p.codebook[0];
+  return s * d + (p.zeros ? p.zeros[b] : 0.0f);
+}
 
 }  // namespace tq

@@ -68,6 +68,38 @@ void lut4_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1) {
   }
 }
 
-extern const Lut4Kernels kLut4Scalar = {&lut4_rows_portable, &dequant, nullptr, 0, nullptr};
+// One sum per output: per 32-block j the exact integer sum, then fp32 terms in element order.
+void lut4_q8_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1) {
+  const int64_t K = p.K, B = p.block;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = p.packed + n * (K / 2);
+    for (int64_t m = 0; m < p.M; ++m) {
+      const int8_t* q = p.xq8 + m * p.kq;
+      const float* xa = p.xa + m * (p.kq / 64) * 8;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < K / 32; ++j) {
+        // block j's codes: chunk j / 2, half j % 2 of the even and odd runs
+        const int8_t* qe = q + (j / 2) * 64 + (j % 2) * 16;
+        const int8_t* qo = qe + 32;
+        int32_t isum = 0;
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t byte = w[j * 16 + i];
+          const int hi = byte >> 4, lo = byte & 15;
+          if (p.q8_affine) isum += hi * qe[i] + lo * qo[i];
+          else isum += p.q8_table[hi] * qe[i] + p.q8_table[lo] * qo[i];
+        }
+        const int64_t g = j * 32 / B;
+        const float s = lut4_scale(p, n, g);  // (xa holds a * q8_unit for the codebook kind)
+        acc += static_cast<float>(isum) * (xa[(j / 2) * 8 + (j % 2) * 4] * s);
+      }
+      if (p.q8_affine)
+        for (int64_t g = 0; g < p.blocks_per_row; ++g)
+          acc += lut4_q8_offset(p, n, g, lut4_scale(p, n, g)) * p.xblk[m * p.blocks_per_row + g];
+      p.out[m * p.N + n] = p.bias ? acc + p.bias[n] : acc;
+    }
+  }
+}
+
+extern const Lut4Kernels kLut4Scalar = {&lut4_rows_portable, &dequant, nullptr, 0, nullptr, &lut4_q8_rows_portable};
 
 }  // namespace tq

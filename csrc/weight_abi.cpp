@@ -35,7 +35,8 @@ constexpr int kFieldCount = sizeof(kFields) / sizeof(kFields[0]);
 // What every format needs: n, k, row_length and a known format tag.
 bool valid_weight(const tq_weight* w) {
   return w && w->n >= 1 && w->k >= 1 && w->row_length >= w->k &&
-         (w->format == TQ_FORMAT_LUT4 || w->format == TQ_FORMAT_INT8 || w->format == TQ_FORMAT_INT8_DYNAMIC);
+         (w->format == TQ_FORMAT_LUT4 || w->format == TQ_FORMAT_INT8 || w->format == TQ_FORMAT_INT8_DYNAMIC ||
+          w->format == TQ_FORMAT_LUT4_INT8ACT);
 }
 
 }  // namespace
@@ -58,7 +59,7 @@ TQ_API int64_t tq_weight_size() { return sizeof(tq_weight); }
 TQ_API int tq_linear(const tq_weight* w, const void* x, int x_dtype, int64_t M, const float* bias, void* out, int threads) {
   using namespace tq;
   if (!valid_weight(w) || M < 1 || !valid_dtype(x_dtype) || !x || !out) return BAD_ARGUMENT;
-  if (w->format == TQ_FORMAT_LUT4) return lut4_linear(*w, x, x_dtype, M, bias, out, threads);
+  if (w->format == TQ_FORMAT_LUT4 || w->format == TQ_FORMAT_LUT4_INT8ACT) return lut4_linear(*w, x, x_dtype, M, bias, out, threads);
   return int8_linear(*w, x, x_dtype, M, bias, out, threads);
 }
 
@@ -67,6 +68,6 @@ TQ_API int tq_linear(const tq_weight* w, const void* x, int x_dtype, int64_t M, 
 TQ_API int tq_dequantize_rows(const tq_weight* w, int64_t n0, int64_t n1, void* dst, int dst_bf16, int threads) {
   using namespace tq;
   if (!valid_weight(w) || n0 < 0 || n1 > w->n || n0 >= n1 || !dst) return BAD_ARGUMENT;
-  if (w->format == TQ_FORMAT_LUT4) return lut4_dequantize(*w, n0, n1, dst, dst_bf16 != 0, threads);
+  if (w->format == TQ_FORMAT_LUT4 || w->format == TQ_FORMAT_LUT4_INT8ACT) return lut4_dequantize(*w, n0, n1, dst, dst_bf16 != 0, threads);
   return int8_dequantize(*w, n0, n1, dst, dst_bf16 != 0, threads);
 }

@@ -16,14 +16,18 @@
 //   row), row_length == k.
 // * TQ_FORMAT_INT8_DYNAMIC: the same weight, activations quantized per row with
 //   act_denom, act_eps, act_qmin >= -127, act_qmax (torchq.activation.PerTokenInt8); no bias.
+// * TQ_FORMAT_LUT4_INT8ACT: a TQ_FORMAT_LUT4 weight (same fields) with activations quantized per
+//   32-element block to int8 (torchq.activation.PerBlockInt8) and integer dot products
+//   (lut4_linear.h, "int8-activation path"); round_mul and round_add must be 0, and either the
+//   codebook is affine (codebook[c] = codebook[0] + c: int4) or there are no shifts / zeros.
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
 
 // Bumped whenever an exported signature or the weight struct changes; torchq/native.py refuses a mismatch.
-#define TQ_ABI_VERSION 4
+#define TQ_ABI_VERSION 5
 
-enum tq_weight_format : int32_t { TQ_FORMAT_LUT4 = 1, TQ_FORMAT_INT8 = 2, TQ_FORMAT_INT8_DYNAMIC = 3 };
+enum tq_weight_format : int32_t { TQ_FORMAT_LUT4 = 1, TQ_FORMAT_INT8 = 2, TQ_FORMAT_INT8_DYNAMIC = 3, TQ_FORMAT_LUT4_INT8ACT = 4 };
 // A field's kind as tq_weight_abi reports it: its C type, as torchq/backends/native_cpu/abi.py maps it to ctypes.
 enum tq_field_kind : int { TQ_KIND_I32 = 0, TQ_KIND_I64 = 1, TQ_KIND_F32 = 2, TQ_KIND_PTR = 3 };
 

@@ -42,7 +42,7 @@ def header_fields() -> list[tuple[str, str]]:
 
 def test_the_library_describes_the_struct_the_header_declares_and_python_lays_out():
     lib = native_library.library()
-    assert lib.tq_abi_version() == native_library.ABI_VERSION == 4
+    assert lib.tq_abi_version() == native_library.ABI_VERSION == 5
     fields, size = native_abi.describe(lib)
     kinds = {"TQ_KIND_I32": 0, "TQ_KIND_I64": 1, "TQ_KIND_F32": 2, "TQ_KIND_PTR": 3}
     assert [(f.name, f.kind) for f in fields] == [(name, kinds[kind]) for name, kind in header_fields()]
@@ -95,7 +95,7 @@ def test_a_library_describing_another_struct_is_refused(monkeypatch, change, rea
 
 def test_a_library_of_another_abi_version_or_without_an_entry_point_is_refused():
     old = StaleLibrary(tq_abi_version=lambda: 3)
-    assert native_library.validate(old, "_native.so") == (None, "_native.so has ABI 3, this torchq needs 4 (stale build: reinstall)")
+    assert native_library.validate(old, "_native.so") == (None, "_native.so has ABI 3, this torchq needs 5 (stale build: reinstall)")
     missing = StaleLibrary(tq_linear=None)
     assert native_library.validate(missing, "_native.so") == (None, "_native.so lacks tq_linear (stale build: reinstall)")
 
@@ -139,7 +139,7 @@ def test_status_says_a_stale_library_is_refused_and_it_is_never_called():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not result["available"]
-    assert re.search(r"has ABI 3, this torchq needs 4 \(stale build: reinstall\)$", result["reason"]), result["reason"]
+    assert re.search(r"has ABI 3, this torchq needs 5 \(stale build: reinstall\)$", result["reason"]), result["reason"]
     assert result["called"] == []
     assert result["warned"] and "stale build: reinstall" in result["warned"][0]
 
@@ -158,6 +158,8 @@ def _weights() -> dict[str, native_library.NativeWeight]:
         "lut4_nested": lut4.blockwise_4bit_native_weight(packed.reshape(-1), lut4.TABLES["nf4"], None, codes, absmax2, offset, N, K, 64),
         "int8": native_library.int8_weight("int8_weight_linear", q, torch.rand(N) + 0.5, N, K),
         "int8_dynamic": native_library.int8_weight("int8_weight_linear", q, torch.rand(N) + 0.5, N, K).dynamic(-127, 127, 1e-5),
+        "lut4_int8act": lut4.blockwise_4bit_native_weight(packed.reshape(-1), lut4.TABLES["nf4"], absmax, None, None, None, N, K,
+                                                          64).int8_activations(),
     }
 
 
@@ -175,6 +177,9 @@ BAD_FIELDS = {
     "int8": [dict(codes=None), dict(scales=None), dict(row_length=K + 1), dict(packed=1), dict(format=native_abi.FORMAT_LUT4)],
     "int8_dynamic": [dict(act_qmin=-128), dict(act_qmax=128), dict(act_qmin=5, act_qmax=5), dict(act_denom=0.0),
                      dict(act_eps=float("nan")), dict(nested_map=1)],
+    # int8 activations: the lut4 checks, and a non-affine (NF4) table with shifts or zeros has no integer form
+    "lut4_int8act": [dict(packed=None), dict(scales=None), dict(block=48), dict(codes=1), dict(row_length=K + 64),
+                     dict(nested_map=1), dict(format=5)],
 }
 CASES = [(kind, i) for kind, bad in BAD_FIELDS.items() for i in range(len(bad))]
 
@@ -193,6 +198,20 @@ def test_an_inconsistent_weight_struct_is_a_bad_argument(kind, case):
             native_library.run_linear(bad, torch.randn(2, K), None)
         with pytest.raises(RuntimeError, match=r"dequantize failed with status 1"):
             native_library.dequantize_rows(bad, 0, 1, torch.empty(1, bad.row_length))
+
+
+@pytest.mark.parametrize("change", [dict(round_mul=1), dict(round_add=2), dict(shifts=1), dict(zeros=1)])
+def test_int8_activations_refuse_rounded_tables_and_shifted_codebooks(change):
+    """Rounded tables are not affine in the code, and an NF4 table with shifts or zeros has no int8
+    form: the linear refuses them (before reading a shift or zero); their weight still dequantizes."""
+    good = _weights()["lut4_int8act"]
+    bad = _altered(good, **change)
+    x, out = torch.randn(2, K), torch.empty(2, N)
+    lib = native_library.library()
+    assert lib.tq_linear(good.address, x.data_ptr(), 0, 2, None, out.data_ptr(), 1) == 0
+    assert lib.tq_linear(bad.address, x.data_ptr(), 0, 2, None, out.data_ptr(), 1) == 1
+    if "round_mul" in change or "round_add" in change:
+        assert lib.tq_dequantize_rows(bad.address, 0, 1, torch.empty(1, K).data_ptr(), 0, 1) == 0
 
 
 @pytest.mark.parametrize("kind", ["lut4", "int8"])

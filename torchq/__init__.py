@@ -8,7 +8,7 @@
 from . import ops  # noqa: I001
 from . import backends  # noqa: I001
 from . import blockwise, interop, layouts, native, primitives
-from .activation import OutlierInt8, PerTokenInt8
+from .activation import OutlierInt8, PerBlockInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, init_meta_buffers, load_quantized, save_quantized
@@ -31,6 +31,8 @@ from .configs import (
     int8_weight_only,
     intx_weight_only,
     llm_int8,
+    Int8DynamicActivation4BitWeightConfig,
+    int8_dynamic_activation_4bit_weight,
     nf4_weight_only,
 )
 from .dispatch import (
@@ -80,6 +82,7 @@ __all__ = [
     "MappingType",
     "NoKernelError",
     "OutlierInt8",
+    "PerBlockInt8",
     "PerTokenInt8",
     "PlainForm",
     "QuantConfig",
@@ -98,6 +101,8 @@ __all__ = [
     "int8_weight_only",
     "intx_weight_only",
     "llm_int8",
+    "Int8DynamicActivation4BitWeightConfig",
+    "int8_dynamic_activation_4bit_weight",
     "nf4_weight_only",
     "fp4_weight_only",
     "is_strict",

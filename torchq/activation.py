@@ -8,7 +8,7 @@ import torch
 
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine
 
-__all__ = ["PerTokenInt8", "OutlierInt8", "activation_from_json"]
+__all__ = ["PerTokenInt8", "OutlierInt8", "PerBlockInt8", "activation_from_json"]
 
 
 @dataclass(frozen=True)
@@ -100,16 +100,80 @@ class OutlierInt8:
         return f"LLM.int8 activations (outliers >= {self.threshold:g} in float)"
 
 
-def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | None:
+@dataclass(frozen=True)
+class PerBlockInt8:
+    """Symmetric int8 activations per block of ``block_size`` consecutive elements of a row (the
+    Q8_0 scheme of llama.cpp): ``a = amax(|block|) / 127`` in fp32 and codes
+    ``q = rint(x / a)`` in [-127, 127] (ties to even), so that ``x ≈ a · q``.
+
+    * an all-zero block has ``a = 0`` and codes 0;
+    * a block holding inf or NaN has ``a = NaN`` and codes 0: the block dequantizes to NaN (the
+      output rows it feeds are NaN, as a float layer's would be for NaN; inf becomes NaN);
+    * the last block of a row whose length is not a multiple of ``block_size`` is zero-padded.
+
+    Bytes per row of K: ``ceil(K / block_size)`` blocks of ``block_size`` int8 codes and one fp32
+    scale."""
+
+    block_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.block_size != 32 or isinstance(self.block_size, bool):
+            raise ValueError(f"block_size: expected 32, got {self.block_size!r}")
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes int8 [..., Kp], scales fp32 [..., Kp / block_size])`` with ``Kp`` = K rounded
+        up to the block size (padding codes 0)."""
+        k = x.shape[-1]
+        b = self.block_size
+        kp = -(-k // b) * b
+        x32 = x.to(torch.float32)
+        if kp != k:
+            x32 = torch.nn.functional.pad(x32, (0, kp - k))
+        blocks = x32.reshape(*x.shape[:-1], kp // b, b)
+        finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
+        amax = torch.where(finite, blocks, 0.0).abs().amax(dim=-1, keepdim=True)
+        scale = amax / 127
+        codes = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(-127, 127)
+        codes = torch.where(finite, codes, 0.0).to(torch.int8).reshape(*x.shape[:-1], kp)
+        scale = torch.where(finite, scale, float("nan")).squeeze(-1)
+        return codes, scale
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """``a · q`` per element, in x's dtype (the reference path)."""
+        if x.numel() == 0:
+            return x
+        codes, scale = self.quantize(x)
+        b = self.block_size
+        deq = codes.reshape(*codes.shape[:-1], -1, b).to(torch.float32) * scale.unsqueeze(-1)
+        return deq.reshape(codes.shape)[..., : x.shape[-1]].to(x.dtype)
+
+    def __reduce__(self):
+        from .checkpoint.pickling import reduce_object
+
+        return reduce_object("act_quant", self)
+
+    def to_json(self) -> dict:
+        return {"type": "per_block_int8", "block_size": self.block_size}
+
+    def describe(self) -> str:
+        return f"dynamic int8 activations per {self.block_size}-block"
+
+
+def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBlockInt8 | None:
     """Inverse of ``to_json`` of the activation schemes (None stays None)."""
     if d is None:
         return None
+    if isinstance(d, dict) and d.get("type") == "per_block_int8":
+        if set(d) != {"type", "block_size"}:
+            raise ValueError(f"activation quantization JSON: per_block_int8 takes a block_size only, got {sorted(d)}")
+        return PerBlockInt8(d["block_size"])
     if isinstance(d, dict) and d.get("type") == "outlier_int8":
         if set(d) != {"type", "threshold"}:
             raise ValueError(f"activation quantization JSON: outlier_int8 takes a threshold only, got {sorted(d)}")
         return OutlierInt8(d["threshold"])
     if not isinstance(d, dict) or d.get("type") != "per_token_int8":
-        raise ValueError(f"activation quantization JSON: expected {{'type': 'per_token_int8', ...}} or null, got {d!r}")
+        raise ValueError(f"activation quantization JSON: expected {{'type': 'per_token_int8' | 'outlier_int8' | 'per_block_int8', ...}} "
+                         f"or null, got {d!r}")
     extra = set(d) - {"type", "quant_min", "quant_max", "eps"}
     if extra:
         raise ValueError(f"activation quantization JSON: unknown fields {sorted(extra)}")

@@ -38,6 +38,8 @@ __all__ = [
     "NF4WeightOnlyConfig",
     "LLMInt8Config",
     "llm_int8",
+    "Int8DynamicActivation4BitWeightConfig",
+    "int8_dynamic_activation_4bit_weight",
     "nf4_weight_only",
     "fp4_weight_only",
     "config_from_json",
@@ -344,6 +346,52 @@ class NF4WeightOnlyConfig(QuantConfig):
 
 
 @dataclass(frozen=True)
+class Int8DynamicActivation4BitWeightConfig(QuantConfig):
+    """4-bit weights x int8 activations (llama.cpp's Q4 x Q8_0, torchao's da8w4): at run time each
+    activation row is quantized per 32-element block to int8
+    (:class:`~torchq.activation.PerBlockInt8`) and multiplied by the 4-bit codes with integer
+    dot products (``torchq.ops.int8act``).
+
+    ``weight``: ``"int4"`` (groupwise affine codes 0..15, tinygemm-style float zero point, fp32
+    scales and zeros, :class:`~torchq.layouts.Int4NativeLayout`: 4 bits + 64 bits per
+    ``group_size`` weights) or ``"nf4"`` / ``"fp4"`` (blockwise absmax per ``group_size``, as
+    :class:`NF4WeightOnlyConfig`; ``double_quant`` optional). Numerics: ``torchq.ops.int8act``
+    (int4: the reference up to fp32 summation order; NF4 / FP4: the codebook rounded to int8).
+    """
+
+    weight: str = "int4"
+    group_size: int = 32
+    double_quant: bool = False
+    layout: Layout | None = None
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight not in ("int4", "nf4", "fp4"):
+            raise ValueError(f"weight: expected 'int4', 'nf4' or 'fp4', got {self.weight!r}")
+        self._inner()  # validates group_size / double_quant for the weight format
+        self._check_common()
+        if self.layout is not None:
+            raise ValueError(f"layout: the int8-activation mode chooses its own (int4: Int4NativeLayout), got {self.layout!r}")
+
+    def _inner(self) -> QuantConfig:
+        from .layouts import Int4NativeLayout
+
+        if self.weight == "int4":
+            if self.double_quant:
+                raise ValueError("double_quant: only for weight='nf4' / 'fp4'")
+            return Int4WeightOnlyConfig(group_size=self.group_size, layout=Int4NativeLayout(), scale_dtype=torch.float32)
+        return NF4WeightOnlyConfig(block_size=self.group_size, double_quant=self.double_quant, quant_type=self.weight)
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        from .activation import PerBlockInt8
+
+        self._check_weight(weight, label)
+        w = self._inner().quantize_weight(weight, label=label)
+        return AffineQuantizedTensor(w.tensor_impl, w.dtype, act_quant=PerBlockInt8(), label=label, config=self,
+                                     compute_dtype=self.compute_dtype)
+
+
+@dataclass(frozen=True)
 class LLMInt8Config(QuantConfig):
     """LLM.int8 (bitsandbytes semantics): int8 weights per output channel, symmetric [-127, 127]
     with fp32 scales; at run time, activation columns holding a value with ``|x| >= threshold``
@@ -386,7 +434,9 @@ def config_from_name(name: str) -> QuantConfig:
     """A config from its short name, as used by benchmarks and command lines: ``int8wo``,
     ``int8dq``, ``int4-g<G>`` (e.g. ``int4-g128``; ``int4-g<G>-fp32``: fp32 scales and zeros
     whatever the weight's dtype, the form the AVX2 decode path factors), ``intx<B>-g<G>`` (e.g.
-    ``intx3-g32``), or ``nf4`` / ``fp4`` with an optional ``-b<block>`` (double-quantized scales)."""
+    ``intx3-g32``), ``nf4`` / ``fp4`` with an optional ``-b<block>`` (double-quantized scales), or
+    the int8-activation mode ``int4a8[-g<G>]`` (default 32) / ``nf4a8[-b<B>]`` / ``fp4a8[-b<B>]``
+    (default 64)."""
     import re
 
     if name == "int8wo":
@@ -399,7 +449,16 @@ def config_from_name(name: str) -> QuantConfig:
         return int4_weight_only(group_size=int(m[1]), **({"scale_dtype": torch.float32} if m[2] else {}))
     if m := re.fullmatch(r"intx(\d)-g(\d+)", name):
         return intx_weight_only(bits=int(m[1]), group_size=int(m[2]))
-    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int4-g<G>[-fp32], intx<B>-g<G>, nf4[-b<B>] or fp4[-b<B>]")
+    if m := re.fullmatch(r"(int4|nf4|fp4)a8(-[gb](\d+))?", name):
+        return int8_dynamic_activation_4bit_weight(m[1], int(m[3] or (32 if m[1] == "int4" else 64)))
+    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int4-g<G>[-fp32], intx<B>-g<G>, nf4[-b<B>], "
+                     f"fp4[-b<B>], int4a8[-g<G>], nf4a8[-b<B>] or fp4a8[-b<B>]")
+
+
+def int8_dynamic_activation_4bit_weight(weight: str = "int4", group_size: int = 32, double_quant: bool = False,
+                                        compute_dtype: torch.dtype | None = None) -> Int8DynamicActivation4BitWeightConfig:
+    return Int8DynamicActivation4BitWeightConfig(weight=weight, group_size=group_size, double_quant=double_quant,
+                                                 compute_dtype=compute_dtype)
 
 
 def nf4_weight_only(

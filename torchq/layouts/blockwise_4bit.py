@@ -23,14 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..activation import PerBlockInt8
 from ..backends import triton as triton_backend
 from ..backends.native_cpu import library as native_library
-from ..backends.native_cpu.lut4 import TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
+from ..backends.native_cpu.lut4 import INT8_ACTIVATION_MAX_M, TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
 from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..canonical import NestedScale, PlainForm, QuantSpec
 from ..dispatch import LinearKernel
 from ..ops.blockwise import BLOCK_SIZES
+from ..ops.int8act import blockwise_4bit_linear_a8
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl
 
@@ -169,6 +171,27 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return blockwise_linear_cpu(x, *args)
 
 
+def _check_int8_activations(x: torch.Tensor, w, bias) -> str | None:
+    if not isinstance(w.act_quant, PerBlockInt8):
+        act = "no activation quantization" if w.act_quant is None else w.act_quant.describe()
+        return f"int8-activation kernel (per-32-block int8 activations), weight has {act}"
+    if x.device.type != "cpu":
+        return f"CPU kernel, input is on {x.device}"
+    return None
+
+
+def _int8_activation_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl: Blockwise4bitImpl = w.tensor_impl
+    m = x.numel() // impl.shape[1]
+    if native_library.eager_cpu(x) and 0 < m <= INT8_ACTIVATION_MAX_M and native_library.library() is not None:
+        weight = native_library.weight_args(impl, _cached_native_weight)
+        if weight is not None:  # the layout's own tensors, checked when cached
+            return native_library.run_linear(weight.int8_activations(), x, bias)
+    spec = impl.spec
+    return blockwise_4bit_linear_a8(x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset,
+                                    list(impl.shape), spec.block_size[1], spec.codebook, bias)
+
+
 KERNELS = (
     LinearKernel(
         "blockwise_4bit_linear",
@@ -176,5 +199,12 @@ KERNELS = (
         _linear,
         description="torchq::blockwise_4bit_linear: fused native CPU kernel (unpack + fp32 FMA, no dequantized weight); "
         "Triton dequantize-GEMM / split-K GEMV on CUDA",
+    ),
+    LinearKernel(
+        "blockwise_4bit_int8_activations",
+        _check_int8_activations,
+        _int8_activation_linear,
+        description="torchq::blockwise_4bit_linear_a8: activations quantized per 32-block to int8, the codebook as int8, "
+        "integer dot products (native CPU)",
     ),
 )

@@ -31,13 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
+from ..activation import PerBlockInt8
 from ..backends import triton as triton_backend
 from ..backends.native_cpu import library as native_library
-from ..backends.native_cpu.lut4 import int4_linear_cpu, int4_native_weight
+from ..backends.native_cpu.lut4 import INT8_ACTIVATION_MAX_M, int4_linear_cpu, int4_native_weight
 from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel
 from ..ops.int4 import INT4_GROUPWISE_GROUP_SIZES as GROUP_SIZES
 from ..ops.int4 import ROUND_KIND, int4_groupwise_linear, unpack_nibbles
+from ..ops.int8act import int4_groupwise_linear_a8
 from ..primitives import ZeroPointDomain
 from .base import Buffer, Fit, Layout, LayoutExample, TensorImpl
 
@@ -228,6 +230,28 @@ def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.
     return op(x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base, *impl.round_kinds, bias)
 
 
+def _check_int8_activations(x: torch.Tensor, w, bias) -> str | None:
+    if not isinstance(w.act_quant, PerBlockInt8):
+        act = "no activation quantization" if w.act_quant is None else w.act_quant.describe()
+        return f"int8-activation kernel (per-32-block int8 activations), weight has {act}"
+    if x.device.type != "cpu":
+        return f"CPU kernel, input is on {x.device}"
+    if w.tensor_impl.round_kinds != (0, 0):
+        return f"needs fp32 scales and zeros, weight has scale dtype {w.tensor_impl.scale_dtype}"
+    return None
+
+
+def _int8_activation_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl: Int4NativeImpl = w.tensor_impl
+    n, k = impl.shape
+    m = x.numel() // impl.shape[1]
+    if native_library.eager_cpu(x) and 0 < m <= INT8_ACTIVATION_MAX_M and native_library.library() is not None:
+        weight = native_library.weight_args(impl, _cached_native_weight)
+        if weight is not None:  # the layout's own tensors, checked when cached
+            return native_library.run_linear(weight.int8_activations(), x, bias)
+    return int4_groupwise_linear_a8(x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base, bias)
+
+
 KERNELS = (
     LinearKernel(
         "int4_native",
@@ -235,5 +259,12 @@ KERNELS = (
         _int4_native_linear,
         description="torchq::int4_groupwise_linear: native fused dequantize + dot (CPU), Triton dequantize-GEMM / "
         "split-K GEMV (CUDA)",
+    ),
+    LinearKernel(
+        "int4_int8_activations",
+        _check_int8_activations,
+        _int8_activation_linear,
+        description="torchq::int4_groupwise_linear_a8: activations quantized per 32-block to int8, integer dot products "
+        "(native CPU; vpmaddubsw on AVX2 / AVX-512)",
     ),
 )

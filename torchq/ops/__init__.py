@@ -22,6 +22,8 @@ int4_cpu_mm                int4        aten (aten._weight_int4pack_mm_for_cpu)
 int4_tensor_core_mm        int4        cuda: aten
 int4_xpu_mm                int4        xpu: aten
 blockwise_4bit_linear      blockwise   cpu: native_cpu; cuda: triton
+int4_groupwise_linear_a8   int8act     cpu: native_cpu
+blockwise_4bit_linear_a8   int8act     cpu: native_cpu
 quantize_4bit              blockwise   reference only
 dequantize_4bit            blockwise   reference only
 dequantize_4bit.out        blockwise   reference only
@@ -45,6 +47,6 @@ int8_mixed_scaled_mm       vectorwise  reference only
 :mod:`.out_overloads` defines the ``.out`` overloads (kernel and fake run the functional op).
 """
 
-from . import affine, blockwise, int4, int8, vectorwise
+from . import affine, blockwise, int4, int8, int8act, vectorwise
 
-__all__ = ["affine", "blockwise", "int4", "int8", "vectorwise"]
+__all__ = ["affine", "blockwise", "int4", "int8", "int8act", "vectorwise"]

@@ -8,6 +8,7 @@ struct differs is refused when it loads (:mod:`torchq.native` says why), never c
 
 Formats (the ``format`` field; which fields each reads is in ``csrc/weight_abi.h``):
 ``FORMAT_LUT4`` 4-bit codes through a 16-entry table (NF4 / FP4 / affine int4),
+``FORMAT_LUT4_INT8ACT`` the same weight with per-32-block int8 activations (integer dot products),
 ``FORMAT_INT8`` int8 weight-only, ``FORMAT_INT8_DYNAMIC`` int8 weight with per-row int8
 activations.
 """
@@ -17,9 +18,9 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-__all__ = ["FIELDS", "FORMAT_INT8", "FORMAT_INT8_DYNAMIC", "FORMAT_LUT4", "Field", "describe", "weight_structure"]
+__all__ = ["FIELDS", "FORMAT_INT8", "FORMAT_INT8_DYNAMIC", "FORMAT_LUT4", "FORMAT_LUT4_INT8ACT", "Field", "describe", "weight_structure"]
 
-FORMAT_LUT4, FORMAT_INT8, FORMAT_INT8_DYNAMIC = 1, 2, 3
+FORMAT_LUT4, FORMAT_INT8, FORMAT_INT8_DYNAMIC, FORMAT_LUT4_INT8ACT = 1, 2, 3, 4
 
 # tq_field_kind -> (name, ctypes type)
 KINDS: dict[int, tuple[str, type]] = {

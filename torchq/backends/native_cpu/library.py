@@ -34,7 +34,7 @@ __all__ = [
     "weight_struct",
 ]
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 ISA_NAMES = ("scalar", "avx2", "avx512")
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -245,7 +245,7 @@ class NativeWeight:
         self.op, self.format = op, self.struct.format
         self.n, self.k, self.row_length = self.struct.n, self.struct.k, self.struct.row_length
         self._tensors = tensors
-        self._dynamic: dict[tuple[int, int, float], NativeWeight] = {}
+        self._dynamic: dict[tuple, NativeWeight] = {}
 
     def dynamic(self, quant_min: int, quant_max: int, eps: float) -> NativeWeight:
         """This int8 weight with activations quantized per row into ``[quant_min, quant_max]``
@@ -259,6 +259,20 @@ class NativeWeight:
             fields.update(format=abi.FORMAT_INT8_DYNAMIC, act_denom=(quant_max - quant_min) / 2, act_eps=eps,
                           act_qmin=quant_min, act_qmax=quant_max)
             found = self._dynamic[key] = NativeWeight("int8_dynamic_linear", self._tensors, **fields)
+        return found
+
+
+    def int8_activations(self) -> NativeWeight:
+        """This 4-bit weight with activations quantized per 32-block to int8
+        (:class:`torchq.activation.PerBlockInt8`) and integer dot products, built once."""
+        key = ("int8_activations",)
+        found = self._dynamic.get(key)
+        if found is None:
+            if self.format != abi.FORMAT_LUT4:
+                raise ValueError(f"torchq {self.op}: int8 activations need a 4-bit (lut4) weight, got format {self.format}")
+            fields = {name: getattr(self.struct, name) for name, _ in self.struct._fields_}
+            fields.update(format=abi.FORMAT_LUT4_INT8ACT)
+            found = self._dynamic[key] = NativeWeight(f"{self.op}_a8", self._tensors, **fields)
         return found
 
 

@@ -1,0 +1,186 @@
+"""The int8-activation 4-bit mode: torchq::int4_groupwise_linear_a8 / blockwise_4bit_linear_a8,
+their native CPU kernel (integer dot products, every ISA) against the references, the config,
+dispatch, torch.compile and checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchq
+from torchq import ZeroPointDomain as Z
+from torchq import native
+from torchq.activation import PerBlockInt8
+from torchq.backends.native_cpu import library as native_library
+from torchq.backends.native_cpu import lut4
+from torchq.blockwise.codebooks import codebook
+from torchq.layouts import Int4NativeLayout
+from torchq.ops.int8act import ACTIVATIONS, blockwise_4bit_a8_reference, int4_a8_reference
+
+NATIVE = native.status().available
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"native library not built: {native.status().reason}")
+ISAS = [] if not NATIVE else [i for i in native_library.ISA_NAMES
+                              if native_library.ISA_NAMES.index(i) <= native_library.ISA_NAMES.index(native.status().isa)]
+U = 2.0**-24
+OUT_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # a full ulp: sums on both sides of a rounding boundary
+SETTINGS = dict(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def int4_impl(w, g, domain=Z.FLOAT):
+    cfg = torchq.Int4WeightOnlyConfig(group_size=g, layout=Int4NativeLayout(), scale_dtype=torch.float32, zero_point_domain=domain)
+    return cfg.quantize_weight(w).tensor_impl
+
+
+def int4_args(impl, x, bias=None):
+    n, k = impl.shape
+    return (x, impl.packed, impl.scale, impl.shift, impl.zero, n, k, impl.group_size, impl.code_base, bias)
+
+
+def assert_within(got, ref, w32, x, bias, extra=0.0):
+    """|got - ref| <= the fp32 bound over sum |w| |a q| (+ extra), plus one rounding of the output."""
+    xq = ACTIVATIONS.fake_quantize(x.float()).reshape(-1, x.shape[-1])
+    mag = xq.abs() @ w32.abs().T + (0 if bias is None else bias.float().abs())
+    tol = (x.shape[-1] + 8) * U * mag + extra + OUT_ULP[x.dtype] * ref.float().abs().reshape(mag.shape) + 1e-30
+    err = (got.float() - ref.float()).abs().reshape(mag.shape)
+    finite = torch.isfinite(ref.float()).reshape(mag.shape)
+    assert torch.equal(torch.isfinite(got.float()).reshape(mag.shape), finite)
+    assert (err[finite] <= tol[finite]).all(), float((err - tol)[finite].max())
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@settings(**SETTINGS)
+@given(g=st.sampled_from([32, 64, 128, 256]), domain=st.sampled_from([Z.FLOAT, Z.INT, Z.NONE]), n=st.integers(1, 40),
+       k=st.integers(1, 300), m=st.sampled_from([1, 2, 3, 5, 8, 9, 17]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       bias=st.booleans(), scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e3, 1e30]), seed=st.integers(0, 2**31 - 1))
+def test_int4_native_is_the_reference_within_fp32_order(isa, g, domain, n, k, m, dtype, bias, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    impl = int4_impl(torch.randn(n, k, generator=gen), g, domain)
+    x = (torch.randn(m, k, generator=gen) * scale).to(dtype)
+    if not torch.isfinite(x).all():
+        x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    args = int4_args(impl, x, b)
+    ref = int4_a8_reference(*args)
+    got = lut4.int4_a8_cpu(*args)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert_within(got, ref, impl.dequantize(torch.float32), x, b)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@settings(**SETTINGS)
+@given(quant_type=st.sampled_from(["nf4", "fp4"]), block=st.sampled_from([32, 64, 128]), nested=st.booleans(),
+       n=st.integers(1, 30), blocks=st.integers(1, 5), m=st.sampled_from([1, 4, 6, 12]), seed=st.integers(0, 2**31 - 1))
+def test_nf4_native_uses_the_int8_codebook_within_its_stated_bound(isa, quant_type, block, nested, n, blocks, m, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = block * blocks
+    cfg = (torchq.nf4_weight_only if quant_type == "nf4" else torchq.fp4_weight_only)(block_size=block, double_quant=nested)
+    impl = cfg.quantize_weight(torch.randn(n, k, generator=gen)).tensor_impl
+    x = torch.randn(m, k, generator=gen)
+    args = (x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], block, quant_type, None)
+    got = lut4.blockwise_a8_cpu(*args)
+    ref = blockwise_4bit_a8_reference(*args)
+    w32 = impl.dequantize(torch.float32)
+    cb = codebook(quant_type)
+    cmax = float(cb.abs().max())
+    # the stated bound: each weight off by at most absmax * cmax / 254 (absmax = |w| / |c| blockwise max)
+    absmax = (w32.abs().reshape(n, blocks, block).amax(-1, keepdim=True) / cmax).expand(n, blocks, block).reshape(n, k)
+    xq = ACTIVATIONS.fake_quantize(x)
+    extra = (xq.abs() @ (absmax * cmax / 254).T) * (1 + 1e-5) if m <= lut4.INT8_ACTIVATION_MAX_M else 0.0
+    assert_within(got, ref, w32, x, None, extra)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_nf4_native_is_the_int8_codebook_reference(isa):
+    """Against weights with the codebook rounded to int8: the same up to fp32 order."""
+    torch.manual_seed(0)
+    n, k, block = 24, 256, 64
+    impl = torchq.nf4_weight_only(block_size=block, double_quant=False).quantize_weight(torch.randn(n, k)).tensor_impl
+    x = torch.randn(3, k)
+    got = lut4.blockwise_a8_cpu(x, impl.packed, impl.absmax, None, None, None, [n, k], block, "nf4", None)
+    cb = codebook("nf4")
+    t = torch.round(127 * cb / cb.abs().max())
+    packed = impl.packed.reshape(n, k // 2)
+    codes = torch.stack([packed >> 4, packed & 15], -1).reshape(n, k).long()
+    w8 = impl.absmax.reshape(n, -1).repeat_interleave(block, 1) * cb.abs().max() * t[codes] / 127
+    ref = ACTIVATIONS.fake_quantize(x) @ w8.T
+    assert_within(got, ref, w8, x, None)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_edge_activations(isa):
+    torch.manual_seed(1)
+    impl = int4_impl(torch.randn(16, 128), 32)
+    x = torch.randn(5, 128)
+    x[0] = 0  # all-zero row: the bias alone
+    x[1, 70] = float("nan")  # a NaN: its row is NaN, the others are not touched
+    x[2, 3] = float("inf")
+    x[3, :32] = 0  # an all-zero block within a row
+    b = torch.randn(16)
+    got = lut4.int4_a8_cpu(*int4_args(impl, x, b))
+    ref = int4_a8_reference(*int4_args(impl, x, b))
+    assert torch.equal(got[0], b)
+    assert got[1].isnan().all() and got[2].isnan().all() and ref[1].isnan().all() and ref[2].isnan().all()
+    assert_within(got[3:], ref[3:], impl.dequantize(torch.float32), x[3:], b)
+
+
+@needs_native
+def test_rounded_scales_are_refused_by_the_library():
+    impl = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout(), scale_dtype=torch.bfloat16).quantize_weight(
+        torch.randn(8, 64)).tensor_impl
+    weight = lut4.int4_native_weight(impl.packed, impl.scale, impl.shift, impl.zero, 8, 64, 32, impl.code_base, *impl.round_kinds)
+    with pytest.raises(Exception, match="int4_groupwise_linear_a8"):
+        native_library.run_linear(weight.int8_activations(), torch.randn(1, 64), None)
+
+
+@pytest.mark.parametrize("name", ["int4a8", "int4a8-g128", "nf4a8", "fp4a8-b32"])
+def test_config_dispatch_compile_and_checkpoint(tmp_path, name):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    ref_model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    ref_model.load_state_dict(model.state_dict())
+    cfg = torchq.config_from_name(name)
+    assert torchq.config_from_json(cfg.to_json()) == cfg
+    torchq.quantize_(model, cfg)
+    assert isinstance(model[0].weight.act_quant, PerBlockInt8)
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        if NATIVE:
+            with torchq.strict():
+                y = model(x)
+            kernels = set(torchq.explain(model, x).kernels().values())
+            assert kernels == {"int4_int8_activations" if name.startswith("int4") else "blockwise_4bit_int8_activations"}
+        else:
+            y = model(x)
+        r = ref_model(x)
+        assert float(20 * torch.log10(r.norm() / (r - y).norm())) > 12
+        compiled = torch.compile(model, fullgraph=True)
+        assert torch.allclose(compiled(x), y, atol=1e-5, rtol=1e-5)
+        torchq.save_quantized(model, tmp_path / "m.safetensors")
+        fresh = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        torchq.load_quantized(fresh, tmp_path / "m.safetensors")
+        assert fresh[0].weight.act_quant == PerBlockInt8()
+        assert torch.equal(fresh(x), y)
+
+
+def test_bf16_scales_take_no_int8_kernel_and_strict_says_why():
+    w = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout(), scale_dtype=torch.bfloat16).quantize_weight(torch.randn(8, 64))
+    aqt = torchq.AffineQuantizedTensor(w.tensor_impl, w.dtype, act_quant=PerBlockInt8())
+    with torchq.strict(), pytest.raises(torchq.NoKernelError, match="needs fp32 scales and zeros"):
+        torch.nn.functional.linear(torch.randn(2, 64), aqt)
+
+
+def test_config_arguments():
+    with pytest.raises(ValueError, match="weight: expected 'int4', 'nf4' or 'fp4', got 'int8'"):
+        torchq.int8_dynamic_activation_4bit_weight("int8")
+    with pytest.raises(ValueError, match="double_quant: only for weight='nf4'"):
+        torchq.int8_dynamic_activation_4bit_weight("int4", double_quant=True)
+    with pytest.raises(ValueError, match="group_size"):
+        torchq.int8_dynamic_activation_4bit_weight("int4", group_size=48)
+    with pytest.raises(ValueError, match="layout: the int8-activation mode chooses its own"):
+        torchq.Int8DynamicActivation4BitWeightConfig(layout=Int4NativeLayout())
