@@ -334,11 +334,17 @@ def run(args: argparse.Namespace, isa: str) -> dict:
             progress(f"smollm {label}: ppl {row['ppl']:.3f}, same {row['same']}/{args.new_tokens}, warm-up {warm_s:.1f} s")
         if "llama.cpp" in args.peers:
             rows["llama.cpp"] = {"config": "llama.cpp"}
+            peer = None
             if importlib.util.find_spec("llama_cpp") is None:
                 rows["llama.cpp"]["status"] = "not installed (pip install llama-cpp-python)"
             else:
                 progress("smollm llama.cpp: loading the GGUF file")
-                peer = LlamaCppPeer(prompt[0].tolist(), text.tolist(), args.new_tokens, args.llama_threads)
+                try:
+                    peer = LlamaCppPeer(prompt[0].tolist(), text.tolist(), args.new_tokens, args.llama_threads)
+                except Exception as e:  # an install missing a dependency, a build that cannot read the file: say so
+                    rows["llama.cpp"]["status"] = f"unusable: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    progress(f"smollm llama.cpp: {rows['llama.cpp']['status']}")
+            if peer is not None:
                 peer.generate(), peer.prefill()
                 rows["llama.cpp"].update(same=same_prefix(peer.tokens, reference), threads=args.llama_threads,
                                          system_info=peer.system_info(), sample=tok.decode(peer.tokens[:12]))
