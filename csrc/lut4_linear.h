@@ -48,7 +48,9 @@
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not).
 //
-// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, every M): each activation row is
+// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, the
+// fp32 paths on the fake-quantized activations a * q: the same numbers with the exact codebook,
+// within fp32 order of the reference for every weight format): each activation row is
 // quantized per 32-element block j exactly as torchq.activation.PerBlockInt8 does (fp32
 // a_j = amax / 127, q = rint(x / a_j) in [-127, 127]; a block with inf / NaN gets a_j = NaN, codes
 // 0; rows zero-padded), and the weights enter as integers:
@@ -103,6 +105,9 @@ enum DecodeKind : int { DECODE_NONE = 0, DECODE_AFFINE = 1, DECODE_CODEBOOK = 2 
 static constexpr int64_t kLut4DecodeMaxM = 4;
 // Rows from which the GEMM path runs (below, the panels of rows: faster up to about 48 rows).
 static constexpr int64_t kLut4GemmMinM = 64;
+// Rows up to which the int8-activation path runs its integer kernel (above: the fp32 paths on the
+// fake-quantized activations, lut4_linear.cpp).
+static constexpr int64_t kLut4Q8MaxM = 8;
 
 // The decode path p's weight allows (DECODE_NONE if none): see above.
 static inline int lut4_decode_kind(const Lut4Params& p) {

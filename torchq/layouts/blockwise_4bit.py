@@ -26,7 +26,7 @@ import torch
 from ..activation import PerBlockInt8
 from ..backends import triton as triton_backend
 from ..backends.native_cpu import library as native_library
-from ..backends.native_cpu.lut4 import INT8_ACTIVATION_MAX_M, TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
+from ..backends.native_cpu.lut4 import TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
 from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..canonical import NestedScale, PlainForm, QuantSpec
@@ -182,8 +182,7 @@ def _check_int8_activations(x: torch.Tensor, w, bias) -> str | None:
 
 def _int8_activation_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Blockwise4bitImpl = w.tensor_impl
-    m = x.numel() // impl.shape[1]
-    if native_library.eager_cpu(x) and 0 < m <= INT8_ACTIVATION_MAX_M and native_library.library() is not None:
+    if native_library.eager_cpu(x) and x.numel() and native_library.library() is not None:
         weight = native_library.weight_args(impl, _cached_native_weight)
         if weight is not None:  # the layout's own tensors, checked when cached
             return native_library.run_linear(weight.int8_activations(), x, bias)

@@ -34,7 +34,7 @@ from .. import native
 from ..activation import PerBlockInt8
 from ..backends import triton as triton_backend
 from ..backends.native_cpu import library as native_library
-from ..backends.native_cpu.lut4 import INT8_ACTIVATION_MAX_M, int4_linear_cpu, int4_native_weight
+from ..backends.native_cpu.lut4 import int4_linear_cpu, int4_native_weight
 from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel
 from ..ops.int4 import INT4_GROUPWISE_GROUP_SIZES as GROUP_SIZES
@@ -244,8 +244,7 @@ def _check_int8_activations(x: torch.Tensor, w, bias) -> str | None:
 def _int8_activation_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl: Int4NativeImpl = w.tensor_impl
     n, k = impl.shape
-    m = x.numel() // impl.shape[1]
-    if native_library.eager_cpu(x) and 0 < m <= INT8_ACTIVATION_MAX_M and native_library.library() is not None:
+    if native_library.eager_cpu(x) and x.numel() and native_library.library() is not None:
         weight = native_library.weight_args(impl, _cached_native_weight)
         if weight is not None:  # the layout's own tensors, checked when cached
             return native_library.run_linear(weight.int8_activations(), x, bias)

@@ -39,7 +39,6 @@ from ...ops.int4 import (
     int4_groupwise_reference,
 )
 from ...ops.int8act import (
-    ACTIVATIONS,
     blockwise_4bit_a8_reference,
     blockwise_4bit_linear_a8,
     check_int4_a8_args,
@@ -223,29 +222,21 @@ def int4_groupwise_linear_a8_cpu(x, packed, scale, shift, zero, shape, group_siz
     return int4_a8_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, bias)
 
 
-# Rows up to which the integer path runs; above, the fp32 kernels on the fake-quantized activations
-# (the same values: a * q in fp32, as the reference forms them) are faster: 4096^2 on AVX2, 1
-# thread: M=4 2.8 ms integer vs 3.7 fp32, M=16 11.0 vs 8.8 (the integer loop re-reads the weight
-# every 4 rows; the fp32 one has GEMM tiles).
+# Rows up to which the library's int8-activation path runs its integer kernel (kLut4Q8MaxM,
+# csrc/lut4_linear.h); above, the library runs its fp32 paths on the fake-quantized activations.
 INT8_ACTIVATION_MAX_M = 8
 
 
-def _fake_quantized(x: torch.Tensor) -> torch.Tensor:
-    return ACTIVATIONS.fake_quantize(x.to(torch.float32))
-
-
 def int4_a8_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, bias) -> torch.Tensor:
-    """The CPU kernel of ``int4_groupwise_linear_a8`` on checked arguments: the native integer
-    path up to :data:`INT8_ACTIVATION_MAX_M` rows, the fp32 kernel on the fake-quantized
-    activations above (both the reference up to fp32 summation order), else the reference."""
+    """The CPU kernel of ``int4_groupwise_linear_a8`` on checked arguments: the native library
+    (integer dot products up to :data:`INT8_ACTIVATION_MAX_M` rows, its fp32 paths on the
+    fake-quantized activations above: both the reference up to fp32 summation order), else the
+    reference."""
     lib = native_library.library()
     if lib is None or x.numel() == 0:
         if lib is None:
             native.warn_reference("int4_groupwise_linear_a8")
         return int4_a8_reference(x, packed, scale, shift, zero, n, k, group_size, code_base, bias)
-    if x.numel() // k > INT8_ACTIVATION_MAX_M:
-        b = None if bias is None else bias.to(torch.float32)
-        return int4_linear_cpu(_fake_quantized(x), packed, scale, shift, zero, n, k, group_size, code_base, 0, 0, b).to(x.dtype)
     packed, scale = packed.contiguous(), scale.contiguous()
     shift = None if shift is None else shift.contiguous()
     zero = None if zero is None else zero.contiguous()
@@ -271,10 +262,6 @@ def blockwise_a8_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offs
         return blockwise_4bit_a8_reference(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize,
                                            quant_type, bias)
     n, k = shape
-    if x.numel() // k > INT8_ACTIVATION_MAX_M:  # the fp32 kernel on the fake-quantized activations (exact codebook)
-        b = None if bias is None else bias.to(torch.float32)
-        return blockwise_linear_cpu(_fake_quantized(x), packed, absmax, nested_codes, nested_absmax, nested_offset, shape,
-                                    blocksize, quant_type, b).to(x.dtype)
     absmax = None if absmax is None else absmax.contiguous()
     nested_codes = None if nested_codes is None else nested_codes.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
