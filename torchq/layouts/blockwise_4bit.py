@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..activation import PerBlockInt8
 from ..backends import triton as triton_backend
 from ..backends.native_cpu import library as native_library
-from ..backends.native_cpu.lut4 import TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu
+from ..backends.native_cpu.lut4 import TABLES, blockwise_4bit_native_weight, blockwise_linear_cpu, int8_activation_rejects
 from ..bitpack import pack_bits, unpack_bits
 from ..blockwise.nested import NESTED_BLOCKSIZE
 from ..canonical import NestedScale, PlainForm, QuantSpec
@@ -172,12 +171,7 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _check_int8_activations(x: torch.Tensor, w, bias) -> str | None:
-    if not isinstance(w.act_quant, PerBlockInt8):
-        act = "no activation quantization" if w.act_quant is None else w.act_quant.describe()
-        return f"int8-activation kernel (per-32-block int8 activations), weight has {act}"
-    if x.device.type != "cpu":
-        return f"CPU kernel, input is on {x.device}"
-    return None
+    return int8_activation_rejects(x, w.act_quant)
 
 
 def _int8_activation_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:

@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
-from ..activation import PerBlockInt8
 from ..backends import triton as triton_backend
 from ..backends.native_cpu import library as native_library
-from ..backends.native_cpu.lut4 import int4_linear_cpu, int4_native_weight
+from ..backends.native_cpu.lut4 import int4_linear_cpu, int4_native_weight, int8_activation_rejects
 from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel
 from ..ops.int4 import INT4_GROUPWISE_GROUP_SIZES as GROUP_SIZES
@@ -231,11 +230,9 @@ def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.
 
 
 def _check_int8_activations(x: torch.Tensor, w, bias) -> str | None:
-    if not isinstance(w.act_quant, PerBlockInt8):
-        act = "no activation quantization" if w.act_quant is None else w.act_quant.describe()
-        return f"int8-activation kernel (per-32-block int8 activations), weight has {act}"
-    if x.device.type != "cpu":
-        return f"CPU kernel, input is on {x.device}"
+    reason = int8_activation_rejects(x, w.act_quant)
+    if reason is not None:
+        return reason
     if w.tensor_impl.round_kinds != (0, 0):
         return f"needs fp32 scales and zeros, weight has scale dtype {w.tensor_impl.scale_dtype}"
     return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ... import native
+from ...activation import PerBlockInt8
 from ...blockwise.codebooks import codebook, dynamic_map
 from ...blockwise.nested import NESTED_BLOCKSIZE
 from ...ops.blockwise import (
@@ -50,7 +51,7 @@ from . import library as native_library
 
 __all__ = ["TABLES", "blockwise_4bit_native_weight", "blockwise_4bit_linear_cpu", "blockwise_linear_cpu", "gemv_4bit_cpu", "gemm_4bit_cpu",
            "int4_groupwise_linear_cpu", "int4_native_weight", "int4_linear_cpu", "int4_a8_cpu", "blockwise_a8_cpu",
-           "int4_groupwise_linear_a8_cpu", "blockwise_4bit_linear_a8_cpu", "INT8_ACTIVATION_MAX_M"]
+           "int4_groupwise_linear_a8_cpu", "blockwise_4bit_linear_a8_cpu", "INT8_ACTIVATION_MAX_M", "int8_activation_rejects"]
 
 
 def blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n: int, k: int, blocksize: int) -> native_library.NativeWeight:
@@ -220,6 +221,17 @@ def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, 
 def int4_groupwise_linear_a8_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, bias=None):
     check_int4_a8_args(x, packed, scale, shift, zero, shape, group_size, code_base, bias)
     return int4_a8_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, bias)
+
+
+def int8_activation_rejects(x: torch.Tensor, act_quant) -> str | None:
+    """Why the int8-activation CPU kernels cannot take input ``x`` for a weight whose dynamic
+    activation quantization is ``act_quant`` (None when they can): a layout's kernel condition."""
+    if not isinstance(act_quant, PerBlockInt8):
+        act = "no activation quantization" if act_quant is None else act_quant.describe()
+        return f"int8-activation kernel (per-32-block int8 activations), weight has {act}"
+    if x.device.type != "cpu":
+        return f"CPU kernel, input is on {x.device}"
+    return None
 
 
 # Rows up to which the library's int8-activation path runs its integer kernel (kLut4Q8MaxM,
