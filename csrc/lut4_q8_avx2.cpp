@@ -38,39 +38,53 @@ inline __m256i chunk_sums(__m256i hi, __m256i lo, const int8_t* q) {
       _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(qo, lo)), ones));
 }
 
-// Activation rows [m0, m0 + R) against weight row n: R and the two accumulator sets (even / odd
-// chunks, for two independent FMA chains) are compile-time, so every accumulator stays in a register.
-template <bool AFFINE, int R>
+// Activation rows [m0, m0 + R) against weight rows [n, n + NW): R, NW and the two accumulator
+// sets (even / odd chunks, two independent FMA chains) are compile-time, so every accumulator stays
+// in a register; NW = 2 at one activation row shares its activation loads between two weight rows.
+template <bool AFFINE, int R, int NW>
 void row_pass(const Lut4Params& p, int64_t n, int64_t m0) {
   const int64_t K = p.K, B = p.block, kq = p.kq, full = K / 64 * 64;
   const __m256i m4 = _mm256_set1_epi8(15);
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q8_table)));
   const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const uint8_t* w = p.packed + n * (K / 2);
-  const float* srow = p.absmax ? p.absmax + n * p.blocks_per_row : nullptr;  // plain scales (int4, NF4 without nesting)
+  const uint8_t* w[NW];
+  const float* srow[NW];  // plain scales (int4, NF4 without nesting), else null
+  for (int i = 0; i < NW; ++i) {
+    w[i] = p.packed + (n + i) * (K / 2);
+    srow[i] = p.absmax ? p.absmax + (n + i) * p.blocks_per_row : nullptr;
+  }
   const int8_t* q = p.xq8 + m0 * kq;
   const float* xa = p.xa + m0 * (kq / 64) * 8;
-  __m256 tot[2][R];
-  for (int r = 0; r < R; ++r) tot[0][r] = tot[1][r] = _mm256_setzero_ps();
-  __m256 sv = _mm256_setzero_ps();
+  __m256 tot[2][NW][R];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < R; ++r) tot[0][i][r] = tot[1][i][r] = _mm256_setzero_ps();
+  __m256 sv[NW];
+  for (int i = 0; i < NW; ++i) sv[i] = _mm256_setzero_ps();
   // One 64-weight chunk into accumulator set `acc` (a compile-time index at each call site).
-  auto step = [&](int64_t k, __m256* acc) __attribute__((always_inline)) {
-    if (B == 32) {  // the chunk's two block scales
-      sv = srow ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(srow + k / 32)))), pairs)
-                : _mm256_setr_m128(_mm_set1_ps(lut4_scale(p, n, k / 32)), _mm_set1_ps(lut4_scale(p, n, k / 32 + 1)));
-    } else if ((k & (B - 1)) == 0) {  // one block per chunk, a new one every B / 64 chunks
-      sv = _mm256_set1_ps(srow ? srow[k / B] : lut4_scale(p, n, k / B));
-    }
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2));
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), lo = _mm256_and_si256(v, m4);
-    if (!AFFINE) {
-      hi = _mm256_shuffle_epi8(table, hi);
-      lo = _mm256_shuffle_epi8(table, lo);
+  auto step = [&](int64_t k, __m256 (*acc)[R]) __attribute__((always_inline)) {
+    __m256i hi[NW], lo[NW];
+    for (int i = 0; i < NW; ++i) {
+      if (B == 32) {  // the chunk's two block scales
+        sv[i] = srow[i] ? _mm256_permutevar8x32_ps(
+                              _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(srow[i] + k / 32)))), pairs)
+                        : _mm256_setr_m128(_mm_set1_ps(lut4_scale(p, n + i, k / 32)), _mm_set1_ps(lut4_scale(p, n + i, k / 32 + 1)));
+      } else if ((k & (B - 1)) == 0) {  // one block per chunk, a new one every B / 64 chunks
+        sv[i] = _mm256_set1_ps(srow[i] ? srow[i][k / B] : lut4_scale(p, n + i, k / B));
+      }
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i] + k / 2));
+      hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      lo[i] = _mm256_and_si256(v, m4);
+      if (!AFFINE) {
+        hi[i] = _mm256_shuffle_epi8(table, hi[i]);
+        lo[i] = _mm256_shuffle_epi8(table, lo[i]);
+      }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 f = _mm256_cvtepi32_ps(chunk_sums<AFFINE>(hi, lo, q + r * kq + k));
       const __m256 a = _mm256_loadu_ps(xa + (r * (kq / 64) + k / 64) * 8);
-      acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(a, sv), acc[r]);
+      for (int i = 0; i < NW; ++i) {
+        const __m256 f = _mm256_cvtepi32_ps(chunk_sums<AFFINE>(hi[i], lo[i], q + r * kq + k));
+        acc[i][r] = _mm256_fmadd_ps(f, _mm256_mul_ps(a, sv[i]), acc[i][r]);
+      }
     }
   };
   int64_t k = 0;
@@ -79,47 +93,54 @@ void row_pass(const Lut4Params& p, int64_t n, int64_t m0) {
     step(k + 64, tot[1]);
   }
   if (k < full) step(k, tot[0]);
-  for (int r = 0; r < R; ++r) {
-    const int64_t m = m0 + r;
-    float acc = hsum(_mm256_add_ps(tot[0][r], tot[1][r]));
-    if (full < K) {  // a last 32-block (K = 64i + 32): its 16 bytes, the even / odd runs' first halves
-      const int8_t* qe = p.xq8 + m * kq + full;
-      int32_t isum = 0;
-      for (int i = 0; i < 16; ++i) {
-        const uint8_t byte = w[full / 2 + i];
-        isum += AFFINE ? (byte >> 4) * qe[i] + (byte & 15) * qe[32 + i]
-                       : p.q8_table[byte >> 4] * qe[i] + p.q8_table[byte & 15] * qe[32 + i];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r, row = n + i;
+      float acc = hsum(_mm256_add_ps(tot[0][i][r], tot[1][i][r]));
+      if (full < K) {  // a last 32-block (K = 64i + 32): its 16 bytes, the even / odd runs' first halves
+        const int8_t* qe = p.xq8 + m * kq + full;
+        int32_t isum = 0;
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t byte = w[i][full / 2 + j];
+          isum += AFFINE ? (byte >> 4) * qe[j] + (byte & 15) * qe[32 + j]
+                         : p.q8_table[byte >> 4] * qe[j] + p.q8_table[byte & 15] * qe[32 + j];
+        }
+        acc += static_cast<float>(isum) * (p.xa[(m * (kq / 64) + full / 64) * 8] * lut4_scale(p, row, full / B));
       }
-      acc += static_cast<float>(isum) * (p.xa[(m * (kq / 64) + full / 64) * 8] * lut4_scale(p, n, full / B));
-    }
-    if (AFFINE) {  // sum_b (s_b d_b + z_b) X_b, 8 blocks at a time (int4 scales are plain)
-      const int64_t G = p.blocks_per_row, b0 = n * G;
-      const float* X = p.xblk + m * G;
-      const __m256 c0 = _mm256_set1_ps(p.codebook[0]);
-      __m256 o = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; srow && g + 8 <= G; g += 8) {
-        __m256 d = p.shifts ? _mm256_add_ps(c0, _mm256_loadu_ps(p.shifts + b0 + g)) : c0;
-        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(srow + g), d);
-        if (p.zeros) t = _mm256_add_ps(t, _mm256_loadu_ps(p.zeros + b0 + g));
-        o = _mm256_fmadd_ps(t, _mm256_loadu_ps(X + g), o);
+      if (AFFINE) {  // sum_b (s_b d_b + z_b) X_b, 8 blocks at a time (int4 scales are plain)
+        const int64_t G = p.blocks_per_row, b0 = row * G;
+        const float* X = p.xblk + m * G;
+        const __m256 c0 = _mm256_set1_ps(p.codebook[0]);
+        __m256 o = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; srow[i] && g + 8 <= G; g += 8) {
+          __m256 d = p.shifts ? _mm256_add_ps(c0, _mm256_loadu_ps(p.shifts + b0 + g)) : c0;
+          __m256 t = _mm256_mul_ps(_mm256_loadu_ps(srow[i] + g), d);
+          if (p.zeros) t = _mm256_add_ps(t, _mm256_loadu_ps(p.zeros + b0 + g));
+          o = _mm256_fmadd_ps(t, _mm256_loadu_ps(X + g), o);
+        }
+        acc += hsum(o);
+        for (; g < G; ++g) acc += lut4_q8_offset(p, row, g, lut4_scale(p, row, g)) * X[g];
       }
-      acc += hsum(o);
-      for (; g < G; ++g) acc += lut4_q8_offset(p, n, g, lut4_scale(p, n, g)) * X[g];
+      p.out[m * p.N + row] = p.bias ? acc + p.bias[row] : acc;
     }
-    p.out[m * p.N + n] = p.bias ? acc + p.bias[n] : acc;
-  }
 }
 
 template <bool AFFINE>
 void rows(const Lut4Params& p, int64_t n0, int64_t n1) {
+  if (p.M == 1) {  // decode: two weight rows per pass share the activation loads
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) row_pass<AFFINE, 1, 2>(p, n, 0);
+    if (n < n1) row_pass<AFFINE, 1, 1>(p, n, 0);
+    return;
+  }
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m0 = 0; m0 < p.M; m0 += kRows) {
       switch (p.M - m0 < kRows ? p.M - m0 : kRows) {
-        case 1: row_pass<AFFINE, 1>(p, n, m0); break;
-        case 2: row_pass<AFFINE, 2>(p, n, m0); break;
-        case 3: row_pass<AFFINE, 3>(p, n, m0); break;
-        default: row_pass<AFFINE, 4>(p, n, m0); break;
+        case 1: row_pass<AFFINE, 1, 1>(p, n, m0); break;
+        case 2: row_pass<AFFINE, 2, 1>(p, n, m0); break;
+        case 3: row_pass<AFFINE, 3, 1>(p, n, m0); break;
+        default: row_pass<AFFINE, 4, 1>(p, n, m0); break;
       }
     }
 }
