@@ -62,7 +62,8 @@ def test_the_table_lists_every_op_with_its_device_implementations():
 
 
 def test_no_op_is_defined_outside_torchq_ops():
-    pattern = re.compile(r"custom_op\(|\.define\(|library\.Library\(")
+    # a Library opened with "IMPL" only registers kernels for ops defined elsewhere
+    pattern = re.compile(r"custom_op\(|\.define\(|library\.Library\((?![^)]*\"IMPL\")")
     offenders = [str(path.relative_to(ROOT)) for path in ROOT.rglob("*.py")
                  if path.parent.name != "ops" and pattern.search(path.read_text())]
     assert offenders == []

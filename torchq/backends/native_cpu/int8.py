@@ -19,12 +19,29 @@ from ...ops.int8 import (
 )
 from ...prefill import tile_dtype, tiled_linear, use_tiles
 from . import library as native_library
+from .registration import register_cpu_kernel
 
 __all__ = ["NATIVE_MIN_CODE", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu", "weight_linear_cpu", "dynamic_linear_cpu"]
 
 
-@int8_weight_linear.register_kernel("cpu")
+def _int8_weight(op: str, codes: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> native_library.NativeWeight:
+    """The native weight of an int8 call, cached per codes tensor
+    (:func:`~torchq.backends.native_cpu.library.op_weight`) when it needs no copies (contiguous
+    codes, contiguous fp32 scales); otherwise built on copies."""
+
+    def build() -> tuple[native_library.NativeWeight, bool]:
+        used_codes, used_scale = codes.contiguous(), scale.reshape(-1).to(torch.float32).contiguous()
+        in_place = used_codes.data_ptr() == codes.data_ptr() and used_scale.data_ptr() == scale.data_ptr()
+        return native_library.int8_weight(op, used_codes, used_scale, n, k), in_place
+
+    return native_library.op_weight(codes, (scale,), (op, n, k), build)
+
+
+@register_cpu_kernel(int8_weight_linear)
 def int8_weight_linear_cpu(x, codes, scale, bias=None):
+    weight = native_library.cached_op_weight(codes, (scale,), ("int8_weight_linear", *codes.shape))
+    if weight is not None and native_library.takes_fused(weight, x):  # a compiled graph's call: checked when built
+        return native_library.run_linear(weight, x, bias)
     check_int8_weight_args(x, codes, scale, bias)
     return weight_linear_cpu(x, codes, scale, bias)
 
@@ -39,9 +56,7 @@ def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         return int8_weight_reference(x, codes, scale, bias)
     n, k = codes.shape
     m = x.numel() // k
-    codes = codes.contiguous()
-    scale = scale.reshape(-1).to(torch.float32).contiguous()
-    weight = native_library.int8_weight("int8_weight_linear", codes, scale, n, k)
+    weight = _int8_weight("int8_weight_linear", codes, scale, n, k)
     if use_tiles(m, x.dtype):
         b = native_library.checked_bias(bias, n, "int8_weight_linear")
         out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
@@ -53,8 +68,13 @@ def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 NATIVE_MIN_CODE = -127
 
 
-@int8_dynamic_linear.register_kernel("cpu")
+@register_cpu_kernel(int8_dynamic_linear)
 def int8_dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias=None):
+    weight = native_library.cached_op_weight(codes, (scale,), ("int8_dynamic_linear", *codes.shape))
+    # a compiled graph's call, checked when built (also the activation range: derived after the checks)
+    dynamic = None if weight is None else weight.derived((quant_min, quant_max, eps))
+    if dynamic is not None and x.numel():
+        return native_library.run_linear(dynamic, x, bias)
     check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias)
     return dynamic_linear_cpu(x, codes, scale, quant_min, quant_max, eps, bias)
 
@@ -69,7 +89,5 @@ def dynamic_linear_cpu(x, codes, scale, quant_min: int, quant_max: int, eps: flo
             native.warn_reference("int8_dynamic_linear", f"activation codes [{quant_min}, {quant_max}] (the kernel takes [-127, 127])")
         return int8_dynamic_reference(x, codes, scale, quant_min, quant_max, eps, bias)
     n, k = codes.shape
-    codes = codes.contiguous()
-    scale = scale.reshape(-1).to(torch.float32).contiguous()
-    weight = native_library.int8_weight("int8_dynamic_linear", codes, scale, n, k).dynamic(quant_min, quant_max, eps)
+    weight = _int8_weight("int8_dynamic_linear", codes, scale, n, k).dynamic(quant_min, quant_max, eps)
     return native_library.run_linear(weight, x, bias)

@@ -30,7 +30,7 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "ptr", "run_linear", "threads", "validate", "weight_args",
+    "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
 ]
 
@@ -262,6 +262,11 @@ class NativeWeight:
         return found
 
 
+    def derived(self, key: tuple) -> NativeWeight | None:
+        """The weight :meth:`dynamic` (``key`` its arguments) or :meth:`int8_activations` (key
+        ``("int8_activations",)``) built from this one, if built already (else None)."""
+        return self._dynamic.get(key)
+
     def int8_activations(self) -> NativeWeight:
         """This 4-bit weight with activations quantized per 32-block to int8
         (:class:`torchq.activation.PerBlockInt8`) and integer dot products, built once."""
@@ -382,6 +387,66 @@ def weight_args(owner: object, build: Callable[[object], NativeWeight | None]) -
         # Built for this shape only, and holding every attribute the pointers may point into:
         # reassigning one cannot leave them dangling.
         _ARGS.set(owner, (shape, weight, tuple(vars(owner).values())))
+    return weight
+
+
+_OP_WEIGHTS = IdentityCache()
+
+
+def cached_op_weight(key: torch.Tensor, others: tuple[torch.Tensor | None, ...], params: tuple) -> NativeWeight | None:
+    """The weight :func:`op_weight` cached for these arguments, or None (nothing built): an op's
+    kernel calls it before its argument checks, which passed when the weight was built for the
+    same tensors (the per-call arguments, x and bias, are checked by :func:`run_linear`). None
+    too while the library is disabled."""
+    if _LIB is None or DISABLED.get():
+        return None
+    entry = _OP_WEIGHTS.get(key)
+    if (entry is not None and entry[1] == params and entry[2] == key.data_ptr() and entry[3] == key.shape
+            and entry[4] == key.dtype and len(entry[5]) == len(others)
+            and all(a is b and (a is None or a.data_ptr() == p) for a, b, p in zip(others, entry[5], entry[6]))):
+        return entry[0]
+    return None
+
+
+def takes_fused(weight: NativeWeight, x: torch.Tensor) -> bool:
+    """Whether ``x @ W.T`` runs the fused kernel (:func:`run_linear`) for ``weight``: x has rows,
+    and for a weight-only 4-bit or int8 weight no more than dequantized tiles + ``torch.mm`` would
+    take (:func:`torchq.prefill.use_tiles`; the dynamic-activation formats always run fused)."""
+    m = x.numel() // weight.k
+    if m <= 0:
+        return False
+    if weight.format == abi.FORMAT_LUT4:
+        return not use_tiles(m, x.dtype, lut4_gemm_active())
+    if weight.format == abi.FORMAT_INT8:
+        return not use_tiles(m, x.dtype)
+    return True
+
+
+def op_weight(key: torch.Tensor, others: tuple[torch.Tensor | None, ...], params: tuple,
+              build: Callable[[], tuple[NativeWeight, bool]]) -> NativeWeight:
+    """The :class:`NativeWeight` an op's CPU kernel builds from its arguments, built once per live
+    ``key`` tensor (the packed codes) and reused while ``key`` keeps its data pointer, shape and
+    dtype, every tensor of ``others`` is the same object at the same data pointer, and ``params``
+    (the op's other arguments the weight depends on) are equal. The layouts' eager paths cache
+    per impl (:func:`weight_args`); this is the same saving for calls through the dispatcher (a
+    ``torch.compile`` graph passes the same tensors at every call).
+
+    ``build()`` returns ``(weight, in_place)``: ``in_place`` when the weight points only into the
+    memory of ``key`` and ``others`` (no contiguous or dtype copies, which would not see in-place
+    updates); only such a weight is cached. The cache holds ``key`` weakly (the entry goes with
+    it: the cached weight keeps no tensor of ``key``'s storage, so a model can be freed) and the
+    tensors of ``others`` strongly through the weight."""
+    found = cached_op_weight(key, others, params)
+    if found is not None:
+        return found
+    weight, in_place = build()
+    if in_place:
+        storage = key.untyped_storage().data_ptr()
+        weight._tensors = tuple(t for t in weight._tensors if t.untyped_storage().data_ptr() != storage)
+        for derived in weight._dynamic.values():
+            derived._tensors = weight._tensors
+        _OP_WEIGHTS.set(key, (weight, params, key.data_ptr(), key.shape, key.dtype, others,
+                              tuple(None if t is None else t.data_ptr() for t in others)))
     return weight
 
 

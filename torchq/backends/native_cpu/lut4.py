@@ -48,6 +48,7 @@ from ...ops.int8act import (
 )
 from ...prefill import tile_dtype, tiled_linear, use_tiles
 from . import library as native_library
+from .registration import register_cpu_kernel
 
 __all__ = ["TABLES", "blockwise_4bit_native_weight", "blockwise_4bit_linear_cpu", "blockwise_linear_cpu", "gemv_4bit_cpu", "gemm_4bit_cpu",
            "int4_groupwise_linear_cpu", "int4_native_weight", "int4_linear_cpu", "int4_a8_cpu", "blockwise_a8_cpu",
@@ -68,15 +69,32 @@ def blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_abs
                               nested=(nested_codes, nested_absmax, nested_offset, _DYNAMIC) if nested else None)
 
 
+def _contiguous(ts):
+    return tuple(None if t is None else t.contiguous() for t in ts)
+
+
+def _in_place(given, used) -> bool:
+    """Whether every tensor of ``used`` (the contiguous forms of ``given``) is ``given``'s own memory."""
+    return all(a is None or a.data_ptr() == b.data_ptr() for a, b in zip(given, used))
+
+
+def _blockwise_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize) -> native_library.NativeWeight:
+    """The native weight of a blockwise call, cached per packed tensor
+    (:func:`~torchq.backends.native_cpu.library.op_weight`) when it needs no copies; otherwise
+    built on contiguous copies (referenced by the weight for the call)."""
+    given = (packed, table, absmax, nested_codes, nested_absmax, nested_offset)
+
+    def build() -> tuple[native_library.NativeWeight, bool]:
+        used = _contiguous(given)
+        return blockwise_4bit_native_weight(*used, n, k, blocksize), _in_place(given, used)
+
+    return native_library.op_weight(packed, given[1:], ("blockwise", n, k, blocksize), build)
+
+
 def _native_linear(x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias): fused kernel for small M (fp32 arithmetic, one rounding to
     x's dtype), dequantized tiles + torch.mm (see torchq.prefill.use_tiles)."""
-    # contiguous copies (none for the layout's own tensors) stay referenced by the weight
-    packed, table = packed.contiguous(), table.contiguous()
-    absmax = None if absmax is None else absmax.contiguous()
-    nested_codes = None if nested_codes is None else nested_codes.contiguous()
-    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    weight = blockwise_4bit_native_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
+    weight = _blockwise_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
     m = x.numel() // k
     if not use_tiles(m, x.dtype, native_library.lut4_gemm_active()):
         return native_library.run_linear(weight, x, bias)
@@ -89,8 +107,12 @@ TABLES = {name: codebook(name).contiguous() for name in ("nf4", "fp4")}
 _DYNAMIC = dynamic_map().contiguous()
 
 
-@blockwise_4bit_linear.register_kernel("cpu")
+@register_cpu_kernel(blockwise_4bit_linear)
 def blockwise_4bit_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias=None):
+    weight = native_library.cached_op_weight(packed, (TABLES.get(quant_type), absmax, nested_codes, nested_absmax, nested_offset),
+                                             ("blockwise", *shape, blocksize))
+    if weight is not None and native_library.takes_fused(weight, x):  # a compiled graph's call: checked when built
+        return native_library.run_linear(weight, x, bias)
     check_blockwise_4bit_linear_args(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
     return blockwise_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
 
@@ -137,7 +159,7 @@ def _native_4bit_matmul(op: str, A, B, shapeB, table, blocksize, bias, reference
     return _native_linear(A, packed, table, *scales, n, k, blocksize, bias)
 
 
-@gemv_4bit.register_kernel("cpu")
+@register_cpu_kernel(gemv_4bit)
 def gemv_4bit_cpu(A, B, shapeB, absmax, code, blocksize):
     def reference() -> torch.Tensor:
         return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
@@ -146,7 +168,7 @@ def gemv_4bit_cpu(A, B, shapeB, absmax, code, blocksize):
     return _native_4bit_matmul("gemv_4bit", A, B, shapeB, code, blocksize, None, reference, absmax)
 
 
-@gemm_4bit.register_kernel("cpu")
+@register_cpu_kernel(gemm_4bit)
 def gemm_4bit_cpu(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None, absmax_offset=None):
     def reference() -> torch.Tensor:
         return gemm_4bit_reference(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
@@ -169,10 +191,13 @@ def _int4_codebook(code_base: float) -> torch.Tensor:
     return _CODEBOOKS[code_base]
 
 
-@int4_groupwise_linear.register_kernel("cpu")
+@register_cpu_kernel(int4_groupwise_linear)
 def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
     """Native: fused dequantize + dot in fp32 (weights exactly the reference's values, one
     rounding to x's dtype at the end), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
+    weight = native_library.cached_op_weight(packed, (scale, shift, zero), ("int4", *shape, group_size, code_base, round_mul, round_add))
+    if weight is not None and native_library.takes_fused(weight, x):  # a compiled graph's call: checked when built
+        return native_library.run_linear(weight, x, bias)
     check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias)
     return int4_linear_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, round_mul, round_add, bias)
 
@@ -187,6 +212,19 @@ def int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, 
                               round_mul=round_mul, round_add=round_add)
 
 
+def _int4_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add) -> native_library.NativeWeight:
+    """The native weight of an int4 call, cached per packed tensor
+    (:func:`~torchq.backends.native_cpu.library.op_weight`) when it needs no copies; otherwise
+    built on contiguous copies (referenced by the weight for the call)."""
+    given = (packed, scale, shift, zero)
+
+    def build() -> tuple[native_library.NativeWeight, bool]:
+        used = _contiguous(given)
+        return int4_native_weight(*used, n, k, group_size, code_base, round_mul, round_add), _in_place(given, used)
+
+    return native_library.op_weight(packed, given[1:], ("int4", n, k, group_size, code_base, round_mul, round_add), build)
+
+
 def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias) -> torch.Tensor:
     """The CPU kernel of ``int4_groupwise_linear`` on checked arguments (the layout's dispatch
     entry calls it directly in eager mode)."""
@@ -195,10 +233,7 @@ def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, 
         if lib is None:
             native.warn_reference("int4_groupwise_linear")
         return int4_groupwise_reference(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias)
-    packed, scale = packed.contiguous(), scale.contiguous()  # no copies for the layout's own tensors
-    shift = None if shift is None else shift.contiguous()
-    zero = None if zero is None else zero.contiguous()
-    weight = int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
+    weight = _int4_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
     m = x.numel() // k
     if not use_tiles(m, x.dtype, native_library.lut4_gemm_active()):
         return native_library.run_linear(weight, x, bias)
@@ -217,8 +252,11 @@ def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, 
 
 
 # -- int8 activations (torchq.ops.int8act) ---------------------------------------------------------------
-@int4_groupwise_linear_a8.register_kernel("cpu")
+@register_cpu_kernel(int4_groupwise_linear_a8)
 def int4_groupwise_linear_a8_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, bias=None):
+    weight = native_library.cached_op_weight(packed, (scale, shift, zero), ("int4", *shape, group_size, code_base, 0, 0))
+    if weight is not None and x.numel():  # a compiled graph's call: checked when built
+        return native_library.run_linear(weight.int8_activations(), x, bias)
     check_int4_a8_args(x, packed, scale, shift, zero, shape, group_size, code_base, bias)
     return int4_a8_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, bias)
 
@@ -249,16 +287,17 @@ def int4_a8_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, bias
         if lib is None:
             native.warn_reference("int4_groupwise_linear_a8")
         return int4_a8_reference(x, packed, scale, shift, zero, n, k, group_size, code_base, bias)
-    packed, scale = packed.contiguous(), scale.contiguous()
-    shift = None if shift is None else shift.contiguous()
-    zero = None if zero is None else zero.contiguous()
-    weight = int4_native_weight(packed, scale, shift, zero, n, k, group_size, code_base, 0, 0).int8_activations()
+    weight = _int4_weight(packed, scale, shift, zero, n, k, group_size, code_base, 0, 0).int8_activations()
     return native_library.run_linear(weight, x, bias)
 
 
-@blockwise_4bit_linear_a8.register_kernel("cpu")
+@register_cpu_kernel(blockwise_4bit_linear_a8)
 def blockwise_4bit_linear_a8_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type,
                                  bias=None):
+    weight = native_library.cached_op_weight(packed, (TABLES.get(quant_type), absmax, nested_codes, nested_absmax, nested_offset),
+                                             ("blockwise", *shape, blocksize))
+    if weight is not None and x.numel():  # a compiled graph's call: checked when built
+        return native_library.run_linear(weight.int8_activations(), x, bias)
     check_blockwise_4bit_linear_args(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
     return blockwise_a8_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type, bias)
 
@@ -274,9 +313,5 @@ def blockwise_a8_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offs
         return blockwise_4bit_a8_reference(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize,
                                            quant_type, bias)
     n, k = shape
-    absmax = None if absmax is None else absmax.contiguous()
-    nested_codes = None if nested_codes is None else nested_codes.contiguous()
-    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    weight = blockwise_4bit_native_weight(packed.contiguous(), TABLES[quant_type], absmax, nested_codes, nested_absmax,
-                                          nested_offset, n, k, blocksize)
+    weight = _blockwise_weight(packed, TABLES[quant_type], absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
     return native_library.run_linear(weight.int8_activations(), x, bias)
