@@ -25,8 +25,29 @@ class BuildNative(build_ext):
 
     def build_extension(self, ext):
         print(f"torchq: building native CPU kernels {ext.name} from {len(ext.sources)} sources ({', '.join(ext.sources)})")
+        if self._openmp_works():  # parallel ranges on PyTorch's own OpenMP threads (csrc/threadpool.cpp)
+            ext.extra_compile_args = [*ext.extra_compile_args, "-fopenmp"]
+            ext.extra_link_args = [*ext.extra_link_args, "-fopenmp"]
+        else:
+            print("torchq: the compiler has no OpenMP; the native kernels use their own thread pool")
         super().build_extension(ext)
         print(f"torchq: built {self.get_ext_fullpath(ext.name)}")
+
+    def _openmp_works(self) -> bool:
+        """Whether the compiler builds and links an OpenMP program (gcc: libgomp)."""
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "omp_probe.cpp")
+            with open(src, "w") as f:
+                f.write("#include <omp.h>\nint main() { int n = 0;\n#pragma omp parallel\n{ n = omp_get_num_threads(); }\nreturn n > 0 ? 0 : 1; }\n")
+            try:
+                objects = self.compiler.compile([src], output_dir=tmp, extra_postargs=["-fopenmp"])
+                self.compiler.link_executable(objects, "omp_probe", output_dir=tmp, extra_postargs=["-fopenmp"])
+            except Exception:  # noqa: BLE001 - any failure means: no OpenMP
+                return False
+        return True
 
 
 flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]

@@ -216,6 +216,10 @@ def quantized(model: nn.Module, name: str, lm_head: str = "same") -> nn.Module:
     if lm_head != "same":
         config = {"lm_head": torchq.int8_weight_only() if lm_head == "int8" else None, "_default": config}
     out = copy.deepcopy(model)
+    # transformers keeps generate's compiled forward on the model (_compiled_call, bound to that very
+    # model): a deep copy would carry the original's and run it, so the copy compiles its own.
+    for name_ in ("_compiled_call", "_last_compile_config"):
+        out.__dict__.pop(name_, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)  # lm_head and the embedding share their weight
         torchq.quantize_(out, config)
@@ -293,11 +297,32 @@ def same_prefix(tokens: list[int], reference: list[int]) -> int:
     return n
 
 
+def prepare_compile(progress: Callable[[str], None]) -> None:
+    """Settings for the ``+compile`` rows: a fresh inductor cache (unless TORCHINDUCTOR_CACHE_DIR
+    is set), since an artifact left by another run (other ISA caps, other versions) was seen to be
+    loaded for the decode graph and crash it (an out-of-bounds embedding read, torch 2.13); and a
+    recompile limit above the default 8, since every config's model adds entries for the same
+    transformers code objects (decode and prefill graphs per model): past the limit dynamo runs the
+    frame eagerly, and the later configs would be timed uncompiled."""
+    import tempfile
+
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        import atexit
+        import shutil
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchq_bench_inductor_")
+        atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
+        progress(f"inductor cache: fresh, {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
 def run(args: argparse.Namespace, isa: str) -> dict:
     """The whole benchmark under the ISA this process has; returns its rows and what it ran under."""
     progress = Progress(not args.quiet)
     dtype = DTYPES[args.dtype]
     info = isa_caps.isa_info(isa)
+    if args.compile:
+        prepare_compile(progress)
     header = (f"# {isa_caps.isa_label(info)}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
               f"{os.cpu_count()} CPUs, {args.dtype}")
     progress(header.removeprefix("# "))

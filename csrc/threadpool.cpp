@@ -16,6 +16,7 @@
 // thread) runs its whole range inline. After fork() the child starts a fresh pool (the parent's
 // threads do not exist there).
 #include <immintrin.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -29,6 +30,10 @@
 #include <vector>
 
 #include "common.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace tq {
 namespace {
@@ -118,6 +123,32 @@ std::atomic<int64_t> g_min_parallel_work{[] {
   return s && *s ? static_cast<int64_t>(atoll(s)) : static_cast<int64_t>(1) << 16;
 }()};
 
+// Which threads run parallel_for's ranges: POOL_OPENMP (built with OpenMP, the default) runs them
+// in an OpenMP parallel region. The library links libgomp.so.1 by name; loaded into a process
+// where PyTorch already loaded its own libgomp.so.1 (torch/lib), the dynamic loader binds the
+// library to that one, so the ranges run on PyTorch's intra-op threads. Between PyTorch ops
+// those threads spin waiting for the next region: a separate pool's worker then finds its core
+// taken, and the caller ends up running every range itself (measured at M = 256 on 2 cores: half
+// the calls took twice as long). POOL_OWN (TORCHQ_NATIVE_POOL=own, or a build without OpenMP):
+// the pool above. A forked child always uses the own pool (see g_atfork).
+enum PoolMode : int { POOL_OWN = 0, POOL_OPENMP = 1 };
+#ifdef _OPENMP
+constexpr bool kHaveOpenMP = true;
+#else
+constexpr bool kHaveOpenMP = false;
+#endif
+std::atomic<int> g_pool_mode{[] {
+  const char* s = getenv("TORCHQ_NATIVE_POOL");
+  const bool own = s && (s[0] == 'o' && s[1] == 'w' && s[2] == 'n' && s[3] == 0);
+  return kHaveOpenMP && !own ? POOL_OPENMP : POOL_OWN;
+}()};
+
+// A forked child of a process that ran OpenMP regions inherits libgomp's record of threads that
+// do not exist there: its next region would wait for them forever. Every fork after this library
+// loaded switches the child to the own pool (which starts fresh after a fork).
+void use_own_pool_after_fork() { g_pool_mode.store(POOL_OWN, std::memory_order_relaxed); }
+const int g_atfork = pthread_atfork(nullptr, nullptr, use_own_pool_after_fork);
+
 }  // namespace
 
 int64_t min_parallel_work() { return g_min_parallel_work.load(std::memory_order_relaxed); }
@@ -134,6 +165,18 @@ void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, 
     fn(ctx, 0, n);
     return;
   }
+#ifdef _OPENMP
+  if (g_pool_mode.load(std::memory_order_relaxed) == POOL_OPENMP) {
+#pragma omp parallel num_threads(parts)
+    {
+      // the team may be smaller than asked (nested in another region: one thread): its size splits
+      const int64_t team = omp_get_num_threads(), i = omp_get_thread_num();
+      const int64_t b0 = (units * i / team) * grain, b1 = (units * (i + 1) / team) * grain;
+      fn(ctx, b0 < n ? b0 : n, b1 < n ? b1 : n);
+    }
+    return;
+  }
+#endif
   Pool* p = pool();
   std::unique_lock<std::mutex> call(p->call_mu, std::try_to_lock);
   if (!call.owns_lock()) {  // another thread is using the pool: run inline
@@ -190,4 +233,12 @@ void parallel_for(int64_t n, int64_t grain, int threads, RangeFn fn, void* ctx, 
 TQ_API int64_t tq_set_min_parallel_work(int64_t work) {
   if (work < 0) return tq::g_min_parallel_work.load();
   return tq::g_min_parallel_work.exchange(work);
+}
+
+// The pool parallel_for uses (0: torchq's own, 1: OpenMP, PyTorch's threads); returns the previous
+// mode, or -1 (nothing changed) for 1 in a build without OpenMP. A negative mode only reads it.
+TQ_API int tq_set_thread_pool(int mode) {
+  if (mode < 0) return tq::g_pool_mode.load();
+  if (mode > 1 || (mode == 1 && !tq::kHaveOpenMP)) return -1;
+  return tq::g_pool_mode.exchange(mode);
 }

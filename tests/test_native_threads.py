@@ -111,11 +111,12 @@ STRESS_CHILD = textwrap.dedent(
 )
 
 
-def run_stress(phases: str, limit: float) -> list[list[int]]:
-    """Runs the child with `phases` ("python_threads:seconds,..."); its calls per Python thread."""
+def run_stress(phases: str, limit: float, pool: str = "") -> list[list[int]]:
+    """Runs the child with `phases` ("python_threads:seconds,..."); its calls per Python thread.
+    ``pool``: TORCHQ_NATIVE_POOL for the child ("own": torchq's pool; "": the default)."""
     try:
         # every call split over the torch threads: the default least work per thread would keep these small layers on one
-        env = dict(os.environ, TORCHQ_NATIVE_MIN_PARALLEL_WORK="0")
+        env = dict(os.environ, TORCHQ_NATIVE_MIN_PARALLEL_WORK="0", TORCHQ_NATIVE_POOL=pool)
         proc = subprocess.run([sys.executable, "-c", STRESS_CHILD, phases], cwd=ROOT, capture_output=True, text=True,
                               timeout=limit, env=env)
     except subprocess.TimeoutExpired:
@@ -125,11 +126,71 @@ def run_stress(phases: str, limit: float) -> list[list[int]]:
 
 
 @needs_native
-def test_concurrent_calls_equal_single_threaded() -> None:
+@pytest.mark.parametrize("pool", ["", "own"])
+def test_concurrent_calls_equal_single_threaded(pool: str) -> None:
     """One Python thread alternating shapes, then 4 at once, under 1..8 torch threads: bit-equal
-    to one thread, no hang, no crash."""
-    summary = run_stress("1:1.5,4:1.5", limit=90.0)
+    to one thread, no hang, no crash; with the default pool (OpenMP where built with it: torch's
+    own threads) and with torchq's own pool."""
+    summary = run_stress("1:1.5,4:1.5", limit=90.0, pool=pool)
     assert all(sum(done) > 20 for done in summary), summary
+
+
+@needs_native
+def test_thread_pool_is_read_set_and_checked() -> None:
+    import torch
+
+    import torchq
+    from torchq.backends.native_cpu import library as native_library
+
+    before = native_library.thread_pool()
+    assert before in native_library.THREAD_POOLS
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        native_library.thread_pool("tbb")
+    lin = torch.nn.Linear(256, 96)
+    torchq.quantize_(lin, torchq.int4_weight_only(group_size=32))
+    x = torch.randn(80, 256)
+    outs = {}
+    try:
+        for kind in native_library.THREAD_POOLS:
+            try:
+                native_library.thread_pool(kind)
+            except RuntimeError as e:  # a build without OpenMP
+                assert "without OpenMP" in str(e) and kind == "openmp"
+                continue
+            assert native_library.thread_pool() == kind
+            with torch.no_grad():
+                outs[kind] = lin(x)
+    finally:
+        native_library.thread_pool(before)
+    assert all(torch.equal(o, outs["own"]) for o in outs.values())
+
+
+@needs_native
+def test_openmp_pool_shares_the_openmp_runtime_torch_loaded() -> None:
+    """Built with OpenMP, the library binds to the libgomp PyTorch loaded (one runtime in the
+    process, so the native ranges run on torch's own intra-op threads)."""
+    import ast
+
+    code = textwrap.dedent(
+        """
+        import torch, torchq
+        from torchq.backends.native_cpu import library as L
+        lin = torch.nn.Linear(256, 96)
+        torchq.quantize_(lin, torchq.int4_weight_only(group_size=32))
+        with torch.no_grad():
+            lin(torch.randn(80, 256))
+        print(L.thread_pool())
+        print(sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TORCHQ_NATIVE_POOL=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pool, runtimes = proc.stdout.strip().splitlines()[-2:]
+    if pool != "openmp":
+        pytest.skip(f"the library was built without OpenMP (pool {pool})")
+    runtimes = ast.literal_eval(runtimes)
+    assert len(runtimes) == 1, f"more than one OpenMP runtime loaded: {runtimes}"
 
 
 @needs_native

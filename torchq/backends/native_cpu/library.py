@@ -30,7 +30,7 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
 ]
 
@@ -51,6 +51,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
     "tq_dequantize_rows": (_c_int, [_ptr, _c_int64, _c_int64, _ptr, _c_int, _c_int]),  # weight, n0, n1, dst, bf16, threads
     "tq_set_min_parallel_work": (_c_int64, [_c_int64]),  # the least multiply-adds per thread (negative: read)
+    "tq_set_thread_pool": (_c_int, [_c_int]),  # 0 own pool, 1 OpenMP (negative: read)
     "tq_to_f32": (_c_int, [_ptr, _c_int, _c_int64, _ptr]),
     "tq_from_f32": (_c_int, [_ptr, _c_int64, _c_int, _ptr]),
 }
@@ -158,6 +159,27 @@ def min_parallel_work(work: int | None = None) -> int:
     if work is not None and (isinstance(work, bool) or not isinstance(work, int) or work < 0):
         raise ValueError(f"work: expected a non-negative int, got {work!r}")
     return int(_LIB.tq_set_min_parallel_work(-1 if work is None else work))
+
+
+THREAD_POOLS = ("own", "openmp")
+
+
+def thread_pool(kind: str | None = None) -> str:
+    """Which threads run a split native call: ``"openmp"`` (the default where the library was
+    built with OpenMP: it binds to the OpenMP runtime PyTorch loaded, so the ranges run on
+    PyTorch's own intra-op threads instead of competing with them) or ``"own"`` (torchq's pool,
+    csrc/threadpool.cpp; also ``TORCHQ_NATIVE_POOL=own`` at load). With ``kind``, set it and
+    return the previous one. Results are the same bits either way."""
+    if _LIB is None:
+        raise RuntimeError(f"torchq native library not available: {_REASON}")
+    if kind is None:
+        return THREAD_POOLS[_LIB.tq_set_thread_pool(-1)]
+    if kind not in THREAD_POOLS:
+        raise ValueError(f"kind: expected one of {THREAD_POOLS}, got {kind!r}")
+    previous = _LIB.tq_set_thread_pool(THREAD_POOLS.index(kind))
+    if previous < 0:
+        raise RuntimeError("torchq native library was built without OpenMP: only the 'own' thread pool is available")
+    return THREAD_POOLS[previous]
 
 
 def eager_cpu(x: torch.Tensor) -> bool:
