@@ -2,12 +2,14 @@
 
 The library has a plain C ABI (no torch or Python headers), is loaded with :mod:`ctypes`,
 and is called from the CPU implementations of ``torchq::`` ops (:mod:`torchq.backends.native_cpu`) whose pure-PyTorch references
-stay the fallback. It picks AVX-512, AVX2+FMA or a portable path at run time and threads over
-``torch.get_num_threads()``.
+stay the fallback. It picks AVX-512, AVX2+FMA or a portable path at run time and splits calls over
+``torch.get_num_threads()`` threads: PyTorch's own OpenMP threads where it was built with OpenMP,
+else (and with ``TORCHQ_NATIVE_POOL=own``, and in a forked child) a small pool of its own.
 
 * :func:`status` says whether it is active, from where, with which ISA, or why not.
 * ``TORCHQ_NATIVE=0`` keeps it from loading; ``TORCHQ_NATIVE_ISA=avx2|scalar`` caps the ISA;
-  ``TORCHQ_NATIVE_SPIN_US`` lets the kernel threads spin that long for the next call (default 0).
+  ``TORCHQ_NATIVE_POOL=own`` selects the library's own thread pool, whose threads
+  ``TORCHQ_NATIVE_SPIN_US`` lets spin that long for the next call (default 0).
 * :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
 
 The loading, validation and call path (``NativeWeight``, ``run_linear`` ...) are in
