@@ -75,54 +75,69 @@ int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
   return DECODE_NONE;
 }
 
-// The activation rows of a call in a kernel path's order: rows [m0, m1) of x (K_in elements of
-// `dtype` each) converted to fp32, zero-padded to K, permuted per chunk by `order` into xp, and
-// for the affine decode path each span's per-lane sums (in double, rounded once) into xsums.
-// Rows are independent, so they run in parallel (one row per range at least): at M = 256,
-// K = 1536 this preparation took 0.6 ms on one thread, a fifth of the GEMM after it.
-struct PrepJob {
+// each(ctx, m, row) for every row m of x [M, K_in] of `dtype`, converted to fp32 and zero-padded
+// to `padded` elements in a buffer of the calling thread's own. Rows are independent, so they run
+// in parallel (`work`: parallel_for's estimate of the call's size): at M = 256, K = 1536 the
+// activation preparation below took 0.6 ms on one thread, a fifth of the GEMM after it. False
+// when a thread could not allocate its buffer.
+typedef void (*RowFn)(void* ctx, int64_t m, float* row);
+struct EachRowJob {
   const void* x;
   int dtype;
-  size_t esize;
-  int64_t K_in, K, chunk;
+  int64_t K_in, padded;
+  RowFn each;
+  void* ctx;
+  std::atomic<bool> failed{false};
+};
+
+void each_row_range(void* ctx, int64_t m0, int64_t m1) {
+  EachRowJob& j = *static_cast<EachRowJob*>(ctx);
+  float* row = static_cast<float*>(aligned_alloc(64, (j.padded * sizeof(float) + 63) / 64 * 64));
+  if (!row) {
+    j.failed.store(true, std::memory_order_relaxed);
+    return;
+  }
+  const size_t esize = dtype_size(j.dtype);
+  for (int64_t m = m0; m < m1; ++m) {
+    to_f32_row(static_cast<const char*>(j.x) + m * j.K_in * esize, j.dtype, j.K_in, j.padded, row);
+    j.each(j.ctx, m, row);
+  }
+  free(row);
+}
+
+bool for_each_f32_row(const void* x, int dtype, int64_t M, int64_t K_in, int64_t padded, int threads, int64_t work, RowFn each,
+                      void* ctx) {
+  EachRowJob job{x, dtype, K_in, padded, each, ctx};
+  parallel_for(M, 1, threads, each_row_range, &job, 0, work);
+  return !job.failed.load(std::memory_order_relaxed);
+}
+
+// An activation row in a kernel path's order: permuted per chunk by `order` into xp and, for the
+// affine decode path, each span's per-lane sums (in double, rounded once) into xsums.
+struct PrepJob {
+  int64_t K, chunk;
   int16_t order[128];  // the element each position of a chunk takes
   float* xp;
   float* xsums;
   bool affine_sums;
   int64_t span;
   int lanes;
-  std::atomic<bool> failed{false};
 };
 
-void prepare_range(void* ctx, int64_t m0, int64_t m1) {
-  PrepJob& j = *static_cast<PrepJob*>(ctx);
+void prepare_row(void* ctx, int64_t m, float* row) {
+  const PrepJob& j = *static_cast<const PrepJob*>(ctx);
   const int64_t K = j.K;
-  float* row = static_cast<float*>(aligned_alloc(64, (K * sizeof(float) + 63) / 64 * 64));
-  if (!row) {
-    j.failed.store(true, std::memory_order_relaxed);
-    return;
-  }
-  for (int64_t m = m0; m < m1; ++m) {
-    to_f32_row(static_cast<const char*>(j.x) + m * j.K_in * j.esize, j.dtype, j.K_in, K, row);
-    float* dst = j.xp + m * K;
-    for (int64_t k = 0; k < K; k += j.chunk)
-      for (int64_t i = 0; i < j.chunk; ++i) dst[k + i] = row[k + j.order[i]];
-    if (j.affine_sums)  // per span and lane: the sum of the lane's activations
-      for (int64_t k0 = 0; k0 < K; k0 += j.span)
-        for (int l = 0; l < j.lanes; ++l) {
-          double sum = 0.0;
-          for (int64_t k = k0; k < k0 + j.span; k += j.chunk)
-            for (int v = 0; v < 8; ++v) sum += dst[k + v * j.lanes + l];
-          j.xsums[(m * (K / j.span) + k0 / j.span) * j.lanes + l] = static_cast<float>(sum);
-        }
-  }
-  free(row);
-}
-
-// False when a thread could not allocate its row buffer.
-bool prepare_rows(PrepJob& job, int64_t M, int threads) {
-  parallel_for(M, 1, threads, prepare_range, &job, 0, M * job.K * 8);
-  return !job.failed.load(std::memory_order_relaxed);
+  float* dst = j.xp + m * K;
+  for (int64_t k = 0; k < K; k += j.chunk)
+    for (int64_t i = 0; i < j.chunk; ++i) dst[k + i] = row[k + j.order[i]];
+  if (j.affine_sums)  // per span and lane: the sum of the lane's activations
+    for (int64_t k0 = 0; k0 < K; k0 += j.span)
+      for (int l = 0; l < j.lanes; ++l) {
+        double sum = 0.0;
+        for (int64_t k = k0; k < k0 + j.span; k += j.chunk)
+          for (int v = 0; v < 8; ++v) sum += dst[k + v * j.lanes + l];
+        j.xsums[(m * (K / j.span) + k0 / j.span) * j.lanes + l] = static_cast<float>(sum);
+      }
 }
 
 // out = x @ W.T (+ bias), x [M, K_in] and out [M, N] of `dtype`: converts and zero-pads the
@@ -157,10 +172,10 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
         }
     }
   }
-  PrepJob prep{x, dtype, esize, K_in, K, p.decode ? 8 * lanes : 32, {}, xp, xsums, p.decode == DECODE_AFFINE, span, lanes};
+  PrepJob prep{K, p.decode ? 8 * lanes : 32, {}, xp, xsums, p.decode == DECODE_AFFINE, span, lanes};
   for (int64_t i = 0; i < prep.chunk; ++i)
     prep.order[i] = static_cast<int16_t>(p.decode ? lut4_decode_element(lanes, i) : i < 16 ? 2 * i : 2 * (i - 16) + 1);
-  if (!prepare_rows(prep, M, threads)) {
+  if (!for_each_f32_row(x, dtype, M, K_in, K, threads, M * K * 8, prepare_row, &prep)) {
     free(buf);
     return OUT_OF_MEMORY;
   }
@@ -198,41 +213,25 @@ float quantize_block(const float* v, int8_t* codes) {
 // a * q, rounded in fp32 as the reference forms them (the integer loop reads the weight once per 4
 // rows; at M = 16 it took 11.0 ms against 8.8 for fp32 on 4096^2, AVX2, 1 thread).
 struct FakeQuantJob {
-  const void* x;
-  int dtype;
-  size_t esize;
-  int64_t K_in, K, kq;
+  int64_t K;
   float* xhat;
-  std::atomic<bool> failed{false};
 };
 
-void fake_quantize_range(void* ctx, int64_t m0, int64_t m1) {
-  FakeQuantJob& j = *static_cast<FakeQuantJob*>(ctx);
-  const int64_t K = j.K;
-  float* row = static_cast<float*>(aligned_alloc(64, (j.kq * sizeof(float) + 63) / 64 * 64));
-  if (!row) {
-    j.failed.store(true, std::memory_order_relaxed);
-    return;
-  }
+void fake_quantize_row(void* ctx, int64_t m, float* row) {  // row: zero-padded to a multiple of 32
+  const FakeQuantJob& j = *static_cast<const FakeQuantJob*>(ctx);
   int8_t codes[32];
-  for (int64_t m = m0; m < m1; ++m) {
-    to_f32_row(static_cast<const char*>(j.x) + m * j.K_in * j.esize, j.dtype, j.K_in, K, row);
-    for (int64_t k = K; k < j.kq; ++k) row[k] = 0.0f;
-    for (int64_t k = 0; k < K; k += 32) {
-      const float a = quantize_block(row + k, codes);
-      for (int64_t i = 0; i < 32 && k + i < K; ++i) j.xhat[m * K + k + i] = a * static_cast<float>(codes[i]);
-    }
+  for (int64_t k = 0; k < j.K; k += 32) {
+    const float a = quantize_block(row + k, codes);
+    for (int64_t i = 0; i < 32 && k + i < j.K; ++i) j.xhat[m * j.K + k + i] = a * static_cast<float>(codes[i]);
   }
-  free(row);
 }
 
 int linear_fake_quantized(const Lut4Params& p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
   const int64_t M = p.M, K = p.K, kq = (K + 63) / 64 * 64;
   float* xhat = static_cast<float*>(aligned_alloc(64, (M * K * sizeof(float) + 63) / 64 * 64));
   if (!xhat) return OUT_OF_MEMORY;
-  FakeQuantJob job{x, dtype, dtype_size(dtype), K_in, K, kq, xhat};
-  parallel_for(M, 1, threads, fake_quantize_range, &job, 0, M * K * 16);  // rows are independent
-  if (job.failed.load(std::memory_order_relaxed)) {
+  FakeQuantJob job{K, xhat};
+  if (!for_each_f32_row(x, dtype, M, K_in, kq, threads, M * K * 16, fake_quantize_row, &job)) {
     free(xhat);
     return OUT_OF_MEMORY;
   }
