@@ -190,9 +190,10 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   return OK;
 }
 
-// Block j (32 values at v) quantized exactly as torchq.activation.PerBlockInt8 does: codes to
-// codes[0..31] (0 for a non-finite block), the scale returned (NaN for a non-finite block).
-float quantize_block(const float* v, int8_t* codes) {
+}  // namespace
+
+// The portable quantization of one activation block (Lut4Q8BlockFn, lut4_linear.h).
+float lut4_q8_block_portable(const float* v, int8_t* dst, int32_t* qsum) {
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < 32; ++i) {
@@ -201,13 +202,18 @@ float quantize_block(const float* v, int8_t* codes) {
     amax = a > amax ? a : amax;
   }
   const float a = finite ? amax / 127.0f : __builtin_nanf("");
+  int32_t sum = 0;
   for (int i = 0; i < 32; ++i) {
     float q = finite && a > 0.0f ? __builtin_nearbyintf(v[i] / a) : 0.0f;
     q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-    codes[i] = static_cast<int8_t>(q);
+    dst[(i & 1) * 32 + i / 2] = static_cast<int8_t>(q);
+    sum += static_cast<int32_t>(q);
   }
+  *qsum = sum;
   return a;
 }
+
+namespace {
 
 // More rows than kLut4Q8MaxM: the fp32 paths (table / GEMM) on the fake-quantized activations
 // a * q, rounded in fp32 as the reference forms them (the integer loop reads the weight once per 4
@@ -219,10 +225,12 @@ struct FakeQuantJob {
 
 void fake_quantize_row(void* ctx, int64_t m, float* row) {  // row: zero-padded to a multiple of 32
   const FakeQuantJob& j = *static_cast<const FakeQuantJob*>(ctx);
-  int8_t codes[32];
+  const Lut4Q8BlockFn quantize = kernels().lut4.q8_block;
+  int8_t codes[48];  // evens at [0, 16), odds at [32, 48)
+  int32_t qsum;
   for (int64_t k = 0; k < j.K; k += 32) {
-    const float a = quantize_block(row + k, codes);
-    for (int64_t i = 0; i < 32 && k + i < j.K; ++i) j.xhat[m * j.K + k + i] = a * static_cast<float>(codes[i]);
+    const float a = quantize(row + k, codes, &qsum);
+    for (int64_t i = 0; i < 32 && k + i < j.K; ++i) j.xhat[m * j.K + k + i] = a * static_cast<float>(codes[(i & 1) * 32 + i / 2]);
   }
 }
 
@@ -248,9 +256,42 @@ int linear_fake_quantized(const Lut4Params& p, const void* x, int dtype, int64_t
   return status;
 }
 
+// One activation row of the int8-activation path in the kernels' order (lut4_linear.h): codes
+// into xq8, each block's scale (4 copies; times the codebook kind's unit) into xa, and per weight
+// block sum_j a_j Q_j (in double, rounded once) into xblk.
+struct Q8PrepJob {
+  const Lut4Params* p;
+  int8_t* xq8;
+  float* xa;
+  float* xblk;
+  bool affine;
+};
+
+void quantize_q8_row(void* ctx, int64_t m, float* row) {  // row: zero-padded to kq
+  const Q8PrepJob& j = *static_cast<const Q8PrepJob*>(ctx);
+  const Lut4Params& p = *j.p;
+  const int64_t K = p.K, kq = p.kq, G = p.blocks_per_row;
+  const Lut4Q8BlockFn quantize = kernels().lut4.q8_block;
+  double block_sum = 0.0;  // sum over the current weight block of a_j * Q_j
+  for (int64_t b = 0; b < kq / 32; ++b) {
+    int32_t qsum;
+    const float a = quantize(row + 32 * b, j.xq8 + m * kq + (b / 2) * 64 + (b % 2) * 16, &qsum);
+    float* av = j.xa + (m * (kq / 64) + b / 2) * 8 + (b % 2) * 4;
+    for (int l = 0; l < 4; ++l) av[l] = j.affine ? a : a * p.q8_unit;  // the codebook kind's unit folded in
+    if (32 * b < K) {
+      block_sum += static_cast<double>(a) * qsum;
+      if ((32 * (b + 1)) % p.block == 0 || 32 * (b + 1) >= K) {
+        j.xblk[m * G + 32 * b / p.block] = static_cast<float>(block_sum);
+        block_sum = 0.0;
+      }
+    }
+  }
+}
+
 // The int8-activation path (lut4_linear.h): quantizes each activation row per 32-block exactly as
-// torchq.activation.PerBlockInt8 does into the kernels' order, then runs kernels().lut4.q8 (up to
-// kLut4Q8MaxM rows; above, linear_fake_quantized).
+// torchq.activation.PerBlockInt8 does into the kernels' order (rows in parallel), then runs
+// kernels().lut4.q8 up to kLut4Q8MaxM rows; above, its GEMM form for the affine kind where the ISA
+// has one (block a multiple of 32), else linear_fake_quantized.
 int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
   if (p.round_mul != ROUND_NONE || p.round_add != ROUND_NONE) return BAD_ARGUMENT;
   bool affine = true;
@@ -262,55 +303,33 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
     cmax = v > cmax ? v : cmax;
   }
   if (!affine && (p.shifts || p.zeros || cmax == 0.0f)) return BAD_ARGUMENT;
-  if (p.M > kLut4Q8MaxM) return linear_fake_quantized(p, x, dtype, K_in, out, threads);
+  const Lut4RowsFn gemm = affine && p.block % 32 == 0 ? kernels().lut4.q8_gemm : nullptr;
+  if (p.M > kLut4Q8MaxM && !gemm) return linear_fake_quantized(p, x, dtype, K_in, out, threads);
   p.q8_affine = affine ? 1 : 0;
   p.q8_unit = cmax / 127.0f;
   for (int c = 0; c < 16; ++c)
     p.q8_table[c] = affine ? 0 : static_cast<int8_t>(__builtin_nearbyintf(127.0f * (p.codebook[c] / cmax)));
   const int64_t M = p.M, K = p.K, N = p.N, kq = (K + 63) / 64 * 64, G = p.blocks_per_row;
-  const size_t esize = dtype_size(dtype);
+  p.kq = kq;
   const size_t q_bytes = (M * kq + 63) / 64 * 64;
   const size_t a_bytes = (M * (kq / 64) * 8 * sizeof(float) + 63) / 64 * 64;
   const size_t blk_bytes = (M * G * sizeof(float) + 63) / 64 * 64;
-  const size_t row_bytes = (kq * sizeof(float) + 63) / 64 * 64;
   const size_t out_bytes = dtype == DT_F32 ? 0 : (M * N * sizeof(float) + 63) / 64 * 64;
-  char* buf = static_cast<char*>(aligned_alloc(64, q_bytes + a_bytes + blk_bytes + row_bytes + out_bytes + 64));
+  char* buf = static_cast<char*>(aligned_alloc(64, q_bytes + a_bytes + blk_bytes + out_bytes + 64));
   if (!buf) return OUT_OF_MEMORY;
-  int8_t* xq8 = reinterpret_cast<int8_t*>(buf);
-  float* xa = reinterpret_cast<float*>(buf + q_bytes);
-  float* xblk = reinterpret_cast<float*>(buf + q_bytes + a_bytes);
-  float* row = reinterpret_cast<float*>(buf + q_bytes + a_bytes + blk_bytes);
-  int8_t codes[32];
-  for (int64_t m = 0; m < M; ++m) {
-    to_f32_row(static_cast<const char*>(x) + m * K_in * esize, dtype, K_in, K, row);
-    for (int64_t k = K; k < kq; ++k) row[k] = 0.0f;
-    double block_sum = 0.0;  // sum over the current weight block of a_j * Q_j
-    for (int64_t j = 0; j < kq / 32; ++j) {
-      const float a = quantize_block(row + 32 * j, codes);
-      int32_t qsum = 0;
-      int8_t* dst = xq8 + m * kq + (j / 2) * 64 + (j % 2) * 16;
-      for (int i = 0; i < 32; ++i) {
-        dst[(i & 1) * 32 + i / 2] = codes[i];
-        qsum += codes[i];
-      }
-      float* av = xa + (m * (kq / 64) + j / 2) * 8 + (j % 2) * 4;
-      for (int l = 0; l < 4; ++l) av[l] = affine ? a : a * p.q8_unit;  // the codebook kind's unit folded in
-      if (32 * j < K) {
-        block_sum += static_cast<double>(a) * qsum;
-        if ((32 * (j + 1)) % p.block == 0 || 32 * (j + 1) >= K) {
-          xblk[m * G + 32 * j / p.block] = static_cast<float>(block_sum);
-          block_sum = 0.0;
-        }
-      }
-    }
+  p.xq8 = reinterpret_cast<int8_t*>(buf);
+  p.xa = reinterpret_cast<float*>(buf + q_bytes);
+  p.xblk = reinterpret_cast<float*>(buf + q_bytes + a_bytes);
+  Q8PrepJob prep{&p, const_cast<int8_t*>(p.xq8), const_cast<float*>(p.xa), const_cast<float*>(p.xblk), affine};
+  if (!for_each_f32_row(x, dtype, M, K_in, kq, threads, M * K * 16, quantize_q8_row, &prep)) {
+    free(buf);
+    return OUT_OF_MEMORY;
   }
-  p.xq8 = xq8;
-  p.xa = xa;
-  p.xblk = xblk;
-  p.kq = kq;
-  p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + q_bytes + a_bytes + blk_bytes + row_bytes);
-  RowsJob job{p, kernels().lut4.q8};
-  parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs, M * N * K / 4);
+  p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + q_bytes + a_bytes + blk_bytes);
+  const bool use_gemm = M > kLut4Q8MaxM;
+  RowsJob job{p, use_gemm ? gemm : kernels().lut4.q8};
+  // The GEMM form's ranges are whole panels of 16 weight rows.
+  parallel_for(N, use_gemm ? 16 : 4, threads, run_rows, &job, kLinearSpinUs, M * N * K / (use_gemm ? 16 : 4));
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
   return OK;

@@ -48,9 +48,11 @@
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not).
 //
-// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, the
-// fp32 paths on the fake-quantized activations a * q: the same numbers with the exact codebook,
-// within fp32 order of the reference for every weight format): each activation row is
+// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, for the
+// affine kind its GEMM form Lut4Kernels.q8_gemm: the same terms, summed in another order; for the
+// codebook kind, or where the ISA has no GEMM form, the fp32 paths on the fake-quantized
+// activations a * q: the same numbers with the exact codebook, within fp32 order of the reference
+// for every weight format): each activation row is
 // quantized per 32-element block j exactly as torchq.activation.PerBlockInt8 does (fp32
 // a_j = amax / 127, q = rint(x / a_j) in [-127, 127]; a block with inf / NaN gets a_j = NaN, codes
 // 0; rows zero-padded), and the weights enter as integers:
@@ -144,6 +146,12 @@ typedef void (*Lut4RowsFn)(const Lut4Params& p, int64_t n0, int64_t n1);
 // or as bf16 (round to nearest even, as torch's .to(torch.bfloat16)). Uses p's weight fields only.
 typedef void (*Lut4DequantFn)(const Lut4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16);
 
+// One 32-block v of an activation row quantized exactly as torchq.activation.PerBlockInt8 does:
+// returns the scale a (NaN for a block with inf / NaN), the codes rint(v / a) clamped to
+// [-127, 127] (all 0 for a non-finite block or a = 0) with the even elements at dst[0..16) and the
+// odd ones at dst[32..48) (the kernels' order), and their sum in *qsum.
+typedef float (*Lut4Q8BlockFn)(const float* v, int8_t* dst, int32_t* qsum);
+
 // Rows [n0, n1) of the output through p.decode's path; activations in its lane order.
 typedef void (*Lut4DecodeFn)(const Lut4Params& p, int64_t n0, int64_t n1);
 
@@ -155,6 +163,8 @@ struct Lut4Kernels {
   int decode_lanes;     // W of decode's lane order: it needs K to be a multiple of 8 * decode_lanes
   Lut4RowsFn gemm;      // M >= kLut4GemmMinM (table-path activation order); null where not faster
   Lut4RowsFn q8;        // the int8-activation path (every ISA)
+  Lut4RowsFn q8_gemm;   // its GEMM form (M > kLut4Q8MaxM, affine codebook, block % 32 == 0); null: none
+  Lut4Q8BlockFn q8_block;  // its activation quantization (bit-identical on every ISA)
 };
 
 // Which of the decode and GEMM paths calls may take (bits), and whether the active ISA's table
@@ -170,6 +180,9 @@ void lut4_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1);
 // The int8-activation rows: portable, and AVX2 (also the AVX-512 table's: 32-byte vpmaddubsw).
 void lut4_q8_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1);
 void lut4_q8_rows_avx2(const Lut4Params& p, int64_t n0, int64_t n1);
+void lut4_q8_gemm_avx2(const Lut4Params& p, int64_t n0, int64_t n1);
+float lut4_q8_block_portable(const float* v, int8_t* dst, int32_t* qsum);
+float lut4_q8_block_avx2(const float* v, int8_t* dst, int32_t* qsum);
 
 // The affine offset and scale of block g of row n for the int8-activation path.
 static inline float lut4_q8_offset(const Lut4Params& p, int64_t n, int64_t g, float s) {

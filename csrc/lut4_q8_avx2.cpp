@@ -4,9 +4,19 @@
 // conversion and one FMA per activation row. Also the AVX-512 table's (32-byte lanes suffice:
 // the loop is bound by memory at 11 instructions per 64 weights).
 //
-// Linkage: compiled with AVX2 flags; everything but lut4_q8_rows_avx2 has internal linkage.
+// lut4_q8_gemm_avx2 (more than kLut4Q8MaxM rows, affine codebook): panels of 16 weight rows are
+// unpacked once per call into u8 codes, 16 rows x 4 positions per 64 bytes, and register tiles
+// of 2 activation rows x 16 weight rows accumulate vpmaddubsw(codes, 4 broadcast activation codes)
+// in int16 over each 32-block (8 steps, pairs <= 2 * 15 * 127: at most 30480), widen once per
+// block (vpmaddwd), and add (float) I_j * (a_j * s_b) in fp32: the same terms as the rows above.
+//
+// Linkage: compiled with AVX2 flags; everything but lut4_q8_rows_avx2 and lut4_q8_gemm_avx2 has
+// internal linkage.
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
+
+#include <stdlib.h>
+#include <string.h>
 
 #include "lut4_linear.h"
 
@@ -19,6 +29,8 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+#define TQ_Q8_TILE __attribute__((noinline))
 
 constexpr int kRows = 4;  // activation rows per pass over a weight row
 
@@ -126,6 +138,141 @@ void row_pass(const Lut4Params& p, int64_t n, int64_t m0) {
     }
 }
 
+
+// ---- GEMM form ----------------------------------------------------------------------------
+
+constexpr int kPanelCols = 16;  // weight rows per panel: two vectors of 8 int32 lanes
+constexpr int kGemmRows = 2;    // activation rows per register tile (4 int16 + 4 fp32 accumulators:
+                                // 3 rows spilled to the stack)
+
+// 8x8 transpose of 32-bit elements: r[i] lane j -> r[j] lane i.
+inline void transpose8_epi32(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+  }
+}
+
+// The codes of weight rows [n, n + rows) (rows <= 16; the others zero) in the activations' order
+// (lut4_linear.h: per 64 positions the 32 even elements, then the 32 odd ones): for each step s of
+// 4 positions, panel[64 s + 4 t + i] = the code of row n + t at position 4 s + i. A last half
+// chunk (K = 64 i + 32) reads its row's last 16 bytes only; its missing half is zero codes.
+void unpack_q8_panel(const Lut4Params& p, int64_t n, int64_t rows, uint8_t* panel) {
+  const int64_t K = p.K, full = K / 64 * 64;
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int64_t t0 = 0; t0 < kPanelCols; t0 += 8) {
+    for (int64_t k = 0; k < K; k += 64) {
+      __m256i hi[8], lo[8];
+      for (int r = 0; r < 8; ++r) {
+        __m256i v = _mm256_setzero_si256();
+        if (t0 + r < rows) {
+          const uint8_t* src = p.packed + (n + t0 + r) * (K / 2) + k / 2;
+          v = k < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                       : _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)), 0);
+        }
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);  // positions 0..31 of the chunk
+        lo[r] = _mm256_and_si256(v, m4);                        // positions 32..63
+      }
+      transpose8_epi32(hi);
+      transpose8_epi32(lo);
+      uint8_t* dst = panel + (k / 4) * 64 + t0 * 4;
+      for (int s = 0; s < 8; ++s) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + s * 64), hi[s]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + (8 + s) * 64), lo[s]);
+      }
+    }
+  }
+}
+
+// Positions [4 step0, 4 step0 + 16): code x activation per 16-bit pair, for activation rows x0 and
+// (R = 2) x1, added to s[r][v] (v: the panel's two 8-row halves). Pairs <= 2 * 15 * 127, so the
+// 8 steps of a 32-block fit int16. Each panel vector is loaded once for both rows.
+template <int R>
+inline void q8_steps(const uint8_t* pw, const int8_t* x0, const int8_t* x1, __m256i (&s)[2][2]) {
+  for (int i = 0; i < 4; ++i) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 64 * i));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 64 * i + 32));
+    for (int r = 0; r < R; ++r) {
+      int32_t x4;
+      memcpy(&x4, (r ? x1 : x0) + 4 * i, 4);
+      const __m256i xb = _mm256_set1_epi32(x4);
+      s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, xb));
+      s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, xb));
+      // Keeps the compiler from reassociating the int16 sums into a tree of all 16 products of a
+      // block (which spilled most of them to the stack: the tile ran at fp32 GEMM speed).
+      asm("" : "+x"(s[r][0]), "+x"(s[r][1]));
+    }
+  }
+}
+
+// out[m0 .. m0 + R, n .. n + cols) from the panel (R = 1 or 2); sc / off: [G][16] the panel rows'
+// block scales and affine offsets s_b d_b + z_b (lut4_q8_offset).
+template <int R>
+TQ_Q8_TILE void q8_gemm_tile(const Lut4Params& p, const uint8_t* panel, const float* sc, const float* off, int64_t n, int64_t cols,
+                             int64_t m0) {
+  const int64_t K = p.K, kq = p.kq, G = p.blocks_per_row, per_block = p.block / 32, chunks = kq / 64;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;  // row r, panel half v
+  const int8_t* q0 = p.xq8 + m0 * kq;
+  const int8_t* q1 = q0 + (R > 1 ? kq : 0);
+  const float* xa0 = p.xa + m0 * chunks * 8;
+  const float* xa1 = xa0 + (R > 1 ? chunks * 8 : 0);
+  int64_t g = 0, in_block = 0;  // the weight block of 32-block j, and j's index within it
+  for (int64_t j = 0; 32 * j < K; ++j) {
+    // 32-block j = 2c + h holds positions [16h, 16h + 16) and [32 + 16h, 48 + 16h) of chunk c
+    const int64_t step0 = 16 * (j >> 1) + 4 * (j & 1);
+    const uint8_t* pw = panel + step0 * 64;
+    __m256i acc16[2][2];
+    for (int r = 0; r < 2; ++r) acc16[r][0] = acc16[r][1] = _mm256_setzero_si256();
+    q8_steps<R>(pw, q0 + 4 * step0, q1 + 4 * step0, acc16);
+    q8_steps<R>(pw + 8 * 64, q0 + 4 * step0 + 32, q1 + 4 * step0 + 32, acc16);
+    const __m256i s00 = acc16[0][0], s01 = acc16[0][1], s10 = acc16[1][0], s11 = acc16[1][1];
+    const __m256 sv0 = _mm256_load_ps(sc + 16 * g), sv1 = _mm256_load_ps(sc + 16 * g + 8);
+    const int64_t ai = (j >> 1) * 8 + 4 * (j & 1);
+    const __m256 x0 = _mm256_broadcast_ss(xa0 + ai);
+    a00 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s00, ones)), _mm256_mul_ps(x0, sv0), a00);
+    a01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s01, ones)), _mm256_mul_ps(x0, sv1), a01);
+    if (R > 1) {
+      const __m256 x1 = _mm256_broadcast_ss(xa1 + ai);
+      a10 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s10, ones)), _mm256_mul_ps(x1, sv0), a10);
+      a11 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s11, ones)), _mm256_mul_ps(x1, sv1), a11);
+    }
+    if (++in_block == per_block) in_block = 0, ++g;
+  }
+  __m256 acc[2][2] = {{a00, a01}, {a10, a11}};
+  for (int64_t g = 0; g < G; ++g) {  // sum_b (s_b d_b + z_b) X_b
+    const __m256 o0 = _mm256_load_ps(off + 16 * g), o1 = _mm256_load_ps(off + 16 * g + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 X = _mm256_broadcast_ss(p.xblk + (m0 + r) * G + g);
+      acc[r][0] = _mm256_fmadd_ps(o0, X, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(o1, X, acc[r][1]);
+    }
+  }
+  alignas(32) float row[kPanelCols];
+  for (int r = 0; r < R; ++r) {
+    float* o = p.out + (m0 + r) * p.N + n;
+    if (cols == kPanelCols && !p.bias) {
+      _mm256_storeu_ps(o, acc[r][0]);
+      _mm256_storeu_ps(o + 8, acc[r][1]);
+      continue;
+    }
+    _mm256_store_ps(row, acc[r][0]);
+    _mm256_store_ps(row + 8, acc[r][1]);
+    for (int64_t t = 0; t < cols; ++t) o[t] = p.bias ? row[t] + p.bias[n + t] : row[t];
+  }
+}
+
 template <bool AFFINE>
 void rows(const Lut4Params& p, int64_t n0, int64_t n1) {
   if (p.M == 1) {  // decode: two weight rows per pass share the activation loads
@@ -150,6 +297,80 @@ void rows(const Lut4Params& p, int64_t n0, int64_t n1) {
 void lut4_q8_rows_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
   if (p.q8_affine) rows<true>(p, n0, n1);
   else rows<false>(p, n0, n1);
+}
+
+// lut4_q8_block_portable's contract (lut4_linear.h) in AVX2: the same divisions and roundings
+// (vdivps and vroundps round as divss and nearbyintf do), so the same codes and scale.
+float lut4_q8_block_avx2(const float* v, int8_t* dst, int32_t* qsum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 fmax = _mm256_set1_ps(3.4028235e38f);
+  __m256 x[4], amax = _mm256_setzero_ps();
+  int finite = 0xff;
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    const __m256 a = _mm256_and_ps(x[i], abs_mask);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, fmax, _CMP_LE_OQ));  // false for inf and NaN
+    amax = _mm256_max_ps(amax, a);
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float a = finite == 0xff ? _mm_cvtss_f32(m) / 127.0f : __builtin_nanf("");
+  if (!(finite == 0xff && a > 0.0f)) {
+    for (int i = 0; i < 16; ++i) dst[i] = dst[32 + i] = 0;
+    *qsum = 0;
+    return a;
+  }
+  const __m256 av = _mm256_set1_ps(a), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 q = _mm256_round_ps(_mm256_div_ps(x[i], av), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c[i] = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(q, lim), nlim));
+  }
+  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  *qsum = _mm_cvtsi128_si32(s4);
+  // int32 -> int8 (per 128-bit lane: c0[0..3] c1[0..3] c2[0..3] c3[0..3] | the upper halves), back
+  // to element order, then each lane's even bytes before its odd ones, and the lanes' evens together.
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i split = _mm256_shuffle_epi8(
+      ordered, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  const __m256i eo = _mm256_permute4x64_epi64(split, 0xD8);  // evens 0..30 | odds 1..31
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(eo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm256_extracti128_si256(eo, 1));
+  return a;
+}
+
+// The GEMM form (above): affine codebook, block a multiple of 32. Each range allocates its panel;
+// if it cannot, the rows above compute the range.
+void lut4_q8_gemm_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
+  const int64_t G = p.blocks_per_row;
+  const size_t panel_bytes = (p.kq / 4) * 64, table_bytes = (G * kPanelCols * sizeof(float) + 31) / 32 * 32;
+  char* buf = static_cast<char*>(aligned_alloc(64, panel_bytes + 2 * table_bytes));
+  if (!buf) {
+    rows<true>(p, n0, n1);
+    return;
+  }
+  uint8_t* panel = reinterpret_cast<uint8_t*>(buf);
+  float* sc = reinterpret_cast<float*>(buf + panel_bytes);
+  float* off = reinterpret_cast<float*>(buf + panel_bytes + table_bytes);
+  for (int64_t n = n0; n < n1; n += kPanelCols) {
+    const int64_t cols = n1 - n < kPanelCols ? n1 - n : kPanelCols;
+    unpack_q8_panel(p, n, cols, panel);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < kPanelCols; ++t) {
+        const float s = t < cols ? lut4_scale(p, n + t, g) : 0.0f;
+        sc[g * kPanelCols + t] = s;
+        off[g * kPanelCols + t] = t < cols ? lut4_q8_offset(p, n + t, g, s) : 0.0f;
+      }
+    int64_t m = 0;
+    for (; m + kGemmRows <= p.M; m += kGemmRows) q8_gemm_tile<kGemmRows>(p, panel, sc, off, n, cols, m);
+    if (m < p.M) q8_gemm_tile<1>(p, panel, sc, off, n, cols, m);
+  }
+  free(buf);
 }
 
 }  // namespace tq

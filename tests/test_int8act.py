@@ -113,10 +113,11 @@ def test_nf4_native_is_the_int8_codebook_reference(isa):
 
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-def test_edge_activations(isa):
+@pytest.mark.parametrize("rows", [5, 13])  # the row kernel and (above INT8_ACTIVATION_MAX_M) the GEMM form
+def test_edge_activations(isa, rows):
     torch.manual_seed(1)
     impl = int4_impl(torch.randn(16, 128), 32)
-    x = torch.randn(5, 128)
+    x = torch.randn(rows, 128)
     x[0] = 0  # all-zero row: the bias alone
     x[1, 70] = float("nan")  # a NaN: its row is NaN, the others are not touched
     x[2, 3] = float("inf")
@@ -127,6 +128,23 @@ def test_edge_activations(isa):
     assert torch.equal(got[0], b)
     assert got[1].isnan().all() and got[2].isnan().all() and ref[1].isnan().all() and ref[2].isnan().all()
     assert_within(got[3:], ref[3:], impl.dequantize(torch.float32), x[3:], b)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("rows", [3, 12])
+def test_activation_codes_round_ties_to_even(isa, rows):
+    """Blocks whose x / a lands on exact halves: a code off by one (a tie rounded away from even)
+    moves the output by a * |w|, far outside the fp32 bound; tiny, huge and subnormal-scale blocks."""
+    torch.manual_seed(2)
+    impl = int4_impl(torch.randn(20, 96), 32)
+    halves = torch.arange(-15.5, 16.0, 1.0)[:31]  # -15.5 .. 14.5: every one a tie at a = 1
+    block = torch.cat([torch.tensor([127.0]), halves])
+    x = torch.stack([torch.cat([block * 2.0**e, -block * 2.0**(e + 1), block.flip(0) * 2.0**-e]) for e in range(rows)])
+    x[-1, 32:64] = block * 2.0**-140  # a = 2^-140 / 1 (subnormal): x / a still exact halves
+    got = lut4.int4_a8_cpu(*int4_args(impl, x))
+    ref = int4_a8_reference(*int4_args(impl, x))
+    assert_within(got, ref, impl.dequantize(torch.float32), x, None)
 
 
 @needs_native
