@@ -51,6 +51,7 @@ struct Tables {
     if (!use_vnni()) {
       by_isa[ISA_AVX512].int8.dynamic_rows = kInt8Avx2.dynamic_rows;
       by_isa[ISA_AVX512].int8.dynamic_offset = kInt8Avx2.dynamic_offset;
+      by_isa[ISA_AVX512].int8.dynamic_gemm = kInt8Avx2.dynamic_gemm;
     }
   }
 };

@@ -1,6 +1,7 @@
 // The int8 linears' halves of tq_linear / tq_dequantize_rows (weight_abi.h; see int8_linear.h):
 // argument checks, activation conversion and quantization, threading. The kernels come from the active ISA's table (kernels.h).
 #include "int8_linear.h"
+#include "lut4_linear.h"  // lut4_paths(): the GEMM switch
 
 #include <stdlib.h>
 #include <string.h>
@@ -124,8 +125,9 @@ int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t*
   parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
   const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
                      offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, codes, scale, nullptr, o.f32};
-  RowsJob job{p, kern.dynamic_rows};
-  parallel_for(N, 4, threads, run_rows, &job, kSpinUs, M * N * K);
+  const bool gemm = M >= kInt8GemmMinM && kern.dynamic_gemm && !offset_codes && (lut4_paths() & LUT4_GEMM);
+  RowsJob job{p, gemm ? kern.dynamic_gemm : kern.dynamic_rows};
+  parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole panels
   o.finish(out, dtype, M * N);
   free(buf);
   return OK;

@@ -54,7 +54,16 @@ struct Int8Kernels {
   int dynamic_offset;
   Int8QuantizeFn quantize_rows;
   Int8DequantFn dequant_rows;
+  // The dynamic kernel's GEMM form for M >= kInt8GemmMinM (reads p.xq; null where the ISA has
+  // none): panels of 16 weight rows, unpacked once per call into 4-position groups with their
+  // absolute values, register tiles of 2 activation rows x 16 weight rows of broadcast activation
+  // codes (vpmaddubsw sign trick), int32 sums exact: the same bits as dynamic_rows.
+  Int8RowsFn dynamic_gemm;
 };
+// Activation rows from which the dynamic GEMM form runs: below, unpacking the panels costs more
+// than it saves (AVX2, 2 threads, 4096^2: M = 4 1.12 vs 0.75 ms, M = 16 2.8 vs 2.5, M = 64 8.6 vs
+// 10.2; 576^2: M = 64 0.23 vs 0.30, M = 256 0.88 vs 1.20).
+constexpr int64_t kInt8GemmMinM = 32;
 // kInt8Avx512 runs the VNNI dynamic kernel; an AVX-512 CPU without VNNI (or with
 // TORCHQ_NATIVE_VNNI=0) takes kInt8Avx2's dynamic kernel instead (cpu.cpp).
 extern const Int8Kernels kInt8Scalar, kInt8Avx2, kInt8Avx512;

@@ -4,6 +4,9 @@
 // AVX-512 CPUs without VNNI (see int8_linear.h). Linkage: as lut4_linear_avx2.cpp (everything
 // internal but kInt8Avx2).
 #pragma GCC target("avx2,fma")
+#include <stdlib.h>
+#include <string.h>
+
 #include "simd_avx2.h"
 #include "int8_linear_body.h"
 
@@ -40,9 +43,139 @@ struct Avx2SignDot {
   static int32_t correction(const RowSum&) { return 0; }
 };
 
+
+// ---- the dynamic GEMM form (int8_linear.h: Int8Kernels.dynamic_gemm) ----------------------
+
+constexpr int kPanelCols = 16;  // weight rows per panel: two vectors of 8 int32 lanes
+// Activation rows per register tile: 8 accumulators, each step's two |w| vectors and a broadcast
+// (at 2 rows the loop was bound by instruction issue: 34 instructions per 128 multiply-adds).
+constexpr int kGemmRows = 4;
+
+// 8x8 transpose of 32-bit elements: r[i] lane j -> r[j] lane i.
+inline void transpose8_epi32(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+  }
+}
+
+// Weight rows [n, n + rows) (rows <= 16, the others zero) for Kp positions: per step s of 4
+// positions, 128 bytes: the 16 rows' 4 codes (64 bytes: row t at 4 t), then their absolute values.
+// Positions from K on are zero (a row's last partial 32 are copied, never read past the row).
+void unpack_dynamic_panel(const Int8Params& p, int64_t n, int64_t rows, int8_t* panel) {
+  const int64_t K = p.K, full = K / 32 * 32;
+  for (int64_t t0 = 0; t0 < kPanelCols; t0 += 8) {
+    for (int64_t k = 0; k < p.Kp; k += 32) {
+      __m256i v[8];
+      for (int r = 0; r < 8; ++r) {
+        v[r] = _mm256_setzero_si256();
+        if (t0 + r >= rows || k >= K) continue;
+        const int8_t* src = p.w + (n + t0 + r) * K + k;
+        if (k < full) {
+          v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        } else {
+          alignas(32) int8_t tail[32] = {};
+          memcpy(tail, src, K - k);
+          v[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+        }
+      }
+      transpose8_epi32(v);
+      int8_t* dst = panel + (k / 4) * 128 + t0 * 4;
+      for (int s = 0; s < 8; ++s) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + s * 128), v[s]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + s * 128 + 64), _mm256_abs_epi8(v[s]));
+      }
+    }
+  }
+}
+
+// out[m0 .. m0 + R, n .. n + cols) (R <= 4) = (float(sum_k x q) * xs[m]) * scale[n]: per step, 4 broadcast
+// activation codes against 16 rows' 4 codes with the sign trick (|w| x sign(x, w): pairs <= 2 *
+// 128 * 127, no saturation), vpmaddwd to int32, summed exactly.
+template <int R>
+__attribute__((noinline)) void dynamic_gemm_tile(const Int8Params& p, const int8_t* panel, int64_t n, int64_t cols, int64_t m0) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Named accumulators (row r, panel half v): GCC kept an array of them on the stack.
+  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+  const int8_t* x = p.xq + m0 * p.Kp;
+  const int64_t steps = p.Kp / 4, stride = p.Kp;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int8_t* pw = panel + s * 128;
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 32));
+    const __m256i a0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 64));
+    const __m256i a1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 96));
+    // One row: updated in place (the empty asm keeps GCC from computing every product of the
+    // step first and rotating the accumulators through copies).
+    auto row = [&](int r, __m256i& v0, __m256i& v1) __attribute__((always_inline)) {
+      int32_t x4;
+      memcpy(&x4, x + r * stride + 4 * s, 4);
+      const __m256i xb = _mm256_set1_epi32(x4);
+      v0 = _mm256_add_epi32(v0, _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
+      v1 = _mm256_add_epi32(v1, _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
+      asm("" : "+x"(v0), "+x"(v1));
+    };
+    row(0, c00, c01);
+    if constexpr (R > 1) row(1, c10, c11);
+    if constexpr (R > 2) row(2, c20, c21);
+    if constexpr (R > 3) row(3, c30, c31);
+  }
+  const __m256i acc[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+  const __m256 s0 = _mm256_loadu_ps(p.scale + n), s1 = cols > 8 ? _mm256_loadu_ps(p.scale + n + 8) : s0;
+  alignas(32) float row[kPanelCols];
+  for (int r = 0; r < R; ++r) {
+    const __m256 xs = _mm256_set1_ps(p.xs[m0 + r]);
+    const __m256 o0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), xs), s0);
+    const __m256 o1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][1]), xs), s1);
+    float* out = p.out + (m0 + r) * p.N + n;
+    if (cols == kPanelCols) {
+      _mm256_storeu_ps(out, o0);
+      _mm256_storeu_ps(out + 8, o1);
+    } else {
+      _mm256_store_ps(row, o0);
+      _mm256_store_ps(row + 8, o1);
+      for (int64_t t = 0; t < cols; ++t) out[t] = row[t];
+    }
+  }
+}
+
+// The dynamic GEMM over output rows [n0, n1): a panel per 16 weight rows, unpacked once, then
+// every pair of activation rows over it. Falls back to the row kernel if the panel cannot be had.
+void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
+  int8_t* panel = static_cast<int8_t*>(aligned_alloc(64, (p.Kp / 4) * 128));
+  if (!panel) {
+    Int8DotKernel<Avx2SignDot>::dynamic_rows(p, n0, n1);
+    return;
+  }
+  for (int64_t n = n0; n < n1; n += kPanelCols) {
+    const int64_t cols = n1 - n < kPanelCols ? n1 - n : kPanelCols;
+    unpack_dynamic_panel(p, n, cols, panel);
+    int64_t m = 0;
+    for (; m + kGemmRows <= p.M; m += kGemmRows) dynamic_gemm_tile<kGemmRows>(p, panel, n, cols, m);
+    switch (p.M - m) {
+      case 3: dynamic_gemm_tile<3>(p, panel, n, cols, m); break;
+      case 2: dynamic_gemm_tile<2>(p, panel, n, cols, m); break;
+      case 1: dynamic_gemm_tile<1>(p, panel, n, cols, m); break;
+      default: break;
+    }
+  }
+  free(panel);
+}
+
 }  // namespace
 
 extern const Int8Kernels kInt8Avx2 = {&Int8Kernel<Avx2>::weight_rows, &Int8DotKernel<Avx2SignDot>::dynamic_rows, 0,
-                                      &Int8Kernel<Avx2>::quantize_rows, &Int8Kernel<Avx2>::dequant_rows};
+                                      &Int8Kernel<Avx2>::quantize_rows, &Int8Kernel<Avx2>::dequant_rows, &dynamic_gemm};
 
 }  // namespace tq

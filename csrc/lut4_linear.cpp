@@ -303,7 +303,7 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
     cmax = v > cmax ? v : cmax;
   }
   if (!affine && (p.shifts || p.zeros || cmax == 0.0f)) return BAD_ARGUMENT;
-  const Lut4RowsFn gemm = affine && p.block % 32 == 0 ? kernels().lut4.q8_gemm : nullptr;
+  const Lut4RowsFn gemm = affine && p.block % 32 == 0 && (lut4_paths() & LUT4_GEMM) ? kernels().lut4.q8_gemm : nullptr;
   if (p.M > kLut4Q8MaxM && !gemm) return linear_fake_quantized(p, x, dtype, K_in, out, threads);
   p.q8_affine = affine ? 1 : 0;
   p.q8_unit = cmax / 127.0f;

@@ -167,8 +167,10 @@ struct Lut4Kernels {
   Lut4Q8BlockFn q8_block;  // its activation quantization (bit-identical on every ISA)
 };
 
-// Which of the decode and GEMM paths calls may take (bits), and whether the active ISA's table
-// has a GEMM path that is allowed (then the native rows beat dequantized tiles + torch.mm at every M).
+// Which of the decode and GEMM paths calls may take (bits; LUT4_GEMM also switches the GEMM forms
+// of the int8-activation path and of the int8 dynamic kernel, int8_linear.h), and whether the
+// active ISA's table has a GEMM path that is allowed (then the native rows beat dequantized tiles +
+// torch.mm at every M).
 enum Lut4Paths : int { LUT4_DECODE = 1, LUT4_GEMM = 2 };
 int lut4_paths();
 bool lut4_gemm_active();
