@@ -290,8 +290,8 @@ void quantize_q8_row(void* ctx, int64_t m, float* row) {  // row: zero-padded to
 
 // The int8-activation path (lut4_linear.h): quantizes each activation row per 32-block exactly as
 // torchq.activation.PerBlockInt8 does into the kernels' order (rows in parallel), then runs
-// kernels().lut4.q8 up to kLut4Q8MaxM rows; above, its GEMM form for the affine kind where the ISA
-// has one (block a multiple of 32), else linear_fake_quantized.
+// kernels().lut4.q8 up to kLut4Q8MaxM rows; above, its GEMM form where the ISA has one (block a
+// multiple of 32), else linear_fake_quantized.
 int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
   if (p.round_mul != ROUND_NONE || p.round_add != ROUND_NONE) return BAD_ARGUMENT;
   bool affine = true;
@@ -303,7 +303,7 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
     cmax = v > cmax ? v : cmax;
   }
   if (!affine && (p.shifts || p.zeros || cmax == 0.0f)) return BAD_ARGUMENT;
-  const Lut4RowsFn gemm = affine && p.block % 32 == 0 && (lut4_paths() & LUT4_GEMM) ? kernels().lut4.q8_gemm : nullptr;
+  const Lut4RowsFn gemm = p.block % 32 == 0 && (lut4_paths() & LUT4_GEMM) ? kernels().lut4.q8_gemm : nullptr;
   if (p.M > kLut4Q8MaxM && !gemm) return linear_fake_quantized(p, x, dtype, K_in, out, threads);
   p.q8_affine = affine ? 1 : 0;
   p.q8_unit = cmax / 127.0f;

@@ -48,9 +48,9 @@
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not).
 //
-// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, for the
-// affine kind its GEMM form Lut4Kernels.q8_gemm: the same terms, summed in another order; for the
-// codebook kind, or where the ISA has no GEMM form, the fp32 paths on the fake-quantized
+// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, its
+// GEMM form Lut4Kernels.q8_gemm (block a multiple of 32): the same terms, summed in another order;
+// where the ISA has no GEMM form (the portable table), the fp32 paths on the fake-quantized
 // activations a * q: the same numbers with the exact codebook, within fp32 order of the reference
 // for every weight format): each activation row is
 // quantized per 32-element block j exactly as torchq.activation.PerBlockInt8 does (fp32
@@ -163,7 +163,7 @@ struct Lut4Kernels {
   int decode_lanes;     // W of decode's lane order: it needs K to be a multiple of 8 * decode_lanes
   Lut4RowsFn gemm;      // M >= kLut4GemmMinM (table-path activation order); null where not faster
   Lut4RowsFn q8;        // the int8-activation path (every ISA)
-  Lut4RowsFn q8_gemm;   // its GEMM form (M > kLut4Q8MaxM, affine codebook, block % 32 == 0); null: none
+  Lut4RowsFn q8_gemm;   // its GEMM form (M > kLut4Q8MaxM, block % 32 == 0); null: none
   Lut4Q8BlockFn q8_block;  // its activation quantization (bit-identical on every ISA)
 };
 

@@ -4,11 +4,13 @@
 // conversion and one FMA per activation row. Also the AVX-512 table's (32-byte lanes suffice:
 // the loop is bound by memory at 11 instructions per 64 weights).
 //
-// lut4_q8_gemm_avx2 (more than kLut4Q8MaxM rows, affine codebook): panels of 16 weight rows are
-// unpacked once per call into u8 codes, 16 rows x 4 positions per 64 bytes, and register tiles
-// of 2 activation rows x 16 weight rows accumulate vpmaddubsw(codes, 4 broadcast activation codes)
-// in int16 over each 32-block (8 steps, pairs <= 2 * 15 * 127: at most 30480), widen once per
-// block (vpmaddwd), and add (float) I_j * (a_j * s_b) in fp32: the same terms as the rows above.
+// lut4_q8_gemm_avx2 (more than kLut4Q8MaxM rows): panels of 16 weight rows are unpacked once per
+// call, 16 rows x 4 positions per step. Affine kind: u8 codes, register tiles of 2 activation
+// rows x 16 weight rows accumulate vpmaddubsw(codes, 4 broadcast activation codes) in int16 over
+// each 32-block (8 steps, pairs <= 2 * 15 * 127: at most 30480), widen once per block (vpmaddwd),
+// and add (float) I_j * (a_j * s_b) in fp32. Codebook kind: the int8 table values and their
+// absolute values, the sign trick per step (pairs up to 2 * 127 * 127 cannot share an int16 sum),
+// int32 per block, the same epilogue. Both: the same terms as the rows above, in another order.
 //
 // Linkage: compiled with AVX2 flags; everything but lut4_q8_rows_avx2 and lut4_q8_gemm_avx2 has
 // internal linkage.
@@ -168,7 +170,10 @@ inline void transpose8_epi32(__m256i r[8]) {
 // (lut4_linear.h: per 64 positions the 32 even elements, then the 32 odd ones): for each step s of
 // 4 positions, panel[64 s + 4 t + i] = the code of row n + t at position 4 s + i. A last half
 // chunk (K = 64 i + 32) reads its row's last 16 bytes only; its missing half is zero codes.
+template <bool CODEBOOK>
 void unpack_q8_panel(const Lut4Params& p, int64_t n, int64_t rows, uint8_t* panel) {
+  constexpr int64_t kStep = CODEBOOK ? 128 : 64;  // bytes per step: codes (and their |t|)
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q8_table)));
   const int64_t K = p.K, full = K / 64 * 64;
   const __m256i m4 = _mm256_set1_epi8(15);
   for (int64_t t0 = 0; t0 < kPanelCols; t0 += 8) {
@@ -184,12 +189,22 @@ void unpack_q8_panel(const Lut4Params& p, int64_t n, int64_t rows, uint8_t* pane
         hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);  // positions 0..31 of the chunk
         lo[r] = _mm256_and_si256(v, m4);                        // positions 32..63
       }
+      if (CODEBOOK) {  // the int8 table values t_c (a zero row's code 0 maps to t_0: its scales are 0)
+        for (int r = 0; r < 8; ++r) {
+          hi[r] = _mm256_shuffle_epi8(table, hi[r]);
+          lo[r] = _mm256_shuffle_epi8(table, lo[r]);
+        }
+      }
       transpose8_epi32(hi);
       transpose8_epi32(lo);
-      uint8_t* dst = panel + (k / 4) * 64 + t0 * 4;
+      uint8_t* dst = panel + (k / 4) * kStep + t0 * 4;
       for (int s = 0; s < 8; ++s) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + s * 64), hi[s]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + (8 + s) * 64), lo[s]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + s * kStep), hi[s]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + (8 + s) * kStep), lo[s]);
+        if (CODEBOOK) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(dst + s * kStep + 64), _mm256_abs_epi8(hi[s]));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(dst + (8 + s) * kStep + 64), _mm256_abs_epi8(lo[s]));
+        }
       }
     }
   }
@@ -299,6 +314,64 @@ void lut4_q8_rows_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
   else rows<false>(p, n0, n1);
 }
 
+// The codebook kind (NF4 / FP4 as int8 t_c): out[m0 .. m0 + R, n .. n + cols) (R = 1 or 2) =
+// sum_j (a_j cmax / 127) s_b sum t_c q, the same terms as the rows above. Per step, |t| x sign(q, t)
+// (vpmaddubsw sign trick: pairs <= 2 * 127 * 127, each widened by vpmaddwd), int32 per 32-block.
+template <int R>
+TQ_Q8_TILE void q8_codebook_tile(const Lut4Params& p, const uint8_t* panel, const float* sc, int64_t n, int64_t cols, int64_t m0) {
+  const int64_t K = p.K, kq = p.kq, per_block = p.block / 32, chunks = kq / 64;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f00 = _mm256_setzero_ps(), f01 = f00, f10 = f00, f11 = f00;  // row r, panel half v
+  const int8_t* q0 = p.xq8 + m0 * kq;
+  const int8_t* q1 = q0 + (R > 1 ? kq : 0);
+  const float* xa0 = p.xa + m0 * chunks * 8;
+  const float* xa1 = xa0 + (R > 1 ? chunks * 8 : 0);
+  int64_t g = 0, in_block = 0;
+  for (int64_t j = 0; 32 * j < K; ++j) {
+    const int64_t step0 = 16 * (j >> 1) + 4 * (j & 1);
+    __m256i i00 = _mm256_setzero_si256(), i01 = i00, i10 = i00, i11 = i00;
+    for (int part = 0; part < 2; ++part) {
+      for (int i = 0; i < 4; ++i) {
+        const int64_t step = step0 + 8 * part + i;
+        const uint8_t* pw = panel + step * 128;
+        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw));
+        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 32));
+        const __m256i a0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 64));
+        const __m256i a1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 96));
+        auto row = [&](const int8_t* q, __m256i& v0, __m256i& v1) __attribute__((always_inline)) {
+          int32_t x4;
+          memcpy(&x4, q + 4 * step, 4);
+          const __m256i xb = _mm256_set1_epi32(x4);
+          v0 = _mm256_add_epi32(v0, _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
+          v1 = _mm256_add_epi32(v1, _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
+          asm("" : "+x"(v0), "+x"(v1));  // in place (see q8_steps)
+        };
+        row(q0, i00, i01);
+        if constexpr (R > 1) row(q1, i10, i11);
+      }
+    }
+    const __m256 sv0 = _mm256_load_ps(sc + 16 * g), sv1 = _mm256_load_ps(sc + 16 * g + 8);
+    const int64_t ai = (j >> 1) * 8 + 4 * (j & 1);
+    const __m256 x0 = _mm256_broadcast_ss(xa0 + ai);
+    f00 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i00), _mm256_mul_ps(x0, sv0), f00);
+    f01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i01), _mm256_mul_ps(x0, sv1), f01);
+    if (R > 1) {
+      const __m256 x1 = _mm256_broadcast_ss(xa1 + ai);
+      f10 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i10), _mm256_mul_ps(x1, sv0), f10);
+      f11 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i11), _mm256_mul_ps(x1, sv1), f11);
+    }
+    if (++in_block == per_block) in_block = 0, ++g;
+  }
+  const __m256 acc[2][2] = {{f00, f01}, {f10, f11}};
+  alignas(32) float row[kPanelCols];
+  for (int r = 0; r < R; ++r) {
+    float* o = p.out + (m0 + r) * p.N + n;
+    _mm256_store_ps(row, acc[r][0]);
+    _mm256_store_ps(row + 8, acc[r][1]);
+    for (int64_t t = 0; t < cols; ++t) o[t] = p.bias ? row[t] + p.bias[n + t] : row[t];
+  }
+}
+
 // lut4_q8_block_portable's contract (lut4_linear.h) in AVX2: the same divisions and roundings
 // (vdivps and vroundps round as divss and nearbyintf do), so the same codes and scale.
 float lut4_q8_block_avx2(const float* v, int8_t* dst, int32_t* qsum) {
@@ -344,14 +417,16 @@ float lut4_q8_block_avx2(const float* v, int8_t* dst, int32_t* qsum) {
   return a;
 }
 
-// The GEMM form (above): affine codebook, block a multiple of 32. Each range allocates its panel;
-// if it cannot, the rows above compute the range.
+// The GEMM forms (above; block a multiple of 32): the affine kind's, the codebook kind's. Each
+// range allocates its panel; if it cannot, the rows above compute the range.
 void lut4_q8_gemm_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
   const int64_t G = p.blocks_per_row;
-  const size_t panel_bytes = (p.kq / 4) * 64, table_bytes = (G * kPanelCols * sizeof(float) + 31) / 32 * 32;
+  const bool codebook = !p.q8_affine;
+  const size_t panel_bytes = (p.kq / 4) * (codebook ? 128 : 64), table_bytes = (G * kPanelCols * sizeof(float) + 31) / 32 * 32;
   char* buf = static_cast<char*>(aligned_alloc(64, panel_bytes + 2 * table_bytes));
   if (!buf) {
-    rows<true>(p, n0, n1);
+    if (codebook) rows<false>(p, n0, n1);
+    else rows<true>(p, n0, n1);
     return;
   }
   uint8_t* panel = reinterpret_cast<uint8_t*>(buf);
@@ -359,16 +434,22 @@ void lut4_q8_gemm_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
   float* off = reinterpret_cast<float*>(buf + panel_bytes + table_bytes);
   for (int64_t n = n0; n < n1; n += kPanelCols) {
     const int64_t cols = n1 - n < kPanelCols ? n1 - n : kPanelCols;
-    unpack_q8_panel(p, n, cols, panel);
+    if (codebook) unpack_q8_panel<true>(p, n, cols, panel);
+    else unpack_q8_panel<false>(p, n, cols, panel);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t t = 0; t < kPanelCols; ++t) {
         const float s = t < cols ? lut4_scale(p, n + t, g) : 0.0f;
         sc[g * kPanelCols + t] = s;
-        off[g * kPanelCols + t] = t < cols ? lut4_q8_offset(p, n + t, g, s) : 0.0f;
+        off[g * kPanelCols + t] = t < cols && !codebook ? lut4_q8_offset(p, n + t, g, s) : 0.0f;
       }
     int64_t m = 0;
-    for (; m + kGemmRows <= p.M; m += kGemmRows) q8_gemm_tile<kGemmRows>(p, panel, sc, off, n, cols, m);
-    if (m < p.M) q8_gemm_tile<1>(p, panel, sc, off, n, cols, m);
+    if (codebook) {
+      for (; m + 2 <= p.M; m += 2) q8_codebook_tile<2>(p, panel, sc, n, cols, m);
+      if (m < p.M) q8_codebook_tile<1>(p, panel, sc, n, cols, m);
+    } else {
+      for (; m + kGemmRows <= p.M; m += kGemmRows) q8_gemm_tile<kGemmRows>(p, panel, sc, off, n, cols, m);
+      if (m < p.M) q8_gemm_tile<1>(p, panel, sc, off, n, cols, m);
+    }
   }
   free(buf);
 }

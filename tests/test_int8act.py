@@ -89,24 +89,33 @@ def test_nf4_native_uses_the_int8_codebook_within_its_stated_bound(isa, quant_ty
     # the stated bound: each weight off by at most absmax * cmax / 254 (absmax = |w| / |c| blockwise max)
     absmax = (w32.abs().reshape(n, blocks, block).amax(-1, keepdim=True) / cmax).expand(n, blocks, block).reshape(n, k)
     xq = ACTIVATIONS.fake_quantize(x)
-    extra = (xq.abs() @ (absmax * cmax / 254).T) * (1 + 1e-5) if m <= lut4.INT8_ACTIVATION_MAX_M else 0.0
+    # every row count on an ISA with the GEMM form; the portable table above INT8_ACTIVATION_MAX_M
+    # rows runs the exact codebook (within the fp32 bound alone, inside this one)
+    extra = (xq.abs() @ (absmax * cmax / 254).T) * (1 + 1e-5)
     assert_within(got, ref, w32, x, None, extra)
 
 
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-def test_nf4_native_is_the_int8_codebook_reference(isa):
-    """Against weights with the codebook rounded to int8: the same up to fp32 order."""
+@pytest.mark.parametrize("rows", [3, 12])  # the row kernel, the GEMM form
+@pytest.mark.parametrize("nested", [False, True])
+def test_nf4_native_is_the_int8_codebook_reference(isa, rows, nested):
+    """Against weights with the codebook rounded to int8: the same up to fp32 order (on the
+    portable table, above INT8_ACTIVATION_MAX_M rows: the exact codebook instead)."""
+    if isa == "scalar" and rows > lut4.INT8_ACTIVATION_MAX_M:
+        pytest.skip("the portable table has no GEMM form: the exact codebook (test above)")
     torch.manual_seed(0)
     n, k, block = 24, 256, 64
-    impl = torchq.nf4_weight_only(block_size=block, double_quant=False).quantize_weight(torch.randn(n, k)).tensor_impl
-    x = torch.randn(3, k)
-    got = lut4.blockwise_a8_cpu(x, impl.packed, impl.absmax, None, None, None, [n, k], block, "nf4", None)
+    impl = torchq.nf4_weight_only(block_size=block, double_quant=nested).quantize_weight(torch.randn(n, k)).tensor_impl
+    x = torch.randn(rows, k)
+    got = lut4.blockwise_a8_cpu(x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], block,
+                                "nf4", None)
     cb = codebook("nf4")
     t = torch.round(127 * cb / cb.abs().max())
     packed = impl.packed.reshape(n, k // 2)
     codes = torch.stack([packed >> 4, packed & 15], -1).reshape(n, k).long()
-    w8 = impl.absmax.reshape(n, -1).repeat_interleave(block, 1) * cb.abs().max() * t[codes] / 127
+    absmax = impl.dequantize(torch.float32).reshape(n, -1, block).abs().amax(-1) / cb.abs().max()  # the (nested) block scales
+    w8 = absmax.repeat_interleave(block, 1) * cb.abs().max() * t[codes] / 127
     ref = ACTIVATIONS.fake_quantize(x) @ w8.T
     assert_within(got, ref, w8, x, None)
 
