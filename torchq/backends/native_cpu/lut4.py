@@ -272,15 +272,17 @@ def int8_activation_rejects(x: torch.Tensor, act_quant) -> str | None:
     return None
 
 
-# Rows up to which the library's int8-activation path runs its integer kernel (kLut4Q8MaxM,
-# csrc/lut4_linear.h); above, the library runs its fp32 paths on the fake-quantized activations.
+# Rows up to which the library's int8-activation path runs its integer row kernel (kLut4Q8MaxM,
+# csrc/lut4_linear.h); above, its integer GEMM form (AVX2 / AVX-512), or on the portable table the
+# fp32 paths on the fake-quantized activations.
 INT8_ACTIVATION_MAX_M = 8
 
 
 def int4_a8_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, bias) -> torch.Tensor:
     """The CPU kernel of ``int4_groupwise_linear_a8`` on checked arguments: the native library
-    (integer dot products up to :data:`INT8_ACTIVATION_MAX_M` rows, its fp32 paths on the
-    fake-quantized activations above: both the reference up to fp32 summation order), else the
+    (integer dot products: a row kernel up to :data:`INT8_ACTIVATION_MAX_M` rows, a GEMM form
+    above, or the portable table's fp32 paths on the fake-quantized activations: all the reference
+    up to fp32 summation order), else the
     reference."""
     lib = native_library.library()
     if lib is None or x.numel() == 0:
