@@ -51,25 +51,6 @@ constexpr int kPanelCols = 16;  // weight rows per panel: two vectors of 8 int32
 // (at 2 rows the loop was bound by instruction issue: 34 instructions per 128 multiply-adds).
 constexpr int kGemmRows = 4;
 
-// 8x8 transpose of 32-bit elements: r[i] lane j -> r[j] lane i.
-inline void transpose8_epi32(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
-  }
-}
-
 // Weight rows [n, n + rows) (rows <= 16, the others zero) for Kp positions: per step s of 4
 // positions, 128 bytes: the 16 rows' 4 codes (64 bytes: row t at 4 t), then their absolute values.
 // Positions from K on are zero (a row's last partial 32 are copied, never read past the row).

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "lut4_linear.h"
+#include "simd_avx2.h"  // transpose8_epi32
 
 namespace tq {
 namespace {
@@ -147,25 +148,6 @@ constexpr int kPanelCols = 16;  // weight rows per panel: two vectors of 8 int32
 constexpr int kGemmRows = 2;    // activation rows per register tile (4 int16 + 4 fp32 accumulators:
                                 // 3 rows spilled to the stack)
 
-// 8x8 transpose of 32-bit elements: r[i] lane j -> r[j] lane i.
-inline void transpose8_epi32(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
-  }
-}
-
 // The codes of weight rows [n, n + rows) (rows <= 16; the others zero) in the activations' order
 // (lut4_linear.h: per 64 positions the 32 even elements, then the 32 odd ones): for each step s of
 // 4 positions, panel[64 s + 4 t + i] = the code of row n + t at position 4 s + i. A last half
@@ -231,11 +213,35 @@ inline void q8_steps(const uint8_t* pw, const int8_t* x0, const int8_t* x1, __m2
   }
 }
 
-// out[m0 .. m0 + R, n .. n + cols) from the panel (R = 1 or 2); sc / off: [G][16] the panel rows'
-// block scales and affine offsets s_b d_b + z_b (lut4_q8_offset).
+// The codebook kind's steps [step0, step0 + 4): |t| x sign(q, t) (vpmaddubsw sign trick: pairs up
+// to 2 * 127 * 127, so each step is widened by vpmaddwd), added to the int32 sums s[r][v].
 template <int R>
+inline void q8_sign_steps(const uint8_t* pw, const int8_t* x0, const int8_t* x1, __m256i (&s)[2][2]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 128 * i));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 128 * i + 32));
+    const __m256i a0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 128 * i + 64));
+    const __m256i a1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 128 * i + 96));
+    for (int r = 0; r < R; ++r) {
+      int32_t x4;
+      memcpy(&x4, (r ? x1 : x0) + 4 * i, 4);
+      const __m256i xb = _mm256_set1_epi32(x4);
+      s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
+      s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
+      asm("" : "+x"(s[r][0]), "+x"(s[r][1]));  // in place (see q8_steps)
+    }
+  }
+}
+
+// out[m0 .. m0 + R, n .. n + cols) from the panel (R = 1 or 2); sc / off: [G][16] the panel rows'
+// block scales and (affine kind) offsets s_b d_b + z_b (lut4_q8_offset). Per 32-block j, the int32
+// sums I (affine: int16 over the block's 8 steps, then vpmaddwd; codebook: the sign trick) and
+// acc += (float) I * (a_j * s_b); the affine kind then adds sum_b (s_b d_b + z_b) X_b.
+template <bool CODEBOOK, int R>
 TQ_Q8_TILE void q8_gemm_tile(const Lut4Params& p, const uint8_t* panel, const float* sc, const float* off, int64_t n, int64_t cols,
                              int64_t m0) {
+  constexpr int64_t kStep = CODEBOOK ? 128 : 64;  // panel bytes per step (unpack_q8_panel)
   const int64_t K = p.K, kq = p.kq, G = p.blocks_per_row, per_block = p.block / 32, chunks = kq / 64;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;  // row r, panel half v
@@ -247,29 +253,34 @@ TQ_Q8_TILE void q8_gemm_tile(const Lut4Params& p, const uint8_t* panel, const fl
   for (int64_t j = 0; 32 * j < K; ++j) {
     // 32-block j = 2c + h holds positions [16h, 16h + 16) and [32 + 16h, 48 + 16h) of chunk c
     const int64_t step0 = 16 * (j >> 1) + 4 * (j & 1);
-    const uint8_t* pw = panel + step0 * 64;
-    __m256i acc16[2][2];
-    for (int r = 0; r < 2; ++r) acc16[r][0] = acc16[r][1] = _mm256_setzero_si256();
-    q8_steps<R>(pw, q0 + 4 * step0, q1 + 4 * step0, acc16);
-    q8_steps<R>(pw + 8 * 64, q0 + 4 * step0 + 32, q1 + 4 * step0 + 32, acc16);
-    const __m256i s00 = acc16[0][0], s01 = acc16[0][1], s10 = acc16[1][0], s11 = acc16[1][1];
+    const uint8_t* pw = panel + step0 * kStep;
+    __m256i sums[2][2];
+    for (int r = 0; r < 2; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    if constexpr (CODEBOOK) {
+      q8_sign_steps<R>(pw, q0 + 4 * step0, q1 + 4 * step0, sums);
+      q8_sign_steps<R>(pw + 8 * kStep, q0 + 4 * step0 + 32, q1 + 4 * step0 + 32, sums);
+    } else {
+      q8_steps<R>(pw, q0 + 4 * step0, q1 + 4 * step0, sums);
+      q8_steps<R>(pw + 8 * kStep, q0 + 4 * step0 + 32, q1 + 4 * step0 + 32, sums);
+      for (int r = 0; r < R; ++r) sums[r][0] = _mm256_madd_epi16(sums[r][0], ones), sums[r][1] = _mm256_madd_epi16(sums[r][1], ones);
+    }
     const __m256 sv0 = _mm256_load_ps(sc + 16 * g), sv1 = _mm256_load_ps(sc + 16 * g + 8);
     const int64_t ai = (j >> 1) * 8 + 4 * (j & 1);
     const __m256 x0 = _mm256_broadcast_ss(xa0 + ai);
-    a00 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s00, ones)), _mm256_mul_ps(x0, sv0), a00);
-    a01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s01, ones)), _mm256_mul_ps(x0, sv1), a01);
+    a00 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0][0]), _mm256_mul_ps(x0, sv0), a00);
+    a01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0][1]), _mm256_mul_ps(x0, sv1), a01);
     if (R > 1) {
       const __m256 x1 = _mm256_broadcast_ss(xa1 + ai);
-      a10 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s10, ones)), _mm256_mul_ps(x1, sv0), a10);
-      a11 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s11, ones)), _mm256_mul_ps(x1, sv1), a11);
+      a10 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[1][0]), _mm256_mul_ps(x1, sv0), a10);
+      a11 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[1][1]), _mm256_mul_ps(x1, sv1), a11);
     }
     if (++in_block == per_block) in_block = 0, ++g;
   }
   __m256 acc[2][2] = {{a00, a01}, {a10, a11}};
-  for (int64_t g = 0; g < G; ++g) {  // sum_b (s_b d_b + z_b) X_b
-    const __m256 o0 = _mm256_load_ps(off + 16 * g), o1 = _mm256_load_ps(off + 16 * g + 8);
+  for (int64_t b = 0; !CODEBOOK && b < G; ++b) {  // sum_b (s_b d_b + z_b) X_b
+    const __m256 o0 = _mm256_load_ps(off + 16 * b), o1 = _mm256_load_ps(off + 16 * b + 8);
     for (int r = 0; r < R; ++r) {
-      const __m256 X = _mm256_broadcast_ss(p.xblk + (m0 + r) * G + g);
+      const __m256 X = _mm256_broadcast_ss(p.xblk + (m0 + r) * G + b);
       acc[r][0] = _mm256_fmadd_ps(o0, X, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(o1, X, acc[r][1]);
     }
@@ -285,6 +296,29 @@ TQ_Q8_TILE void q8_gemm_tile(const Lut4Params& p, const uint8_t* panel, const fl
     _mm256_store_ps(row, acc[r][0]);
     _mm256_store_ps(row + 8, acc[r][1]);
     for (int64_t t = 0; t < cols; ++t) o[t] = p.bias ? row[t] + p.bias[n + t] : row[t];
+  }
+}
+
+// The GEMM form of one kind over output rows [n0, n1): per 16 weight rows a panel, its block
+// scales (and offsets), then every pair of activation rows.
+template <bool CODEBOOK>
+void q8_gemm(const Lut4Params& p, int64_t n0, int64_t n1, char* buf, size_t panel_bytes, size_t table_bytes) {
+  const int64_t G = p.blocks_per_row;
+  uint8_t* panel = reinterpret_cast<uint8_t*>(buf);
+  float* sc = reinterpret_cast<float*>(buf + panel_bytes);
+  float* off = reinterpret_cast<float*>(buf + panel_bytes + table_bytes);
+  for (int64_t n = n0; n < n1; n += kPanelCols) {
+    const int64_t cols = n1 - n < kPanelCols ? n1 - n : kPanelCols;
+    unpack_q8_panel<CODEBOOK>(p, n, cols, panel);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < kPanelCols; ++t) {
+        const float s = t < cols ? lut4_scale(p, n + t, g) : 0.0f;
+        sc[g * kPanelCols + t] = s;
+        off[g * kPanelCols + t] = t < cols && !CODEBOOK ? lut4_q8_offset(p, n + t, g, s) : 0.0f;
+      }
+    int64_t m = 0;
+    for (; m + kGemmRows <= p.M; m += kGemmRows) q8_gemm_tile<CODEBOOK, kGemmRows>(p, panel, sc, off, n, cols, m);
+    if (m < p.M) q8_gemm_tile<CODEBOOK, 1>(p, panel, sc, off, n, cols, m);
   }
 }
 
@@ -312,64 +346,6 @@ void rows(const Lut4Params& p, int64_t n0, int64_t n1) {
 void lut4_q8_rows_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
   if (p.q8_affine) rows<true>(p, n0, n1);
   else rows<false>(p, n0, n1);
-}
-
-// The codebook kind (NF4 / FP4 as int8 t_c): out[m0 .. m0 + R, n .. n + cols) (R = 1 or 2) =
-// sum_j (a_j cmax / 127) s_b sum t_c q, the same terms as the rows above. Per step, |t| x sign(q, t)
-// (vpmaddubsw sign trick: pairs <= 2 * 127 * 127, each widened by vpmaddwd), int32 per 32-block.
-template <int R>
-TQ_Q8_TILE void q8_codebook_tile(const Lut4Params& p, const uint8_t* panel, const float* sc, int64_t n, int64_t cols, int64_t m0) {
-  const int64_t K = p.K, kq = p.kq, per_block = p.block / 32, chunks = kq / 64;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 f00 = _mm256_setzero_ps(), f01 = f00, f10 = f00, f11 = f00;  // row r, panel half v
-  const int8_t* q0 = p.xq8 + m0 * kq;
-  const int8_t* q1 = q0 + (R > 1 ? kq : 0);
-  const float* xa0 = p.xa + m0 * chunks * 8;
-  const float* xa1 = xa0 + (R > 1 ? chunks * 8 : 0);
-  int64_t g = 0, in_block = 0;
-  for (int64_t j = 0; 32 * j < K; ++j) {
-    const int64_t step0 = 16 * (j >> 1) + 4 * (j & 1);
-    __m256i i00 = _mm256_setzero_si256(), i01 = i00, i10 = i00, i11 = i00;
-    for (int part = 0; part < 2; ++part) {
-      for (int i = 0; i < 4; ++i) {
-        const int64_t step = step0 + 8 * part + i;
-        const uint8_t* pw = panel + step * 128;
-        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw));
-        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 32));
-        const __m256i a0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 64));
-        const __m256i a1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 96));
-        auto row = [&](const int8_t* q, __m256i& v0, __m256i& v1) __attribute__((always_inline)) {
-          int32_t x4;
-          memcpy(&x4, q + 4 * step, 4);
-          const __m256i xb = _mm256_set1_epi32(x4);
-          v0 = _mm256_add_epi32(v0, _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
-          v1 = _mm256_add_epi32(v1, _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
-          asm("" : "+x"(v0), "+x"(v1));  // in place (see q8_steps)
-        };
-        row(q0, i00, i01);
-        if constexpr (R > 1) row(q1, i10, i11);
-      }
-    }
-    const __m256 sv0 = _mm256_load_ps(sc + 16 * g), sv1 = _mm256_load_ps(sc + 16 * g + 8);
-    const int64_t ai = (j >> 1) * 8 + 4 * (j & 1);
-    const __m256 x0 = _mm256_broadcast_ss(xa0 + ai);
-    f00 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i00), _mm256_mul_ps(x0, sv0), f00);
-    f01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i01), _mm256_mul_ps(x0, sv1), f01);
-    if (R > 1) {
-      const __m256 x1 = _mm256_broadcast_ss(xa1 + ai);
-      f10 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i10), _mm256_mul_ps(x1, sv0), f10);
-      f11 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i11), _mm256_mul_ps(x1, sv1), f11);
-    }
-    if (++in_block == per_block) in_block = 0, ++g;
-  }
-  const __m256 acc[2][2] = {{f00, f01}, {f10, f11}};
-  alignas(32) float row[kPanelCols];
-  for (int r = 0; r < R; ++r) {
-    float* o = p.out + (m0 + r) * p.N + n;
-    _mm256_store_ps(row, acc[r][0]);
-    _mm256_store_ps(row + 8, acc[r][1]);
-    for (int64_t t = 0; t < cols; ++t) o[t] = p.bias ? row[t] + p.bias[n + t] : row[t];
-  }
 }
 
 // lut4_q8_block_portable's contract (lut4_linear.h) in AVX2: the same divisions and roundings
@@ -420,37 +396,16 @@ float lut4_q8_block_avx2(const float* v, int8_t* dst, int32_t* qsum) {
 // The GEMM forms (above; block a multiple of 32): the affine kind's, the codebook kind's. Each
 // range allocates its panel; if it cannot, the rows above compute the range.
 void lut4_q8_gemm_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
-  const int64_t G = p.blocks_per_row;
   const bool codebook = !p.q8_affine;
-  const size_t panel_bytes = (p.kq / 4) * (codebook ? 128 : 64), table_bytes = (G * kPanelCols * sizeof(float) + 31) / 32 * 32;
+  const size_t panel_bytes = (p.kq / 4) * (codebook ? 128 : 64);
+  const size_t table_bytes = (p.blocks_per_row * kPanelCols * sizeof(float) + 31) / 32 * 32;
   char* buf = static_cast<char*>(aligned_alloc(64, panel_bytes + 2 * table_bytes));
   if (!buf) {
-    if (codebook) rows<false>(p, n0, n1);
-    else rows<true>(p, n0, n1);
+    lut4_q8_rows_avx2(p, n0, n1);
     return;
   }
-  uint8_t* panel = reinterpret_cast<uint8_t*>(buf);
-  float* sc = reinterpret_cast<float*>(buf + panel_bytes);
-  float* off = reinterpret_cast<float*>(buf + panel_bytes + table_bytes);
-  for (int64_t n = n0; n < n1; n += kPanelCols) {
-    const int64_t cols = n1 - n < kPanelCols ? n1 - n : kPanelCols;
-    if (codebook) unpack_q8_panel<true>(p, n, cols, panel);
-    else unpack_q8_panel<false>(p, n, cols, panel);
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t t = 0; t < kPanelCols; ++t) {
-        const float s = t < cols ? lut4_scale(p, n + t, g) : 0.0f;
-        sc[g * kPanelCols + t] = s;
-        off[g * kPanelCols + t] = t < cols && !codebook ? lut4_q8_offset(p, n + t, g, s) : 0.0f;
-      }
-    int64_t m = 0;
-    if (codebook) {
-      for (; m + 2 <= p.M; m += 2) q8_codebook_tile<2>(p, panel, sc, n, cols, m);
-      if (m < p.M) q8_codebook_tile<1>(p, panel, sc, n, cols, m);
-    } else {
-      for (; m + kGemmRows <= p.M; m += kGemmRows) q8_gemm_tile<kGemmRows>(p, panel, sc, off, n, cols, m);
-      if (m < p.M) q8_gemm_tile<1>(p, panel, sc, off, n, cols, m);
-    }
-  }
+  if (codebook) q8_gemm<true>(p, n0, n1, buf, panel_bytes, table_bytes);
+  else q8_gemm<false>(p, n0, n1, buf, panel_bytes, table_bytes);
   free(buf);
 }
 
