@@ -56,7 +56,7 @@ struct Int8Kernels {
   Int8DequantFn dequant_rows;
   // The dynamic kernel's GEMM form for M >= kInt8GemmMinM (reads p.xq; null where the ISA has
   // none): panels of 16 weight rows, unpacked once per call into 4-position groups with their
-  // absolute values, register tiles of 2 activation rows x 16 weight rows of broadcast activation
+  // absolute values, register tiles of 4 activation rows x 16 weight rows of broadcast activation
   // codes (vpmaddubsw sign trick), int32 sums exact: the same bits as dynamic_rows.
   Int8RowsFn dynamic_gemm;
 };

@@ -43,7 +43,6 @@ struct Avx2SignDot {
   static int32_t correction(const RowSum&) { return 0; }
 };
 
-
 // ---- the dynamic GEMM form (int8_linear.h: Int8Kernels.dynamic_gemm) ----------------------
 
 constexpr int kPanelCols = 16;  // weight rows per panel: two vectors of 8 int32 lanes
@@ -132,7 +131,7 @@ __attribute__((noinline)) void dynamic_gemm_tile(const Int8Params& p, const int8
 }
 
 // The dynamic GEMM over output rows [n0, n1): a panel per 16 weight rows, unpacked once, then
-// every pair of activation rows over it. Falls back to the row kernel if the panel cannot be had.
+// every kGemmRows activation rows over it. Falls back to the row kernel if the panel cannot be had.
 void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
   int8_t* panel = static_cast<int8_t*>(aligned_alloc(64, (p.Kp / 4) * 128));
   if (!panel) {

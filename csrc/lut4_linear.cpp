@@ -215,9 +215,9 @@ float lut4_q8_block_portable(const float* v, int8_t* dst, int32_t* qsum) {
 
 namespace {
 
-// More rows than kLut4Q8MaxM: the fp32 paths (table / GEMM) on the fake-quantized activations
-// a * q, rounded in fp32 as the reference forms them (the integer loop reads the weight once per 4
-// rows; at M = 16 it took 11.0 ms against 8.8 for fp32 on 4096^2, AVX2, 1 thread).
+// More rows than kLut4Q8MaxM where no integer GEMM form runs (the portable table, a block that is
+// not a multiple of 32, TORCHQ_NATIVE_GEMM=0): the fp32 paths (table / GEMM) on the fake-quantized
+// activations a * q, rounded in fp32 as the reference forms them.
 struct FakeQuantJob {
   int64_t K;
   float* xhat;
@@ -317,10 +317,11 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
   const size_t out_bytes = dtype == DT_F32 ? 0 : (M * N * sizeof(float) + 63) / 64 * 64;
   char* buf = static_cast<char*>(aligned_alloc(64, q_bytes + a_bytes + blk_bytes + out_bytes + 64));
   if (!buf) return OUT_OF_MEMORY;
-  p.xq8 = reinterpret_cast<int8_t*>(buf);
-  p.xa = reinterpret_cast<float*>(buf + q_bytes);
-  p.xblk = reinterpret_cast<float*>(buf + q_bytes + a_bytes);
-  Q8PrepJob prep{&p, const_cast<int8_t*>(p.xq8), const_cast<float*>(p.xa), const_cast<float*>(p.xblk), affine};
+  Q8PrepJob prep{&p, reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + q_bytes),
+                 reinterpret_cast<float*>(buf + q_bytes + a_bytes), affine};
+  p.xq8 = prep.xq8;
+  p.xa = prep.xa;
+  p.xblk = prep.xblk;
   if (!for_each_f32_row(x, dtype, M, K_in, kq, threads, M * K * 16, quantize_q8_row, &prep)) {
     free(buf);
     return OUT_OF_MEMORY;
