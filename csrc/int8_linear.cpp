@@ -91,8 +91,10 @@ int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int
   }
   const size_t esize = dtype_size(dtype);
   for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * esize, dtype, K, Kp, xp + m * Kp);
-  RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32}, kernels().int8.weight_rows};
-  parallel_for(N, 4, threads, run_rows, &job, kSpinUs, M * N * K);
+  const Int8Kernels& kern = kernels().int8;
+  const bool gemm = M >= kInt8WeightGemmMinM && int8_weight_gemm_active();
+  RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32}, gemm ? kern.weight_gemm : kern.weight_rows};
+  parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole AVX2 panels
   o.finish(out, dtype, M * N);
   free(xp);
   return OK;
@@ -151,6 +153,8 @@ int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
   if (bias) return BAD_ARGUMENT;  // the reference adds it after rounding to the activation dtype: the caller does
   return dynamic_linear(x, dtype, M, w.k, w.codes, w.n, w.scales, w.act_denom, w.act_eps, w.act_qmin, w.act_qmax, out, threads);
 }
+
+bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().int8.weight_gemm; }
 
 // Rows [n0, n1) of the weight, q * s, into dst ([n1 - n0, K]) as fp32 or bf16.
 int int8_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads) {

@@ -59,13 +59,22 @@ struct Int8Kernels {
   // absolute values, register tiles of 4 activation rows x 16 weight rows of broadcast activation
   // codes (vpmaddubsw sign trick), int32 sums exact: the same bits as dynamic_rows.
   Int8RowsFn dynamic_gemm;
+  // The weight-only kernel's GEMM form for M >= kInt8WeightGemmMinM (null where the ISA has none):
+  // the fp32 panel GEMM (gemm_f32_body.h) over panels of q * s, each weight converted once per
+  // call; the same products, summed in another order.
+  Int8RowsFn weight_gemm;
 };
 // Activation rows from which the dynamic GEMM form runs: below, unpacking the panels costs more
 // than it saves (AVX2, 2 threads, 4096^2: M = 4 1.12 vs 0.75 ms, M = 16 2.8 vs 2.5, M = 64 8.6 vs
 // 10.2; 576^2: M = 64 0.23 vs 0.30, M = 256 0.88 vs 1.20).
 constexpr int64_t kInt8GemmMinM = 32;
+// Activation rows from which the weight-only GEMM form runs (see its measurements in
+// int8_linear.cpp).
+constexpr int64_t kInt8WeightGemmMinM = 16;
 // kInt8Avx512 runs the VNNI dynamic kernel; an AVX-512 CPU without VNNI (or with
 // TORCHQ_NATIVE_VNNI=0) takes kInt8Avx2's dynamic kernel instead (cpu.cpp).
 extern const Int8Kernels kInt8Scalar, kInt8Avx2, kInt8Avx512;
+// Whether weight-only calls of many rows take the GEMM form (the active ISA has one, allowed).
+bool int8_weight_gemm_active();
 
 }  // namespace tq

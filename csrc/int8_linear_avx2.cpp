@@ -156,6 +156,7 @@ void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
 }  // namespace
 
 extern const Int8Kernels kInt8Avx2 = {&Int8Kernel<Avx2>::weight_rows, &Int8DotKernel<Avx2SignDot>::dynamic_rows, 0,
-                                      &Int8Kernel<Avx2>::quantize_rows, &Int8Kernel<Avx2>::dequant_rows, &dynamic_gemm};
+                                      &Int8Kernel<Avx2>::quantize_rows, &Int8Kernel<Avx2>::dequant_rows, &dynamic_gemm,
+                                      &Int8Kernel<Avx2>::weight_gemm};
 
 }  // namespace tq

@@ -39,6 +39,7 @@ struct Avx512VnniDot {
 }  // namespace
 
 extern const Int8Kernels kInt8Avx512 = {&Int8Kernel<Avx512>::weight_rows, &Int8DotKernel<Avx512VnniDot>::dynamic_rows, 128,
-                                        &Int8Kernel<Avx512>::quantize_rows, &Int8Kernel<Avx512>::dequant_rows, nullptr};
+                                        &Int8Kernel<Avx512>::quantize_rows, &Int8Kernel<Avx512>::dequant_rows, nullptr,
+                                        &Int8Kernel<Avx512>::weight_gemm};
 
 }  // namespace tq

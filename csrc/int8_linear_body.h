@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "gemm_f32_body.h"
 #include "int8_linear.h"
 #include "tiling.h"
 
@@ -74,6 +75,51 @@ struct Int8Kernel {
     tiles_then_singles<kInt8Rows>(n0, n1, [&](auto nt, int64_t n) {
       tiles_then_remainder<kInt8MTile>(0, p.M, [&](auto mt, int64_t m) { weight_tile<decltype(nt)::value, decltype(mt)::value>(p, n, m); });
     });
+  }
+
+  // ---- the weight-only GEMM form (M >= kInt8WeightGemmMinM; int8_linear.h) ----
+  using Gemm = PanelGemm<T>;
+  static constexpr int NR = Gemm::NR;
+
+  // panel[k * NR + t] = q * s of row n + t at position k0 + k (zero for t >= rows and k >= K):
+  // 8 rows x 32 positions into `rows8`, then 8x8 transposes.
+  static void unpack_weight_panel(const Int8Params& p, int64_t n, int64_t rows, int64_t k0, int64_t kc, float* panel) {
+    const int64_t K = p.K;
+    alignas(64) float rows8[8 * 32];
+    for (int64_t t0 = 0; t0 < NR; t0 += 8) {
+      __m256 s[8];
+      for (int r = 0; r < 8; ++r) s[r] = _mm256_set1_ps(t0 + r < rows ? p.scale[n + t0 + r] : 0.0f);
+      for (int64_t k = k0; k < k0 + kc; k += 32) {
+        for (int r = 0; r < 8; ++r) {
+          float* dst = rows8 + 32 * r;
+          if (t0 + r >= rows) {
+            for (int i = 0; i < 32; ++i) dst[i] = 0.0f;
+            continue;
+          }
+          const int8_t* src = p.w + (n + t0 + r) * K + k;
+          if (k + 32 <= K) {
+            for (int i = 0; i < 4; ++i) {
+              const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
+              _mm256_store_ps(dst + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s[r]));
+            }
+          } else {  // the row's last positions: the same single rounding, zeros past K
+            const float sr = p.scale[n + t0 + r];
+            for (int64_t i = 0; i < 32; ++i) dst[i] = k + i < K ? static_cast<float>(src[i]) * sr : 0.0f;
+          }
+        }
+        const int64_t left = k0 + kc - k, groups = left >= 32 ? 4 : (left + 7) / 8;  // of 8 positions
+        for (int64_t i = 0; i < groups; ++i) Gemm::transpose8(rows8 + 8 * i, 32, panel + (k - k0 + 8 * i) * NR + t0, NR);
+      }
+    }
+  }
+
+  // Output rows [n0, n1) through the fp32 panel GEMM: each weight converted once per call.
+  static void weight_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
+    const PanelGemmArgs a{p.x, p.Kp, p.M, p.K, p.N, p.bias, p.out};
+    const bool ran = Gemm::run(a, n0, n1, [&](int64_t n, int64_t rows, int64_t k0, int64_t kc, float* panel) {
+      unpack_weight_panel(p, n, rows, k0, kc, panel);
+    });
+    if (!ran) weight_rows(p, n0, n1);
   }
 
   static void dequant_rows(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16) {

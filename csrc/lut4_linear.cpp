@@ -381,5 +381,3 @@ int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool 
 // Allow the lut4 paths in `paths` (Lut4Paths bits), forbid the others; returns the previous
 // bits (a negative `paths` only reads them).
 TQ_API int tq_set_lut4_paths(int paths) { return paths < 0 ? tq::lut4_paths() : tq::g_paths.exchange(paths & 3); }
-// 1 when calls of more than 4 rows take the GEMM path on the active ISA.
-TQ_API int tq_lut4_gemm_active() { return tq::lut4_gemm_active() ? 1 : 0; }

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <stdlib.h>
 
+#include "gemm_f32_body.h"
 #include "lut4_linear.h"
 #include "tiling.h"
 
@@ -135,35 +136,10 @@ struct Lut4Kernel {
   }
 
   // ---- GEMM path (M >= kLut4GemmMinM, where the ISA's table has it: lut4_linear.h) ----
-  // Weight panels of NR = 2W rows x KC positions are unpacked (exact values, in the permuted
-  // activation order) into an L1-resident k-major buffer, then MR x NR register tiles of
-  // broadcast-activation FMAs run over every activation row: each weight is unpacked once per
-  // call, and the FMAs see only L1 data. Per output: fp32 sums over each KC block in order, the
-  // blocks added in order.
-  static constexpr int NR = 2 * W;
-  static constexpr int64_t KC = 256;
-
-  // 8x8 transpose of rows r[0..8) (8 floats each) into columns: out[l] = (r[0][l], .., r[7][l]).
-  static void transpose8(const float* rows, int64_t stride, float* out, int64_t out_stride) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + i * stride);
-    for (int i = 0; i < 4; ++i) {
-      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    __m256 u[8];
-    for (int i = 0; i < 2; ++i) {
-      u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-      u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-      u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-      u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    // u[0..4): rows 0-3, columns (0,4) (1,5) (2,6) (3,7) in 128-bit halves; u[4..8): rows 4-7
-    for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(out + i * out_stride, _mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
-      _mm256_storeu_ps(out + (i + 4) * out_stride, _mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
-    }
-  }
+  // The fp32 panel GEMM (gemm_f32_body.h) over panels of exact weights in the permuted activation
+  // order: each weight is unpacked once per call, the FMAs see only L1 data.
+  using Gemm = PanelGemm<T>;
+  static constexpr int NR = Gemm::NR;
 
   // panel[k * NR + t] = weight of row n + t at permuted position k0 + k (zero for t >= rows):
   // 8 rows at a time unpack 32 positions each into `rows8`, then 8x8 transposes.
@@ -189,77 +165,18 @@ struct Lut4Kernel {
           T::lut4_unpack(lut[r].v, p.packed + (n + t0 + r) * (p.K / 2) + k / 2, wv);
           for (int i = 0; i < kChunk; ++i) T::store(dst + W * i, wv[i]);
         }
-        for (int i = 0; i < 4; ++i) transpose8(rows8 + 8 * i, 32, panel + (k - k0 + 8 * i) * NR + t0, NR);
+        for (int i = 0; i < 4; ++i) Gemm::transpose8(rows8 + 8 * i, 32, panel + (k - k0 + 8 * i) * NR + t0, NR);
       }
     }
   }
 
-  // out[m0..m0+MT, n..n+cols] (+)= x[m0.., k0..k0+kc] panel; the last block adds the bias.
-  template <int MT>
-  TQ_TILE static void gemm_tile(const Lut4Params& p, const float* panel, int64_t n, int64_t cols, int64_t m0, int64_t k0, int64_t kc) {
-    const int64_t K = p.K, N = p.N;
-    F acc[MT][2];
-    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = T::zero();
-    const float* x = p.xp + m0 * K + k0;
-    for (int64_t k = 0; k < kc; ++k) {
-      const F w0 = T::load(panel + NR * k), w1 = T::load(panel + NR * k + W);
-      for (int i = 0; i < MT; ++i) {
-        const F xv = T::set1(x[i * K + k]);
-        acc[i][0] = T::fmadd(xv, w0, acc[i][0]);
-        acc[i][1] = T::fmadd(xv, w1, acc[i][1]);
-      }
-    }
-    const bool first = k0 == 0, last = k0 + kc == K;
-    if (cols == NR) {
-      F b0 = T::zero(), b1 = T::zero();
-      if (last && p.bias) b0 = T::loadu(p.bias + n), b1 = T::loadu(p.bias + n + W);
-      for (int i = 0; i < MT; ++i) {
-        float* o = p.out + (m0 + i) * N + n;
-        F s0 = first ? acc[i][0] : T::add(T::loadu(o), acc[i][0]);
-        F s1 = first ? acc[i][1] : T::add(T::loadu(o + W), acc[i][1]);
-        if (last && p.bias) s0 = T::add(s0, b0), s1 = T::add(s1, b1);
-        T::storeu(o, s0);
-        T::storeu(o + W, s1);
-      }
-      return;
-    }
-    alignas(64) float row[NR];
-    for (int i = 0; i < MT; ++i) {
-      float* o = p.out + (m0 + i) * N + n;
-      T::store(row, acc[i][0]);
-      T::store(row + W, acc[i][1]);
-      for (int64_t j = 0; j < cols; ++j) {
-        float s = first ? row[j] : o[j] + row[j];
-        if (last && p.bias) s = s + p.bias[n + j];
-        o[j] = s;
-      }
-    }
-  }
-
-  // Blocks of kGemmPanels panels (L2) x KC positions are unpacked once; every MR-row tile of
-  // activations (L1) then runs over all of them.
-  static constexpr int kGemmPanels = 256 / NR;
   static void gemm_rows(const Lut4Params& p, int64_t n0, int64_t n1) {
-    float* panels = static_cast<float*>(aligned_alloc(64, kGemmPanels * KC * NR * sizeof(float)));
-    if (!panels) {
-      lut4_rows_portable(p, n0, n1);
-      return;
-    }
     const Table code = load_code(p.codebook);
-    constexpr int MR = T::kGemmRows;
-    for (int64_t nb = n0; nb < n1; nb += kGemmPanels * NR) {
-      const int64_t nb1 = nb + kGemmPanels * NR < n1 ? nb + kGemmPanels * NR : n1;
-      for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
-        const int64_t kc = k0 + KC <= p.K ? KC : p.K - k0;
-        for (int64_t n = nb; n < nb1; n += NR)
-          unpack_kpanel(p, code, n, n + NR <= nb1 ? NR : nb1 - n, k0, kc, panels + (n - nb) / NR * KC * NR);
-        tiles_then_remainder<MR>(0, p.M, [&](auto mt, int64_t m) {
-          for (int64_t n = nb; n < nb1; n += NR)
-            gemm_tile<decltype(mt)::value>(p, panels + (n - nb) / NR * KC * NR, n, n + NR <= nb1 ? NR : nb1 - n, m, k0, kc);
-        });
-      }
-    }
-    free(panels);
+    const PanelGemmArgs a{p.xp, p.K, p.M, p.K, p.N, p.bias, p.out};
+    const bool ran = Gemm::run(a, n0, n1, [&](int64_t n, int64_t rows, int64_t k0, int64_t kc, float* panel) {
+      unpack_kpanel(p, code, n, rows, k0, kc, panel);
+    });
+    if (!ran) lut4_rows_portable(p, n0, n1);
   }
 
   // M <= 4: fused tiles of kLut4FusedRows weight rows x 2 activation rows. Larger M: panels of

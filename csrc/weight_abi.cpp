@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 
@@ -61,6 +62,16 @@ TQ_API int tq_linear(const tq_weight* w, const void* x, int x_dtype, int64_t M, 
   if (!valid_weight(w) || M < 1 || !valid_dtype(x_dtype) || !x || !out) return BAD_ARGUMENT;
   if (w->format == TQ_FORMAT_LUT4 || w->format == TQ_FORMAT_LUT4_INT8ACT) return lut4_linear(*w, x, x_dtype, M, bias, out, threads);
   return int8_linear(*w, x, x_dtype, M, bias, out, threads);
+}
+
+// 1 when weight-only calls of `format` (tq_weight_format) with many rows take a native fp32 GEMM
+// form on the active ISA (allowed: tq_set_lut4_paths): TQ_FORMAT_LUT4 from kLut4GemmMinM rows,
+// TQ_FORMAT_INT8 from kInt8WeightGemmMinM; 0 otherwise.
+TQ_API int tq_gemm_active(int format) {
+  using namespace tq;
+  if (format == TQ_FORMAT_LUT4) return lut4_gemm_active() ? 1 : 0;
+  if (format == TQ_FORMAT_INT8) return int8_weight_gemm_active() ? 1 : 0;
+  return 0;
 }
 
 // Weight rows [n0, n1), dequantized into dst ([n1 - n0, row_length], contiguous) as fp32

@@ -25,7 +25,7 @@
 #include <stdint.h>
 
 // Bumped whenever an exported signature or the weight struct changes; torchq/native.py refuses a mismatch.
-#define TQ_ABI_VERSION 5
+#define TQ_ABI_VERSION 6
 
 enum tq_weight_format : int32_t { TQ_FORMAT_LUT4 = 1, TQ_FORMAT_INT8 = 2, TQ_FORMAT_INT8_DYNAMIC = 3, TQ_FORMAT_LUT4_INT8ACT = 4 };
 // A field's kind as tq_weight_abi reports it: its C type, as torchq/backends/native_cpu/abi.py maps it to ctypes.

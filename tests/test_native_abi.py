@@ -42,7 +42,7 @@ def header_fields() -> list[tuple[str, str]]:
 
 def test_the_library_describes_the_struct_the_header_declares_and_python_lays_out():
     lib = native_library.library()
-    assert lib.tq_abi_version() == native_library.ABI_VERSION == 5
+    assert lib.tq_abi_version() == native_library.ABI_VERSION == 6
     fields, size = native_abi.describe(lib)
     kinds = {"TQ_KIND_I32": 0, "TQ_KIND_I64": 1, "TQ_KIND_F32": 2, "TQ_KIND_PTR": 3}
     assert [(f.name, f.kind) for f in fields] == [(name, kinds[kind]) for name, kind in header_fields()]
@@ -95,7 +95,8 @@ def test_a_library_describing_another_struct_is_refused(monkeypatch, change, rea
 
 def test_a_library_of_another_abi_version_or_without_an_entry_point_is_refused():
     old = StaleLibrary(tq_abi_version=lambda: 3)
-    assert native_library.validate(old, "_native.so") == (None, "_native.so has ABI 3, this torchq needs 5 (stale build: reinstall)")
+    assert native_library.validate(old, "_native.so") == (
+        None, f"_native.so has ABI 3, this torchq needs {native_library.ABI_VERSION} (stale build: reinstall)")
     missing = StaleLibrary(tq_linear=None)
     assert native_library.validate(missing, "_native.so") == (None, "_native.so lacks tq_linear (stale build: reinstall)")
 
@@ -139,7 +140,7 @@ def test_status_says_a_stale_library_is_refused_and_it_is_never_called():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not result["available"]
-    assert re.search(r"has ABI 3, this torchq needs 5 \(stale build: reinstall\)$", result["reason"]), result["reason"]
+    assert re.search(rf"has ABI 3, this torchq needs {native_library.ABI_VERSION} \(stale build: reinstall\)$", result["reason"]), result["reason"]
     assert result["called"] == []
     assert result["warned"] and "stale build: reinstall" in result["warned"][0]
 

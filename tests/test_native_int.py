@@ -300,6 +300,38 @@ def test_int8_weight_only_threads_and_isas_within_the_bound(isa, threads, m):
     assert_within_bound(y, x, dense, None, torch.float32)
 
 
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_int8_weight_only_gemm_form_one_hot_bound_and_non_finite(isa, threads):
+    """M >= 16 on AVX2 / AVX-512 runs the GEMM form (panels of 2W rows x 256 positions of q * s):
+    K = 603 ends in a partial 256-block and a partial 8-position group, N = 37 in a partial panel;
+    one-hot rows give the exact weights, random rows stay within the bound with a bias, the
+    row kernel (the GEMM form switched off) agrees within the same bound, and inf / NaN
+    activations give the reference's non-finite outputs."""
+    from torchq.backends.native_cpu import library
+    n, k = 37, 603
+    codes, scale, dense = int8_weight(n, k, seed=5)
+    for m in (16, 17, 22):
+        cols = torch.cat([torch.tensor([0, k - 1, 255, 256, 600]), torch.randint(0, k, (m,), generator=torch.Generator().manual_seed(m))])[:m]
+        one_hot = torch.zeros(m, k)
+        one_hot[torch.arange(m), cols] = 1.0
+        assert torch.equal(int8_weight_linear(one_hot, codes, scale), dense[:, cols].T)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
+        bias = torch.randn(n)
+        y = int8_weight_linear(x, codes, scale, bias)
+        assert_within_bound(y, x, dense, bias, torch.float32)
+        with library.lut4_paths(gemm=False):
+            assert_within_bound(int8_weight_linear(x, codes, scale, bias), x, dense, bias, torch.float32)
+        x[1, 3] = float("inf")
+        x[2, 600] = float("nan")
+        x[m - 1, 256] = -float("inf")
+        y = int8_weight_linear(x, codes, scale, bias)
+        ref = torch.nn.functional.linear(x.double(), dense.double(), bias.double()).float()
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+        assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
+
+
 # -- int8 dynamic -------------------------------------------------------------------------------
 
 def dynamic_reference(x, codes, scale, qmin=-127, qmax=127, eps=1e-5, bias=None):

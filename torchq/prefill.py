@@ -54,7 +54,8 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
 
 def use_tiles(m: int, x_dtype: torch.dtype, native_gemm: bool = False) -> bool:
     """Whether ``m`` activation rows of ``x_dtype`` go to dequantized tiles + GEMM. ``native_gemm``:
-    the kernel has a native fp32 GEMM path (the lut4 kernel on AVX2 / AVX-512), which beats tiles + GEMM
+    the kernel has a native fp32 GEMM path (the lut4 and int8 weight-only kernels on AVX2 / AVX-512),
+    which beats tiles + GEMM
     whenever the tiles would be fp32."""
     if native_gemm and tile_dtype(x_dtype) == torch.float32:
         return False

@@ -30,11 +30,11 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "gemm_active", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
 ]
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 ISA_NAMES = ("scalar", "avx2", "avx512")
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -45,7 +45,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_active_isa": (_c_int, []),
     "tq_set_isa": (_c_int, [_c_int]),
     "tq_set_lut4_paths": (_c_int, [_c_int]),  # Lut4Paths bits (negative: read)
-    "tq_lut4_gemm_active": (_c_int, []),
+    "tq_gemm_active": (_c_int, [_c_int]),  # weight format
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
     "tq_weight_size": (_c_int64, []),
     "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
@@ -146,7 +146,14 @@ def lut4_paths(decode: bool = True, gemm: bool = True) -> Iterator[None]:
 def lut4_gemm_active() -> bool:
     """Whether lut4 calls of many rows run the native GEMM path (AVX2 / AVX-512, allowed): then the native
     kernel beats dequantized tiles + torch.mm at every M (:func:`torchq.prefill.use_tiles`)."""
-    return _LIB is not None and not DISABLED.get() and bool(_LIB.tq_lut4_gemm_active())
+    return gemm_active(abi.FORMAT_LUT4)
+
+
+def gemm_active(weight_format: int) -> bool:
+    """Whether weight-only calls of many rows for ``weight_format`` (``abi.FORMAT_LUT4``: from 64
+    rows, ``abi.FORMAT_INT8``: from 16) run a native fp32 GEMM form (AVX2 / AVX-512, allowed by
+    :func:`lut4_paths`): then the native kernel beats dequantized tiles + torch.mm at every M."""
+    return _LIB is not None and not DISABLED.get() and bool(_LIB.tq_gemm_active(weight_format))
 
 
 def min_parallel_work(work: int | None = None) -> int:
@@ -441,7 +448,7 @@ def takes_fused(weight: NativeWeight, x: torch.Tensor) -> bool:
     if weight.format == abi.FORMAT_LUT4:
         return not use_tiles(m, x.dtype, lut4_gemm_active())
     if weight.format == abi.FORMAT_INT8:
-        return not use_tiles(m, x.dtype)
+        return not use_tiles(m, x.dtype, gemm_active(abi.FORMAT_INT8))
     return True
 
 
