@@ -138,6 +138,12 @@ void prepare_row(void* ctx, int64_t m, float* row) {
           for (int v = 0; v < 8; ++v) sum += dst[k + v * j.lanes + l];
         j.xsums[(m * (K / j.span) + k0 / j.span) * j.lanes + l] = static_cast<float>(sum);
       }
+  if (j.affine_sums)  // vector v of a chunk meets the nibbles in place (c 16^v): x 16^-v, exact
+    for (int64_t k = 0; k < K; k += j.chunk)
+      for (int v = 1; v < 7; ++v) {
+        const float scale = 1.0f / static_cast<float>(1 << (4 * v));
+        for (int l = 0; l < j.lanes; ++l) dst[k + v * j.lanes + l] *= scale;
+      }
 }
 
 // out = x @ W.T (+ bias), x [M, K_in] and out [M, N] of `dtype`: converts and zero-pads the
@@ -160,12 +166,14 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   float* xsums = reinterpret_cast<float*>(buf + xp_bytes);
   float* row = reinterpret_cast<float*>(buf + xp_bytes + xsum_bytes);
   // Non-finite activations take the table path (its inf * w is the reference's), and so do huge
-  // ones: the decode paths' separate terms (c x and d X) can overflow where sum (c + d) x does not.
+  // ones: the decode paths' separate terms (c x and d X) can overflow where sum (c + d) x does not;
+  // for the affine path also tiny ones (0 < |x| < 2^-102), whose prescaled x 16^-6 could lose bits.
   if (p.decode) {
+    const float tiny = p.decode == DECODE_AFFINE ? 0x1p-102f : 0.0f;
     for (int64_t m = 0; m < M && p.decode; ++m) {
       to_f32_row(static_cast<const char*>(x) + m * K_in * esize, dtype, K_in, K, row);
       for (int64_t k = 0; k < K; ++k)
-        if (!(__builtin_fabsf(row[k]) < 0x1p64f)) {  // also NaN
+        if (!(__builtin_fabsf(row[k]) < 0x1p64f) || (__builtin_fabsf(row[k]) < tiny && row[k] != 0.0f)) {  // also NaN
           p.decode = DECODE_NONE;
           decode = nullptr;
           break;

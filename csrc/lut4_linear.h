@@ -31,7 +31,9 @@
 //    fp32 scale / zero): per lane l of the chunks of a span (max(block, chunk) weights), with
 //    c the nibbles, d = codebook[0] + shift_b and X_l the lane's sum of x over the span
 //    (xsums: summed in double, rounded once): tot_l += s_b (sum c x + d X_l), then
-//    tot_l += z_b X_l; out = the sum of the lanes. The weights are exact and a one-hot row of x
+//    tot_l += z_b X_l; out = the sum of the lanes. Vector j of a chunk takes its nibbles in place
+//    (c 16^j: one mask, no shift; j = 7 shifted) against x 16^-j (the permuted activations are
+//    prescaled), so every product is c x exactly. The weights are exact and a one-hot row of x
 //    gives exactly the weight (the reference's roundings of (c + d) s and + z); otherwise only
 //    the order and grouping of the fp32 sum differ from sum_k w_k x_k:
 //    |out - sum_k w_k x_k| <= ~(K + 2) u sum_k (|(c_k + d) s_b| + |z_b|) |x_k|, u = 2^-24.
@@ -46,7 +48,8 @@
 // added in order: within the fp32 bound of sum_k w_k x_k, one-hot exact.
 //
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
-// products are the reference's; the separate terms above could overflow where the sum does not).
+// products are the reference's; the separate terms above could overflow where the sum does not);
+// for DECODE_AFFINE also nonzero ones below 2^-102 (their prescaled x 16^-6 could lose bits).
 //
 // Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, its
 // GEMM form Lut4Kernels.q8_gemm (block a multiple of 32): the same terms, summed in another order;

@@ -255,17 +255,29 @@ struct Lut4Kernel {
     const I lane_block = T::block_lane_index(B);
     const bool whole = B >= C;  // one block per chunk (else C / B blocks split each chunk)
     const int64_t blocks = whole ? 1 : C / B;
+    const int64_t span_blocks = span / B;  // the block index advances by this per span (no divisions)
     const F code0 = T::set1(p.codebook[0]);
     const uint8_t* w[NT];
-    for (int t = 0; t < NT; ++t) w[t] = p.packed + (n + t) * (K / 2);
+    const float *scales[NT], *shifts[NT], *zeros[NT];  // the rows' RowWork, in registers or the frame
+    for (int t = 0; t < NT; ++t) {
+      w[t] = p.packed + (n + t) * (K / 2);
+      scales[t] = r[t].scales;
+      shifts[t] = r[t].shifts;
+      zeros[t] = r[t].zeros;
+    }
     const float* x[MT];
-    for (int m = 0; m < MT; ++m) x[m] = p.xp + (m0 + m) * K;
+    const float* xsums[MT];
+    for (int m = 0; m < MT; ++m) {
+      x[m] = p.xp + (m0 + m) * K;
+      xsums[m] = KIND == DECODE_AFFINE ? p.xsums + (m0 + m) * spans * W : nullptr;
+    }
     const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));  // see fused_tile
     const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
     F tot[NT][MT];
     for (int t = 0; t < NT; ++t)
       for (int m = 0; m < MT; ++m) tot[t][m] = T::zero();
-    for (int64_t k0 = 0; k0 < K; k0 += span) {
+    int64_t g = 0, xs_at = 0;  // the span's first block; its xsums offset
+    for (int64_t k0 = 0; k0 < K; k0 += span, g += span_blocks, xs_at += W) {
       F acc[NT][MT][A];
       for (int t = 0; t < NT; ++t)
         for (int m = 0; m < MT; ++m)
@@ -277,26 +289,31 @@ struct Lut4Kernel {
         for (int t = 0; t < NT; ++t) {
           const I v = T::load_chunk(w[t] + k / 2);
           for (int j = 0; j < 8; ++j) {
-            const F wv = KIND == DECODE_AFFINE ? T::to_float(T::nibble(v, j)) : T::codebook_lookup(code.v, v, j);
+            // affine: c 16^j against x 16^-j (xp is prescaled: lut4_linear.h), the product c x exactly
+            const F wv = KIND == DECODE_AFFINE ? T::nibble_in_place(v, j) : T::codebook_lookup(code.v, v, j);
             for (int m = 0; m < MT; ++m) acc[t][m][j % A] = T::fmadd(wv, T::loadu(x[m] + k + W * j), acc[t][m][j % A]);
           }
         }
       }
-      const int64_t g = k0 / B;
+      // Per span and row: a handful of instructions, unrolled so that acc and tot stay in
+      // registers (a rolled loop kept them on the stack, and two 64-bit divisions per span for
+      // the block indices cost a third of the tile's time at block 128).
+#pragma GCC unroll 8
       for (int t = 0; t < NT; ++t) {
-        const F sv = per_lane(r[t].scales, g, whole, blocks, lane_block);
-        F dv, zv;
+        const F sv = per_lane(scales[t], g, whole, blocks, lane_block);
+        F dv = code0, zv = T::zero();
         if constexpr (KIND == DECODE_AFFINE) {  // d = codebook[0] + shift: integers, exact
-          dv = r[t].shifts ? T::add(code0, per_lane(r[t].shifts, g, whole, blocks, lane_block)) : code0;
-          if (r[t].zeros) zv = per_lane(r[t].zeros, g, whole, blocks, lane_block);
+          if (shifts[t]) dv = T::add(code0, per_lane(shifts[t], g, whole, blocks, lane_block));
+          if (zeros[t]) zv = per_lane(zeros[t], g, whole, blocks, lane_block);
         }
+#pragma GCC unroll 4
         for (int m = 0; m < MT; ++m) {
           F a = A == 2 ? T::add(acc[t][m][0], acc[t][m][A - 1]) : acc[t][m][0];
           if constexpr (KIND == DECODE_AFFINE) {
-            const F xs = T::loadu(p.xsums + ((m0 + m) * spans + k0 / span) * W);
+            const F xs = T::loadu(xsums[m] + xs_at);
             a = T::fmadd(dv, xs, a);
             tot[t][m] = T::fmadd(a, sv, tot[t][m]);
-            if (r[t].zeros) tot[t][m] = T::fmadd(zv, xs, tot[t][m]);
+            if (zeros[t]) tot[t][m] = T::fmadd(zv, xs, tot[t][m]);
           } else {
             tot[t][m] = T::fmadd(a, sv, tot[t][m]);
           }

@@ -130,6 +130,12 @@ struct Avx2 {
     return _mm256_and_si256(j ? _mm256_srli_epi32(v, 4 * j) : v, _mm256_set1_epi32(15));
   }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  // Nibble j of each lane left in place, as fp32: c * 16^j exactly (4 significant bits), one mask
+  // instead of a shift and a mask (j = 7, whose mask would set the sign bit: shifted down, c).
+  static F nibble_in_place(I v, int j) {
+    if (j == 7) return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * j))));
+  }
   // codebook[nibble j] for a 16-entry codebook in two vectors: two vpermps on its low 3 bits, a
   // blend on its bit 3 (moved to the sign bit).
   static F codebook_lookup(const F* codebook, I v, int j) {

@@ -26,6 +26,7 @@ from test_native_blockwise import ISAS, NATIVE, assert_within_bound, forced_tile
 
 import torchq
 from torchq import native
+from torchq.backends.native_cpu import library
 from torchq.canonical import PlainForm, QuantSpec
 from torchq.layouts import Int4CPULayout, Int4NativeLayout, PlainLayout
 from torchq.ops.int4 import INT4_GROUPWISE_GROUP_SIZES as GROUP_SIZES
@@ -202,6 +203,14 @@ def test_int4_decode_paths_one_hot_bound_and_non_finite(isa, domain, scale_dtype
             for magnitude in (1.0, 1e-30, 1e18, 1e30):  # 1e30: past 2^64, the table path
                 xm = x * magnitude
                 assert_within_bound(run_int4(xm, impl), xm, dense, None, torch.float32, term_magnitudes(plain))
+            # The affine path prescales x by 16^-j (up to 2^-24): exact down to |x| = 2^-102, so
+            # scaling a row by a power of two scales the output exactly (here to |x| >= 2^-101).
+            xe = x.sign() * x.abs().clamp_min(2.0**-11)
+            assert torch.equal(run_int4(xe * 2.0**-90, impl), run_int4(xe, impl) * 2.0**-90)
+            # Below 2^-102 (here |x| >= 2^-110) the call takes the table path, as with decode off.
+            with library.lut4_paths(decode=False):
+                table = run_int4(xe * 2.0**-99, impl)
+            assert torch.equal(run_int4(xe * 2.0**-99, impl), table)
             x[0, 3] = float("inf")
             x[m - 1, k - 1] = float("nan") if m > 1 else x[m - 1, k - 1]
             ref = x.double() @ dense.double().T
@@ -309,7 +318,6 @@ def test_int8_weight_only_gemm_form_one_hot_bound_and_non_finite(isa, threads):
     one-hot rows give the exact weights, random rows stay within the bound with a bias, the
     row kernel (the GEMM form switched off) agrees within the same bound, and inf / NaN
     activations give the reference's non-finite outputs."""
-    from torchq.backends.native_cpu import library
     n, k = 37, 603
     codes, scale, dense = int8_weight(n, k, seed=5)
     for m in (16, 17, 22):
