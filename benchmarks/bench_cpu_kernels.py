@@ -18,7 +18,8 @@ One run measures:
      table, the op): ``int4`` (int4 g128, tinygemm numerics, ``Int4NativeLayout``), ``nf4``
      (NF4 b64, double-quantized absmax), ``int4a8`` / ``nf4a8`` (the int8-activation 4-bit mode:
      int4 g32 with fp32 scales, NF4 b64; activations int8 per 32-block), ``int8wo`` (int8
-     weight-only), ``int8dq`` (int8 dynamic).
+     weight-only), ``int8dq`` (int8 dynamic), ``int8dq-r7`` (int8 dynamic with 7-bit activations,
+     ``reduce_range=True``: the range FBGEMM's column uses).
 
 Weights are rotated through enough copies that every call reads its weight from DRAM, not from
 a cache (at least ``--rotate-mb`` MB of weights per config; the L3 of a server CPU holds 8-100 MB).
@@ -67,8 +68,10 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling isa_caps
 import isa_caps  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CONFIGS = ("float", "float32", "aten-int4", "aten-int8", "fbgemm", "int_mm", "int4", "nf4", "int4a8", "nf4a8", "int8wo", "int8dq")
-TORCHQ = {"int4": "int4", "nf4": "nf4", "int4a8": "int4a8", "nf4a8": "nf4a8", "int8wo": "int8wo", "int8dq": "int8dq"}
+CONFIGS = ("float", "float32", "aten-int4", "aten-int8", "fbgemm", "int_mm", "int4", "nf4", "int4a8", "nf4a8", "int8wo", "int8dq",
+           "int8dq-r7")
+TORCHQ = {"int4": "int4", "nf4": "nf4", "int4a8": "int4a8", "nf4a8": "nf4a8", "int8wo": "int8wo", "int8dq": "int8dq",
+          "int8dq-r7": "int8dq-r7"}
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
@@ -91,6 +94,7 @@ def _quantized(k: int, n: int, name: str, dtype: torch.dtype) -> nn.Linear:
         "nf4a8": torchq.int8_dynamic_activation_4bit_weight("nf4", group_size=64),
         "int8wo": torchq.int8_weight_only(),
         "int8dq": torchq.int8_dynamic_activation_int8_weight(),
+        "int8dq-r7": torchq.int8_dynamic_activation_int8_weight(reduce_range=True),
     }[name]
     torchq.quantize_(lin, cfg)
     return lin

@@ -84,6 +84,7 @@ CONFIGS: dict[str, Callable[[], torchq.QuantConfig]] = {
     "nf4a8": lambda: torchq.config_from_name("nf4a8"),
     "int8wo": torchq.int8_weight_only,
     "int8dq": torchq.int8_dynamic_activation_int8_weight,
+    "int8dq-r7": lambda: torchq.int8_dynamic_activation_int8_weight(reduce_range=True),
 }
 # also known (not run by default): fp32 scales and zeros for bf16 / fp16 models (the AVX2 decode path)
 KNOWN = {**CONFIGS, "int4-g32-fp32": lambda: torchq.config_from_name("int4-g32-fp32"),

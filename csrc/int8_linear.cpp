@@ -107,7 +107,11 @@ int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t*
                    float denom, float eps, int qmin, int qmax, void* out, int threads) {
   const int64_t Kp = padded(K);
   const Int8Kernels& kern = kernels().int8;
-  const bool offset_codes = kern.dynamic_offset != 0;
+  // Narrow kernels from kInt8NarrowGemmMinM rows only: below, the row sums they need cost as much
+  // as the sign trick they save.
+  const bool narrow = qmin >= kNarrowMin && qmax <= kNarrowMax && kern.narrow_rows && M >= kInt8NarrowGemmMinM;
+  const int offset = narrow ? kNarrowOffset : kern.dynamic_offset;
+  const bool offset_codes = offset != 0;
   const size_t codes_bytes = (M * Kp + 63) / 64 * 64, xs_bytes = (M * sizeof(float) + 63) / 64 * 64;
   const size_t xf_bytes = dtype == DT_F32 ? 0 : M * K * sizeof(float);
   char* buf = static_cast<char*>(aligned_alloc(64, codes_bytes + xs_bytes + (xf_bytes + 63) / 64 * 64));
@@ -123,12 +127,13 @@ int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t*
     for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * 2, dtype, K, K, w + m * K);
     xf = w;
   }
-  QuantJob q{kern.quantize_rows, xf, K, Kp, Int8Quant{denom, eps, qmin, qmax}, kern.dynamic_offset, buf, xs};
+  QuantJob q{kern.quantize_rows, xf, K, Kp, Int8Quant{denom, eps, qmin, qmax}, offset, buf, xs};
   parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
   const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
                      offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, codes, scale, nullptr, o.f32};
-  const bool gemm = M >= kInt8GemmMinM && kern.dynamic_gemm && !offset_codes && (lut4_paths() & LUT4_GEMM);
-  RowsJob job{p, gemm ? kern.dynamic_gemm : kern.dynamic_rows};
+  const Int8RowsFn gemm_fn = narrow ? kern.narrow_gemm : offset_codes ? nullptr : kern.dynamic_gemm;
+  const bool gemm = (narrow || M >= kInt8GemmMinM) && gemm_fn && (lut4_paths() & LUT4_GEMM);
+  RowsJob job{p, gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole panels
   o.finish(out, dtype, M * N);
   free(buf);

@@ -63,11 +63,24 @@ struct Int8Kernels {
   // the fp32 panel GEMM (gemm_f32_body.h) over panels of q * s, each weight converted once per
   // call; the same products, summed in another order.
   Int8RowsFn weight_gemm;
+  // Narrow activations (codes within [kNarrowMin, kNarrowMax]: 7-bit ranges) from
+  // kInt8NarrowGemmMinM rows, where the ISA has kernels for them (null: dynamic_rows / dynamic_gemm
+  // take them): p.xu holds the codes + kNarrowOffset (unsigned, at most 127, padded with
+  // kNarrowOffset), multiplied straight with the signed weights, minus kNarrowOffset * each weight
+  // row's sum: exact, the same bits. narrow_gemm is the GEMM form (16-row panels of the codes and
+  // their row sums); narrow_rows the row tiles, where the GEMM forms are switched off.
+  Int8RowsFn narrow_rows;
+  Int8RowsFn narrow_gemm;
 };
+constexpr int kNarrowOffset = 64, kNarrowMin = -64, kNarrowMax = 63;
 // Activation rows from which the dynamic GEMM form runs: below, unpacking the panels costs more
 // than it saves (AVX2, 2 threads, 4096^2: M = 4 1.12 vs 0.75 ms, M = 16 2.8 vs 2.5, M = 64 8.6 vs
 // 10.2; 576^2: M = 64 0.23 vs 0.30, M = 256 0.88 vs 1.20).
 constexpr int64_t kInt8GemmMinM = 32;
+// Rows from which narrow activations take the narrow kernels (AVX2, 2 threads, GEMM form against
+// the sign-trick rows: 4096^2 M = 4 1.51 vs 1.11 ms, M = 8 2.20 vs 2.18, M = 16 2.75 vs 3.57;
+// 576 x 1536 M = 8 0.084 vs 0.104). Below, the sign-trick kernels take every range.
+constexpr int64_t kInt8NarrowGemmMinM = 8;
 // Activation rows from which the weight-only GEMM form runs (see its measurements in
 // int8_linear.cpp).
 constexpr int64_t kInt8WeightGemmMinM = 16;

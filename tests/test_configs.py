@@ -14,6 +14,7 @@ CONFIGS = [
     torchq.int4_weight_only(group_size=32, layout=torchq.Int4CPULayout(), zero_point_domain="int", scale_dtype=torch.float32),
     torchq.int8_weight_only(layout=torchq.PlainLayout()),
     torchq.int8_dynamic_activation_int8_weight(),
+    torchq.int8_dynamic_activation_int8_weight(reduce_range=True),
     torchq.intx_weight_only(bits=3, group_size=None, mapping_type="symmetric", layout=torchq.PackedBitsLayout()),
 ]
 
@@ -42,6 +43,7 @@ def test_json_round_trip_and_frozen(cfg):
         (lambda: torchq.intx_weight_only(bits=1, mapping_type="symmetric"), "SYMMETRIC needs at least 2 bits"),
         (lambda: torchq.int8_weight_only(layout="plain"), "layout: expected a torchq Layout"),
         (lambda: torchq.int4_weight_only(scale_dtype=torch.int8), "scale_dtype"),
+        (lambda: torchq.int8_dynamic_activation_int8_weight(reduce_range=1), "reduce_range: expected a bool, got int 1"),
     ],
 )
 def test_bad_config_arguments(make, match):
@@ -77,7 +79,28 @@ def test_config_from_name():
     assert torchq.config_from_name("int4-g32-fp32") == torchq.int4_weight_only(group_size=32, scale_dtype=torch.float32)
     assert torchq.config_from_name("intx3-g32") == torchq.intx_weight_only(bits=3, group_size=32)
     assert torchq.config_from_name("int8wo") == torchq.int8_weight_only()
+    assert torchq.config_from_name("int8dq-r7") == torchq.int8_dynamic_activation_int8_weight(reduce_range=True)
     assert torchq.config_from_name("nf4") == torchq.nf4_weight_only()
     assert torchq.config_from_name("fp4-b128") == torchq.fp4_weight_only(block_size=128)
     with pytest.raises(ValueError, match="config name"):
         torchq.config_from_name("int3")
+
+
+def test_reduce_range_quantizes_activations_to_seven_bits():
+    """int8 dynamic with reduce_range: activations per token in [-63, 63] (s = amax / 63), and the
+    layer (native kernels where present) gives the reference's bits at decode and prefill sizes."""
+    from torchq import native
+    from torchq.activation import PerTokenInt8
+
+    lin = torch.nn.Linear(96, 40)
+    torchq.quantize_(lin, torchq.int8_dynamic_activation_int8_weight(reduce_range=True))
+    assert lin.weight.act_quant == PerTokenInt8(-63, 63)
+    codes, scale = lin.weight.act_quant.quantize(torch.tensor([[2.0, -1.5, 0.5]]))
+    assert codes.tolist() == [[63, -47, 16]] and scale.item() == torch.tensor(2.0 / 63).item()
+    for m in (1, 9, 40):
+        x = torch.randn(m, 96)
+        with torch.no_grad():
+            y = lin(x)
+            with native.disabled():
+                ref = lin(x)
+        assert torch.equal(y, ref)

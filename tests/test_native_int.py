@@ -352,12 +352,38 @@ def dynamic_reference(x, codes, scale, qmin=-127, qmax=127, eps=1e-5, bias=None)
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 33])
-def test_int8_dynamic_is_bit_equal_to_the_reference(isa, threads, dtype, m):
+@pytest.mark.parametrize("qrange", [(-127, 127), (-63, 63), (-64, 63)], ids=lambda r: f"q{r[0]}_{r[1]}")
+def test_int8_dynamic_is_bit_equal_to_the_reference(isa, threads, dtype, m, qrange):
+    """Every range, and 7-bit ones (within [-64, 63]: the AVX2 narrow kernels, codes + 64 against
+    the signed weights, minus 64 * the row sums), in the row tiles and (33 rows) the GEMM form."""
+    qmin, qmax = qrange
     codes, scale, _ = int8_weight(67, 4099 if m == 1 else 131)
+    codes[0] = -128  # the narrow kernels' widest pair: 2 * 127 * 128
     k = codes.shape[1]
     x = (torch.randn(m, k) * 3).to(dtype)
     bias = torch.randn(67).to(dtype)
-    assert torch.equal(int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5, bias), dynamic_reference(x, codes, scale, bias=bias))
+    y = int8_dynamic_linear(x, codes, scale, qmin, qmax, 1e-5, bias)
+    assert torch.equal(y, dynamic_reference(x, codes, scale, qmin, qmax, bias=bias))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "rows"])
+@pytest.mark.parametrize("qrange", [(-63, 63), (-64, 63), (-8, 7)], ids=lambda r: f"q{r[0]}_{r[1]}")
+def test_int8_dynamic_narrow_kernels_bit_equal(isa, threads, gemm, qrange):
+    """7-bit activation ranges from 8 rows on AVX2 (and AVX-512 without VNNI): the narrow GEMM form,
+    or with the GEMM forms off its row tiles; K = 203 ends in a partial panel step and a partial
+    32-code tile, N = 37 in a partial panel; weights -128 and 127 reach the widest pairs."""
+    qmin, qmax = qrange
+    codes, scale, _ = int8_weight(37, 203, seed=3)
+    codes[0], codes[1] = -128, 127
+    for m in (7, 8, 9, 17, 33):
+        x = torch.randn(m, 203, generator=torch.Generator().manual_seed(m)) * 4
+        x[0, 0], x[m - 1, 5] = 100.0, -100.0  # codes at both ends of the range
+        with library.lut4_paths(gemm=gemm):
+            y = int8_dynamic_linear(x, codes, scale, qmin, qmax, 1e-5)
+        assert torch.equal(y, dynamic_reference(x, codes, scale, qmin, qmax))
 
 
 @needs_native

@@ -60,13 +60,14 @@ def default_candidates(device: torch.device | str = "cpu", dtype: torch.dtype | 
     CPU, for a model of ``dtype`` bf16 / fp16, also int4 g128 / g32 with fp32 scales and zeros
     (``"int4-g128-fp32"``: more accurate, and the form the AVX2 decode path takes at M <= 4). On a
     CPU with the native library, the int8-activation 4-bit mode too (``"int4a8-g32"``,
-    ``"int4a8-g128"``, ``"nf4a8"``: integer dot products, the fastest 4-bit decode on AVX2)."""
+    ``"int4a8-g128"``, ``"nf4a8"``: integer dot products, the fastest 4-bit decode on AVX2) and int8
+    dynamic with 7-bit activations (``"int8dq-r7"``: the faster int8 GEMM on CPUs without VNNI)."""
     names = ["int8wo", "int8dq", "int4-g128", "int4-g32", "nf4"]
     device = torch.device(device)
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         names += ["int4-g128-fp32", "int4-g32-fp32"]
     if device.type == "cpu" and native.available():
-        names += ["int4a8-g32", "int4a8-g128", "nf4a8"]
+        names += ["int4a8-g32", "int4a8-g128", "nf4a8", "int8dq-r7"]
     out = {name: config_from_name(name) for name in names}
     probe = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.bfloat16)
     default = out["int4-g128"].quantize_weight(probe).quant_layout
