@@ -92,7 +92,7 @@ int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int
   const size_t esize = dtype_size(dtype);
   for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * esize, dtype, K, Kp, xp + m * Kp);
   const Int8Kernels& kern = kernels().int8;
-  const bool gemm = M >= kInt8WeightGemmMinM && int8_weight_gemm_active();
+  const bool gemm = M >= kern.weight_gemm_min_m && int8_weight_gemm_active();
   RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32}, gemm ? kern.weight_gemm : kern.weight_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole AVX2 panels
   o.finish(out, dtype, M * N);

@@ -59,10 +59,11 @@ struct Int8Kernels {
   // absolute values, register tiles of 4 activation rows x 16 weight rows of broadcast activation
   // codes (vpmaddubsw sign trick), int32 sums exact: the same bits as dynamic_rows.
   Int8RowsFn dynamic_gemm;
-  // The weight-only kernel's GEMM form for M >= kInt8WeightGemmMinM (null where the ISA has none):
+  // The weight-only kernel's GEMM form for M >= weight_gemm_min_m (null where the ISA has none):
   // the fp32 panel GEMM (gemm_f32_body.h) over panels of q * s, each weight converted once per
   // call; the same products, summed in another order.
   Int8RowsFn weight_gemm;
+  int64_t weight_gemm_min_m;
   // Narrow activations (codes within [kNarrowMin, kNarrowMax]: 7-bit ranges) from
   // kInt8NarrowGemmMinM rows, where the ISA has kernels for them (null: dynamic_rows / dynamic_gemm
   // take them): p.xu holds the codes + kNarrowOffset (unsigned, at most 127, padded with
@@ -81,10 +82,12 @@ constexpr int64_t kInt8GemmMinM = 32;
 // the sign-trick rows: 4096^2 M = 4 1.51 vs 1.11 ms, M = 8 2.20 vs 2.18, M = 16 2.75 vs 3.57;
 // 576 x 1536 M = 8 0.084 vs 0.104). Below, the sign-trick kernels take every range.
 constexpr int64_t kInt8NarrowGemmMinM = 8;
-// Activation rows from which the weight-only GEMM form runs (AVX2, 2 threads, against the row
-// tiles at M = 16: 576 x 1536 0.24 vs 0.30 ms, 384 x 1536 0.22 vs 0.25, 4096^2 4.3 vs 4.6; above,
-// the row tiles convert every weight once per 4 activation rows and lose more).
-constexpr int64_t kInt8WeightGemmMinM = 16;
+// Activation rows from which the weight-only GEMM form runs. AVX2, 2 threads, against the row
+// tiles at M = 16: 576 x 1536 0.24 vs 0.30 ms, 384 x 1536 0.22 vs 0.25, 4096^2 4.3 vs 4.6 (above,
+// the row tiles convert every weight once per 4 activation rows and lose more). AVX-512 FMAs
+// are twice as wide, so the panels' unpacking weighs twice as much: at M = 16 4096^2 6.1 vs 3.5
+// ms, 1536 x 576 0.24 vs 0.21; at M = 64 16.5 vs 21.3 (dequantized tiles + GEMM), 0.72 vs 1.14.
+constexpr int64_t kInt8WeightGemmMinMAvx2 = 16, kInt8WeightGemmMinMAvx512 = 64;
 // kInt8Avx512 runs the VNNI dynamic kernel; an AVX-512 CPU without VNNI (or with
 // TORCHQ_NATIVE_VNNI=0) takes kInt8Avx2's dynamic kernel instead (cpu.cpp).
 extern const Int8Kernels kInt8Scalar, kInt8Avx2, kInt8Avx512;

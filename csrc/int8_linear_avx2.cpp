@@ -244,7 +244,8 @@ void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
 
 extern const Int8Kernels kInt8Avx2 = {&Int8Kernel<Avx2>::weight_rows, &Int8DotKernel<Avx2SignDot>::dynamic_rows, 0,
                                       &Int8Kernel<Avx2>::quantize_rows, &Int8Kernel<Avx2>::dequant_rows, &dynamic_gemm<false>,
-                                      &Int8Kernel<Avx2>::weight_gemm, &Int8DotKernel<Avx2NarrowDot>::dynamic_rows,
+                                      &Int8Kernel<Avx2>::weight_gemm, kInt8WeightGemmMinMAvx2,
+                                      &Int8DotKernel<Avx2NarrowDot>::dynamic_rows,
                                       &dynamic_gemm<true>};
 
 }  // namespace tq

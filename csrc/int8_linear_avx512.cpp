@@ -40,6 +40,7 @@ struct Avx512VnniDot {
 
 extern const Int8Kernels kInt8Avx512 = {&Int8Kernel<Avx512>::weight_rows, &Int8DotKernel<Avx512VnniDot>::dynamic_rows, 128,
                                         &Int8Kernel<Avx512>::quantize_rows, &Int8Kernel<Avx512>::dequant_rows, nullptr,
-                                        &Int8Kernel<Avx512>::weight_gemm, nullptr, nullptr};  // VNNI takes every range
+                                        &Int8Kernel<Avx512>::weight_gemm, kInt8WeightGemmMinMAvx512,
+                                        nullptr, nullptr};  // VNNI takes every range
 
 }  // namespace tq

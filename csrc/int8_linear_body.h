@@ -77,7 +77,7 @@ struct Int8Kernel {
     });
   }
 
-  // ---- the weight-only GEMM form (M >= kInt8WeightGemmMinM; int8_linear.h) ----
+  // ---- the weight-only GEMM form (M >= Int8Kernels.weight_gemm_min_m; int8_linear.h) ----
   using Gemm = PanelGemm<T>;
   static constexpr int NR = Gemm::NR;
 

@@ -66,7 +66,7 @@ TQ_API int tq_linear(const tq_weight* w, const void* x, int x_dtype, int64_t M, 
 
 // 1 when weight-only calls of `format` (tq_weight_format) with many rows take a native fp32 GEMM
 // form on the active ISA (allowed: tq_set_lut4_paths): TQ_FORMAT_LUT4 from kLut4GemmMinM rows,
-// TQ_FORMAT_INT8 from kInt8WeightGemmMinM; 0 otherwise.
+// TQ_FORMAT_INT8 from the ISA's weight_gemm_min_m (below, the native row tiles); 0 otherwise.
 TQ_API int tq_gemm_active(int format) {
   using namespace tq;
   if (format == TQ_FORMAT_LUT4) return lut4_gemm_active() ? 1 : 0;

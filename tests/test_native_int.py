@@ -313,14 +313,14 @@ def test_int8_weight_only_threads_and_isas_within_the_bound(isa, threads, m):
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_int8_weight_only_gemm_form_one_hot_bound_and_non_finite(isa, threads):
-    """M >= 16 on AVX2 / AVX-512 runs the GEMM form (panels of 2W rows x 256 positions of q * s):
+    """M >= 16 on AVX2, 64 on AVX-512 runs the GEMM form (panels of 2W rows x 256 positions of q * s):
     K = 603 ends in a partial 256-block and a partial 8-position group, N = 37 in a partial panel;
     one-hot rows give the exact weights, random rows stay within the bound with a bias, the
     row kernel (the GEMM form switched off) agrees within the same bound, and inf / NaN
     activations give the reference's non-finite outputs."""
     n, k = 37, 603
     codes, scale, dense = int8_weight(n, k, seed=5)
-    for m in (16, 17, 22):
+    for m in (16, 17, 22, 64, 67):
         cols = torch.cat([torch.tensor([0, k - 1, 255, 256, 600]), torch.randint(0, k, (m,), generator=torch.Generator().manual_seed(m))])[:m]
         one_hot = torch.zeros(m, k)
         one_hot[torch.arange(m), cols] = 1.0

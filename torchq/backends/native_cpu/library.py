@@ -151,8 +151,9 @@ def lut4_gemm_active() -> bool:
 
 def gemm_active(weight_format: int) -> bool:
     """Whether weight-only calls of many rows for ``weight_format`` (``abi.FORMAT_LUT4``: from 64
-    rows, ``abi.FORMAT_INT8``: from 16) run a native fp32 GEMM form (AVX2 / AVX-512, allowed by
-    :func:`lut4_paths`): then the native kernel beats dequantized tiles + torch.mm at every M."""
+    rows, ``abi.FORMAT_INT8``: from 16 on AVX2, 64 on AVX-512; below, the native row tiles) run a
+    native fp32 GEMM form (allowed by :func:`lut4_paths`): then the native kernel beats
+    dequantized tiles + torch.mm at every M."""
     return _LIB is not None and not DISABLED.get() and bool(_LIB.tq_gemm_active(weight_format))
 
 
