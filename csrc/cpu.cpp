@@ -52,6 +52,7 @@ struct Tables {
       by_isa[ISA_AVX512].int8.dynamic_rows = kInt8Avx2.dynamic_rows;
       by_isa[ISA_AVX512].int8.dynamic_offset = kInt8Avx2.dynamic_offset;
       by_isa[ISA_AVX512].int8.dynamic_gemm = kInt8Avx2.dynamic_gemm;
+      by_isa[ISA_AVX512].int8.dynamic_gemm_min_m = kInt8Avx2.dynamic_gemm_min_m;
       by_isa[ISA_AVX512].int8.narrow_rows = kInt8Avx2.narrow_rows;
       by_isa[ISA_AVX512].int8.narrow_gemm = kInt8Avx2.narrow_gemm;
     }

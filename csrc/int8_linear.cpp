@@ -131,8 +131,8 @@ int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t*
   parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
   const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
                      offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, codes, scale, nullptr, o.f32};
-  const Int8RowsFn gemm_fn = narrow ? kern.narrow_gemm : offset_codes ? nullptr : kern.dynamic_gemm;
-  const bool gemm = (narrow || M >= kInt8GemmMinM) && gemm_fn && (lut4_paths() & LUT4_GEMM);
+  const Int8RowsFn gemm_fn = narrow ? kern.narrow_gemm : kern.dynamic_gemm;
+  const bool gemm = (narrow || M >= kern.dynamic_gemm_min_m) && gemm_fn && (lut4_paths() & LUT4_GEMM);
   RowsJob job{p, gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole panels
   o.finish(out, dtype, M * N);

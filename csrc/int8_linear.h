@@ -54,11 +54,14 @@ struct Int8Kernels {
   int dynamic_offset;
   Int8QuantizeFn quantize_rows;
   Int8DequantFn dequant_rows;
-  // The dynamic kernel's GEMM form for M >= kInt8GemmMinM (reads p.xq; null where the ISA has
-  // none): panels of 16 weight rows, unpacked once per call into 4-position groups with their
-  // absolute values, register tiles of 4 activation rows x 16 weight rows of broadcast activation
-  // codes (vpmaddubsw sign trick), int32 sums exact: the same bits as dynamic_rows.
+  // The dynamic kernel's GEMM form for M >= dynamic_gemm_min_m (reads the activations as
+  // dynamic_rows does; null where the ISA has none; int8_gemm_body.h): panels of 16 weight rows,
+  // unpacked once per call into 4-position groups, register tiles of 4 activation rows x 16 weight
+  // rows of broadcast activation codes (AVX2: the vpmaddubsw sign trick on the codes' absolute
+  // values; AVX-512: VNNI on codes + 128, minus 128 * the row sums), int32 sums exact: the same
+  // bits as dynamic_rows.
   Int8RowsFn dynamic_gemm;
+  int64_t dynamic_gemm_min_m;
   // The weight-only kernel's GEMM form for M >= weight_gemm_min_m (null where the ISA has none):
   // the fp32 panel GEMM (gemm_f32_body.h) over panels of q * s, each weight converted once per
   // call; the same products, summed in another order.
@@ -77,7 +80,10 @@ constexpr int kNarrowOffset = 64, kNarrowMin = -64, kNarrowMax = 63;
 // Activation rows from which the dynamic GEMM form runs: below, unpacking the panels costs more
 // than it saves (AVX2, 2 threads, 4096^2: M = 4 1.12 vs 0.75 ms, M = 16 2.8 vs 2.5, M = 64 8.6 vs
 // 10.2; 576^2: M = 64 0.23 vs 0.30, M = 256 0.88 vs 1.20).
-constexpr int64_t kInt8GemmMinM = 32;
+constexpr int64_t kInt8GemmMinMAvx2 = 32;
+// VNNI (AVX-512, 2 threads, GEMM form against the VNNI row tiles): 4096^2 M = 4 1.16 vs 0.78 ms,
+// M = 8 1.50 vs 1.54, M = 16 2.14 vs 2.98, M = 64 4.47 vs 6.97; 576 x 1536 M = 8 0.052 vs 0.076.
+constexpr int64_t kInt8GemmMinMVnni = 8;
 // Rows from which narrow activations take the narrow kernels (AVX2, 2 threads, GEMM form against
 // the sign-trick rows: 4096^2 M = 4 1.51 vs 1.11 ms, M = 8 2.20 vs 2.18, M = 16 2.75 vs 3.57;
 // 576 x 1536 M = 8 0.084 vs 0.104). Below, the sign-trick kernels take every range.

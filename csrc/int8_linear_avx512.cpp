@@ -4,6 +4,7 @@
 // (everything internal but kInt8Avx512).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
 #include "simd_avx512.h"
+#include "int8_gemm_body.h"
 #include "int8_linear_body.h"
 
 namespace tq {
@@ -36,10 +37,25 @@ struct Avx512VnniDot {
   static int32_t correction(RowSum rowsum) { return 128 * hsum(rowsum); }
 };
 
+// The GEMM form (int8_gemm_body.h): vpdpbusd of 4 broadcast codes + 128 against 8 rows' 4 signed
+// codes, no saturation; minus 128 * the row sums.
+struct VnniStep {
+  static constexpr bool kAbs = false;
+  static constexpr int kOffset = 128;
+  static __m256i step(__m256i acc, __m256i xb, const int8_t* pw, int half) {
+    return _mm256_dpbusd_epi32(acc, xb, _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 32 * half)));
+  }
+};
+
+void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
+  int8_gemm<VnniStep>(p, n0, n1, Int8DotKernel<Avx512VnniDot>::dynamic_rows);
+}
+
 }  // namespace
 
 extern const Int8Kernels kInt8Avx512 = {&Int8Kernel<Avx512>::weight_rows, &Int8DotKernel<Avx512VnniDot>::dynamic_rows, 128,
-                                        &Int8Kernel<Avx512>::quantize_rows, &Int8Kernel<Avx512>::dequant_rows, nullptr,
+                                        &Int8Kernel<Avx512>::quantize_rows, &Int8Kernel<Avx512>::dequant_rows, &dynamic_gemm,
+                                        kInt8GemmMinMVnni,
                                         &Int8Kernel<Avx512>::weight_gemm, kInt8WeightGemmMinMAvx512,
                                         nullptr, nullptr};  // VNNI takes every range
 

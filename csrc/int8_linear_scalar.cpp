@@ -73,6 +73,6 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, in
 
 }  // namespace
 
-extern const Int8Kernels kInt8Scalar = {&weight_rows, &dynamic_rows, 0, &quantize_rows, &dequant_rows, nullptr, nullptr, 0, nullptr, nullptr};
+extern const Int8Kernels kInt8Scalar = {&weight_rows, &dynamic_rows, 0, &quantize_rows, &dequant_rows, nullptr, 0, nullptr, 0, nullptr, nullptr};
 
 }  // namespace tq

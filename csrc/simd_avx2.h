@@ -7,29 +7,10 @@
 #include <stdint.h>
 
 #include "lut4_linear.h"
+#include "transpose_avx2.h"  // transpose8_epi32
 
 namespace tq {
 namespace {
-
-// 8x8 transpose of 32-bit elements (r[i] lane j -> r[j] lane i): the int8 GEMM panels' layout
-// (4 codes of 8 rows per vector).
-inline void transpose8_epi32(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
-  }
-}
 
 struct Avx2 {
   using F = __m256;   // 8 fp32 lanes
