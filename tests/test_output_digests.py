@@ -7,9 +7,11 @@ Intended changes:
   now compute in their own dtype; with ``compute_dtype=torch.bfloat16`` in the config those cases
   reproduce the recorded digests bit for bit;
 * issue 16: calls of the native lut4 kernel (int4, NF4 / FP4) take its decode (AVX2, M <= 4)
-  and GEMM (M >= 64; and the native rows up to 64 rows instead of tiles + torch.mm) paths, which sum in another order (their bound and one-hot exactness are
-  tested in test_native_int.py / test_native_blockwise.py); with those paths off every case
-  reproduces the recorded digests, and with them on only the lut4 kernel's cases change."""
+  and GEMM (M >= 64; and the native rows up to 64 rows instead of tiles + torch.mm) paths, and
+  int8 weight-only its GEMM form (instead of tiles + torch.mm), which sum in another order (their
+  bound and one-hot exactness are tested in test_native_int.py / test_native_blockwise.py); with
+  those paths off every case reproduces the recorded digests, and with them on only those
+  kernels' cases change. (int8 dynamic's GEMM forms are bit-equal: its cases never change.)"""
 
 from __future__ import annotations
 
@@ -69,13 +71,13 @@ def test_outputs_match_recorded_digests(stored, mode):
         f"compute_dtype=torch.bfloat16, e.g. {dict(list(differs.items())[:8])}"
 
 
-def test_lut4_avx2_paths_change_only_their_cases(stored):
+def test_decode_and_gemm_paths_change_only_their_cases(stored):
     kernels: dict[str, str] = {}
     with lut4_paths(decode=False, gemm=False):
         table_path = output_digests.record(native_enabled=True)
     decode = output_digests.record(native_enabled=True, kernels=kernels)
     changed = {k for k in decode if decode[k] != table_path[k]}
-    outside = sorted(k for k in changed if kernels.get(k) not in output_digests.LUT4_KERNELS)
-    assert not outside, f"{len(outside)} cases outside the lut4 kernel's calls changed, e.g. {outside[:8]}"
+    outside = sorted(k for k in changed if kernels.get(k) not in output_digests.REORDERED_KERNELS)
+    assert not outside, f"{len(outside)} cases outside the reordering kernels' calls changed, e.g. {outside[:8]}"
     # the decode and GEMM paths exist on the vector ISAs
     assert bool(changed) == (native.available() and native.status().isa != "scalar"), f"{len(changed)} cases changed"

@@ -154,9 +154,10 @@ def record(native_enabled: bool = True, compute_dtype: torch.dtype | None = None
 BF16_TWINNED = ("int4_cpu", "int8_weight_only_cpu", "tensor_core_tiled")
 
 
-# The kernels that run the native lut4 kernel (its decode and GEMM paths changed the sum order in
-# issue 16).
-LUT4_KERNELS = ("int4_native", "blockwise_4bit_linear")
+# The kernels whose native paths sum in another order since issue 16: the lut4 kernel's decode and
+# GEMM paths (int4, NF4 / FP4), and int8 weight-only's GEMM form (from 16 rows on AVX2, 64 on
+# AVX-512, where tiles + torch.mm ran before). All switched off by lut4_paths(decode=False, gemm=False).
+REORDERED_KERNELS = ("int4_native", "blockwise_4bit_linear", "int8_weight_only_native")
 
 
 def computed_in_bf16_before(case: str, kernel: str) -> bool:
