@@ -446,10 +446,8 @@ def takes_fused(weight: NativeWeight, x: torch.Tensor) -> bool:
     m = x.numel() // weight.k
     if m <= 0:
         return False
-    if weight.format == abi.FORMAT_LUT4:
-        return not use_tiles(m, x.dtype, lut4_gemm_active())
-    if weight.format == abi.FORMAT_INT8:
-        return not use_tiles(m, x.dtype, gemm_active(abi.FORMAT_INT8))
+    if weight.format in (abi.FORMAT_LUT4, abi.FORMAT_INT8):
+        return not use_tiles(m, x.dtype, gemm_active(weight.format))
     return True
 
 
