@@ -1,8 +1,11 @@
 """Builds torchq's native CPU kernels (csrc/) into torchq/_native*.so at install time.
 
-The library is plain C++ with a C ABI (no torch or Python headers), so the build needs only
-the machine's C++ compiler and setuptools. It is optional: without a compiler the install
-still succeeds, and torchq runs the pure-PyTorch references (torchq.native.status() says why).
+The library is plain C++ with a C ABI (no torch headers), so the build needs only the machine's
+C++ compiler and setuptools. Where Python.h is found it is also a CPython extension module with
+one function, the per-call entry of the linear (csrc/python_entry.cpp); without Python.h that
+file compiles to nothing and calls go through ctypes. The library is optional: without a
+compiler the install still succeeds, and torchq runs the pure-PyTorch references
+(torchq.native.status() says why).
 """
 
 import platform
@@ -20,7 +23,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 class BuildNative(build_ext):
     """Compiles the kernels as a plain shared library and says so in the install log."""
 
-    def get_export_symbols(self, ext):  # no PyInit_*: the library is loaded with ctypes
+    def get_export_symbols(self, ext):  # PyInit__native is exported by its own attribute (visibility)
         return []
 
     def build_extension(self, ext):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
 import os
@@ -71,6 +72,10 @@ __all__ = [
 
 Condition = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "bool | str | None"]
 Impl = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
+# a kernel's per-call form for one weight and one input signature: (x, bias) -> output, or None
+# when this call cannot take it (the dispatch then runs the kernel's impl)
+BoundCall = Callable[[torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
+Bind = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "BoundCall | None"]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 # the dtypes a cast fallback tries, in this order, when no kernel takes the compute dtype
@@ -103,19 +108,30 @@ ALL_LAYOUTS = _AllLayouts()
 @dataclass(frozen=True)
 class LinearKernel:
     """A named ``(condition, impl)`` pair; ``dtypes``: the input dtypes ``impl`` takes (the
-    dispatch never shows it another one, and casts to one of them when the compute dtype asks)."""
+    dispatch never shows it another one, and casts to one of them when the compute dtype asks).
+
+    ``bind`` (optional): ``bind(x, weight, bias)`` returns a per-call form of ``impl`` for this
+    weight and inputs of x's and the bias's signature, ``call(x, bias)``, or None when there is
+    none. The dispatch binds once per cached choice (its first call) and then, whenever no
+    gradient is needed, calls ``call(x, bias)`` instead of ``impl``; the call returns the same
+    bits as ``impl(x, weight, bias)`` would, or None to hand this call to ``impl``. It is how a
+    decode-sized call skips the work ``impl`` redoes per call (finding the weight's native
+    arguments, re-deciding its path)."""
 
     name: str
     condition: Condition = field(repr=False)
     impl: Impl = field(repr=False)
     description: str = ""
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    bind: Bind | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
         if not callable(self.condition) or not callable(self.impl):
             raise TypeError(f"kernel {self.name!r}: condition and impl: expected callables (input, weight, bias)")
+        if self.bind is not None and not callable(self.bind):
+            raise TypeError(f"kernel {self.name!r}: bind: expected None or a callable (input, weight, bias), got {self.bind!r}")
         dtypes = tuple(self.dtypes)
         if not dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
             raise ValueError(f"kernel {self.name!r}: dtypes: expected a non-empty tuple of floating dtypes, got {self.dtypes!r}")
@@ -217,19 +233,20 @@ def register_linear_kernel(
     replace: bool = False,
     description: str = "",
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    bind: Bind | None = None,
 ) -> LinearKernel:
     """Add a kernel for weights of ``layout`` (a Layout subclass, or :data:`ALL_LAYOUTS`).
 
     It is tried ahead of the layout's own kernels, or right before/after the layout's kernel
     named ``before``/``after``. ``replace=True`` swaps out a user kernel of that name, or puts
     the kernel in the place of the layout's own kernel of that name. ``dtypes``: the input
-    dtypes ``impl`` takes."""
+    dtypes ``impl`` takes; ``bind``: its per-call form (:class:`LinearKernel`)."""
     if layout is None:
         raise TypeError(
             "layout: register_linear_kernel needs the layout whose weights the kernel runs (a Layout subclass, "
             "e.g. layout=torchq.layouts.PlainLayout) or layout=torchq.ALL_LAYOUTS"
         )
-    kernel = LinearKernel(name, condition, impl, description, tuple(dtypes))
+    kernel = LinearKernel(name, condition, impl, description, tuple(dtypes), bind)
     cls = layout if layout is ALL_LAYOUTS else _layout_class(layout)
     if before is not None and after is not None:
         raise ValueError(f"before/after: give at most one, got before={before!r}, after={after!r}")
@@ -355,6 +372,9 @@ class LinearPlan:
     run_dtype: torch.dtype
     verdicts: tuple[tuple[str, str | None], ...]
     fallback: str | None = None
+    # the kernel's bound per-call form (LinearKernel.bind) for the weight and signature this plan
+    # is cached for; set only on cached plans
+    bound: BoundCall | None = field(default=None, compare=False, repr=False)
 
     @property
     def cast(self) -> bool:
@@ -484,20 +504,31 @@ def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) 
 
 def _signature(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> tuple:
     b = None if bias is None else (bias.dtype, bias.device, bias.shape)
-    state = tuple(p() for p in _STATE_PROVIDERS) if _STATE_PROVIDERS else None
-    with _NO_SUBCLASS_FUNCTION():  # the wrapper's own dtype: 0.1 us instead of a __torch_function__ round trip (2 us)
-        dtype = weight.dtype
+    providers = _STATE_PROVIDERS
+    if not providers:
+        state = None
+    elif len(providers) == 1:  # torchq.native's (the usual case): no generator per call
+        state = (providers[0](),)
+    else:
+        state = tuple(p() for p in providers)
+    # the wrapper's own dtype as stored: 0.05 us instead of a __torch_function__ round trip (2 us)
+    dtype = weight.__dict__.get("wrapper_dtype")
+    if dtype is None:
+        with _NO_SUBCLASS_FUNCTION():
+            dtype = weight.dtype
     return (type(x), x.dtype, x.device, x.shape, b, dtype, weight.compute_dtype, weight.act_quant, weight.transposed, state)
 
 
 _NO_SUBCLASS_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 
-def _remember(weight: Any, key: tuple, plan: LinearPlan) -> None:
+def _remember(weight: Any, key: tuple, plan: LinearPlan, x: torch.Tensor, bias: torch.Tensor | None) -> None:
     chosen = _KERNEL_CACHE.get(weight.tensor_impl)
     if chosen is None:
         chosen = _KERNEL_CACHE.set(weight.tensor_impl, {})
-    chosen[key] = plan
+    bind = plan.kernel.bind if plan.kernel is not None and plan.fallback is None and not plan.cast else None
+    bound = bind(x, weight, bias) if bind is not None else None
+    chosen[key] = plan if bound is None else dataclasses.replace(plan, bound=bound)
 
 
 def warn_fallback_once(key: tuple, message: str, *, instead: str, forbids: str, stacklevel: int = 3) -> None:
@@ -531,6 +562,11 @@ def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = N
         chosen = _KERNEL_CACHE.get(weight.tensor_impl)
         plan = None if chosen is None else chosen.get(key)
         if plan is not None:  # same weight and input signature as an earlier, validated call
+            bound = plan.bound  # set only for a kernel's own, uncast choice: the decode path
+            if bound is not None and (not _grad_enabled() or not (x.requires_grad or (bias is not None and bias.requires_grad))):
+                y = bound(x, bias)
+                if y is not None:
+                    return y
             if plan.fallback is None:
                 if plan.kernel is not None and not plan.cast:
                     return _run(plan.kernel.impl, x, weight, bias)
@@ -546,7 +582,7 @@ def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = N
             warn_fallback_once((_layer_name(weight), plan.fallback), plan.fallback, instead="computing in the cast dtype",
                                forbids="the cast fallback")
         if key is not None:
-            _remember(weight, key, plan)
+            _remember(weight, key, plan, x, bias)
         return _execute(plan, x, weight, bias)
     in_dtype = f" in {plan.compute_dtype}" if plan.cast else ""
     warn_fallback_once((_layer_name(weight), plan.fallback), plan.fallback, forbids="the dequantize + F.linear fallback",
@@ -573,6 +609,9 @@ class _QuantizedLinearGrad(torch.autograd.Function):
         impl = getattr(ctx, "weight_impl", None)
         w = ctx.saved_tensors[0].dequantize(grad_y.dtype) if impl is None else impl.dequantize(grad_y.dtype)
         return grad_y @ w, None, None
+
+
+_grad_enabled = torch.is_grad_enabled
 
 
 def _run(impl: Impl, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:

@@ -17,4 +17,7 @@ def traced(x: torch.Tensor) -> bool:
     nodes on fake tensors with symbolic sizes while ``is_compiling()`` is False, and an eager
     path there (a native kernel reading data pointers, a cache keyed by sizes, a data-dependent
     branch) fails."""
-    return torch.compiler.is_compiling() or isinstance(x, _TRACED_TYPES)
+    return _is_compiling() or (type(x) is not torch.Tensor and isinstance(x, _TRACED_TYPES))
+
+
+_is_compiling = torch.compiler.is_compiling

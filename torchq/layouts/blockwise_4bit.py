@@ -192,6 +192,7 @@ KERNELS = (
         _linear,
         description="torchq::blockwise_4bit_linear: fused native CPU kernel (unpack + fp32 FMA, no dequantized weight); "
         "Triton dequantize-GEMM / split-K GEMV on CUDA",
+        bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _cached_native_weight),
     ),
     LinearKernel(
         "blockwise_4bit_int8_activations",
@@ -199,5 +200,6 @@ KERNELS = (
         _int8_activation_linear,
         description="torchq::blockwise_4bit_linear_a8: activations quantized per 32-block to int8, the codebook as int8, "
         "integer dot products (native CPU)",
+        bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _cached_native_weight, int8_activations=True),
     ),
 )

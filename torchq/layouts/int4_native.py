@@ -255,6 +255,7 @@ KERNELS = (
         _int4_native_linear,
         description="torchq::int4_groupwise_linear: native fused dequantize + dot (CPU), Triton dequantize-GEMM / "
         "split-K GEMV (CUDA)",
+        bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _cached_native_weight),
     ),
     LinearKernel(
         "int4_int8_activations",
@@ -262,5 +263,6 @@ KERNELS = (
         _int8_activation_linear,
         description="torchq::int4_groupwise_linear_a8: activations quantized per 32-block to int8, integer dot products "
         "(native CPU; vpmaddubsw on AVX2 / AVX-512)",
+        bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _cached_native_weight, int8_activations=True),
     ),
 )

@@ -219,12 +219,15 @@ KERNELS = (
         lambda x, w, b: _check_native(x, w, b, want_act=False),
         _int8_weight_only_native,
         description="torchq::int8_weight_linear: native fused dequantize + dot (fp32/bf16/fp16 input)",
+        bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _in_place_int8_weight),
     ),
     LinearKernel(
         "int8_dynamic_native",
         lambda x, w, b: _check_native(x, w, b, want_act=True),
         _int8_dynamic_native,
         description="torchq::int8_dynamic_linear: native per-token int8 quantization + int8 dot (VNNI/AVX2), fp32 rescale",
+        bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _in_place_int8_weight,
+                                                        (w.act_quant.quant_min, w.act_quant.quant_max, w.act_quant.eps)),
     ),
     # aten._weight_int8pack_mm is ~10x slower for fp32/fp16 inputs than for bf16 (13.2 ms vs
     # 1.25 ms at M=1, K=N=4096): configs with compute_dtype=torch.bfloat16 run those inputs in bf16.

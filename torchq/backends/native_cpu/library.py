@@ -28,9 +28,9 @@ from ...tracing import traced
 from . import abi
 
 __all__ = [
-    "ABI_VERSION", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "check", "check_bias", "checked_bias", "checked_ptr",
+    "ABI_VERSION", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "gemm_active", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "gemm_active", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
 ]
 
@@ -97,6 +97,45 @@ def validate(lib: ctypes.CDLL, name: str) -> tuple[type[ctypes.Structure] | None
 
 
 _LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
+
+
+def _python_entry(lib: ctypes.CDLL | None) -> Callable[..., int] | None:
+    """``torchq._native.linear`` (csrc/python_entry.cpp: ``tq_linear``'s arguments without ctypes'
+    conversions) when the library imports as a CPython module too and that module calls the very
+    ``tq_linear`` ctypes loaded (one image, one state); else None (calls go through ctypes)."""
+    if lib is None:
+        return None
+    try:
+        module = importlib.import_module("torchq._native")
+    except ImportError:  # built without Python.h, or another build's file
+        return None
+    linear, where = getattr(module, "linear", None), getattr(module, "linear_address", None)
+    if linear is None or where is None or where() != ctypes.cast(lib.tq_linear, ctypes.c_void_p).value:
+        return None
+    return linear
+
+
+_PYTHON_LINEAR = _python_entry(_LIB)
+# what run_linear and BoundLinear call: tq_linear through the module's entry, else through ctypes
+_linear_call: Callable[..., int] | None = _PYTHON_LINEAR or (_LIB.tq_linear if _LIB is not None else None)
+LINEAR_ENTRIES = ("python", "ctypes")
+
+
+def linear_entry(kind: str | None = None) -> str:
+    """How calls reach ``tq_linear``: ``"python"`` (the library's CPython entry, about 0.1 us per
+    call; the default where the build found Python.h) or ``"ctypes"`` (1.5-2 us). With ``kind``, set
+    it and return the previous one (for tests and benchmarks). Results are the same bits."""
+    global _linear_call
+    if _LIB is None:
+        raise RuntimeError(f"torchq native library not available: {_REASON}")
+    previous = "python" if _linear_call is _PYTHON_LINEAR else "ctypes"
+    if kind is not None:
+        if kind not in LINEAR_ENTRIES:
+            raise ValueError(f"kind: expected one of {LINEAR_ENTRIES}, got {kind!r}")
+        if kind == "python" and _PYTHON_LINEAR is None:
+            raise RuntimeError("torchq native library has no CPython entry (built without Python.h): only 'ctypes' is available")
+        _linear_call = _PYTHON_LINEAR if kind == "python" else _LIB.tq_linear
+    return previous
 # how many torchq.native.disabled() blocks enclose the calling thread (or task)
 DISABLED: contextvars.ContextVar[int] = contextvars.ContextVar("torchq_native_disabled", default=0)
 
@@ -125,6 +164,9 @@ def library() -> ctypes.CDLL | None:
 
 def threads() -> int:
     return max(1, torch.get_num_threads())
+
+
+_get_num_threads = torch.get_num_threads  # >= 1 (torch.set_num_threads refuses less)
 
 
 @contextlib.contextmanager
@@ -378,10 +420,10 @@ def run_linear(weight: NativeWeight, x: torch.Tensor, bias: torch.Tensor | None)
     out = torch.empty(m, n, dtype=x.dtype)
     if weight.format != abi.FORMAT_INT8_DYNAMIC:
         b = checked_bias(bias, n, op)  # referenced until the call returns
-        check(_LIB.tq_linear(weight.address, xp, code, m, ptr(b), out.data_ptr(), threads()), op)
+        check(_linear_call(weight.address, xp, code, m, ptr(b), out.data_ptr(), threads()), op)
     else:
         check_bias(bias, n, op)
-        check(_LIB.tq_linear(weight.address, xp, code, m, None, out.data_ptr(), threads()), op)
+        check(_linear_call(weight.address, xp, code, m, None, out.data_ptr(), threads()), op)
         if bias is not None:
             out = out + bias.to(x.dtype)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
@@ -508,6 +550,68 @@ def decode_linear(owner: object, x: torch.Tensor, bias: torch.Tensor | None, bui
     if weight is None:
         return None
     return run_linear(weight if dynamic is None else weight.dynamic(*dynamic), x, bias)
+
+
+class BoundLinear:
+    """:func:`run_linear` of one :class:`NativeWeight` for inputs of one signature (dtype, shape,
+    CPU), prepared once: a decode-sized call then costs an output allocation, the checks of x and
+    the bias that change per call, and the library call (the dispatch's bound form of a native
+    kernel, :attr:`torchq.dispatch.LinearKernel.bind`). Calling it with ``(x, bias)`` of that
+    signature gives :func:`run_linear`'s bits, or None (the caller takes its general path) for
+    an x that is not contiguous or whose storage holds less than its sizes claim, or an fp32 bias
+    that is not contiguous or whose storage is short (run_linear then copies or raises)."""
+
+    __slots__ = ("weight", "address", "op", "code", "dtype", "m", "n", "nbytes", "elem", "out_shape", "bias_after")
+
+    def __init__(self, weight: NativeWeight, x: torch.Tensor) -> None:
+        self.weight, self.address, self.op, self.n = weight, weight.address, weight.op, weight.n
+        self.code, self.dtype = DTYPE_CODES[x.dtype], x.dtype
+        self.m = x.numel() // weight.k
+        self.elem = x.numel()
+        self.nbytes = x.numel() * x.element_size()
+        self.out_shape = (*x.shape[:-1], weight.n)
+        self.bias_after = weight.format == abi.FORMAT_INT8_DYNAMIC  # added after the rounding to x's dtype
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        # the signature (dtype, shape, CPU; the bias's dtype and shape) is the dispatch key's
+        if not x.is_contiguous() or x.storage_offset() * x.element_size() + self.nbytes > x.untyped_storage().nbytes():
+            return None
+        bp = None
+        if bias is not None and not self.bias_after:
+            if bias.dtype != torch.float32:  # the kernel adds an fp32 bias (a bf16 model's: converted per call, 1 us)
+                bias = bias.to(torch.float32).contiguous()
+            elif not bias.is_contiguous() or (bias.storage_offset() + self.n) * 4 > bias.untyped_storage().nbytes():
+                return None
+            bp = bias.data_ptr()
+        out = x.new_empty(*self.out_shape)  # x's dtype, CPU (0.9 us; torch.empty with a dtype: 1.1-1.6)
+        status = _linear_call(self.address, x.data_ptr(), self.code, self.m, bp, out.data_ptr(), _get_num_threads())
+        if status:
+            check(status, self.op)
+        if bias is not None and self.bias_after:
+            out = out + bias.to(self.dtype)
+        return out
+
+
+def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], NativeWeight | None],
+                dynamic: tuple[int, int, float] | None = None, int8_activations: bool = False) -> BoundLinear | None:
+    """The :class:`BoundLinear` of ``owner``'s cached weight (:func:`weight_args`; ``dynamic``:
+    :meth:`NativeWeight.dynamic`'s arguments; ``int8_activations``: :meth:`NativeWeight.int8_activations`)
+    for inputs like ``x``, when every such eager CPU call runs the fused kernel: the library is
+    active, x has a non-zero number of rows and, for a weight-only or int8 dynamic weight, a
+    decode-sized number (:func:`torchq.prefill.use_tiles`), as :func:`decode_linear` requires; else None."""
+    if _LIB is None or DISABLED.get() or not x.is_cpu or traced(x) or x.dtype not in DTYPE_CODES:
+        return None
+    m = x.numel() // owner.shape[1]
+    if not m or (not int8_activations and use_tiles(m, x.dtype)):
+        return None
+    weight = weight_args(owner, build)
+    if weight is None:
+        return None
+    if int8_activations:
+        weight = weight.int8_activations()
+    elif dynamic is not None:
+        weight = weight.dynamic(*dynamic)
+    return BoundLinear(weight, x)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
