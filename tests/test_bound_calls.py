@@ -74,7 +74,7 @@ def test_the_bound_call_gives_the_kernels_bits(config, dtype, shape, entry):
         plan = dispatch._KERNEL_CACHE.get(m.weight.tensor_impl)[dispatch._signature(x, m.weight, bias)]
         assert plan.kernel.name.endswith(("native", "linear", "int8_activations")), plan.kernel.name
         assert plan.bound is not None, f"{config}: no bound call for {shape} {dtype}"
-        bound = plan.bound(x, bias)
+        bound = plan.bound(x, m.weight, bias)
         again = F.linear(x, m.weight, bias)
         impl = plan.kernel.impl(x, m.weight, bias)
         no_bias = F.linear(x, m.weight)
@@ -106,7 +106,7 @@ def test_a_non_contiguous_input_takes_the_general_path():
     assert not x.is_contiguous()
     with torch.no_grad():
         m(x.contiguous())  # binds for the signature (dtype, shape): contiguity is checked per call
-        assert plan_of(m, x).bound(x, m.bias) is None
+        assert plan_of(m, x).bound(x, m.weight, m.bias) is None
         assert torch.equal(m(x), m(x.contiguous()))
 
 
@@ -117,7 +117,7 @@ def test_an_input_whose_storage_is_short_raises_instead_of_reading():
         m(torch.randn(1, K))
         x = torch.randn(1, K)
         x.untyped_storage().resize_(K * 4 - 4)  # the sizes now claim one float more than the storage holds
-        assert plan_of(m, x).bound(x, m.bias) is None
+        assert plan_of(m, x).bound(x, m.weight, m.bias) is None
         with pytest.raises(ValueError, match="x: its storage holds"):
             m(x)
 
@@ -134,7 +134,7 @@ def test_bias_updates_and_other_bias_dtypes():
         assert not torch.equal(before, after)
         # a bias that is a view with a stride: not the fp32 contiguous buffer the kernel reads
         strided = torch.randn(2 * N)[::2]
-        assert plan_of(m, x).bound(x, strided) is None
+        assert plan_of(m, x).bound(x, m.weight, strided) is None
         assert torch.equal(F.linear(x, m.weight, strided), plan_of(m, x).kernel.impl(x, m.weight, strided))
 
 
@@ -166,7 +166,7 @@ def test_disabled_and_recording_do_not_use_the_bound_call():
         m(x)
         plan = plan_of(m, x)
         real = plan.bound
-        object.__setattr__(plan, "bound", lambda x, b: calls.append(1) or real(x, b))
+        object.__setattr__(plan, "bound", lambda x, w, b: calls.append(1) or real(x, w, b))
         m(x)
         assert calls == [1]
         with native.disabled():
@@ -185,7 +185,7 @@ def test_a_user_kernel_is_bound_once_and_used_without_gradients():
 
     def bind(x, w, b):
         binds.append(tuple(x.shape))
-        return lambda x2, b2: bound_calls.append(1) or impl(x2, w, b2)
+        return lambda x2, w2, b2: bound_calls.append(1) or impl(x2, w2, b2)
 
     torchq.register_linear_kernel("bound_user_kernel", lambda x, w, b: None, impl, layout=torchq.ALL_LAYOUTS, bind=bind)
     try:

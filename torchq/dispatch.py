@@ -72,9 +72,9 @@ __all__ = [
 
 Condition = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "bool | str | None"]
 Impl = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
-# a kernel's per-call form for one weight and one input signature: (x, bias) -> output, or None
-# when this call cannot take it (the dispatch then runs the kernel's impl)
-BoundCall = Callable[[torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
+# a kernel's per-call form for one weight and one input signature: (x, weight, bias) -> output, or
+# None when this call cannot take it (the dispatch then runs the kernel's impl)
+BoundCall = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "torch.Tensor | None"]
 Bind = Callable[[torch.Tensor, Any, "torch.Tensor | None"], "BoundCall | None"]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -111,12 +111,13 @@ class LinearKernel:
     dispatch never shows it another one, and casts to one of them when the compute dtype asks).
 
     ``bind`` (optional): ``bind(x, weight, bias)`` returns a per-call form of ``impl`` for this
-    weight and inputs of x's and the bias's signature, ``call(x, bias)``, or None when there is
-    none. The dispatch binds once per cached choice (its first call) and then, whenever no
-    gradient is needed, calls ``call(x, bias)`` instead of ``impl``; the call returns the same
-    bits as ``impl(x, weight, bias)`` would, or None to hand this call to ``impl``. It is how a
-    decode-sized call skips the work ``impl`` redoes per call (finding the weight's native
-    arguments, re-deciding its path)."""
+    weight and inputs of x's and the bias's signature, ``call(x, weight, bias)``, or None when
+    there is none. The dispatch binds once per cached choice (its first call) and then, whenever
+    no gradient is needed, calls ``call`` instead of ``impl``; it returns the same bits as ``impl``
+    would, or None to hand this call to ``impl``. It is how a decode-sized call skips the work
+    ``impl`` redoes per call (finding the weight's native arguments, re-deciding its path). The
+    call is kept in the cache that hangs off the weight's tensor impl, so it must not hold the
+    weight or its tensor impl (it gets the weight at each call): that would keep them alive."""
 
     name: str
     condition: Condition = field(repr=False)
@@ -564,7 +565,7 @@ def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = N
         if plan is not None:  # same weight and input signature as an earlier, validated call
             bound = plan.bound  # set only for a kernel's own, uncast choice: the decode path
             if bound is not None and (not _grad_enabled() or not (x.requires_grad or (bias is not None and bias.requires_grad))):
-                y = bound(x, bias)
+                y = bound(x, weight, bias)
                 if y is not None:
                     return y
             if plan.fallback is None:

@@ -19,6 +19,7 @@ import importlib.machinery
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -556,15 +557,16 @@ class BoundLinear:
     """:func:`run_linear` of one :class:`NativeWeight` for inputs of one signature (dtype, shape,
     CPU), prepared once: a decode-sized call then costs an output allocation, the checks of x and
     the bias that change per call, and the library call (the dispatch's bound form of a native
-    kernel, :attr:`torchq.dispatch.LinearKernel.bind`). Calling it with ``(x, bias)`` of that
-    signature gives :func:`run_linear`'s bits, or None (the caller takes its general path) for
-    an x that is not contiguous or whose storage holds less than its sizes claim, or an fp32 bias
+    kernel, :attr:`torchq.dispatch.LinearKernel.bind`). Calling it with ``(x, weight, bias)`` of
+    that signature gives :func:`run_linear`'s bits, or None (the caller takes its general path)
+    for a weight whose tensor impl now claims another shape than the one checked (its pointers
+    are checked again there), an x that is not contiguous or whose storage holds less than its sizes claim, or an fp32 bias
     that is not contiguous or whose storage is short (run_linear then copies or raises)."""
 
-    __slots__ = ("weight", "address", "op", "code", "dtype", "m", "n", "nbytes", "elem", "out_shape", "bias_after")
+    __slots__ = ("weight", "shape", "address", "op", "code", "dtype", "m", "n", "nbytes", "elem", "out_shape", "bias_after")
 
-    def __init__(self, weight: NativeWeight, x: torch.Tensor) -> None:
-        self.weight, self.address, self.op, self.n = weight, weight.address, weight.op, weight.n
+    def __init__(self, weight: NativeWeight, shape: object, x: torch.Tensor) -> None:
+        self.weight, self.shape, self.address, self.op, self.n = weight, shape, weight.address, weight.op, weight.n
         self.code, self.dtype = DTYPE_CODES[x.dtype], x.dtype
         self.m = x.numel() // weight.k
         self.elem = x.numel()
@@ -572,9 +574,10 @@ class BoundLinear:
         self.out_shape = (*x.shape[:-1], weight.n)
         self.bias_after = weight.format == abi.FORMAT_INT8_DYNAMIC  # added after the rounding to x's dtype
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, quantized_weight: Any, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the signature (dtype, shape, CPU; the bias's dtype and shape) is the dispatch key's
-        if not x.is_contiguous() or x.storage_offset() * x.element_size() + self.nbytes > x.untyped_storage().nbytes():
+        if (quantized_weight.tensor_impl.shape != self.shape or not x.is_contiguous()
+                or x.storage_offset() * x.element_size() + self.nbytes > x.untyped_storage().nbytes()):
             return None
         bp = None
         if bias is not None and not self.bias_after:
@@ -611,7 +614,7 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
         weight = weight.int8_activations()
     elif dynamic is not None:
         weight = weight.dynamic(*dynamic)
-    return BoundLinear(weight, x)
+    return BoundLinear(weight, owner.shape, x)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
