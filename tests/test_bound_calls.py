@@ -256,3 +256,19 @@ def test_threads_calling_bound_layers_agree():
     for t in threads:
         t.join()
     assert not errors
+
+
+@needs_native
+@pytest.mark.parametrize("fast_bf16", [False], indirect=True)
+def test_a_bound_call_asks_the_tile_switch_again_above_the_fused_rows(fast_bf16, monkeypatch):
+    from torchq import prefill
+
+    m = quantized("int8wo", torch.bfloat16)
+    x = torch.randn(8, K, dtype=torch.bfloat16)  # fused on CPUs without fast bf16 matmul, tiles on those with it
+    with torch.no_grad():
+        fused = m(x)
+        plan = plan_of(m, x)
+        assert plan.bound is not None and torch.equal(plan.bound(x, m.weight, m.bias), fused)
+        monkeypatch.setattr(prefill, "FAST_BF16_MATMUL", True)
+        assert plan.bound(x, m.weight, m.bias) is None  # the impl decides: bf16 tiles now
+        assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ...identity_cache import IdentityCache
-from ...prefill import use_tiles
+from ...prefill import FUSED_MAX_M, use_tiles
 from ...tracing import traced
 from . import abi
 
@@ -563,9 +563,10 @@ class BoundLinear:
     are checked again there), an x that is not contiguous or whose storage holds less than its sizes claim, or an fp32 bias
     that is not contiguous or whose storage is short (run_linear then copies or raises)."""
 
-    __slots__ = ("weight", "shape", "address", "op", "code", "dtype", "m", "n", "nbytes", "elem", "out_shape", "bias_after")
+    __slots__ = ("weight", "shape", "address", "op", "code", "dtype", "m", "n", "nbytes", "elem", "out_shape", "bias_after",
+                 "recheck_tiles")
 
-    def __init__(self, weight: NativeWeight, shape: object, x: torch.Tensor) -> None:
+    def __init__(self, weight: NativeWeight, shape: object, x: torch.Tensor, recheck_tiles: bool = False) -> None:
         self.weight, self.shape, self.address, self.op, self.n = weight, shape, weight.address, weight.op, weight.n
         self.code, self.dtype = DTYPE_CODES[x.dtype], x.dtype
         self.m = x.numel() // weight.k
@@ -573,11 +574,15 @@ class BoundLinear:
         self.nbytes = x.numel() * x.element_size()
         self.out_shape = (*x.shape[:-1], weight.n)
         self.bias_after = weight.format == abi.FORMAT_INT8_DYNAMIC  # added after the rounding to x's dtype
+        # rows above FUSED_MAX_M: whether tiles + GEMM take them reads global state (the bf16 tile
+        # switch), so it is asked again per call, as the impl asks it
+        self.recheck_tiles = recheck_tiles
 
     def __call__(self, x: torch.Tensor, quantized_weight: Any, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the signature (dtype, shape, CPU; the bias's dtype and shape) is the dispatch key's
         if (quantized_weight.tensor_impl.shape != self.shape or not x.is_contiguous()
-                or x.storage_offset() * x.element_size() + self.nbytes > x.untyped_storage().nbytes()):
+                or x.storage_offset() * x.element_size() + self.nbytes > x.untyped_storage().nbytes()
+                or (self.recheck_tiles and use_tiles(self.m, self.dtype))):
             return None
         bp = None
         if bias is not None and not self.bias_after:
@@ -614,7 +619,7 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
         weight = weight.int8_activations()
     elif dynamic is not None:
         weight = weight.dynamic(*dynamic)
-    return BoundLinear(weight, owner.shape, x)
+    return BoundLinear(weight, owner.shape, x, recheck_tiles=not int8_activations and m > FUSED_MAX_M)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
