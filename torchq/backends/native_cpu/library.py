@@ -418,7 +418,7 @@ def run_linear(weight: NativeWeight, x: torch.Tensor, bias: torch.Tensor | None)
         raise ValueError(f"torchq {op}: x: expected last dimension K={k}, got shape {list(x.shape)}")
     m = rows.shape[0]
     xp = checked_ptr("x", rows, x.dtype, m * k, op)  # also checks K for a 2-D x (m * K elements)
-    out = torch.empty(m, n, dtype=x.dtype)
+    out = rows.new_empty(m, n)  # x's dtype, CPU (checked above)
     if weight.format != abi.FORMAT_INT8_DYNAMIC:
         b = checked_bias(bias, n, op)  # referenced until the call returns
         check(_linear_call(weight.address, xp, code, m, ptr(b), out.data_ptr(), threads()), op)
@@ -489,8 +489,8 @@ def takes_fused(weight: NativeWeight, x: torch.Tensor) -> bool:
     m = x.numel() // weight.k
     if m <= 0:
         return False
-    if weight.format in (abi.FORMAT_LUT4, abi.FORMAT_INT8):
-        return not use_tiles(m, x.dtype, gemm_active(weight.format))
+    if weight.format in (abi.FORMAT_LUT4, abi.FORMAT_INT8):  # decode-sized: fused whatever the GEMM switch (no C call to ask)
+        return m <= FUSED_MAX_M or not use_tiles(m, x.dtype, gemm_active(weight.format))
     return True
 
 
