@@ -66,13 +66,13 @@ def run_child(mode: str, threads: int, tokens: int, segments: int, quick: bool) 
     if mode in ("native1", "passive1"):
         native_library.threads = lambda: 1  # read by every native call
     calls = [0]
-    run_linear = native_library.run_linear
+    linear_call = native_library._linear_call  # what every native linear calls (run_linear and the bound calls)
 
-    def counting(weight, x, *a, **k):
-        calls[0] += x.numel() == x.shape[-1]  # decode calls (one row): the prompt's prefill runs natively too
-        return run_linear(weight, x, *a, **k)
+    def counting(weight, x, x_dtype, m, *a):
+        calls[0] += m == 1  # decode calls (one row): the prompt's prefill runs natively too
+        return linear_call(weight, x, x_dtype, m, *a)
 
-    native_library.run_linear = counting
+    native_library._linear_call = counting
     model_name = "synthetic"
     if quick:
         model = smollm.SmolLM(smollm.Arch(layers=2, vocab=2048))

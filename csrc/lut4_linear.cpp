@@ -337,8 +337,11 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + q_bytes + a_bytes + blk_bytes);
   const bool use_gemm = M > kLut4Q8MaxM;
   RowsJob job{p, use_gemm ? gemm : kernels().lut4.q8};
-  // The GEMM form's ranges are whole panels of 16 weight rows.
-  parallel_for(N, use_gemm ? 16 : 4, threads, run_rows, &job, kLinearSpinUs, M * N * K / (use_gemm ? 16 : 4));
+  // The GEMM form's ranges are whole panels of 16 weight rows. The row kernel's work counts half
+  // an fp32 multiply-add per weight: at a quarter, SmolLM2's 576x576 M=1 calls ran on one thread
+  // (AVX2, 2 threads: 15.5 us, split 10.6 us; int4a8 decode steps 16.8 -> 16.0 and 16.4 -> 15.5 ms
+  // in two runs with the equivalent min_parallel_work alternated in one process).
+  parallel_for(N, use_gemm ? 16 : 4, threads, run_rows, &job, kLinearSpinUs, M * N * K / (use_gemm ? 16 : 2));
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
   return OK;

@@ -167,8 +167,6 @@ def threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-_get_num_threads = torch.get_num_threads  # >= 1 (torch.set_num_threads refuses less)
-
 
 @contextlib.contextmanager
 def lut4_paths(decode: bool = True, gemm: bool = True) -> Iterator[None]:
@@ -592,7 +590,7 @@ class BoundLinear:
                 return None
             bp = bias.data_ptr()
         out = x.new_empty(*self.out_shape)  # x's dtype, CPU (0.9 us; torch.empty with a dtype: 1.1-1.6)
-        status = _linear_call(self.address, x.data_ptr(), self.code, self.m, bp, out.data_ptr(), _get_num_threads())
+        status = _linear_call(self.address, x.data_ptr(), self.code, self.m, bp, out.data_ptr(), threads())
         if status:
             check(status, self.op)
         if bias is not None and self.bias_after:
