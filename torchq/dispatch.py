@@ -26,6 +26,9 @@ therefore depend only on that signature, the weight's own metadata and global st
 of the cache key: the registrations (any change clears the cache) and the providers added with
 :func:`add_selection_state` (``torchq.native`` adds whether the native library is enabled in the
 calling thread). Call :func:`clear_kernel_cache` after changing anything else a condition reads.
+A cached choice also keeps its kernel's bound per-call form (:attr:`LinearKernel.bind`), which later
+calls of the same signature run when no gradient is needed: for the native CPU kernels, the decode
+path with the weight's checked pointers, checking only x and the bias per call.
 """
 
 from __future__ import annotations
