@@ -568,7 +568,7 @@ class BoundLinear:
         self.weight, self.shape, self.address, self.op, self.n = weight, shape, weight.address, weight.op, weight.n
         self.code, self.dtype = DTYPE_CODES[x.dtype], x.dtype
         self.m = x.numel() // weight.k
-        self.elem = x.numel()
+        self.elem = x.element_size()  # bytes per element (the signature fixes x's dtype)
         self.nbytes = x.numel() * x.element_size()
         self.out_shape = (*x.shape[:-1], weight.n)
         self.bias_after = weight.format == abi.FORMAT_INT8_DYNAMIC  # added after the rounding to x's dtype
@@ -579,7 +579,7 @@ class BoundLinear:
     def __call__(self, x: torch.Tensor, quantized_weight: Any, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the signature (dtype, shape, CPU; the bias's dtype and shape) is the dispatch key's
         if (quantized_weight.tensor_impl.shape != self.shape or not x.is_contiguous()
-                or x.storage_offset() * x.element_size() + self.nbytes > x.untyped_storage().nbytes()
+                or x.storage_offset() * self.elem + self.nbytes > x.untyped_storage().nbytes()
                 or (self.recheck_tiles and use_tiles(self.m, self.dtype))):
             return None
         bp = None
