@@ -201,3 +201,25 @@ def test_subclass_flatten_roundtrip():
     r = AQT.__tensor_unflatten__({n: getattr(q, n) for n in names}, ctx, q.shape, q.stride())
     assert r.act_quant == q.act_quant and r.label == "l" and r.to_plain().equal(q.to_plain())
     assert isinstance(q._stable_hash_for_caching(), str)
+
+
+def test_tensor_flatten_is_reused_until_a_part_changes():
+    """Compiled graphs' guards call __tensor_flatten__ per weight per call: it is built once, and a
+    reassigned part (label, impl, ...) gives a new context, never a stale one."""
+    import copy
+
+    w = torchq.int4_weight_only(group_size=32).quantize_weight(torch.randn(16, 64), label="proj")
+    names, ctx = w.__tensor_flatten__()
+    again_names, again = w.__tensor_flatten__()
+    assert again is ctx and again_names == names and again_names is not names  # a fresh list each time
+    again_names.append("mutated")
+    assert w.__tensor_flatten__()[0] == names
+    w.label = "other"
+    relabelled = w.__tensor_flatten__()[1]
+    assert relabelled is not ctx and relabelled[4] == "other" and relabelled[0] == ctx[0]
+    twin = copy.deepcopy(w)
+    assert twin.__tensor_flatten__()[1] == w.__tensor_flatten__()[1]
+    rebuilt = type(w).__tensor_unflatten__({n: getattr(w, n) for n in w.__tensor_flatten__()[0]}, w.__tensor_flatten__()[1], None, None)
+    assert torch.equal(rebuilt.dequantize(), w.dequantize())
+    w.tensor_impl = torchq.int4_weight_only(group_size=64).quantize_weight(torch.randn(16, 64)).tensor_impl
+    assert w.__tensor_flatten__()[1][0] != ctx[0]
