@@ -561,14 +561,14 @@ class BoundLinear:
     are checked again there), an x that is not contiguous or whose storage holds less than its sizes claim, or an fp32 bias
     that is not contiguous or whose storage is short (run_linear then copies or raises)."""
 
-    __slots__ = ("weight", "shape", "address", "op", "code", "dtype", "m", "n", "nbytes", "elem", "out_shape", "bias_after",
+    __slots__ = ("weight", "shape", "address", "op", "code", "dtype", "m", "n", "nbytes", "element_size", "out_shape", "bias_after",
                  "recheck_tiles")
 
     def __init__(self, weight: NativeWeight, shape: object, x: torch.Tensor, recheck_tiles: bool = False) -> None:
         self.weight, self.shape, self.address, self.op, self.n = weight, shape, weight.address, weight.op, weight.n
         self.code, self.dtype = DTYPE_CODES[x.dtype], x.dtype
         self.m = x.numel() // weight.k
-        self.elem = x.element_size()  # bytes per element (the signature fixes x's dtype)
+        self.element_size = x.element_size()  # the signature fixes x's dtype
         self.nbytes = x.numel() * x.element_size()
         self.out_shape = (*x.shape[:-1], weight.n)
         self.bias_after = weight.format == abi.FORMAT_INT8_DYNAMIC  # added after the rounding to x's dtype
@@ -579,7 +579,7 @@ class BoundLinear:
     def __call__(self, x: torch.Tensor, quantized_weight: Any, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the signature (dtype, shape, CPU; the bias's dtype and shape) is the dispatch key's
         if (quantized_weight.tensor_impl.shape != self.shape or not x.is_contiguous()
-                or x.storage_offset() * self.elem + self.nbytes > x.untyped_storage().nbytes()
+                or x.storage_offset() * self.element_size + self.nbytes > x.untyped_storage().nbytes()
                 or (self.recheck_tiles and use_tiles(self.m, self.dtype))):
             return None
         bp = None
