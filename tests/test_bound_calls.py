@@ -272,3 +272,24 @@ def test_a_bound_call_asks_the_tile_switch_again_above_the_fused_rows(fast_bf16,
         monkeypatch.setattr(prefill, "FAST_BF16_MATMUL", True)
         assert plan.bound(x, m.weight, m.bias) is None  # the impl decides: bf16 tiles now
         assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
+
+
+@needs_native
+@pytest.mark.parametrize("config", ["int4-g32", "nf4", "int8dq", "int4a8"])
+def test_a_bound_call_does_not_keep_its_weight_alive(config):
+    import gc
+    import weakref
+
+    m = quantized(config)
+    x = torch.randn(1, K)
+    with torch.no_grad():
+        m(x)
+        m(x)
+    assert plan_of(m, x).bound is not None
+    impl = weakref.ref(m.weight.tensor_impl)
+    packed = weakref.ref(getattr(m.weight.tensor_impl, m.weight.tensor_impl.tensor_names()[0]))
+    before = len(dispatch._KERNEL_CACHE)
+    del m
+    gc.collect()
+    assert impl() is None and packed() is None
+    assert len(dispatch._KERNEL_CACHE) == before - 1
