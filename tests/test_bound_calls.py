@@ -64,7 +64,7 @@ def entry(request):
 @needs_native
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, K), (1, 1, K), (3, K)])
+@pytest.mark.parametrize("shape", [(K,), (1, K), (1, 1, K), (3, K)])
 def test_the_bound_call_gives_the_kernels_bits(config, dtype, shape, entry):
     m = quantized(config)
     x = torch.randn(shape).to(dtype)
