@@ -40,6 +40,9 @@ CONFIGS: dict[str, Callable[[], object]] = {
     "nf4": lambda: torchq.nf4_weight_only(),
     "int8wo": lambda: torchq.int8_weight_only(),
     "int8dq": lambda: torchq.int8_dynamic_activation_int8_weight(),
+    "int8dq-r7": lambda: torchq.int8_dynamic_activation_int8_weight(reduce_range=True),
+    "int4a8": lambda: torchq.int8_dynamic_activation_4bit_weight(),
+    "nf4a8": lambda: torchq.int8_dynamic_activation_4bit_weight(weight="nf4"),
 }
 SHAPES = ((576, 576), (576, 1536))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

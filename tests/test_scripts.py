@@ -49,7 +49,7 @@ def test_bench_percall_quick_runs_every_config_and_writes_json(tmp_path, capsys)
     assert mod.main(["--quick", "--dtypes", "bf16", "--threads", "2", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     cells = {(r["what"], r["shape"], r["config"]) for r in rows}
-    configs = {"float", "int4", "nf4", "int8wo", "int8dq"}
+    configs = {"float", "int4", "nf4", "int8wo", "int8dq", "int8dq-r7", "int4a8", "nf4a8"}
     assert cells == {(w, s, c) for w, s in (("layer", "576x576"), ("layer", "576x1536"), ("model", "2 layers")) for c in configs}
     assert all(r["median_us"] > 0 and r["min_us"] <= r["median_us"] <= r["max_us"] and r["threads"] == 2 for r in rows)
     assert all(r["vs_float"] == 1.0 for r in rows if r["config"] == "float")
