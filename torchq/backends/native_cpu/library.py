@@ -137,6 +137,8 @@ def linear_entry(kind: str | None = None) -> str:
             raise RuntimeError("torchq native library has no CPython entry (built without Python.h): only 'ctypes' is available")
         _linear_call = _PYTHON_LINEAR if kind == "python" else _LIB.tq_linear
     return previous
+
+
 # how many torchq.native.disabled() blocks enclose the calling thread (or task)
 DISABLED: contextvars.ContextVar[int] = contextvars.ContextVar("torchq_native_disabled", default=0)
 
@@ -165,7 +167,6 @@ def library() -> ctypes.CDLL | None:
 
 def threads() -> int:
     return max(1, torch.get_num_threads())
-
 
 
 @contextlib.contextmanager
@@ -558,8 +559,9 @@ class BoundLinear:
     kernel, :attr:`torchq.dispatch.LinearKernel.bind`). Calling it with ``(x, weight, bias)`` of
     that signature gives :func:`run_linear`'s bits, or None (the caller takes its general path)
     for a weight whose tensor impl now claims another shape than the one checked (its pointers
-    are checked again there), an x that is not contiguous or whose storage holds less than its sizes claim, or an fp32 bias
-    that is not contiguous or whose storage is short (run_linear then copies or raises)."""
+    are checked again there), an x that is not contiguous or whose storage holds less than its
+    sizes claim, or an fp32 bias that is not contiguous or whose storage is short (run_linear
+    then copies or raises)."""
 
     __slots__ = ("weight", "shape", "address", "op", "code", "dtype", "m", "n", "nbytes", "element_size", "out_shape", "bias_after",
                  "recheck_tiles")
@@ -605,12 +607,15 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
     for inputs like ``x``, when every such eager CPU call runs the fused kernel: the library is
     active, x has a non-zero number of rows and, for a weight-only or int8 dynamic weight, a
     decode-sized number (:func:`torchq.prefill.use_tiles`), as :func:`decode_linear` requires; else None."""
-    if _LIB is None or DISABLED.get() or not x.is_cpu or traced(x) or x.dtype not in DTYPE_CODES:
+    if not x.is_cpu or traced(x) or x.dtype not in DTYPE_CODES:
         return None
     m = x.numel() // owner.shape[1]
-    if not m or (not int8_activations and use_tiles(m, x.dtype)):
+    if not int8_activations:
+        weight = decode_weight(owner, x, build)
+    elif _LIB is None or DISABLED.get() or not m:
         return None
-    weight = weight_args(owner, build)
+    else:  # every row count runs the int8-activation kernel
+        weight = weight_args(owner, build)
     if weight is None:
         return None
     if int8_activations:
