@@ -223,3 +223,27 @@ def test_tensor_flatten_is_reused_until_a_part_changes():
     assert torch.equal(rebuilt.dequantize(), w.dequantize())
     w.tensor_impl = torchq.int4_weight_only(group_size=64).quantize_weight(torch.randn(16, 64)).tensor_impl
     assert w.__tensor_flatten__()[1][0] != ctx[0]
+
+
+def test_compiled_graph_metadata_guard_is_an_identity_test_and_still_catches_changes():
+    """The context a guard keeps is a deep copy: FlattenContext copies as itself, so the per-call
+    check of an unchanged weight is an identity test; a changed weight's context differs and fails
+    the guard (compared field by field), and an equal one built anew passes."""
+    import copy
+
+    from torchq.tensor import FlattenContext
+
+    weight = torch.randn(16, 64)
+    w = torchq.int4_weight_only(group_size=32).quantize_weight(weight, label="proj")
+    ctx = w.__tensor_flatten__()[1]
+    assert isinstance(ctx, FlattenContext) and isinstance(ctx, tuple) and repr(ctx) == repr(tuple(ctx))
+    kept = copy.deepcopy(ctx)
+    assert kept is ctx and copy.copy(ctx) is ctx
+    assert AQT.__metadata_guard__(kept, w.__tensor_flatten__()[1])
+    twin = torchq.int4_weight_only(group_size=32).quantize_weight(weight, label="proj")  # a new, equal context
+    assert twin.__tensor_flatten__()[1] is not ctx and AQT.__metadata_guard__(kept, twin.__tensor_flatten__()[1])
+    w.label = "other"
+    assert not AQT.__metadata_guard__(kept, w.__tensor_flatten__()[1])
+    w.label = "proj"
+    w.tensor_impl = torchq.int4_weight_only(group_size=64).quantize_weight(torch.randn(16, 64)).tensor_impl
+    assert not AQT.__metadata_guard__(kept, w.__tensor_flatten__()[1])

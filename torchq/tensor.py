@@ -39,6 +39,22 @@ def _implements(*ops):
     return deco
 
 
+class FlattenContext(tuple):
+    """The metadata half of :meth:`AffineQuantizedTensor.__tensor_flatten__`: a plain tuple of
+    immutable parts (impl metadata, wrapper dtype, transposed, activation scheme, label, config,
+    compute dtype) that deep-copies as itself, so the copy a compiled graph's guard keeps is the
+    object the cached flatten returns, and the guard's check is an identity test
+    (:meth:`AffineQuantizedTensor.__metadata_guard__`)."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict) -> FlattenContext:
+        return self
+
+    def __copy__(self) -> FlattenContext:
+        return self
+
+
 class AffineQuantizedTensor(torch.Tensor):
     """A quantized ``[N, K]`` linear weight (``[K, N]`` when ``transposed``).
 
@@ -233,10 +249,17 @@ class AffineQuantizedTensor(torch.Tensor):
         if (c is not None and c[0] is impl and c[1] is wrapper_dtype and c[2] is transposed and c[3] is act
                 and c[4] is label and c[5] is config and c[6] is compute):
             return list(c[7]), c[8]
-        ctx = (impl.metadata(), wrapper_dtype or self.dtype, transposed, act, label, config, compute)
+        ctx = FlattenContext((impl.metadata(), wrapper_dtype or self.dtype, transposed, act, label, config, compute))
         names = impl.tensor_names()
         d["_flatten_cache"] = (impl, wrapper_dtype, transposed, act, label, config, compute, tuple(names), ctx)
         return names, ctx
+
+    @classmethod
+    def __metadata_guard__(cls, expected: tuple, found: tuple) -> bool:
+        """A compiled graph's guard on a quantized weight's metadata (run per weight per call):
+        the very context object it was compiled with (the cached flatten, :class:`FlattenContext`
+        copies as itself) passes at once; anything else is compared field by field."""
+        return expected is found or expected == found
 
     @classmethod
     def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride):
