@@ -15,11 +15,13 @@ One run measures:
      is cast to fp32 and the output back, included in the time); ``int_mm``: per-token int8
      activations through ``torch._int_mm`` (torchq's reference path for int8 dynamic);
    * torchq through ``nn.Linear`` (the whole user-facing path: subclass dispatch, the kernel
-     table, the op): ``int4`` (int4 g128, tinygemm numerics, ``Int4NativeLayout``), ``nf4``
-     (NF4 b64, double-quantized absmax), ``int4a8`` / ``nf4a8`` (the int8-activation 4-bit mode:
-     int4 g32 with fp32 scales, NF4 b64; activations int8 per 32-block), ``int8wo`` (int8
-     weight-only), ``int8dq`` (int8 dynamic), ``int8dq-r7`` (int8 dynamic with 7-bit activations,
-     ``reduce_range=True``: the range FBGEMM's column uses).
+     table, the op): ``int4`` (int4 g128, tinygemm numerics: scales and zeros in the weight's
+     dtype, ``Int4NativeLayout``), ``int4-fp32`` (the same with fp32 scales and zeros whatever
+     the activation dtype: the form the AVX2 decode path factors, autoquant's candidate for
+     bf16 / fp16 models), ``nf4`` (NF4 b64, double-quantized absmax), ``int4a8`` / ``nf4a8``
+     (the int8-activation 4-bit mode: int4 g32 with fp32 scales, NF4 b64; activations int8 per
+     32-block), ``int8wo`` (int8 weight-only), ``int8dq`` (int8 dynamic), ``int8dq-r7`` (int8
+     dynamic with 7-bit activations, ``reduce_range=True``: the range FBGEMM's column uses).
 
 Weights are rotated through enough copies that every call reads its weight from DRAM, not from
 a cache (at least ``--rotate-mb`` MB of weights per config; the L3 of a server CPU holds 8-100 MB).
@@ -68,9 +70,9 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling isa_caps
 import isa_caps  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CONFIGS = ("float", "float32", "aten-int4", "aten-int8", "fbgemm", "int_mm", "int4", "nf4", "int4a8", "nf4a8", "int8wo", "int8dq",
-           "int8dq-r7")
-TORCHQ = {"int4": "int4", "nf4": "nf4", "int4a8": "int4a8", "nf4a8": "nf4a8", "int8wo": "int8wo", "int8dq": "int8dq",
+CONFIGS = ("float", "float32", "aten-int4", "aten-int8", "fbgemm", "int_mm", "int4", "int4-fp32", "nf4", "int4a8", "nf4a8", "int8wo",
+           "int8dq", "int8dq-r7")
+TORCHQ = {"int4": "int4", "int4-fp32": "int4-fp32", "nf4": "nf4", "int4a8": "int4a8", "nf4a8": "nf4a8", "int8wo": "int8wo", "int8dq": "int8dq",
           "int8dq-r7": "int8dq-r7"}
 
 
@@ -89,6 +91,7 @@ def _quantized(k: int, n: int, name: str, dtype: torch.dtype) -> nn.Linear:
     lin = nn.Linear(k, n, bias=False).to(dtype)
     cfg = {
         "int4": torchq.int4_weight_only(group_size=128),
+        "int4-fp32": torchq.int4_weight_only(group_size=128, scale_dtype=torch.float32),
         "nf4": torchq.nf4_weight_only(),
         "int4a8": torchq.int8_dynamic_activation_4bit_weight("int4", group_size=32),
         "nf4a8": torchq.int8_dynamic_activation_4bit_weight("nf4", group_size=64),

@@ -68,7 +68,7 @@ def test_bench_cpu_kernels_runs_every_config_and_writes_json(tmp_path, capsys):
     assert mod.main(args) == 0
     rows = json.loads(path.read_text())["rows"]
     configs = {r["config"] for r in rows}
-    assert {"float", "int4", "nf4", "int8wo", "int8dq"} <= configs
+    assert {"float", "int4", "int4-fp32", "nf4", "int8wo", "int8dq"} <= configs
     assert all(r["ms"] > 0 for r in rows)
     assert all((r["bandwidth_fraction"] is not None) == (r["M"] == 1) for r in rows)
     assert "failed" not in capsys.readouterr().out
