@@ -213,7 +213,7 @@ def quantized(model: nn.Module, name: str, lm_head: str = "same") -> nn.Module:
     the GGUF file keeps it in Q8_0) or left in ``float``."""
     if lm_head not in LM_HEAD:
         raise ValueError(f"lm_head: expected one of {LM_HEAD}, got {lm_head!r}")
-    config = KNOWN[name]()
+    config = KNOWN[name]() if name in KNOWN else torchq.config_from_name(name)  # e.g. int4-g128-hqq
     if lm_head != "same":
         config = {"lm_head": torchq.int8_weight_only() if lm_head == "int8" else None, "_default": config}
     out = copy.deepcopy(model)

@@ -158,6 +158,10 @@ class Int4WeightOnlyConfig(QuantConfig):
       ``zero = min + 8s``, computed in ``scale_dtype`` (default: the weight's dtype), eps 1e-6;
     * INT: asymmetric codes 0..15 with an integer zero point (zero exactly representable);
     * NONE: symmetric codes -8..7.
+
+    ``algorithm``: ``"rtn"`` (round to nearest, default) or ``"hqq"`` (zero points by HQQ's
+    half-quadratic optimisation, no calibration data: :mod:`torchq.algorithms.hqq`; FLOAT and INT
+    zero points). The format and kernels are the same either way.
     """
 
     group_size: int = 128
@@ -165,11 +169,13 @@ class Int4WeightOnlyConfig(QuantConfig):
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.FLOAT
     scale_dtype: torch.dtype | None = None
     compute_dtype: torch.dtype | None = None
+    algorithm: str = "rtn"
 
     def __post_init__(self) -> None:
         if self.group_size not in (32, 64, 128, 256):
             raise ValueError(f"group_size: expected one of 32, 64, 128, 256, got {self.group_size!r}")
         object.__setattr__(self, "zero_point_domain", ZeroPointDomain(self.zero_point_domain))
+        _check_algorithm(self.algorithm, self.zero_point_domain is not ZeroPointDomain.NONE, "zero_point_domain=NONE")
         if self.scale_dtype is not None and self.scale_dtype not in _FLOAT_DTYPES:
             raise ValueError(f"scale_dtype: expected fp32/bf16/fp16 or None, got {self.scale_dtype}")
         self._check_common()
@@ -193,13 +199,39 @@ class Int4WeightOnlyConfig(QuantConfig):
         domain = self.zero_point_domain
         common = dict(layout=self.layout, label=label, config=self, scale_dtype=sd, zero_point_domain=domain)
         block = (1, self.group_size)
+        refine = _zero_refiner(self.algorithm, block, 0, 15, domain)
         if domain is ZeroPointDomain.FLOAT:
             return AffineQuantizedTensor.from_float(
-                weight, MappingType.ASYMMETRIC, block, 0, 15, eps=1e-6, zero_point_dtype=sd, preserve_zero=False, **common
+                weight, MappingType.ASYMMETRIC, block, 0, 15, eps=1e-6, zero_point_dtype=sd, preserve_zero=False,
+                refine_zero=refine, **common
             )
         if domain is ZeroPointDomain.INT:
-            return AffineQuantizedTensor.from_float(weight, MappingType.ASYMMETRIC, block, 0, 15, eps=1e-6, **common)
+            return AffineQuantizedTensor.from_float(weight, MappingType.ASYMMETRIC, block, 0, 15, eps=1e-6, refine_zero=refine,
+                                                    **common)
         return AffineQuantizedTensor.from_float(weight, MappingType.SYMMETRIC, block, -8, 7, eps=1e-6, **common)
+
+
+def _check_algorithm(algorithm: str, has_zero: bool, why_not: str) -> None:
+    from .algorithms import ALGORITHMS
+
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "hqq" and not has_zero:
+        raise ValueError(f"algorithm: 'hqq' optimises zero points; {why_not} has none (use an asymmetric format)")
+
+
+def _zero_refiner(algorithm: str, block: tuple[int, int], qmin: int, qmax: int, domain: ZeroPointDomain):
+    """The ``refine_zero`` hook of :meth:`AffineQuantizedTensor.from_float` for ``algorithm``."""
+    if algorithm != "hqq":
+        return None
+    from .algorithms import hqq_zero_points
+
+    def refine(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        if weight.shape[1] % block[1]:  # a padded last group: HQQ on the whole groups only would change the format's rows
+            return zero
+        return hqq_zero_points(weight, block, qmin, qmax, scale, zero, domain)
+
+    return refine
 
 
 def _int8_per_channel(weight, cfg, qmin: int, qmax: int, act_quant, label) -> AffineQuantizedTensor:
@@ -271,6 +303,7 @@ class IntxWeightOnlyConfig(QuantConfig):
     scale_dtype: torch.dtype | None = None
     eps: float = float(torch.finfo(torch.float32).eps)
     compute_dtype: torch.dtype | None = None
+    algorithm: str = "rtn"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.eps, float) and self.eps > 0):
@@ -287,6 +320,7 @@ class IntxWeightOnlyConfig(QuantConfig):
             raise ValueError("bits: SYMMETRIC needs at least 2 bits (1-bit signed codes {-1, 0} cannot hold +x)")
         if self.scale_dtype is not None and self.scale_dtype not in _FLOAT_DTYPES:
             raise ValueError(f"scale_dtype: expected fp32/bf16/fp16 or None, got {self.scale_dtype}")
+        _check_algorithm(self.algorithm, mt is MappingType.ASYMMETRIC, "mapping_type=SYMMETRIC")
         self._check_common()
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
@@ -301,7 +335,7 @@ class IntxWeightOnlyConfig(QuantConfig):
             domain = ZeroPointDomain.NONE
         return AffineQuantizedTensor.from_float(
             weight, self.mapping_type, block, qmin, qmax, eps=self.eps, scale_dtype=sd, zero_point_domain=domain,
-            layout=self.layout, label=label, config=self,
+            layout=self.layout, label=label, config=self, refine_zero=_zero_refiner(self.algorithm, block, qmin, qmax, domain),
         )
 
 
@@ -444,7 +478,7 @@ def config_from_name(name: str) -> QuantConfig:
     """A config from its short name, as used by benchmarks and command lines: ``int8wo``,
     ``int8dq`` (``int8dq-r7``: 7-bit activations, ``reduce_range``), ``int4-g<G>`` (e.g. ``int4-g128``; ``int4-g<G>-fp32``: fp32 scales and zeros
     whatever the weight's dtype, the form the AVX2 decode path factors), ``intx<B>-g<G>`` (e.g.
-    ``intx3-g32``), ``nf4`` / ``fp4`` with an optional ``-b<block>`` (double-quantized scales), or
+    ``intx3-g32``); either with ``-hqq`` at the end for HQQ zero points (``int4-g128-hqq``), ``nf4`` / ``fp4`` with an optional ``-b<block>`` (double-quantized scales), or
     the int8-activation mode ``int4a8[-g<G>]`` (default 32) / ``nf4a8[-b<B>]`` / ``fp4a8[-b<B>]``
     (default 64)."""
     import re
@@ -457,13 +491,14 @@ def config_from_name(name: str) -> QuantConfig:
         return int8_dynamic_activation_int8_weight(reduce_range=True)
     if m := re.fullmatch(r"(nf4|fp4)(-b(\d+))?", name):
         return NF4WeightOnlyConfig(block_size=int(m[3] or 64), quant_type=m[1])
-    if m := re.fullmatch(r"int4-g(\d+)(-fp32)?", name):
-        return int4_weight_only(group_size=int(m[1]), **({"scale_dtype": torch.float32} if m[2] else {}))
-    if m := re.fullmatch(r"intx(\d)-g(\d+)", name):
-        return intx_weight_only(bits=int(m[1]), group_size=int(m[2]))
+    if m := re.fullmatch(r"int4-g(\d+)(-fp32)?(-hqq)?", name):
+        return int4_weight_only(group_size=int(m[1]), **({"scale_dtype": torch.float32} if m[2] else {}),
+                                **({"algorithm": "hqq"} if m[3] else {}))
+    if m := re.fullmatch(r"intx(\d)-g(\d+)(-hqq)?", name):
+        return intx_weight_only(bits=int(m[1]), group_size=int(m[2]), **({"algorithm": "hqq"} if m[3] else {}))
     if m := re.fullmatch(r"(int4|nf4|fp4)a8(-[gb](\d+))?", name):
         return int8_dynamic_activation_4bit_weight(m[1], int(m[3] or (32 if m[1] == "int4" else 64)))
-    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int8dq-r7, int4-g<G>[-fp32], intx<B>-g<G>, nf4[-b<B>], "
+    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int8dq-r7, int4-g<G>[-fp32][-hqq], intx<B>-g<G>[-hqq], nf4[-b<B>], "
                      f"fp4[-b<B>], int4a8[-g<G>], nf4a8[-b<B>] or fp4a8[-b<B>]")
 
 

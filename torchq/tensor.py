@@ -133,9 +133,13 @@ class AffineQuantizedTensor(torch.Tensor):
         label: str | None = None,
         config: Any = None,
         compute_dtype: torch.dtype | None = None,
+        refine_zero: Any = None,
     ) -> AffineQuantizedTensor:
         """Quantize a float 2-D weight. The layout defaults to the best one for its device;
-        ``compute_dtype`` defaults to the config's (None: linears compute in the input's dtype)."""
+        ``compute_dtype`` defaults to the config's (None: linears compute in the input's dtype).
+        ``refine_zero(weight, scale, zero)``, if given, replaces round-to-nearest's zero points
+        (same dtype and shape) before the codes are taken: an algorithm such as HQQ
+        (:mod:`torchq.algorithms`)."""
         where = f" (layer {label!r})" if label else ""
         if not isinstance(weight, torch.Tensor) or isinstance(weight, AffineQuantizedTensor):
             raise TypeError(f"weight{where}: expected a float torch.Tensor, got {type(weight).__name__}")
@@ -154,6 +158,8 @@ class AffineQuantizedTensor(torch.Tensor):
             weight, mapping_type, block_size, code_dtype, quant_min, quant_max, eps,
             scale_dtype, zero_point_dtype, zero_point_domain, preserve_zero,
         )
+        if refine_zero is not None and weight.device.type != "meta":
+            zero = refine_zero(weight, scale, zero)
         codes = quantize_affine(weight, block_size, scale, zero, code_dtype, quant_min, quant_max, zero_point_domain)
         plain = PlainForm(codes, scale, zero, QuantSpec(tuple(block_size), quant_min, quant_max, ZeroPointDomain(zero_point_domain)))
         if weight.device.type != "meta" and not bool(torch.isfinite(plain.dequantize(weight.dtype)).all()):
