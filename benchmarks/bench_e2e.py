@@ -500,7 +500,8 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated torchq configs, float always included (known: {', '.join(KNOWN)})")
+                    help=f"comma-separated torchq configs, float always included (known: {', '.join(KNOWN)}; "
+                         "also any torchq.config_from_name name, e.g. int4-g128-hqq)")
     ap.add_argument("--models", default="smollm,minilm", help="comma-separated: smollm, minilm")
     ap.add_argument("--peers", default="llama.cpp", help="comma-separated peers: llama.cpp, or none")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
@@ -521,9 +522,18 @@ def main(argv: list[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(raw_argv)
     configs = [c for c in args.configs.split(",") if c and c != "float"]
-    unknown = [c for c in configs if c not in KNOWN]
+    def known(name: str) -> bool:
+        if name in KNOWN:
+            return True
+        try:  # any other config name torchq knows (e.g. int4-g128-hqq)
+            torchq.config_from_name(name)
+        except ValueError:
+            return False
+        return True
+
+    unknown = [c for c in configs if not known(c)]
     if unknown:
-        ap.error(f"--configs: unknown {unknown}; known: float, {', '.join(KNOWN)}")
+        ap.error(f"--configs: unknown {unknown}; known: float, {', '.join(KNOWN)} or any torchq.config_from_name name")
     args.configs = ["float"] + configs
     args.models = [m for m in args.models.split(",") if m]
     if not args.models or set(args.models) - {"smollm", "minilm"}:

@@ -62,3 +62,21 @@ def test_bad_arguments_are_refused(bad, capsys):
         load_bench().main(bad)
     assert e.value.code == 2
     assert bad[0] in capsys.readouterr().err
+
+
+def test_any_config_name_torchq_knows_is_accepted(monkeypatch):
+    """Beyond the benchmark's own list, any torchq.config_from_name name (an algorithm variant such
+    as int4-g128-hqq) passes the argument check and reaches the run."""
+
+    class Reached(Exception):
+        pass
+
+    bench = load_bench()
+
+    def run(args, isa):
+        raise Reached(args.configs)
+
+    monkeypatch.setattr(bench, "run", run)
+    with pytest.raises(Reached) as e:
+        bench.main(["--isa", "native", "--configs", "int4-g128-hqq", "--quiet"])
+    assert e.value.args[0] == ["float", "int4-g128-hqq"]
