@@ -476,11 +476,12 @@ def intx_weight_only(bits: int = 4, group_size: int | None = 32, **kwargs: Any) 
 
 def config_from_name(name: str) -> QuantConfig:
     """A config from its short name, as used by benchmarks and command lines: ``int8wo``,
-    ``int8dq`` (``int8dq-r7``: 7-bit activations, ``reduce_range``), ``int4-g<G>`` (e.g. ``int4-g128``; ``int4-g<G>-fp32``: fp32 scales and zeros
-    whatever the weight's dtype, the form the AVX2 decode path factors), ``intx<B>-g<G>`` (e.g.
-    ``intx3-g32``); either with ``-hqq`` at the end for HQQ zero points (``int4-g128-hqq``), ``nf4`` / ``fp4`` with an optional ``-b<block>`` (double-quantized scales), or
-    the int8-activation mode ``int4a8[-g<G>]`` (default 32) / ``nf4a8[-b<B>]`` / ``fp4a8[-b<B>]``
-    (default 64)."""
+    ``int8dq`` (``int8dq-r7``: 7-bit activations, ``reduce_range``), ``int4-g<G>`` (e.g.
+    ``int4-g128``; ``int4-g<G>-fp32``: fp32 scales and zeros whatever the weight's dtype, the form
+    the AVX2 decode path factors), ``intx<B>-g<G>`` (e.g. ``intx3-g32``), either with ``-hqq`` at
+    the end for HQQ zero points (``int4-g128-hqq``), ``nf4`` / ``fp4`` with an optional
+    ``-b<block>`` (double-quantized scales), or the int8-activation mode ``int4a8[-g<G>]``
+    (default 32) / ``nf4a8[-b<B>]`` / ``fp4a8[-b<B>]`` (default 64)."""
     import re
 
     if name == "int8wo":

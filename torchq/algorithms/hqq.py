@@ -77,17 +77,17 @@ def hqq_zero_points(
     if not (beta > 0 and kappa >= 1):
         raise ValueError(f"beta, kappa: expected beta > 0 and kappa >= 1, got {beta!r}, {kappa!r}")
     g = block_size[1]
-    rows, cols = weight.shape
     w = weight.detach().float()
     groups = w.reshape(-1, g)  # [rows * cols / g, g], rows of groups in order
     s = scale.detach().float().reshape(-1, 1)
     mid = _mid(quant_min, quant_max) if domain is ZeroPointDomain.FLOAT else 0
     code_dtype = torch.uint8 if quant_min >= 0 and quant_max <= 255 else torch.int32
 
-    def evaluate(zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def format_error(zero: torch.Tensor) -> torch.Tensor:
+        """Each group's error in the format's own arithmetic (its roundings, its zero dtype)."""
         codes = quantize_affine(weight, block_size, scale, zero, code_dtype, quant_min, quant_max, domain)
         approx = dequantize_affine(codes, block_size, scale, zero, quant_min, quant_max, domain, torch.float32)
-        return codes, lp_error(w, approx, g, select_norm)
+        return lp_error(w, approx, g, select_norm)
 
     def to_format(z_hqq: torch.Tensor) -> torch.Tensor:
         """HQQ's zero ``(q - z) s`` as the format's zero point, in its dtype and shape."""
@@ -112,9 +112,8 @@ def hqq_zero_points(
         best_all[c0:c0 + chunk] = _hqq_chunk(groups[c0:c0 + chunk], s[c0:c0 + chunk], z_all[c0:c0 + chunk], quant_min, quant_max,
                                              domain is ZeroPointDomain.INT, iters, lp_norm, beta, kappa, select_norm)
     candidate = to_format(best_all)
-    _, rtn_err = evaluate(zero_point)
-    _, hqq_err = evaluate(candidate)
-    return torch.where((hqq_err < rtn_err).reshape(zero_point.shape), candidate, zero_point.detach())
+    better = format_error(candidate) < format_error(zero_point)
+    return torch.where(better.reshape(zero_point.shape), candidate, zero_point.detach())
 
 
 def _hqq_chunk(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin: int, qmax: int, integer_zero: bool, iters: int,
