@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from torchq.cli import main
+from torchq.cli import load_target, main
 
 FACTORY = '''
 import torch.nn as nn
@@ -51,6 +51,20 @@ def test_quantize_then_inspect(target, tmp_path, capsys, suffix):
     assert quant["0.weight"]["shape"] == [128, 256] and quant["0.weight"]["bytes"] < 128 * 256 * 4 // 4
 
 
+def test_quantize_with_an_algorithm_records_it_in_the_checkpoint(target, tmp_path, capsys):
+    import torch
+
+    import torchq
+
+    out = tmp_path / "model.safetensors"
+    assert main(["quantize", target, "--config", "int4-g64", "--algorithm", "hqq", "-o", str(out)]) == 0
+    assert "quantized 2 weights" in capsys.readouterr().out
+    model = load_target(target)
+    torchq.load_quantized(model, out)
+    assert model[0].weight.config == torchq.int4_weight_only(group_size=64, algorithm="hqq")
+    assert model[0].weight.dequantize(torch.float32).shape == (128, 256)
+
+
 def test_quantize_with_a_plan_and_explain(target, tmp_path, capsys):
     import torchq
 
@@ -71,6 +85,10 @@ def test_quantize_with_a_plan_and_explain(target, tmp_path, capsys):
     (["quantize", "{t}", "-o", "{d}/x.pt"], "pass --config"),
     (["quantize", "{t}", "--config", "int9", "-o", "{d}/x.pt"], "unknown 'int9'"),
     (["quantize", "{t}", "--config", "int8wo", "--plan", "{d}/p.json", "-o", "{d}/x.pt"], "exclude each other"),
+    (["quantize", "{t}", "--config", "int8wo", "--algorithm", "hqq", "-o", "{d}/x.pt"],
+     "--algorithm: Int8WeightOnlyConfig has no algorithm choice"),
+    (["quantize", "{t}", "--config", "int4-g64", "--algorithm", "gptq9", "-o", "{d}/x.pt"], "--algorithm: algorithm: expected one of"),
+    (["quantize", "{t}", "--plan", "{d}/p.json", "--algorithm", "hqq", "-o", "{d}/x.pt"], "--algorithm: applies to --config"),
     (["quantize", "{m}:nothing", "--config", "int8wo", "-o", "{d}/x.pt"], "no attribute 'nothing'"),
     (["quantize", "{m}:not_a_model", "--config", "int8wo", "-o", "{d}/x.pt"], "expected a torch.nn.Module"),
     (["quantize", "no_such_module_xyz:f", "--config", "int8wo", "-o", "{d}/x.pt"], "cannot import"),

@@ -96,14 +96,30 @@ def config_spec(args) -> Any:
 
     if getattr(args, "config", None) and getattr(args, "plan", None):
         raise CLIError("--config and --plan exclude each other")
+    if getattr(args, "algorithm", None) and not getattr(args, "config", None):
+        raise CLIError("--algorithm: applies to --config (a plan records each layer's config, algorithm included)")
     if getattr(args, "plan", None):
         try:
             return torchq.load_plan(args.plan)
         except (OSError, ValueError) as e:
             raise CLIError(f"--plan: {e}") from None
     if getattr(args, "config", None):
-        return parse_config(args.config)
+        return with_algorithm(parse_config(args.config), getattr(args, "algorithm", None))
     return None
+
+
+def with_algorithm(config, algorithm: str | None):
+    """``config`` with its quantization algorithm set to ``algorithm`` (None: as it is)."""
+    import dataclasses
+
+    if algorithm is None:
+        return config
+    if "algorithm" not in {f.name for f in dataclasses.fields(config)}:
+        raise CLIError(f"--algorithm: {type(config).__name__} has no algorithm choice (int4 and intx configs do)")
+    try:
+        return dataclasses.replace(config, algorithm=algorithm)
+    except ValueError as e:
+        raise CLIError(f"--algorithm: {e}") from None
 
 
 def fmt_bytes(n: int) -> str:
@@ -355,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("target", help="module:factory returning the nn.Module")
     s.add_argument("--config", help="a config name (int4-g128, int8wo, int8dq, nf4, ...) or a config's JSON")
     s.add_argument("--plan", help="a plan JSON written by autoquant")
+    s.add_argument("--algorithm", help="how --config's codes are chosen: rtn (round to nearest, the "
+                   "default) or hqq (HQQ zero points, no data; int4 and intx configs)")
     s.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model to this dtype before quantizing")
     s.add_argument("-o", "--output", required=True, help="out.safetensors, a folder, or out.pt")
     s = sub.add_parser("explain", help="print the kernel each quantized linear uses and why the others were rejected")
