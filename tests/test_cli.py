@@ -63,6 +63,19 @@ def test_quantize_with_an_algorithm_records_it_in_the_checkpoint(target, tmp_pat
     torchq.load_quantized(model, out)
     assert model[0].weight.config == torchq.int4_weight_only(group_size=64, algorithm="hqq")
     assert model[0].weight.dequantize(torch.float32).shape == (128, 256)
+    for path in (out, tmp_path / "model.pt"):  # inspect shows it, for safetensors and torch.save files
+        if path.suffix == ".pt":
+            assert main(["quantize", target, "--config", "int4-g64-hqq", "-o", str(path)]) == 0
+            capsys.readouterr()
+        assert main(["inspect", str(path), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        configs = {e["name"]: e["config"] for e in data["entries"] if e["kind"] == "quantized"}
+        assert configs == {"0.weight": "Int4WeightOnlyConfig (hqq)", "2.weight": "Int4WeightOnlyConfig (hqq)"}
+    assert main(["quantize", target, "--config", "int4-g64", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {e["config"] for e in data["entries"] if e["kind"] == "quantized"} == {"Int4WeightOnlyConfig"}
 
 
 def test_quantize_with_a_plan_and_explain(target, tmp_path, capsys):

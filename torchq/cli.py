@@ -166,7 +166,7 @@ def _inspect_safetensors(files: list[Path]) -> tuple[list[dict], dict]:
                 nbytes = sum(_numel(p["shape"]) * _itemsize(p["dtype"]) for p in parts.values())
                 spec = q.get("spec", {})
                 fmt = _describe_spec(spec)
-                cfg = (q.get("config") or {}).get("type", "-")
+                cfg = config_label(q.get("config"))
                 entries.append(dict(name=name, kind="quantized", shape=q.get("shape"), dtype=q.get("dtype"), format=fmt,
                                     layout=(q.get("layout") or {}).get("type", "-"), config=cfg, bytes=nbytes))
             for name, fl in record.get("float", {}).items():
@@ -175,6 +175,15 @@ def _inspect_safetensors(files: list[Path]) -> tuple[list[dict], dict]:
             for alias, stored in record.get("aliases", {}).items():
                 entries.append(dict(name=alias, kind=f"alias of {stored}", shape="-", dtype="-", format="-", layout="-", bytes=0))
     return entries, meta
+
+
+def config_label(config: dict | None) -> str:
+    """A quantized weight's config as ``inspect`` shows it: its type, with the algorithm that chose
+    the codes when it is not round to nearest (``Int4WeightOnlyConfig (hqq)``)."""
+    if not config:
+        return "-"
+    algorithm = config.get("algorithm", "rtn")
+    return config.get("type", "-") + ("" if algorithm == "rtn" else f" ({algorithm})")
 
 
 def _describe_spec(spec: dict) -> str:
@@ -215,7 +224,7 @@ def _inspect_torch(path: Path) -> tuple[list[dict], dict]:
     entries = []
     for name, t in obj.items():
         if isinstance(t, torchq.AffineQuantizedTensor):
-            cfg = type(t.config).__name__ if t.config is not None else "-"
+            cfg = config_label(t.config.to_json() if t.config is not None else None)
             entries.append(dict(name=name, kind="quantized", shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
                                 format=t.tensor_impl.spec.describe(), layout=t.quant_layout.name, config=cfg,
                                 bytes=t.nbytes_quantized()))
