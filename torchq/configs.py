@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from .activation import OutlierInt8, PerTokenInt8
+from .algorithms import ALGORITHMS, hqq_zero_points
 from .canonical import QuantSpec
 from .layouts.base import Layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain, code_range
@@ -212,8 +213,6 @@ class Int4WeightOnlyConfig(QuantConfig):
 
 
 def _check_algorithm(algorithm: str, has_zero: bool, why_not: str) -> None:
-    from .algorithms import ALGORITHMS
-
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "hqq" and not has_zero:
@@ -224,7 +223,6 @@ def _zero_refiner(algorithm: str, block: tuple[int, int], qmin: int, qmax: int, 
     """The ``refine_zero`` hook of :meth:`AffineQuantizedTensor.from_float` for ``algorithm``."""
     if algorithm != "hqq":
         return None
-    from .algorithms import hqq_zero_points
 
     def refine(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         if weight.shape[1] % block[1]:  # a padded last group: HQQ on the whole groups only would change the format's rows
