@@ -10,6 +10,7 @@ from . import backends  # noqa: I001
 from . import blockwise, interop, layouts, native, primitives
 from .activation import OutlierInt8, PerBlockInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
+from .calibrate import CalibrationResult, calibrate
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, init_meta_buffers, load_quantized, save_quantized
 from .checkpoint.pickling import _rebuild_object as _rebuild_object  # pinned pickle path
@@ -61,6 +62,8 @@ __all__ = [
     "AutoquantResult",
     "autoquant",
     "load_plan",
+    "calibrate",
+    "CalibrationResult",
     "save_plan",
     "CheckpointError",
     "LoadWarning",

@@ -20,6 +20,8 @@ import torch
 
 from .activation import OutlierInt8, PerTokenInt8
 from .algorithms import ALGORITHMS, hqq_zero_points
+from .algorithms.formats import AffineGroupFormat, CodebookGroupFormat, GroupFormat
+from .algorithms.statistics import CALIBRATED, statistics_for
 from .canonical import QuantSpec
 from .layouts.base import Layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain, code_range
@@ -91,6 +93,37 @@ class QuantConfig:
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         raise NotImplementedError
 
+    def group_format(self, weight: torch.Tensor) -> GroupFormat:
+        """This config's format for ``weight`` as a :class:`~torchq.algorithms.formats.GroupFormat`
+        (what calibrated algorithms choose codes in); LayerNotSupported where it has none."""
+        raise LayerNotSupported(f"{type(self).__name__} has no group format for calibrated algorithms")
+
+    def _quantize_calibrated(self, weight: torch.Tensor, label: str | None) -> AffineQuantizedTensor:
+        """``self.algorithm`` (GPTQ or AWQ) on ``weight`` with the calibration statistics of layer
+        ``label`` (see :func:`torchq.calibrate`); the codes go into this config's format and layout
+        (AWQ's input scale onto the weight, :attr:`AffineQuantizedTensor.input_scale`)."""
+        from .algorithms.awq import awq_quantize
+        from .algorithms.gptq import gptq_quantize
+
+        algorithm = self.algorithm  # type: ignore[attr-defined]
+        stats = statistics_for(label, algorithm)
+        fmt = self.group_format(weight)
+        opts = stats.options.get(algorithm, {})
+        input_scale = None
+        if algorithm == "gptq":
+            result = gptq_quantize(weight, stats.hessian, fmt, **opts)
+        else:
+            result = awq_quantize(weight, stats.hessian, stats.mean_abs, fmt, **opts)
+            input_scale = result.input_scale
+            stats.report.update(alpha=result.alpha)
+        stats.report.update(error=result.error, rtn_error=result.rtn_error, used=result.used)
+        plain = fmt.plain(result.codes, result.scale, result.zero, result.state)
+        if not bool(torch.isfinite(plain.dequantize(weight.dtype)).all()):
+            raise ValueError(f"weight: its range overflows {plain.scale.dtype} scale arithmetic; quantize with "
+                             f"scale_dtype=torch.float32")
+        q = AffineQuantizedTensor.from_plain(plain, weight.dtype, layout=self.layout, label=label, config=self)  # type: ignore[attr-defined]
+        return q if input_scale is None else q._replace(input_scale=input_scale.to(q.device))
+
     def _check_weight(self, weight: torch.Tensor, label: str | None) -> None:
         if weight.dim() != 2:
             raise LayerNotSupported(f"weight is {weight.dim()}-D (shape {tuple(weight.shape)}); {type(self).__name__} quantizes 2-D linear weights")
@@ -160,9 +193,12 @@ class Int4WeightOnlyConfig(QuantConfig):
     * INT: asymmetric codes 0..15 with an integer zero point (zero exactly representable);
     * NONE: symmetric codes -8..7.
 
-    ``algorithm``: ``"rtn"`` (round to nearest, default) or ``"hqq"`` (zero points by HQQ's
+    ``algorithm``: ``"rtn"`` (round to nearest, default), ``"hqq"`` (zero points by HQQ's
     half-quadratic optimisation, no calibration data: :mod:`torchq.algorithms.hqq`; FLOAT and INT
-    zero points). The format and kernels are the same either way.
+    zero points), ``"gptq"`` (codes with error compensation on calibration data:
+    :func:`torchq.calibrate`, :mod:`torchq.algorithms.gptq`) or ``"awq"`` (activation-aware input
+    scaling on calibration data, :mod:`torchq.algorithms.awq`). The format and kernels are the same
+    whichever chose the codes.
     """
 
     group_size: int = 128
@@ -194,8 +230,18 @@ class Int4WeightOnlyConfig(QuantConfig):
         qmin, qmax = (-8, 7) if self.zero_point_domain is ZeroPointDomain.NONE else (0, 15)
         return QuantSpec((1, self.group_size), qmin, qmax, self.zero_point_domain)
 
+    def group_format(self, weight: torch.Tensor) -> AffineGroupFormat:
+        sd = self.scale_dtype or weight.dtype
+        domain = self.zero_point_domain
+        if domain is ZeroPointDomain.NONE:
+            return AffineGroupFormat(self.group_size, MappingType.SYMMETRIC, -8, 7, 1e-6, sd, None, domain, True)
+        return AffineGroupFormat(self.group_size, MappingType.ASYMMETRIC, 0, 15, 1e-6, sd,
+                                 sd if domain is ZeroPointDomain.FLOAT else None, domain, domain is ZeroPointDomain.INT)
+
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
+        if self.algorithm in CALIBRATED:
+            return self._quantize_calibrated(weight, label)
         sd = self.scale_dtype or weight.dtype
         domain = self.zero_point_domain
         common = dict(layout=self.layout, label=label, config=self, scale_dtype=sd, zero_point_domain=domain)
@@ -321,8 +367,19 @@ class IntxWeightOnlyConfig(QuantConfig):
         _check_algorithm(self.algorithm, mt is MappingType.ASYMMETRIC, "mapping_type=SYMMETRIC")
         self._check_common()
 
+    def group_format(self, weight: torch.Tensor) -> AffineGroupFormat:
+        g = weight.shape[1] if self.group_size is None else self.group_size
+        sd = self.scale_dtype or weight.dtype
+        if self.mapping_type is MappingType.ASYMMETRIC:
+            qmin, qmax = code_range(self.bits, signed=False)
+            return AffineGroupFormat(g, self.mapping_type, qmin, qmax, self.eps, sd, None, ZeroPointDomain.INT, True)
+        qmin, qmax = code_range(self.bits, signed=True)
+        return AffineGroupFormat(g, self.mapping_type, qmin, qmax, self.eps, sd, None, ZeroPointDomain.NONE, True)
+
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
+        if self.algorithm in CALIBRATED:
+            return self._quantize_calibrated(weight, label)
         block = (1, weight.shape[1] if self.group_size is None else self.group_size)
         sd = self.scale_dtype or weight.dtype
         if self.mapping_type is MappingType.ASYMMETRIC:
@@ -346,6 +403,8 @@ class NF4WeightOnlyConfig(QuantConfig):
     ``w / absmax``. ``double_quant`` stores the absmax double-quantized (8-bit dynamic map in
     blocks of 256 with a mean offset: 4.127 instead of 4.5 bits per weight at block 64).
     Numerics: ``torch.ops.torchq.quantize_4bit``; bytes equal bitsandbytes'.
+    ``algorithm``: ``"rtn"`` (nearest codebook value, default), ``"gptq"`` or ``"awq"`` (calibrated:
+    :func:`torchq.calibrate`).
     """
 
     block_size: int = 64
@@ -353,6 +412,7 @@ class NF4WeightOnlyConfig(QuantConfig):
     quant_type: str = "nf4"
     layout: Layout | None = None
     compute_dtype: torch.dtype | None = None
+    algorithm: str = "rtn"
 
     def __post_init__(self) -> None:
         from .ops.blockwise import BLOCK_SIZES
@@ -363,7 +423,11 @@ class NF4WeightOnlyConfig(QuantConfig):
             raise ValueError(f"quant_type: expected 'nf4' or 'fp4', got {self.quant_type!r}")
         if not isinstance(self.double_quant, bool):
             raise TypeError(f"double_quant: expected a bool, got {self.double_quant!r}")
+        _check_algorithm(self.algorithm, False, "a codebook format (nf4 / fp4)")
         self._check_common()
+
+    def group_format(self, weight: torch.Tensor) -> CodebookGroupFormat:
+        return CodebookGroupFormat(self.block_size, self.quant_type, self.double_quant)
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         from .canonical import NestedScale, PlainForm, QuantSpec
@@ -372,6 +436,8 @@ class NF4WeightOnlyConfig(QuantConfig):
         n, k = weight.shape
         if k % self.block_size:
             raise LayerNotSupported(f"in_features {k} is not a multiple of block_size {self.block_size}")
+        if self.algorithm in CALIBRATED:
+            return self._quantize_calibrated(weight, label)
         if weight.device.type != "meta" and not bool(torch.isfinite(weight).all()):
             raise ValueError(f"weight contains {int((~torch.isfinite(weight)).sum())} NaN/inf value(s)")
         packed, absmax = torch.ops.torchq.quantize_4bit(weight.detach(), self.block_size, self.quant_type, torch.uint8)
@@ -508,17 +574,19 @@ def int8_dynamic_activation_4bit_weight(weight: str = "int4", group_size: int = 
 
 
 def nf4_weight_only(
-    block_size: int = 64, double_quant: bool = True, layout: Layout | None = None, compute_dtype: torch.dtype | None = None
+    block_size: int = 64, double_quant: bool = True, layout: Layout | None = None, compute_dtype: torch.dtype | None = None,
+    algorithm: str = "rtn",
 ) -> NF4WeightOnlyConfig:
     return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="nf4", layout=layout,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, algorithm=algorithm)
 
 
 def fp4_weight_only(
-    block_size: int = 64, double_quant: bool = True, layout: Layout | None = None, compute_dtype: torch.dtype | None = None
+    block_size: int = 64, double_quant: bool = True, layout: Layout | None = None, compute_dtype: torch.dtype | None = None,
+    algorithm: str = "rtn",
 ) -> NF4WeightOnlyConfig:
     return NF4WeightOnlyConfig(block_size=block_size, double_quant=double_quant, quant_type="fp4", layout=layout,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, algorithm=algorithm)
 
 
 def llm_int8(threshold: float = 6.0, layout: Layout | None = None, compute_dtype: torch.dtype | None = None) -> LLMInt8Config:

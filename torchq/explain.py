@@ -169,7 +169,8 @@ def _decision(name: str, w: AffineQuantizedTensor, x: torch.Tensor, plan: dispat
         layer=name,
         config=repr(cfg) if cfg is not None else "(none recorded)",
         layout=repr(w.tensor_impl.layout),
-        format=w.tensor_impl.spec.describe() + (f" + {w.act_quant.describe()}" if w.act_quant is not None else ""),
+        format=w.tensor_impl.spec.describe() + (f" + {w.act_quant.describe()}" if w.act_quant is not None else "")
+        + (" + input scale (AWQ: x * input_scale before the codes)" if w.input_scale is not None else ""),
         input=f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}",
         kernel=FALLBACK if kernel is None else kernel.name,
         verdicts=list(plan.verdicts),

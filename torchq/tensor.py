@@ -62,7 +62,10 @@ class AffineQuantizedTensor(torch.Tensor):
     activation quantization applied by kernels, or None), ``label`` (the layer's name, used in
     warnings and errors), ``config`` (the config that produced it, or None), ``compute_dtype``
     (the dtype linears compute in: inputs of another dtype are cast to it and outputs cast back;
-    None: the input's dtype).
+    None: the input's dtype), ``input_scale`` (None, or fp32 ``[K]``: a per-input-feature factor
+    applied to a linear's input before the codes multiply it, as AWQ leaves where it cannot fold
+    it into the previous op; the weight's value is then ``dequantized codes * input_scale`` per
+    column).
     """
 
     tensor_impl: TensorImpl
@@ -78,6 +81,7 @@ class AffineQuantizedTensor(torch.Tensor):
         label: str | None = None,
         config: Any = None,
         compute_dtype: torch.dtype | None = None,
+        input_scale: torch.Tensor | None = None,
     ):
         if not isinstance(tensor_impl, TensorImpl):
             raise TypeError(f"tensor_impl: expected a torchq TensorImpl, got {type(tensor_impl).__name__}")
@@ -96,6 +100,9 @@ class AffineQuantizedTensor(torch.Tensor):
         r.label = label
         r.config = config
         r.compute_dtype = check_compute_dtype(compute_dtype)
+        if input_scale is not None:
+            check_input_scale(input_scale, k, tensor_impl.device)
+        r.input_scale = input_scale
         return r
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # all work is done in __new__
@@ -197,7 +204,7 @@ class AffineQuantizedTensor(torch.Tensor):
 
     def _replace(self, impl: TensorImpl | None = None, **changes: Any) -> AffineQuantizedTensor:
         kw = dict(transposed=self.transposed, act_quant=self.act_quant, label=self.label, config=self.config,
-                  compute_dtype=self.compute_dtype)
+                  compute_dtype=self.compute_dtype, input_scale=self.input_scale)
         kw.update(changes)
         dtype = kw.pop("dtype", self.dtype)
         return AffineQuantizedTensor(self.tensor_impl if impl is None else impl, dtype, **kw)
@@ -217,9 +224,25 @@ class AffineQuantizedTensor(torch.Tensor):
         return self.tensor_impl.to_plain()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
-        """Float values in ``dtype`` (default: this tensor's dtype), in this tensor's shape."""
-        out = self.tensor_impl.dequantize(self.dtype if dtype is None else dtype)
+        """Float values in ``dtype`` (default: this tensor's dtype), in this tensor's shape
+        (with an ``input_scale``: the codes' values times it, per input column, in fp32 then cast)."""
+        dtype = self.dtype if dtype is None else dtype
+        s = self.input_scale
+        if s is None:
+            out = self.tensor_impl.dequantize(dtype)
+        else:
+            out = (self.tensor_impl.dequantize(torch.float32) * s).to(dtype)
         return out.t() if self.transposed else out
+
+    def to_plain_codes(self) -> PlainForm:
+        """:meth:`to_plain` where there is no ``input_scale`` (the plain form alone is the weight);
+        a ValueError naming the layer otherwise, for exporters that cannot carry the scale."""
+        if self.input_scale is not None:
+            raise ValueError(
+                f"weight {self.label or tuple(self.shape)!r} has an input_scale (AWQ): its codes alone are not the "
+                f"weight; this format cannot hold the scale"
+            )
+        return self.to_plain()
 
     def to_layout(self, layout: Layout) -> AffineQuantizedTensor:
         """The same codes repacked into another layout (lossless; never re-quantizes)."""
@@ -237,6 +260,8 @@ class AffineQuantizedTensor(torch.Tensor):
         t = ", transposed" if self.transposed else ""
         if self.compute_dtype is not None:
             t += f", compute_dtype={self.compute_dtype}"
+        if self.input_scale is not None:
+            t += ", input_scale"
         return (
             f"AffineQuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
             f"layout={self.tensor_impl.layout!r}, {self.tensor_impl.spec.describe()}{extra}{t}{name})"
@@ -248,16 +273,16 @@ class AffineQuantizedTensor(torch.Tensor):
         # runtime wrapper again to unwrap the inner tensors: built once per wrapper and reused while
         # each part is the very same object (SmolLM2 int4, compiled decode: 21.5 -> 20.3 ms/token).
         d = self.__dict__
-        impl, wrapper_dtype, transposed, act, label, config, compute = (
+        impl, wrapper_dtype, transposed, act, label, config, compute, in_scale = (
             self.tensor_impl, d.get("wrapper_dtype"), self.transposed, self.act_quant, self.label, self.config,
-            self.compute_dtype)
+            self.compute_dtype, d.get("input_scale"))
         c = d.get("_flatten_cache")
         if (c is not None and c[0] is impl and c[1] is wrapper_dtype and c[2] is transposed and c[3] is act
-                and c[4] is label and c[5] is config and c[6] is compute):
+                and c[4] is label and c[5] is config and c[6] is compute and c[9] is in_scale):
             return list(c[7]), c[8]
         ctx = FlattenContext((impl.metadata(), wrapper_dtype or self.dtype, transposed, act, label, config, compute))
-        names = impl.tensor_names()
-        d["_flatten_cache"] = (impl, wrapper_dtype, transposed, act, label, config, compute, tuple(names), ctx)
+        names = impl.tensor_names() + (["input_scale"] if in_scale is not None else [])
+        d["_flatten_cache"] = (impl, wrapper_dtype, transposed, act, label, config, compute, tuple(names), ctx, in_scale)
         return names, ctx
 
     @classmethod
@@ -270,9 +295,12 @@ class AffineQuantizedTensor(torch.Tensor):
     @classmethod
     def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride):
         meta, dtype, transposed, act_quant, label, config, compute_dtype = ctx
+        input_scale = inner.get("input_scale")
+        if input_scale is not None:
+            inner = {k: v for k, v in inner.items() if k != "input_scale"}
         impl = TensorImpl.rebuild(meta, inner)
         return cls(impl, dtype, transposed=transposed, act_quant=act_quant, label=label, config=config,
-                   compute_dtype=compute_dtype)
+                   compute_dtype=compute_dtype, input_scale=input_scale)
 
     def _stable_hash_for_caching(self) -> str:
         _, ctx = self.__tensor_flatten__()
@@ -329,6 +357,16 @@ def check_compute_dtype(compute_dtype: Any, arg: str = "compute_dtype") -> torch
     return compute_dtype
 
 
+def check_input_scale(s: Any, k: int, device: torch.device, arg: str = "input_scale") -> None:
+    """``s`` must be a 1-D fp32 tensor of ``k`` entries on ``device`` (values are checked where they
+    come from a file: finite and positive)."""
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (k,):
+        got = f"{s.dtype} {list(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+        raise ValueError(f"{arg}: expected a float32 tensor of shape [{k}] (one factor per input feature), got {got}")
+    if s.device != device:
+        raise ValueError(f"{arg}: expected device {device} (the codes'), got {s.device}")
+
+
 def _untransposed(w: AQT) -> AQT:
     return w._replace(transposed=False) if w.transposed else w
 
@@ -351,7 +389,9 @@ def _detach(func, args, kwargs):
 
 @_implements(aten.clone.default)
 def _clone(func, args, kwargs):
-    return args[0]._replace(args[0].tensor_impl.map(torch.clone))
+    self = args[0]
+    s = self.input_scale
+    return self._replace(self.tensor_impl.map(torch.clone), input_scale=None if s is None else s.clone())
 
 
 @_implements(aten._to_copy.default)
@@ -368,7 +408,8 @@ def _to_copy(func, args, kwargs):
     moved = impl.to_device(torch.device(device))
     if moved is impl:
         moved = impl.map(torch.clone)
-    return self._replace(moved, dtype=dtype)
+    s = self.input_scale
+    return self._replace(moved, dtype=dtype, input_scale=None if s is None else s.to(moved.device, copy=True))
 
 
 @_implements(aten.t.default, aten.transpose.int, aten.permute.default)
@@ -442,15 +483,18 @@ def _slice(func, args, kwargs):
     inner_dim = 1 - dim if self.transposed else dim
     start, end = _norm_range(self.shape[dim], start, end)
     impl = self.tensor_impl
+    in_scale = self.input_scale
+    if in_scale is not None and inner_dim == 1:
+        in_scale = in_scale[start:end]
     view = impl.narrow_view(inner_dim, start, end - start)
     if view is not None:
-        out = self._replace(view)
+        out = self._replace(view, input_scale=in_scale)
         return return_and_correct_aliasing(func, args, kwargs, out)
     plain = impl.to_plain().narrow(inner_dim, start, end - start)
     layout = impl.layout
     if not layout.fit(plain.spec, plain.shape, plain.scale.dtype, plain.device).holds:
         layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, plain.device)
-    out = self._replace(layout.pack(plain.map(torch.clone)))
+    out = self._replace(layout.pack(plain.map(torch.clone)), input_scale=in_scale)
     # Not a storage view: remember where it came from so copy_ into it reaches the parent.
     out._narrow_parent = (self, inner_dim, start, end - start)
     return out
@@ -471,6 +515,9 @@ def _metadata_diff(dst: AQT, src: AQT) -> list[str]:
         diffs.append(f"activation quantization {dst.act_quant} vs {src.act_quant}")
     if dst.compute_dtype != src.compute_dtype:
         diffs.append(f"compute_dtype {dst.compute_dtype} vs {src.compute_dtype}")
+    if (dst.input_scale is None) != (src.input_scale is None):
+        diffs.append(f"input_scale {'present' if dst.input_scale is not None else 'absent'} vs "
+                     f"{'present' if src.input_scale is not None else 'absent'}")
     return diffs
 
 
@@ -503,6 +550,8 @@ def _copy_(func, args, kwargs):
     if src_impl.metadata() != dst.tensor_impl.metadata():  # same values, other layout: repack
         src_impl = dst.tensor_impl.layout.pack(src_impl.to_plain())
     parent = getattr(dst, "_narrow_parent", None)
+    if parent is not None and dst.input_scale is not None:
+        raise NotImplementedError("copy_: into a slice of a weight with an input_scale (AWQ); copy the whole weight")
     if parent is not None:
         p, dim, start, length = parent
         if getattr(p, "_narrow_parent", None) is not None:
@@ -520,6 +569,8 @@ def _copy_(func, args, kwargs):
                 t_dst.copy_(t_src)
         _copy_impl_tensors(p.tensor_impl, p.tensor_impl.layout.pack(full))
     _copy_impl_tensors(dst.tensor_impl, src_impl)
+    if dst.input_scale is not None:
+        dst.input_scale.copy_(src.input_scale)
     return dst
 
 
@@ -534,6 +585,8 @@ def _select(func, args, kwargs):
     if not -n <= index < n:
         raise IndexError(f"select: index {index} out of range for dim 0 of size {n}")
     idx = torch.tensor([index % n], device=self.device)
+    if self.input_scale is not None:
+        return (self.to_plain().rows(idx).dequantize(torch.float32)[0] * self.input_scale).to(self.dtype)
     return self.to_plain().rows(idx).dequantize(self.dtype)[0]
 
 
@@ -555,7 +608,10 @@ def _index(func, args, kwargs):
     flat = idx.flatten() % n
     if flat.numel() == 0:
         return torch.empty(*idx.shape, self.shape[1], dtype=self.dtype, device=self.device)
-    rows = self.tensor_impl.plain_rows(flat).dequantize(self.dtype)
+    if self.input_scale is not None:
+        rows = (self.tensor_impl.plain_rows(flat).dequantize(torch.float32) * self.input_scale).to(self.dtype)
+    else:
+        rows = self.tensor_impl.plain_rows(flat).dequantize(self.dtype)
     return rows.reshape(*idx.shape, self.shape[1])
 
 

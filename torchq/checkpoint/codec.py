@@ -17,7 +17,8 @@ The record is a JSON object::
     label       null | "name"   the layer name, used in messages
     compute_dtype "bfloat16"    optional: the dtype linears compute in (absent: the input's dtype)
     codes_encoding "bitstream" | "bytes"
-    parts       {"codes": P, "scale": P, "zero_point": P}   (no zero_point when the domain is NONE)
+    parts       {"codes": P, "scale": P, "zero_point": P}   (no zero_point when the domain is NONE;
+                "input_scale": P, fp32 [K], only for a weight with an input scale: AWQ's)
                 P = {"dtype": "uint8", "shape": [...], "crc32": int | null}
 
 Bytes of the parts for an ``[N, K]`` weight with ``b``-bit codes and ``G = ceil([N, K] / block)``
@@ -161,6 +162,8 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
         tensors.update({f"scale_{k}": own_storage(v) for k, v in plain.nested.tensors().items()})
     if plain.zero_point is not None:
         tensors["zero_point"] = own_storage(plain.zero_point)
+    if w.input_scale is not None:
+        tensors["input_scale"] = own_storage(w.input_scale)
     record = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -253,6 +256,8 @@ class ParsedRecord:
             want = {"codes": codes, "scale": (torch.float32 if spec.codebook else None, grid)}
         if spec.zero_point_domain is not ZeroPointDomain.NONE:
             want["zero_point"] = (None, grid)
+        if isinstance(parts, dict) and "input_scale" in parts:  # optional: its presence is the flag
+            want["input_scale"] = (torch.float32, (k,))
         if not isinstance(parts, dict) or set(parts) != set(want):
             got = sorted(parts) if isinstance(parts, dict) else parts
             raise CheckpointError(f"{where}: parts must be {sorted(want)} for {spec.describe()}, got {got}")
@@ -411,6 +416,9 @@ def decode(
         raise CheckpointError(f"{where}: scale contains NaN/inf")
     if real and zero is not None and zero.is_floating_point() and not bool(torch.isfinite(zero).all()):
         raise CheckpointError(f"{where}: zero_point contains NaN/inf")
+    in_scale = parts.get("input_scale")
+    if in_scale is not None and _has_data(in_scale) and not bool((torch.isfinite(in_scale) & (in_scale > 0)).all()):
+        raise CheckpointError(f"{where}: input_scale must be finite and positive")
     try:
         plain = PlainForm(codes.contiguous(), scale, zero, spec, nested)
         chosen = resolve_layout(layout, rec.saved_layout, plain)
@@ -421,7 +429,7 @@ def decode(
         raise CheckpointError(f"{where}: {e}") from e
     return AffineQuantizedTensor(
         impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config,
-        compute_dtype=rec.compute_dtype,
+        compute_dtype=rec.compute_dtype, input_scale=None if in_scale is None else in_scale.contiguous(),
     )
 
 

@@ -144,7 +144,10 @@ def to_bitsandbytes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
         if not isinstance(w, AffineQuantizedTensor):
             out[name] = w
             continue
-        plain = w.to_plain()
+        try:
+            plain = w.to_plain_codes()
+        except ValueError as e:
+            raise ValueError(f"to_bitsandbytes: {name!r}: {e}") from None
         spec = plain.spec
         if spec.codebook is None or w.transposed or spec.block_size[0] != 1:
             raise ValueError(f"to_bitsandbytes: {name!r} is {spec.describe()}; only NF4/FP4 weights have a bitsandbytes form")
