@@ -159,3 +159,21 @@ def test_default_candidates_add_fp32_scales_for_half_models_on_cpu():
     assert {"int4-g128-fp32", "int4-g32-fp32"} <= names
     assert torchq.autotune.default_candidates("cpu", torch.bfloat16)["int4-g128-fp32"].scale_dtype == torch.float32
     assert not {"int4-g128-fp32", "int4-g32-fp32"} & set(torchq.autotune.default_candidates("cpu", torch.float32))
+
+
+def test_calibrated_candidates_have_their_own_accuracy(tmp_path):
+    model = small_model()
+    x = torch.randn(64, 256)
+    x[:, :8] *= 20  # salient input features, as real activations have
+    cands = {"int4-g64": torchq.int4_weight_only(group_size=64), "int4-g64-gptq": torchq.config_from_name("int4-g64-gptq"),
+             "int4-g64-awq": torchq.config_from_name("int4-g64-awq")}
+    result = torchq.autoquant(model, x, candidates=cands, cache=tmp_path / "t.json", progress=False, budget_s=0.02)
+    for c in result.choices:
+        assert c.candidates["int4-g64-gptq"]["status"] == "ok" and c.candidates["int4-g64-awq"]["status"] == "ok"
+        assert c.candidates["int4-g64-gptq"]["sqnr"] > c.candidates["int4-g64"]["sqnr"]
+        layer = dict(model.named_modules())[c.layer]
+        if c.chosen != "float":
+            assert layer.weight.config == cands[c.chosen]
+    # a calibrated candidate outside autoquant and calibrate needs the data: quantize_ refuses it
+    with pytest.raises(torchq.QuantizationError, match="calibrate"):
+        torchq.quantize_(small_model(), cands["int4-g64-gptq"])

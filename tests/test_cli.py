@@ -93,6 +93,48 @@ def test_quantize_with_a_plan_and_explain(target, tmp_path, capsys):
     assert "blockwise_4bit_linear" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_quantize_with_calibration_data(target, tmp_path, capsys, algorithm):
+    import torch
+
+    import torchq
+
+    batches = tmp_path / "cal.pt"
+    torch.save([torch.randn(8, 256) for _ in range(3)], batches)
+    out = tmp_path / "model.safetensors"
+    assert main(["quantize", target, "--config", "int4-g64", "--algorithm", algorithm, "--calibration", str(batches),
+                 "--quiet", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "rtn_error" in text and f"{algorithm}" in text and "quantized 2 weights" in text
+    model = load_target(target)
+    torchq.load_quantized(model, out)
+    assert model[0].weight.config.algorithm == algorithm
+    assert main(["inspect", str(out), "--json"]) == 0
+    configs = {e["name"]: e.get("config") for e in json.loads(capsys.readouterr().out)["entries"] if e["kind"] == "quantized"}
+    assert configs["0.weight"] == f"Int4WeightOnlyConfig ({algorithm})"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["quantize", "{t}", "--config", "int4-g64", "--algorithm", "gptq", "-o", "{d}/x.pt"], "needs calibration data"),
+    (["quantize", "{t}", "--config", "int4-g64", "--calibration", "{d}/cal.pt", "-o", "{d}/x.pt"],
+     "only the calibrated algorithms"),
+    (["quantize", "{t}", "--config", "int4-g64", "--algorithm", "awq", "--calibration", "{d}/bad.pt", "-o", "{d}/x.pt"],
+     "--calibration: "),
+    (["quantize", "{t}", "--config", "int4-g64", "--algorithm", "awq", "--calibration", "{d}/str.pt", "-o", "{d}/x.pt"],
+     "expected a tensor, or a non-empty list"),
+])
+def test_calibration_errors_exit_1_with_one_line(target, tmp_path, capsys, argv, message):
+    import torch
+
+    torch.save([torch.randn(4, 256)], tmp_path / "cal.pt")
+    torch.save(["text"], tmp_path / "str.pt")
+    (tmp_path / "bad.pt").write_bytes(b"garbage")
+    argv = [a.format(t=target, d=tmp_path) for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["inspect", "/no/such/file"], "no such file"),
     (["quantize", "{t}", "-o", "{d}/x.pt"], "pass --config"),

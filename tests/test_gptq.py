@@ -95,8 +95,8 @@ def test_gptq_act_order_stores_codes_in_input_order() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 12), groups=st.integers(1, 4), tail=st.sampled_from([0, 5]), t=st.integers(1, 80),
-       name=st.sampled_from(sorted(FORMATS)), act_order=st.booleans(), seed=st.integers(0, 2**16))
-def test_gptq_never_worse_than_round_to_nearest(n, groups, tail, t, name, act_order, seed) -> None:
+       name=st.sampled_from(sorted(FORMATS)), act_order=st.booleans(), clip=st.booleans(), seed=st.integers(0, 2**16))
+def test_gptq_never_worse_than_round_to_nearest(n, groups, tail, t, name, act_order, clip, seed) -> None:
     torch.manual_seed(seed)
     fmt0 = FORMATS[name](torch.zeros(1, 256))
     k = groups * fmt0.group_size + (tail if isinstance(fmt0, AffineGroupFormat) and fmt0.group_size < 256 else 0)
@@ -104,12 +104,28 @@ def test_gptq_never_worse_than_round_to_nearest(n, groups, tail, t, name, act_or
     x = torch.randn(t, k)
     h = x.T @ x / t
     fmt = FORMATS[name](w)
-    r = gptq_quantize(w, h, fmt, act_order=act_order)
+    r = gptq_quantize(w, h, fmt, act_order=act_order, clip=clip)
     codes, scale, zero, _ = fmt.round_to_nearest(w)
     rtn = proxy_error(w, fmt.dequantize(codes, scale, zero), h.double() if h.dtype == torch.float64 else h)
     mine = proxy_error(w, fmt.dequantize(r.codes, r.scale, r.zero), h)
     assert mine <= rtn * (1 + 1e-5) + 1e-12
     assert r.used in ("gptq", "rtn")
+
+
+def test_gptq_clip_fixes_clipped_group_parameters() -> None:
+    from torchq.algorithms.awq import clip_ratios
+
+    torch.manual_seed(5)
+    w = torch.randn(8, 64)
+    w[0, 3] = 12.0  # an outlier a group's range should not have to cover at full cost
+    x = torch.randn(200, 64)
+    h = x.T @ x / 200
+    fmt = FORMATS["int4-int"](w)
+    ratio = clip_ratios(w, h, fmt)
+    assert ratio.shape == (8, 2) and float(ratio.min()) < 1.0
+    r = gptq_quantize(w, h, fmt, clip=True, keep_better=False)
+    scale, zero, _ = fmt.static_qparams(w * ratio.repeat_interleave(32, dim=1))
+    assert torch.equal(r.scale, scale) and torch.equal(r.zero, zero)
 
 
 def test_gptq_handles_dead_inputs_and_rejects_bad_hessians() -> None:

