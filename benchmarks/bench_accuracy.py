@@ -182,7 +182,7 @@ def quantize_torchq(bench, config_name: str, algorithm: str, args: argparse.Name
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)
         if algorithm in ("gptq", "awq"):
-            torchq.calibrate(model, bench.calibration, cfg, act_order=args.act_order, progress=False)
+            torchq.calibrate(model, bench.calibration, cfg, act_order=args.act_order, gptq_clip=args.gptq_clip, progress=False)
         else:
             torchq.quantize_(model, cfg)
     return model, ""
@@ -278,8 +278,15 @@ def run_model(bench, args: argparse.Namespace, progress: Callable[[str], None]) 
             rows.append(dict(model=bench.name, config=cname, algorithm=alg, quality=f"not run ({why})", value=None))
             continue
         t0 = time.perf_counter()
-        with PeakMemory() as mem:
-            model, version = (quantize_torchq(bench, cname, alg, args) if kind == "torchq" else quantize_peer(bench, cname, alg))
+        try:
+            with PeakMemory() as mem:
+                model, version = (quantize_torchq(bench, cname, alg, args) if kind == "torchq" else quantize_peer(bench, cname, alg))
+        except Exception as e:
+            if kind == "torchq":
+                raise
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"  # a peer that cannot take this model: its row says so
+            rows.append(dict(model=bench.name, config=cname, algorithm=alg, quality=f"failed ({why})", value=None))
+            continue
         seconds = time.perf_counter() - t0
         q = bench.quality(model)
         del model
@@ -327,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-windows", type=int, default=0, help="smollm: evaluate on at most N windows (0: all)")
     p.add_argument("--eval-sentences", type=int, default=0, help="minilm: held-out sentences from the book (0: all)")
     p.add_argument("--no-act-order", dest="act_order", action="store_false", help="GPTQ in input order (default: act_order)")
+    p.add_argument("--gptq-clip", action="store_true", help="GPTQ with AWQ's clip search fixing the group ranges first")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
@@ -353,19 +361,18 @@ def main(argv: list[str] | None = None) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     rows, notes = [], []
-    for m in models:
+    for m in models:  # each model's table as soon as it is done (and the JSON so far)
         progress(f"loading {m}")
         bench = SmolLM(args) if m == "smollm" else MiniLM(args)
         notes.append(f"{m}: {bench.describe}")
-        rows += run_model(bench, args, progress)
+        mine = run_model(bench, args, progress)
+        rows += mine
         del bench
-    print(format_table(rows))
-    print()
-    for n in notes:
-        print(f"# {n}")
-    print(f"# GPTQ act_order={args.act_order}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, indent=1) + "\n")
+        print(format_table(mine))
+        print(f"# {notes[-1]}\n", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, indent=1) + "\n")
+    print(f"# GPTQ act_order={args.act_order} gptq_clip={args.gptq_clip}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     return 0
 
 
