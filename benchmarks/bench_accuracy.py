@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-windows", type=int, default=0, help="smollm: evaluate on at most N windows (0: all)")
     p.add_argument("--eval-sentences", type=int, default=0, help="minilm: held-out sentences from the book (0: all)")
     p.add_argument("--no-act-order", dest="act_order", action="store_false", help="GPTQ in input order (default: act_order)")
-    p.add_argument("--gptq-clip", action="store_true", help="GPTQ with AWQ's clip search fixing the group ranges first")
+    p.add_argument("--no-gptq-clip", dest="gptq_clip", action="store_false",
+                   help="GPTQ without AWQ's clip search fixing the group ranges first (default: with it, as calibrate)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")

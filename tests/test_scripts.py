@@ -184,7 +184,7 @@ def test_bench_accuracy_runs_and_writes_json(tmp_path, capsys):
     assert value[("int4-g128", "gptq")] > value[("int4-g128", "rtn")]  # 64 sentences already help
     assert all(r["seconds"] >= 0 and r["peak_mib"] >= 0 for r in rows[1:])
     out = capsys.readouterr().out
-    assert "RTN gap closed" in out and "held-out sentences" in out and "ch. 13-16" in out
+    assert "RTN gap closed" in out and "held-out sentences" in out and "ch. 13-16" in out and "gptq_clip=True" in out
     with pytest.raises(SystemExit):
         mod.main(["--algorithms", "magic"])
 

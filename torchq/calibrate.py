@@ -220,7 +220,7 @@ def calibrate(
     damp: float = 0.01,
     act_order: bool = False,
     static_groups: bool = False,
-    gptq_clip: bool = False,
+    gptq_clip: bool = True,
     grid: int = 20,
     clip: bool = True,
     progress: bool = True,
@@ -234,8 +234,8 @@ def calibrate(
     layers whose config needs no data, e.g. ``algorithm="rtn"``, are quantized with the others of
     their block). ``blocks``: the ``nn.ModuleList`` (or its qualified name) to walk block by block
     (default: found, see the module docstring; a model without one is calibrated in one pass).
-    GPTQ options: ``damp``, ``act_order``, ``static_groups``, ``gptq_clip`` (its ``clip``:
-    :func:`torchq.algorithms.gptq_quantize`);
+    GPTQ options: ``damp``, ``act_order``, ``static_groups``, ``gptq_clip`` (its ``clip``, on by
+    default: SmolLM2 int4 g128 perplexity +21% -> +12.8% over float; :func:`torchq.algorithms.gptq_quantize`);
     AWQ options: ``grid``, ``clip`` (:func:`torchq.algorithms.awq_quantize`). AWQ's input scales stay
     on the quantized weights (:attr:`torchq.AffineQuantizedTensor.input_scale`).
     ``progress``: one line per layer on stderr, with its error.
