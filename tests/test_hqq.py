@@ -99,7 +99,7 @@ def test_hqq_keeps_round_to_nearest_for_a_padded_last_group():
 
 
 def test_hqq_arguments_are_checked():
-    with pytest.raises(ValueError, match=r"algorithm: expected one of \('rtn', 'hqq'\), got 'gptq2'"):
+    with pytest.raises(ValueError, match=r"algorithm: expected one of \('rtn', 'hqq', 'gptq', 'awq'\), got 'gptq2'"):
         torchq.int4_weight_only(algorithm="gptq2")
     with pytest.raises(ValueError, match="algorithm: 'hqq' optimises zero points; zero_point_domain=NONE has none"):
         torchq.int4_weight_only(zero_point_domain=ZeroPointDomain.NONE, algorithm="hqq")

@@ -391,6 +391,8 @@ def _calibrate_group(model: nn.Module, names: list[str], plan: dict[str, QuantCo
     finally:
         collector.close()
     result.peak_statistics_bytes = max(result.peak_statistics_bytes, collector.nbytes())
+    if not result.tokens:  # no block list: the tokens are those the layers saw
+        result.tokens = max(collector.tokens.values(), default=0)
     stats = collector.statistics(options)
     del collector
     wanted = {n: plan[n] for n in names}
