@@ -182,7 +182,8 @@ def quantize_torchq(bench, config_name: str, algorithm: str, args: argparse.Name
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)
         if algorithm in ("gptq", "awq"):
-            torchq.calibrate(model, bench.calibration, cfg, act_order=args.act_order, gptq_clip=args.gptq_clip, progress=False)
+            torchq.calibrate(model, bench.calibration, cfg, act_order=args.act_order, gptq_clip=args.gptq_clip,
+                             gptq_awq_scale=args.gptq_awq_scale, sequential=args.sequential, progress=False)
         else:
             torchq.quantize_(model, cfg)
     return model, ""
@@ -334,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-windows", type=int, default=0, help="smollm: evaluate on at most N windows (0: all)")
     p.add_argument("--eval-sentences", type=int, default=0, help="minilm: held-out sentences from the book (0: all)")
     p.add_argument("--no-act-order", dest="act_order", action="store_false", help="GPTQ in input order (default: act_order)")
+    p.add_argument("--no-gptq-awq-scale", dest="gptq_awq_scale", action="store_false",
+                   help="GPTQ on the weight as it is only (default: also on AWQ-scaled columns, the better kept per layer)")
+    p.add_argument("--no-sequential", dest="sequential", action="store_false",
+                   help="calibrate a block's layers on the float block's inputs (default: stage by stage, each on the "
+                        "outputs of the quantized stages before it)")
     p.add_argument("--no-gptq-clip", dest="gptq_clip", action="store_false",
                    help="GPTQ without AWQ's clip search fixing the group ranges first (default: with it, as calibrate)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
@@ -373,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {notes[-1]}\n", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, indent=1) + "\n")
-    print(f"# GPTQ act_order={args.act_order} gptq_clip={args.gptq_clip}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"# GPTQ act_order={args.act_order} gptq_clip={args.gptq_clip} gptq_awq_scale={args.gptq_awq_scale}; "
+          f"sequential={args.sequential}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     return 0
 
 

@@ -231,7 +231,8 @@ def test_calibrate_failure_leaves_the_model_as_it_was(monkeypatch, exc) -> None:
     monkeypatch.setattr(gptq_mod, "gptq_quantize", failing)
     with pytest.raises((exc, torchq.QuantizationError)), warnings.catch_warnings():
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)
-        torchq.calibrate(model, batches(), torchq.int4_weight_only(group_size=32), algorithm="gptq", progress=False)
+        torchq.calibrate(model, batches(), torchq.int4_weight_only(group_size=32), algorithm="gptq", gptq_awq_scale=False,
+                         progress=False)
     after = state(model)
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
     assert getattr(model, "hf_quantizer", None) is None
@@ -307,3 +308,63 @@ def test_calibrate_gpt2_conv1d() -> None:
     assert isinstance(attn, torchq.AffineQuantizedTensor) and attn.transposed
     with torch.no_grad():
         assert torch.isfinite(model(torch.cat(batches())).logits).all()
+
+
+def _two_layer_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+
+
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1]).float()
+    return x.T @ x / x.shape[0]
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_calibrate_sequential_gathers_each_stage_after_the_ones_before_are_quantized(sequential: bool) -> None:
+    """``sequential=True``: the second layer's Hessian comes from the first layer's *quantized* output
+    (the codes equal GPTQ run by hand on that Hessian); ``False``: from the float model's."""
+    model = _two_layer_model()
+    float_model = copy.deepcopy(model)
+    x = torch.randn(4, 16, 64)
+    cfg = torchq.int4_weight_only(group_size=32)
+    torchq.calibrate(model, [x], cfg, algorithm="gptq", sequential=sequential, gptq_awq_scale=False, progress=False)
+    with torch.no_grad():
+        first = model[0] if sequential else float_model[0]
+        hidden = float_model[1](first(x))
+    w = float_model[2].weight.detach()
+    expected = gptq_quantize(w, _hessian(hidden), cfg.group_format(w), clip=True)
+    got = model[2].weight.to_plain()
+    assert torch.equal(got.codes.to(expected.codes.dtype), expected.codes)
+    other = gptq_quantize(w, _hessian(float_model[1](float_model[0](x)) if sequential else model[1](model[0](x))),
+                          cfg.group_format(w), clip=True)
+    assert not torch.equal(other.codes, expected.codes)  # the two Hessians really give different codes
+
+
+def test_gptq_on_awq_scaled_columns_is_kept_only_where_it_lowers_the_error(tmp_path) -> None:
+    """``gptq_awq_scale=True`` (the default) runs GPTQ on AWQ-scaled columns too and keeps, per layer,
+    the lower proxy error: never above plain GPTQ's on the same statistics. Where it wins, the weight
+    carries AWQ's input scale, through checkpoints too."""
+    gen = torch.Generator().manual_seed(1)
+    outliers = torch.ones(64)
+    outliers[[3, 17, 40, 61]] = 20.0  # a few input features with large activations: what AWQ is for
+    x = [torch.randn(4, 16, 64, generator=gen) * outliers for _ in range(2)]
+    results = {}
+    models = {}
+    for awq_scale in (False, True):
+        models[awq_scale] = model = _two_layer_model()
+        results[awq_scale] = torchq.calibrate(model, x, torchq.int4_weight_only(group_size=32), algorithm="gptq",
+                                              gptq_awq_scale=awq_scale, sequential=False, progress=False)
+    for plain, scaled in zip(results[False].layers, results[True].layers):
+        assert plain.name == scaled.name and scaled.error <= plain.error
+        assert plain.used in ("gptq", "rtn")
+    first = results[True].layers[0]
+    assert first.used == "gptq+awq" and first.alpha > 0 and first.error < results[False].layers[0].error
+    w = models[True][0].weight
+    assert w.input_scale is not None and w.config.algorithm == "gptq"
+    torchq.save_quantized(models[True], tmp_path / "ckpt")
+    fresh = _two_layer_model()
+    torchq.load_quantized(fresh, tmp_path / "ckpt")
+    assert torch.equal(fresh[0].weight.input_scale, w.input_scale)
+    with torch.no_grad():
+        assert torch.equal(fresh(x[0]), models[True](x[0]))

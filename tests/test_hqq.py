@@ -27,9 +27,11 @@ def _rtn(weight, g, qmin, qmax, domain, scale_dtype):
 
 
 def _group_sse(weight, g, qmin, qmax, scale, zero, domain):
+    """``[rows, ceil(cols / g)]``: each group's squared error (a partial last group on its own columns)."""
     codes = quantize_affine(weight, (1, g), scale, zero, torch.uint8, qmin, qmax, domain)
     approx = dequantize_affine(codes, (1, g), scale, zero, qmin, qmax, domain, torch.float32)
-    return ((weight.float() - approx) ** 2).reshape(-1, g).sum(1)
+    sq = (weight.float() - approx) ** 2
+    return torch.stack([sq[:, c:c + g].sum(1) for c in range(0, weight.shape[1], g)], dim=1)
 
 
 def _weight(rows: int, cols: int, kinds: list[str], seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -51,22 +53,37 @@ def _weight(rows: int, cols: int, kinds: list[str], seed: int, dtype: torch.dtyp
 
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 12), groups=st.integers(1, 4), g=st.sampled_from([32, 64, 128, 256]), dtype=st.sampled_from(FLOATS),
+    rows=st.integers(1, 12), groups=st.integers(0, 4), extra=st.sampled_from([0, 0, 1, 7, 64]),
+    g=st.sampled_from([32, 64, 128, 256]), dtype=st.sampled_from(FLOATS),
     bits=st.sampled_from([2, 3, 4, 8]), domain=st.sampled_from([ZeroPointDomain.FLOAT, ZeroPointDomain.INT]),
     kinds=st.lists(st.sampled_from(["randn", "zeros", "constant", "tiny", "huge", "outliers"]), min_size=1, max_size=5),
     seed=st.integers(0, 2**16),
 )
-def test_hqq_is_never_worse_than_round_to_nearest_in_any_group(rows, groups, g, dtype, bits, domain, kinds, seed):
+def test_hqq_is_never_worse_than_its_start_in_any_group(rows, groups, extra, g, dtype, bits, domain, kinds, seed):
+    """Per group, HQQ's squared error is never above that of its start: round to nearest with the
+    zero point on the code grid (0.0 exactly representable: the float zero ``(mid - round(mid - z/s)) s``),
+    or, with ``round_start=False``, plain round to nearest. Including a partial last group (``extra``
+    columns past the whole groups), optimised on its own."""
     qmin, qmax = 0, 2**bits - 1
-    w = _weight(rows, groups * g, kinds, seed, dtype)
+    cols = groups * g + min(extra, g - 1)
+    if cols == 0:
+        cols = g
+    w = _weight(rows, cols, kinds, seed, dtype)
     scale, zero = _rtn(w, g, qmin, qmax, domain, dtype)
-    refined = hqq_zero_points(w, (1, g), qmin, qmax, scale, zero, domain)
-    assert refined.dtype == zero.dtype and refined.shape == zero.shape
-    rtn = _group_sse(w, g, qmin, qmax, scale, zero, domain)
-    hqq = _group_sse(w, g, qmin, qmax, scale, refined, domain)
-    assert bool((hqq <= rtn).all()), (hqq - rtn).max()
-    if domain is ZeroPointDomain.INT:
-        assert bool((refined >= qmin).all() and (refined <= qmax).all())
+    if domain is ZeroPointDomain.FLOAT:
+        mid = (qmin + qmax + 1) // 2
+        s = scale.float()
+        start = ((mid - torch.round(mid - zero.float() / s)) * s).to(zero.dtype)
+    else:
+        start = zero
+    for round_start, reference in ((True, start), (False, zero)):
+        refined = hqq_zero_points(w, (1, g), qmin, qmax, scale, zero, domain, round_start=round_start)
+        assert refined.dtype == zero.dtype and refined.shape == zero.shape
+        ref = _group_sse(w, g, qmin, qmax, scale, reference, domain)
+        hqq = _group_sse(w, g, qmin, qmax, scale, refined, domain)
+        assert bool((hqq <= ref).all()), (round_start, (hqq - ref).max())
+        if domain is ZeroPointDomain.INT:
+            assert bool((refined >= qmin).all() and (refined <= qmax).all())
 
 
 @pytest.mark.parametrize("g", [32, 128])
@@ -89,13 +106,21 @@ def test_hqq_is_deterministic_and_changes_only_zero_points():
     assert not torch.equal(a.zero_point, rtn.zero_point)
 
 
-def test_hqq_keeps_round_to_nearest_for_a_padded_last_group():
-    """A row length that is not a multiple of the group (the layout pads the last group): the
-    weight keeps round-to-nearest's zero points instead of optimising partial groups."""
-    w = _weight(8, 200, ["outliers"], 2, torch.float32)
-    hqq = torchq.int4_weight_only(group_size=64, algorithm="hqq").quantize_weight(w).to_plain()
-    rtn = torchq.int4_weight_only(group_size=64).quantize_weight(w).to_plain()
-    assert torch.equal(hqq.codes, rtn.codes) and torch.equal(hqq.zero_point, rtn.zero_point)
+def test_hqq_optimises_a_partial_last_group_too():
+    """A row length that is not a multiple of the group (SmolLM2's 576 inputs at g128: 4 whole
+    groups and one of 64): every group, the partial one included, gets HQQ's zero points, and the
+    error falls as it does for whole groups."""
+    w = _weight(64, 576, ["outliers", "randn"], 2, torch.float32)
+    cfg = torchq.int4_weight_only(group_size=128, algorithm="hqq")
+    hqq = cfg.quantize_weight(w).to_plain()
+    rtn = torchq.int4_weight_only(group_size=128).quantize_weight(w).to_plain()
+    assert hqq.scale.shape == rtn.scale.shape == (64, 5) and torch.equal(hqq.scale, rtn.scale)
+    changed = (hqq.zero_point != rtn.zero_point).float().mean(dim=0)
+    assert bool((changed > 0.3).all()), changed  # the last (partial) group's zero points move as the others do
+    err = {name: float(((p.dequantize(torch.float32) - w) ** 2).sum()) for name, p in (("hqq", hqq), ("rtn", rtn))}
+    assert err["hqq"] < 0.97 * err["rtn"], err
+    last = {name: float(((p.dequantize(torch.float32) - w)[:, 512:] ** 2).sum()) for name, p in (("hqq", hqq), ("rtn", rtn))}
+    assert last["hqq"] < 0.97 * last["rtn"], last
 
 
 def test_hqq_arguments_are_checked():
@@ -111,6 +136,8 @@ def test_hqq_arguments_are_checked():
         hqq_zero_points(w, (1, 32), 0, 15, scale, zero, ZeroPointDomain.NONE)
     with pytest.raises(ValueError, match=r"block_size: HQQ needs groups \(1, g\)"):
         hqq_zero_points(w, (2, 32), 0, 15, scale, zero, ZeroPointDomain.INT)
+    with pytest.raises(ValueError, match=r"scale, zero_point: expected shape \(4, 3\) for groups of 24"):
+        hqq_zero_points(w, (1, 24), 0, 15, scale, zero, ZeroPointDomain.INT)
     with pytest.raises(ValueError, match="lp_norm: expected a value in"):
         hqq_zero_points(w, (1, 32), 0, 15, scale, zero, ZeroPointDomain.INT, lp_norm=2.0)
 

@@ -111,7 +111,16 @@ class QuantConfig:
         opts = stats.options.get(algorithm, {})
         input_scale = None
         if algorithm == "gptq":
+            opts = dict(opts)
+            awq_scale = opts.pop("awq_scale", False)
             result = gptq_quantize(weight, stats.hessian, fmt, **opts)
+            if awq_scale:  # GPTQ on AWQ-scaled columns too; the lower output error is kept
+                scaled, input_scale, alpha = _gptq_on_awq_scaled(weight, stats, fmt, opts)
+                if scaled is not None and scaled.error < result.error:
+                    result = scaled
+                    stats.report.update(alpha=alpha)
+                else:
+                    input_scale = None
         else:
             result = awq_quantize(weight, stats.hessian, stats.mean_abs, fmt, **opts)
             input_scale = result.input_scale
@@ -151,6 +160,25 @@ class QuantConfig:
 
     def to_json_str(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
+
+
+def _gptq_on_awq_scaled(weight: torch.Tensor, stats: Any, fmt: GroupFormat, opts: dict) -> tuple:
+    """GPTQ on ``W diag(s)`` with ``s`` AWQ's per-input factor (searched by round-to-nearest's output
+    error), for inputs ``x / s`` (Hessian ``H / (s s^T)``): ``(result, input_scale = 1 / s, alpha)``,
+    or ``(None, None, 0.0)`` where AWQ finds no factor better than none. The proxy errors are relative
+    to ``tr(W H W^T)``, which the scaling leaves unchanged, so they compare with plain GPTQ's."""
+    from .algorithms.awq import awq_scales
+    from .algorithms.gptq import gptq_quantize
+
+    s, alpha = awq_scales(weight, stats.hessian, stats.mean_abs, fmt)
+    if s is None:
+        return None, None, 0.0
+    hessian = stats.hessian / s[:, None] / s[None, :]
+    scaled = (weight.detach().float() * s).to(weight.dtype)
+    result = gptq_quantize(scaled, hessian, fmt, **opts)
+    if result.used == "gptq":
+        result.used = "gptq+awq"
+    return result, (1.0 / s).float(), alpha
 
 
 def config_from_json(data: dict | str) -> QuantConfig:
@@ -271,8 +299,6 @@ def _zero_refiner(algorithm: str, block: tuple[int, int], qmin: int, qmax: int, 
         return None
 
     def refine(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        if weight.shape[1] % block[1]:  # a padded last group: HQQ on the whole groups only would change the format's rows
-            return zero
         return hqq_zero_points(weight, block, qmin, qmax, scale, zero, domain)
 
     return refine

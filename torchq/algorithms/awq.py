@@ -100,6 +100,34 @@ def clipped_qparams(weight: torch.Tensor, hessian: torch.Tensor, fmt: GroupForma
     return fmt.static_qparams(w * ratio.repeat_interleave(g, dim=1)[:, :w.shape[1]])
 
 
+def _search_alpha(weight, w, mean_abs, fmt, grid, error, best):
+    m = mean_abs.detach().float().clamp_min(1e-8)
+    for i in range(1, grid):
+        alpha = i / grid
+        s = m.pow(alpha)
+        s = (s / (s.max() * s.min()).sqrt()).clamp_min(1e-4)
+        q = fmt.round_to_nearest((w * s).to(weight.dtype) if weight.dtype != torch.float32 else w * s)
+        err = error(*q[:3], s)
+        if err < best[0]:
+            best = (err, alpha, s, q)
+    return best
+
+
+def awq_scales(weight: torch.Tensor, hessian: torch.Tensor, mean_abs: torch.Tensor, fmt: GroupFormat, grid: int = 20):
+    """AWQ's per-input-feature factor ``s`` ([K], fp32) chosen by round-to-nearest's output error, and its alpha;
+    None where no alpha beats plain round to nearest."""
+    w = weight.detach().float()
+    h = hessian.detach().float()
+
+    def error(codes, scale, zero, s) -> float:
+        approx = fmt.dequantize(codes, scale, zero)
+        return proxy_error(w, approx if s is None else approx / s, h)
+
+    rtn = fmt.round_to_nearest(weight.detach())
+    _err, alpha, s, _q = _search_alpha(weight, w, mean_abs, fmt, grid, error, (error(*rtn[:3], None), 0.0, None, rtn))
+    return s, alpha
+
+
 def awq_quantize(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -132,17 +160,7 @@ def awq_quantize(
 
     rtn = fmt.round_to_nearest(weight.detach())
     rtn_err = error(*rtn[:3], None)
-    m = mean_abs.detach().float().clamp_min(1e-8)
-    best = (rtn_err, 0.0, None, rtn)
-    for i in range(1, grid):
-        alpha = i / grid
-        s = m.pow(alpha)
-        s = (s / (s.max() * s.min()).sqrt()).clamp_min(1e-4)
-        q = fmt.round_to_nearest((w * s).to(weight.dtype) if weight.dtype != torch.float32 else w * s)
-        err = error(*q[:3], s)
-        if err < best[0]:
-            best = (err, alpha, s, q)
-    err, alpha, s, q = best
+    err, alpha, s, q = _search_alpha(weight, w, mean_abs, fmt, grid, error, (rtn_err, 0.0, None, rtn))
     if clip:
         ws = w if s is None else w * s
         hs = h if s is None else h / s[:, None] / s[None, :]  # the error of W s on inputs x / s
