@@ -16,17 +16,20 @@
 
 Memory: the calibration inputs of one block (``tokens x hidden`` floats), one Hessian per distinct
 input of the block's layers, and the quantized weights beside the float ones the model already
-holds. Atomic: if anything fails or the run is interrupted (``KeyboardInterrupt``), every
+holds; with ``weights=`` (a meta-device model streamed from its float checkpoint) the float
+weights of one block at a time instead of the whole model's. Atomic: if anything fails or the run is interrupted (``KeyboardInterrupt``), every
 parameter and buffer the model had is put back, so the model is exactly as it was.
 Deterministic: the same model, batches and config give the same codes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,7 @@ from torch import nn
 from .algorithms.statistics import CALIBRATED, LayerStatistics, calibration_scope
 from .configs import QuantConfig
 from .quantize import _UNSET, ConfigSpec, _resolver, default_filter, quantize_
+from .tensor import AffineQuantizedTensor
 
 __all__ = ["calibrate", "CalibrationResult", "CalibratedLayer"]
 
@@ -74,6 +78,7 @@ class CalibrationResult:
     tokens: int
     peak_statistics_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    peak_float_bytes: int | None = None  # streaming (weights=): the most float bytes the model held at once
 
     def save_plan(self, path: str | os.PathLike) -> Path:
         """The plan as JSON (:func:`torchq.save_plan`); its configs name their algorithm. Re-applying a
@@ -91,8 +96,9 @@ class CalibrationResult:
             rows.append((r.name, r.algorithm, r.used, f"{r.error:.3e}", f"{r.rtn_error:.3e}", gain, alpha, f"{r.seconds:.2f}"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+        streamed = "" if self.peak_float_bytes is None else f"; float weights held at most {self.peak_float_bytes / 2**20:.1f} MiB (streamed)"
         lines.append(f"# {len(self.layers)} layers in {self.blocks} blocks on {self.tokens} tokens, {self.seconds:.1f} s; "
-                     f"statistics held at most {self.peak_statistics_bytes / 2**20:.1f} MiB")
+                     f"statistics held at most {self.peak_statistics_bytes / 2**20:.1f} MiB{streamed}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -239,6 +245,8 @@ def calibrate(
     grid: int = 20,
     clip: bool = True,
     sequential: bool = True,
+    weights: str | os.PathLike | None = None,
+    init_buffers: Callable[[nn.Module], None] | str | None = "auto",
     progress: bool = True,
 ) -> CalibrationResult:
     """Quantize ``model`` in place with a calibrated algorithm; returns a :class:`CalibrationResult`.
@@ -260,6 +268,15 @@ def calibrate(
     layers sharing one input, e.g. q/k/v, then o, then gate/up, then down), each stage's statistics
     gathered with the stages before it already quantized (one more run of the block per stage);
     False gathers every layer's statistics from one run of the float block.
+    ``weights``: streaming. A float checkpoint (a safetensors file, a folder or a sharded index, as
+    ``save_pretrained`` or :func:`torchq.save_quantized` write them) holding the tensors of a model
+    built on the ``meta`` device: the tensors outside the blocks (embeddings, final norm, head) are
+    read at the start, each block's when calibration reaches it, so the float model is never whole
+    in memory: peak is the quantized model, the float tensors outside the blocks, one block's float
+    weights and its calibration activations. ``init_buffers`` (default ``"auto"``: a transformers
+    model's ``_init_weights``) computes the non-persistent buffers a meta model lacks (rotary
+    ``inv_freq``); see :func:`torchq.checkpoint.init_meta_buffers`. On failure the model is put
+    back on ``meta`` exactly as it was.
     ``progress``: one line per layer on stderr, with its error.
     """
     if not isinstance(model, nn.Module):
@@ -304,16 +321,27 @@ def calibrate(
     else:
         raise TypeError(f"blocks: expected an nn.ModuleList, its name or None, got {type(blocks).__name__}")
 
+    if weights is None:
+        on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+        if on_meta:
+            raise ValueError(f"model: {len(on_meta)} tensor(s) are on the meta device ({', '.join(on_meta[:4])}"
+                             f"{', ...' if len(on_meta) > 4 else ''}); pass weights= the float checkpoint to read them from")
     state = _Snapshot(model)
     bar = _Progress(progress)
     result = CalibrationResult(plan, [], 0.0, 0, 0)
     start = time.perf_counter()
     try:
-        with torch.no_grad(), _no_cache(model):
+        with torch.no_grad(), _no_cache(model), contextlib.ExitStack() as stack:
+            streamed = None
+            if weights is not None:
+                streamed = _Streamed(model, Path(weights), found, stack)
+                streamed.load_outside_blocks(init_buffers)
             if found is None:
                 _calibrate_group(model, list(plan), plan, options, _whole(model, data), result, bar, "model", sequential)
             else:
-                _calibrate_blocks(model, data, plan, options, found, result, bar, sequential)
+                _calibrate_blocks(model, data, plan, options, found, result, bar, sequential, streamed)
+            if streamed is not None:
+                result.peak_float_bytes = streamed.peak_bytes
     except BaseException:
         state.restore()
         raise
@@ -332,7 +360,8 @@ def _whole(model: nn.Module, data: list) -> Callable[[_Collector], None]:
 
 
 def _calibrate_blocks(model: nn.Module, data: list, plan: dict[str, QuantConfig | None], options: dict,
-                      found: tuple[str, nn.ModuleList], result: CalibrationResult, bar: _Progress, sequential: bool) -> None:
+                      found: tuple[str, nn.ModuleList], result: CalibrationResult, bar: _Progress, sequential: bool,
+                      streamed: _Streamed | None = None) -> None:
     prefix, blocks = found
     p = f"{prefix}." if prefix else ""
     inputs: list[tuple[list, dict]] = []
@@ -356,6 +385,8 @@ def _calibrate_blocks(model: nn.Module, data: list, plan: dict[str, QuantConfig 
                         for (a, k), b in zip(inputs, data))
     done: set[str] = set()
     for i, block in enumerate(blocks):
+        if streamed is not None:
+            streamed.load_block(i)
         names = [n for n in plan if n.startswith(f"{p}{i}.")]
         done.update(names)
 
@@ -442,6 +473,92 @@ def _quantize_layers(model: nn.Module, names: list[str], wanted: dict[str, Quant
             result.layers.append(row)
             bar.line(f"calibrate [{where}] {name}: {row.algorithm} error {row.error:.3e} (rtn {row.rtn_error:.3e})")
             stats.pop(name)
+
+
+class _Streamed:
+    """The meta tensors of a model, read from a float checkpoint as calibration reaches them
+    (:func:`calibrate`'s ``weights``). Everything is checked before anything is read: each meta
+    tensor (tied ones once) must be in the checkpoint, as a float tensor of the same shape."""
+
+    def __init__(self, model: nn.Module, path: Path, found: tuple[str, nn.ModuleList] | None, stack: contextlib.ExitStack) -> None:
+        from .checkpoint.model_state import model_slots
+        from .checkpoint.safetensors_io import open_checkpoint
+
+        self.model, self.path = model, path
+        self.incoming, aliases = open_checkpoint(path, stack)
+        in_ckpt = set(self.incoming) | set(aliases)
+        ties: dict[int, list[str]] = {}
+        self.shape_of: dict[str, tuple[int, ...]] = {}
+        for name, slot in model_slots(model).items():
+            if slot.tensor.device.type == "meta":
+                ties.setdefault(id(slot.tensor), []).append(name)
+                self.shape_of[name] = tuple(slot.tensor.shape)
+        if not ties:
+            raise ValueError(f"weights: given ({path}), but no tensor of the model is on the meta device; build the model "
+                             f"under torch.device('meta') to stream its float weights, or leave weights=None")
+        self.source: dict[str, str] = {}  # model name -> the checkpoint entry that fills it
+        missing = []
+        for names in ties.values():
+            sources = {aliases.get(n, n) for n in names if n in in_ckpt}
+            if not sources:
+                missing.extend(names)
+                continue
+            if len(sources) > 1:
+                raise ValueError(f"weights: the model ties {names} to one tensor, but {path} stores them separately ({sorted(sources)})")
+            src = sources.pop()
+            inc = self.incoming[src]
+            if inc.quantized:
+                raise ValueError(f"weights: {src!r} is already quantized in {path} ({inc.describe}); calibrate reads float weights")
+            for n in names:
+                if self.shape_of[n] != tuple(inc.shape):
+                    raise ValueError(f"weights: {n!r} has shape {list(self.shape_of[n])} in the model but {list(inc.shape)} "
+                                     f"in {path}; is it a checkpoint of another model?")
+                self.source[n] = src
+        if missing:
+            raise ValueError(f"weights: {path} holds no tensor for {len(missing)} meta tensor(s) of the model "
+                             f"({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''})")
+        self.block_of: dict[str, int | None] = {}
+        prefix = None if found is None else (f"{found[0]}." if found[0] else "")
+        for names in ties.values():
+            idx = [self._block(n, prefix) for n in names]
+            self.block_of.update(dict.fromkeys(names, None if None in idx else min(idx)))  # tied across: read first
+        self.peak_bytes = 0  # the most float bytes the model held at once, right after a read
+
+    @staticmethod
+    def _block(name: str, prefix: str | None) -> int | None:
+        if prefix is None or not name.startswith(prefix):
+            return None
+        head = name[len(prefix):].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def _load(self, names: list[str]) -> None:
+        from .checkpoint.model_state import LoadWarning, install_checkpoint
+
+        if not names:
+            return
+        sources = {self.source[n] for n in names}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LoadWarning)  # the rest is still on meta, by design
+            install_checkpoint(self.model, {s: self.incoming[s] for s in sources},
+                               {n: self.source[n] for n in names if n != self.source[n]},
+                               device=None, strict=False, source=str(self.path))
+        held = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]
+                if t.device.type != "meta" and not isinstance(t, AffineQuantizedTensor)}
+        self.peak_bytes = max(self.peak_bytes, sum(t.numel() * t.element_size() for t in held.values()))
+
+    def load_outside_blocks(self, init_buffers: Callable[[nn.Module], None] | str | None) -> None:
+        from .checkpoint.model_state import init_meta_buffers, meta_buffers
+
+        self._load([n for n, b in self.block_of.items() if b is None])
+        if meta_buffers(self.model):
+            if init_buffers is None:
+                raise ValueError(f"init_buffers: the model has non-persistent buffers on the meta device "
+                                 f"({', '.join(sorted(meta_buffers(self.model))[:4])}), which no checkpoint holds; pass "
+                                 f"init_buffers='auto' (a transformers model) or a function(module) that fills them")
+            init_meta_buffers(self.model, init_buffers)
+
+    def load_block(self, i: int) -> None:
+        self._load([n for n, b in self.block_of.items() if b == i])
 
 
 class _no_cache:

@@ -436,6 +436,42 @@ def _quantized_incoming(f: _File | _Whole, name: str, record: Any, layout: codec
     return Incoming(name, codec.logical_shape(rec), True, rec.spec.describe(), load)
 
 
+def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.LayoutPolicy = "saved",
+                    verify: bool = True) -> tuple[dict[str, Incoming], dict[str, str]]:
+    """The checkpoint at ``path`` (a file, a folder or a sharded index; torchq's or a plain float
+    safetensors checkpoint), its files opened in ``stack``: ``(incoming, aliases)``, each
+    :class:`Incoming` reading, checking and decoding its tensor only when loaded."""
+    files, weight_map = _checkpoint_files(path)
+    opened: list[_File | _Whole] = [_File(f, stack) for f in files]
+    if weight_map is not None:
+        for f in opened:
+            if {k for k, v in weight_map.items() if v == f.path.name} != f.keys:
+                raise CheckpointError(f"{f.path}: its tensors do not match the index's weight_map for this shard")
+    if any(f.whole for f in opened):
+        opened = [_Whole(path, opened)]
+    incoming: dict[str, Incoming] = {}
+    aliases: dict[str, str] = {}
+    owner: dict[str, Path] = {}
+    for f in opened:
+        h = f.header
+        if weight_map is not None and isinstance(f, _File):
+            if not f.plain and h.get("shard") != [files.index(f.path) + 1, len(files)]:
+                raise CheckpointError(f"{f.path}: header says shard {h.get('shard')!r}, index lists {len(files)} shards")
+        for name, rec in h["quantized"].items():
+            _claim(owner, name, f.path)
+            incoming[name] = _quantized_incoming(f, name, rec, layout, verify)
+        for name, part in h["float"].items():
+            _claim(owner, name, f.path)
+            incoming[name] = _float_incoming(f, name, part, verify)
+        for alias, target in h["aliases"].items():
+            if not isinstance(target, str) or aliases.get(alias, target) != target:
+                raise CheckpointError(f"{f.path}: inconsistent alias {alias!r} -> {target!r}")
+            aliases[alias] = target
+    if weight_map is not None and set(weight_map) != {k for f in opened for k in f.keys}:
+        raise CheckpointError(f"{path}: index weight_map does not match the shards' tensors")
+    return incoming, aliases
+
+
 def load_quantized(
     model: nn.Module,
     path: str | os.PathLike,
@@ -472,35 +508,8 @@ def load_quantized(
     if not (init_buffers is None or init_buffers == "auto" or callable(init_buffers)):
         raise TypeError(f"init_buffers: expected None, 'auto' or a function(module), got {init_buffers!r}")
     path = Path(path)
-    files, weight_map = _checkpoint_files(path)
     with contextlib.ExitStack() as stack:
-        opened: list[_File | _Whole] = [_File(f, stack) for f in files]
-        if weight_map is not None:
-            for f in opened:
-                if {k for k, v in weight_map.items() if v == f.path.name} != f.keys:
-                    raise CheckpointError(f"{f.path}: its tensors do not match the index's weight_map for this shard")
-        if any(f.whole for f in opened):
-            opened = [_Whole(path, opened)]
-        incoming: dict[str, Incoming] = {}
-        aliases: dict[str, str] = {}
-        owner: dict[str, Path] = {}
-        for f in opened:
-            h = f.header
-            if weight_map is not None and isinstance(f, _File):
-                if not f.plain and h.get("shard") != [files.index(f.path) + 1, len(files)]:
-                    raise CheckpointError(f"{f.path}: header says shard {h.get('shard')!r}, index lists {len(files)} shards")
-            for name, rec in h["quantized"].items():
-                _claim(owner, name, f.path)
-                incoming[name] = _quantized_incoming(f, name, rec, layout, verify)
-            for name, part in h["float"].items():
-                _claim(owner, name, f.path)
-                incoming[name] = _float_incoming(f, name, part, verify)
-            for alias, target in h["aliases"].items():
-                if not isinstance(target, str) or aliases.get(alias, target) != target:
-                    raise CheckpointError(f"{f.path}: inconsistent alias {alias!r} -> {target!r}")
-                aliases[alias] = target
-        if weight_map is not None and set(weight_map) != {k for f in opened for k in f.keys}:
-            raise CheckpointError(f"{path}: index weight_map does not match the shards' tensors")
+        incoming, aliases = open_checkpoint(path, stack, layout, verify)
         install_checkpoint(model, incoming, aliases, device=device, strict=strict, source=str(path),
                            init_buffers=init_buffers)
     from ..interop.transformers import prepare_attach
