@@ -146,3 +146,22 @@ def test_torch_save_state_dict_assign_then_init_meta_buffers(source):
     target.load_state_dict(torch.load(buf, weights_only=True), assign=True)
     assert sorted(init_meta_buffers(target)) == sorted(k for k, b in non_persistent(src).items())
     assert torch.equal(forward(target), forward(src))
+
+
+def test_a_tied_head_stored_once_fills_both_names_of_a_meta_model(tmp_path):
+    """``save_pretrained`` stores a tied ``lm_head`` once, under the embedding's name: loading that
+    into a tied meta model fills both names through the tie (strict passes, the tie survives)."""
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(cfg).eval()
+    source.save_pretrained(tmp_path / "float")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoadWarning)
+        torchq.load_quantized(model, tmp_path / "float", strict=True, init_buffers="auto")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not [n for n, t in model.state_dict().items() if t.device.type == "meta"]
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, source(IDS).logits)

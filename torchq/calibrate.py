@@ -238,7 +238,7 @@ def calibrate(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     blocks: str | nn.ModuleList | None = None,
     damp: float = 0.01,
-    act_order: bool = False,
+    act_order: bool = True,
     static_groups: bool = False,
     gptq_clip: bool = True,
     gptq_awq_scale: bool = True,
@@ -258,10 +258,11 @@ def calibrate(
     layers whose config needs no data, e.g. ``algorithm="rtn"``, are quantized with the others of
     their block). ``blocks``: the ``nn.ModuleList`` (or its qualified name) to walk block by block
     (default: found, see the module docstring; a model without one is calibrated in one pass).
-    GPTQ options: ``damp``, ``act_order``, ``static_groups``, ``gptq_clip`` (its ``clip``, on by
+    GPTQ options: ``damp``, ``act_order`` (on by default: SmolLM2 int4 g128 perplexity +14.4% without,
+    +11.1% with; MiniLM cosine 0.9871 -> 0.9889), ``static_groups``, ``gptq_clip`` (its ``clip``, on by
     default: SmolLM2 int4 g128 perplexity +21% -> +12.8% over float; :func:`torchq.algorithms.gptq_quantize`),
     ``gptq_awq_scale`` (on by default: GPTQ also runs on the columns scaled by AWQ's input factor and
-    each layer keeps whichever has the lower output error; +12.8% -> +11.2%, at about twice the time);
+    each layer keeps whichever has the lower output error; +12.8% -> +11.1%, at about twice the time);
     AWQ options: ``grid``, ``clip`` (:func:`torchq.algorithms.awq_quantize`). AWQ's input scales stay
     on the quantized weights (:attr:`torchq.AffineQuantizedTensor.input_scale`).
     ``sequential`` (default True): within a block, the layers are calibrated stage by stage (the

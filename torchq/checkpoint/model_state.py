@@ -247,7 +247,13 @@ def install_checkpoint(
     for alias, target in aliases.items():
         if target not in incoming:
             raise CheckpointError(f"{source}: alias {alias!r} points to {target!r}, which the checkpoint does not hold")
-    missing = sorted(n for n in slots if n not in ckpt_names)
+    ties: dict[int, list[Slot]] = {}  # every name of each tensor object the model holds
+    for slot in slots.values():
+        ties.setdefault(id(slot.tensor), []).append(slot)
+    # a name tied to one the checkpoint holds is filled through the tie (save_pretrained stores a tied
+    # head once, under the embedding's name)
+    filled = {s.name for group in ties.values() if any(s.name in ckpt_names for s in group) for s in group}
+    missing = sorted(n for n in slots if n not in filled)
     unexpected = sorted(n for n in ckpt_names if n not in slots)
     if strict and (missing or unexpected):
         parts = []
@@ -261,13 +267,11 @@ def install_checkpoint(
         )
 
     # Which checkpoint entry fills each slot, and the groups of slots the model ties together.
-    groups: dict[int, list[Slot]] = {}
-    for name, slot in slots.items():
-        if name in ckpt_names:
-            groups.setdefault(id(slot.tensor), []).append(slot)
     plan: list[tuple[str, list[Slot]]] = []
-    for group in groups.values():
-        sources = {aliases.get(s.name, s.name) for s in group}
+    for group in ties.values():
+        if not any(s.name in ckpt_names for s in group):
+            continue
+        sources = {aliases.get(s.name, s.name) for s in group if s.name in ckpt_names}
         if len(sources) > 1:
             raise CheckpointError(
                 f"{source}: the model ties {_fmt_names([s.name for s in group])} to one tensor, but the "
