@@ -170,14 +170,13 @@ def _gptq_on_awq_scaled(weight: torch.Tensor, stats: Any, fmt: GroupFormat, opts
     from .algorithms.awq import awq_scales
     from .algorithms.gptq import gptq_quantize
 
-    s, alpha = awq_scales(weight, stats.hessian, stats.mean_abs, fmt)
+    s, alpha = awq_scales(weight, stats.hessian, stats.mean_abs, fmt, grid=stats.options.get("awq", {}).get("grid", 20))
     if s is None:
         return None, None, 0.0
     hessian = stats.hessian / s[:, None] / s[None, :]
     scaled = (weight.detach().float() * s).to(weight.dtype)
     result = gptq_quantize(scaled, hessian, fmt, **opts)
-    if result.used == "gptq":
-        result.used = "gptq+awq"
+    result.used = f"{result.used}+awq"  # "gptq+awq", or "rtn+awq" where GPTQ did not beat rounding the scaled weight
     return result, (1.0 / s).float(), alpha
 
 

@@ -25,6 +25,7 @@ weight, the rows of the previous linear) or keeps on the quantized weight
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +101,10 @@ def clipped_qparams(weight: torch.Tensor, hessian: torch.Tensor, fmt: GroupForma
     return fmt.static_qparams(w * ratio.repeat_interleave(g, dim=1)[:, :w.shape[1]])
 
 
-def _search_alpha(weight, w, mean_abs, fmt, grid, error, best):
+def _search_alpha(weight: torch.Tensor, w: torch.Tensor, mean_abs: torch.Tensor, fmt: GroupFormat, grid: int,
+                  error: Callable, best: tuple) -> tuple:
+    """``(error, alpha, s, codes)`` of the best of ``best`` and ``s = m^alpha`` for alpha on the grid
+    (round to nearest of ``W diag(s)``, scored by ``error(codes, scale, zero, s)``)."""
     m = mean_abs.detach().float().clamp_min(1e-8)
     for i in range(1, grid):
         alpha = i / grid
