@@ -209,10 +209,12 @@ def test_sharded_save_pretrained_files_of_two_checkpoints_are_refused(tmp_path):
         torchq.load_quantized(from_folder(llama, tmp_path / "a", True), tmp_path / "a")
 
 
-def test_from_pretrained_of_a_torchq_folder_raises_a_clear_error(tmp_path):
-    quantized(llama, torchq.int8_weight_only()).save_pretrained(tmp_path)
-    with pytest.raises(NotImplementedError, match=r"torchq weights.*torchq\.load_quantized"):
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+def test_from_pretrained_loads_a_folder_that_quantize_then_save_pretrained_wrote(tmp_path):
+    m = quantized(llama, torchq.int8_weight_only())
+    m.save_pretrained(tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(again.model.layers[0].mlp.up_proj.weight, AQT)
+    assert again.lm_head.weight is again.model.embed_tokens.weight and torch.equal(logits(again), logits(m))
 
 
 @pytest.mark.parametrize("build", [llama, bert], ids=["llama", "bert"])

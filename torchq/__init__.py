@@ -55,6 +55,19 @@ from .quantize import QuantizationError, SkippedLayerWarning, TiedWeightWarning,
 from .tensor import AffineQuantizedTensor
 __version__ = "0.1.0"
 
+from .interop.transformers import install_registration_hook as _install_registration_hook  # noqa: E402
+
+_install_registration_hook()  # quant_method "torchq" in transformers, once transformers loads models
+
+
+def __getattr__(name: str):
+    if name == "hf":  # imports transformers: only on use
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ops",
     "backends",

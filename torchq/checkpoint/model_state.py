@@ -14,6 +14,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -163,6 +164,7 @@ class Incoming:
     quantized: bool
     describe: str
     load: Callable[[torch.device], torch.Tensor]
+    record: Any = None  # a quantized entry's validated record (codec.ParsedRecord)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -185,15 +187,15 @@ _MALLINFO2, _MALLOC_TRIM = _glibc_functions() if sys.platform.startswith("linux"
 RETAINED_LIMIT = 1 << 30
 
 
-def release_free_memory() -> None:
-    """Give freed heap memory back to the OS once more than ``RETAINED_LIMIT`` bytes of it are
-    retained (glibc only; a no-op elsewhere).
+def release_free_memory(limit: int = RETAINED_LIMIT) -> None:
+    """Give freed heap memory back to the OS once more than ``limit`` bytes of it are retained
+    (glibc only; a no-op elsewhere).
 
     Decoding a weight allocates temporaries of a few times its size between the long-lived
     tensors of earlier weights; glibc keeps those holes, so without this the resident memory of
     a load grows with the model instead of staying near model + one weight's temporaries.
     Trimming on every weight would cost page faults on the next one, hence the threshold."""
-    if _MALLOC_TRIM is not None and _MALLINFO2().fordblks > RETAINED_LIMIT:
+    if _MALLOC_TRIM is not None and _MALLINFO2().fordblks > limit:
         _MALLOC_TRIM(0)
 
 

@@ -433,7 +433,7 @@ def _quantized_incoming(f: _File | _Whole, name: str, record: Any, layout: codec
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None
 
-    return Incoming(name, codec.logical_shape(rec), True, rec.spec.describe(), load)
+    return Incoming(name, codec.logical_shape(rec), True, rec.spec.describe(), load, rec)
 
 
 def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.LayoutPolicy = "saved",

@@ -10,11 +10,8 @@ model they leave with torchq weights. ``model.save_pretrained(folder)`` then wri
 for the whole checkpoint repeated in every shard), and :func:`torchq.load_quantized` reads the
 folder into a model built from its config (on ``meta`` or float), sharded or not.
 
-``from_pretrained`` cannot load such a folder yet: once this module has set up its classes
-(any torchq call on a transformers model does), it raises a ``NotImplementedError`` saying how
-to load it; in a process that never did, transformers warns "Unknown quantization type, got
-torchq", loads the float entries and leaves the quantized weights randomly initialized (its load
-report lists them as MISSING and their parts as UNEXPECTED).
+``from_pretrained`` loads such a folder quantized (:mod:`torchq.hf`, registered by ``import
+torchq`` once transformers' model loading is imported: see :func:`install_registration_hook`).
 
 Nothing here imports transformers until a transformers model is seen, so torchq imports
 without it.
@@ -22,7 +19,10 @@ without it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.abc
+import importlib.util
 import sys
 import warnings
 from collections.abc import Callable
@@ -88,67 +88,10 @@ def _renames_on_save(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
     return {k: name_of[id(v)] for k, v in tensors.items() if name_of[id(v)] != k}
 
 
-@functools.cache
 def _classes() -> tuple[type, type]:
-    """Build (once) the transformers subclasses and register them as quant_method "torchq"."""
-    from transformers.quantizers import auto
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.utils.quantization_config import QuantizationConfigMixin
+    """torchq's transformers config and quantizer classes (importing :mod:`torchq.hf` registers them)."""
+    from ..hf import TorchqConfig, TorchqHfQuantizer
 
-    from .. import __version__
-    from ..checkpoint.safetensors_io import FILE_FORMAT, FILE_VERSION
-
-    class TorchqConfig(QuantizationConfigMixin):
-        """``quantization_config`` of a transformers model with torchq weights."""
-
-        def __init__(self, format: str = FILE_FORMAT, version: int = FILE_VERSION,
-                     torchq_version: str | None = None, load_with: str = LOAD_HINT, **kwargs: Any) -> None:
-            self.quant_method = QUANT_METHOD
-            self.format = format
-            self.version = version
-            self.torchq_version = torchq_version or __version__
-            self.load_with = load_with
-
-    class TorchqHfQuantizer(HfQuantizer):
-        """transformers' view of a model with torchq weights: ``save_pretrained`` writes them in
-        torchq's format; ``from_pretrained`` refuses them (load with ``torchq.load_quantized``)."""
-
-        requires_calibration = False
-
-        def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
-            return True
-
-        @property
-        def is_trainable(self) -> bool:  # frozen weights; adapters (LoRA/QLoRA) on top train
-            return True
-
-        @property
-        def is_compileable(self) -> bool:
-            return True
-
-        def validate_environment(self, *args: Any, **kwargs: Any) -> None:
-            if self.pre_quantized:
-                raise NotImplementedError(
-                    "from_pretrained: this checkpoint holds torchq weights (quantization_config.quant_method "
-                    "'torchq'), which transformers cannot load yet; load them with torchq: " + LOAD_HINT
-                )
-            raise NotImplementedError(
-                "from_pretrained: torchq does not quantize while transformers loads; load the float model, then "
-                "call torchq.quantize_(model, config)"
-            )
-
-        def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[dict | None, dict[str, str]]:
-            if getattr(model, "_hf_peft_config_loaded", False):
-                return None, {}  # save_pretrained writes only the (float) adapter weights
-            return state_dict_and_metadata(model)
-
-    # module-level names, so that pickle and copy find the classes
-    for cls in (TorchqConfig, TorchqHfQuantizer):
-        cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__
-        globals()[cls.__name__] = cls
-    auto.AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(QUANT_METHOD, TorchqConfig)
-    auto.AUTO_QUANTIZER_MAPPING.setdefault(QUANT_METHOD, TorchqHfQuantizer)
     return TorchqConfig, TorchqHfQuantizer
 
 
@@ -157,6 +100,60 @@ def __getattr__(name: str) -> Any:
         config_cls, quantizer_cls = _classes()
         return config_cls if name == "TorchqConfig" else quantizer_cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- registration on import ------------------------------------------------------------------------
+# transformers finds a quantizer by ``quant_method`` in its registry; a folder whose config.json says
+# "torchq" must load after a bare ``import torchq``. torchq never imports transformers (seconds), so
+# it registers when transformers' model loading module has been imported: at once if it already is,
+# else from an import hook that fires after that module executes.
+_TRIGGER = "transformers.modeling_utils"
+
+
+def _register_quietly() -> None:
+    try:
+        _classes()
+    except Exception as e:  # an unexpected transformers version must not break transformers itself
+        warnings.warn(f"torchq: cannot register its transformers quantizer ({type(e).__name__}: {e}); "
+                      f"from_pretrained will not read torchq checkpoints", stacklevel=2)
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__loader__ = self._inner
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._inner
+        self._inner.exec_module(module)
+        _register_quietly()
+
+    def __getattr__(self, name: str) -> Any:  # get_data, get_resource_reader, ...
+        return getattr(self._inner, name)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _TRIGGER:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)  # fires once
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _RegisteringLoader(spec.loader)
+        return spec
+
+
+def install_registration_hook() -> None:
+    """Register torchq with transformers now if its model loading is imported, else when it is."""
+    if _TRIGGER in sys.modules:
+        _register_quietly()
+    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
 
 
 def _committer(model: nn.Module) -> Callable[[], None]:
@@ -168,6 +165,11 @@ def _committer(model: nn.Module) -> Callable[[], None]:
             f"model: already has transformers quantizer {type(current).__name__} (quant_method "
             f"{getattr(method, 'value', method)!r}); torchq cannot replace it"
         )
+    if current is not None:  # torchq's already (from_pretrained's): keep it and its config
+        def keep() -> None:
+            model.config.quantization_config = current.quantization_config
+
+        return keep
     config = config_cls()
     quantizer = quantizer_cls(config, pre_quantized=True)
 
