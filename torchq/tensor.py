@@ -335,6 +335,13 @@ class AffineQuantizedTensor(torch.Tensor):
         handler = _OPS.get(func)
         if handler is None:
             aqt = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, cls))
+            if func._schema.is_mutable and args and args[0] is aqt:  # e.g. peft's merge: weight.data += delta
+                raise NotImplementedError(
+                    f"torchq: {func} would modify the quantized weight {aqt.label or tuple(aqt.shape)!r} in place; "
+                    f"quantized weights are immutable. To change one, dequantize, modify and quantize again "
+                    f"(for a PEFT adapter: torchq.hf.merge_and_unload(peft_model) does it with each weight's own "
+                    f"config; requantize=False merges into float)"
+                )
             raise NotImplementedError(
                 f"torchq: {func} is not supported on AffineQuantizedTensor with layout "
                 f"{aqt.tensor_impl.layout!r}; call .dequantize() first, or see "

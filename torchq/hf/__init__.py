@@ -5,6 +5,8 @@
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
     model.save_pretrained("out")                         # torchq safetensors + quant_method in config.json
     again = transformers.AutoModelForCausalLM.from_pretrained("out")   # quantized, nothing re-quantized
+    peft_model = peft.get_peft_model(again, peft.LoraConfig(...))       # QLoRA: train, save, load adapters
+    merged = torchq.hf.merge_and_unload(peft_model)                     # dequantize, merge, requantize
 
 Importing this module imports transformers and registers ``quant_method = "torchq"`` through
 transformers' ``register_quantization_config`` / ``register_quantizer``. ``import torchq`` does it
@@ -28,9 +30,11 @@ from transformers.quantizers.auto import (  # noqa: E402
 )
 
 from .config import QUANT_METHOD, TorchqConfig, resolve_spec  # noqa: E402
+from .peft import merge_and_unload, requantize_like  # noqa: E402
 from .quantizer import TorchqDeserialize, TorchqHfQuantizer, TorchqQuantize  # noqa: E402
 
-__all__ = ["QUANT_METHOD", "TorchqConfig", "TorchqHfQuantizer", "TorchqQuantize", "TorchqDeserialize", "register", "resolve_spec"]
+__all__ = ["QUANT_METHOD", "TorchqConfig", "TorchqHfQuantizer", "TorchqQuantize", "TorchqDeserialize", "merge_and_unload",
+           "register", "requantize_like", "resolve_spec"]
 
 
 def register() -> None:
