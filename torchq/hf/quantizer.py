@@ -37,7 +37,7 @@ from ..checkpoint.codec import CheckpointError, ParsedRecord, decode
 from ..checkpoint.model_state import release_free_memory
 from ..checkpoint.safetensors_io import INDEX_NAME, open_checkpoint
 from ..configs import LayerNotSupported, QuantConfig
-from ..quantize import QuantizationError, SkippedLayerWarning, _resolver, _skip, default_filter, is_conv1d
+from ..quantize import QuantizationError, SkippedLayerWarning, _resolver, _skip, default_filter, is_conv1d, quantize_in_row_chunks
 from ..tensor import AffineQuantizedTensor
 from .config import TorchqConfig
 
@@ -45,7 +45,7 @@ __all__ = ["TorchqHfQuantizer", "TorchqQuantize", "TorchqDeserialize", "PARTS"]
 
 # every part a torchq record may have (see torchq.checkpoint.codec)
 TRIM_LIMIT = 16 << 20  # free heap bytes kept before giving them back to the OS while quantizing
-PARTS = ("codes", "scale", "zero_point", "scale_codes", "scale_absmax", "scale_offset", "input_scale")
+PARTS = ("codes", "scale", "zero_point", "scale_codes", "scale_absmax", "scale_offset", "input_scale", "input_perm")
 
 
 def _fmt(names: list[str], limit: int = 6) -> str:
@@ -223,7 +223,7 @@ class TorchqHfQuantizer(HfQuantizer):
         transposed = is_conv1d(module)
         w = value.detach().t().contiguous() if transposed else value.detach()
         try:
-            q = cfg.quantize_weight(w, label=module_name)
+            q = quantize_in_row_chunks(cfg, w, label=module_name)
         except LayerNotSupported as e:
             try:
                 _skip(f"from_pretrained: skipped layer {module_name!r} ({type(module).__name__}, weight "
