@@ -153,18 +153,21 @@ def test_config_errors_name_the_argument(llama_folder):
         load(llama_folder, quantization_config=torchq.hf.TorchqConfig())
 
 
-def test_gptq_calibrates_after_loading_like_calibrate(llama_folder):
+@pytest.mark.parametrize("name", ["int4-g32-gptq", "int4-g32-awq"])
+def test_calibrated_algorithms_run_after_loading_like_calibrate(tmp_path, llama_folder, name):
     data = [{"input_ids": IDS}]
-    cfg = torchq.hf.TorchqConfig("int4-g32-gptq", calibration_data=data, calibrate_options={"progress": False})
+    cfg = torchq.hf.TorchqConfig(name, calibration_data=data, calibrate_options={"progress": False})
     m = load(llama_folder, quantization_config=cfg)
     for n in linear_names(m):
         assert isinstance(m.get_submodule(n).weight, AQT), n
     ref = load(llama_folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)
-        torchq.calibrate(ref, data, torchq.config_from_name("int4-g32-gptq"), progress=False)
+        torchq.calibrate(ref, data, torchq.config_from_name(name), progress=False)
     assert torch.equal(outputs(m), outputs(ref))
     assert "calibration_data" not in m.config.quantization_config.to_dict()
+    m.save_pretrained(tmp_path)  # AWQ's input scales are parts of the records: they load back too
+    assert torch.equal(outputs(transformers.AutoModelForCausalLM.from_pretrained(tmp_path)), outputs(m))
 
 
 def _saved(tmp_path, llama_folder, name="int8wo"):
