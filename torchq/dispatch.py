@@ -499,7 +499,8 @@ def one_device_fake(op: str):
 def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
     """The reference meaning of a quantized linear: dequantize (and fake-quantize the input for
     dynamic activation quantization), then ``F.linear`` in the input's dtype. Like every kernel it
-    multiplies the codes: a weight's ``input_scale`` was applied to ``x`` by :func:`quantized_linear`."""
+    multiplies the codes: a weight's ``input_scale`` and ``input_perm`` were applied to ``x`` by
+    :func:`quantized_linear`."""
     act = getattr(weight, "act_quant", None)
     if act is not None:
         x = act.fake_quantize(x)
@@ -560,10 +561,15 @@ def _execute(plan: LinearPlan, x: torch.Tensor, weight: Any, bias: torch.Tensor 
 
 def quantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a quantized (non-transposed ``[N, K]``) weight. A weight's
-    ``input_scale`` multiplies ``x`` first (in ``x``'s dtype); kernels then multiply the codes."""
-    in_scale = weight.__dict__.get("input_scale")
+    ``input_scale`` multiplies ``x`` first (in ``x``'s dtype), and its ``input_perm`` reorders ``x``'s
+    features into the codes' column order; kernels then multiply the codes."""
+    d = weight.__dict__
+    in_scale = d.get("input_scale")
     if in_scale is not None:
         x = x * in_scale.to(x.dtype)
+    in_perm = d.get("input_perm")
+    if in_perm is not None:
+        x = x.index_select(-1, in_perm)
     if _RECORDERS or traced(x):
         key = None
     else:  # _cached_plan inlined: this is every decode call's path

@@ -65,7 +65,11 @@ class AffineQuantizedTensor(torch.Tensor):
     None: the input's dtype), ``input_scale`` (None, or fp32 ``[K]``: a per-input-feature factor
     applied to a linear's input before the codes multiply it, as AWQ leaves where it cannot fold
     it into the previous op; the weight's value is then ``dequantized codes * input_scale`` per
-    column).
+    column), ``input_perm`` (None, or int64/int32 ``[K]``, a permutation: the codes' column ``j``
+    multiplies input feature ``input_perm[j]``, so a linear computes ``x[..., input_perm] @ codes^T``
+    and the weight's value is the dequantized codes with their columns put back in input order:
+    activation-order checkpoints whose groups are not contiguous in input order, see
+    :mod:`torchq.interop.compressed_tensors`).
     """
 
     tensor_impl: TensorImpl
@@ -82,6 +86,7 @@ class AffineQuantizedTensor(torch.Tensor):
         config: Any = None,
         compute_dtype: torch.dtype | None = None,
         input_scale: torch.Tensor | None = None,
+        input_perm: torch.Tensor | None = None,
     ):
         if not isinstance(tensor_impl, TensorImpl):
             raise TypeError(f"tensor_impl: expected a torchq TensorImpl, got {type(tensor_impl).__name__}")
@@ -103,6 +108,9 @@ class AffineQuantizedTensor(torch.Tensor):
         if input_scale is not None:
             check_input_scale(input_scale, k, tensor_impl.device)
         r.input_scale = input_scale
+        if input_perm is not None:
+            check_input_perm(input_perm, k, tensor_impl.device)
+        r.input_perm = input_perm
         return r
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # all work is done in __new__
@@ -204,7 +212,7 @@ class AffineQuantizedTensor(torch.Tensor):
 
     def _replace(self, impl: TensorImpl | None = None, **changes: Any) -> AffineQuantizedTensor:
         kw = dict(transposed=self.transposed, act_quant=self.act_quant, label=self.label, config=self.config,
-                  compute_dtype=self.compute_dtype, input_scale=self.input_scale)
+                  compute_dtype=self.compute_dtype, input_scale=self.input_scale, input_perm=self.input_perm)
         kw.update(changes)
         dtype = kw.pop("dtype", self.dtype)
         return AffineQuantizedTensor(self.tensor_impl if impl is None else impl, dtype, **kw)
@@ -225,22 +233,25 @@ class AffineQuantizedTensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
         """Float values in ``dtype`` (default: this tensor's dtype), in this tensor's shape
-        (with an ``input_scale``: the codes' values times it, per input column, in fp32 then cast)."""
+        (with an ``input_scale``: the codes' values times it, per input column, in fp32 then cast;
+        with an ``input_perm``: the codes' columns put back in input order)."""
         dtype = self.dtype if dtype is None else dtype
-        s = self.input_scale
-        if s is None:
-            out = self.tensor_impl.dequantize(dtype)
-        else:
-            out = (self.tensor_impl.dequantize(torch.float32) * s).to(dtype)
+        out = _in_input_order(self, self.tensor_impl.dequantize, dtype)
         return out.t() if self.transposed else out
 
     def to_plain_codes(self) -> PlainForm:
         """:meth:`to_plain` where there is no ``input_scale`` (the plain form alone is the weight);
-        a ValueError naming the layer otherwise, for exporters that cannot carry the scale."""
+        a ValueError naming the layer otherwise, for exporters that cannot carry the scale
+        (likewise for an ``input_perm``)."""
         if self.input_scale is not None:
             raise ValueError(
                 f"weight {self.label or tuple(self.shape)!r} has an input_scale (AWQ): its codes alone are not the "
                 f"weight; this format cannot hold the scale"
+            )
+        if self.input_perm is not None:
+            raise ValueError(
+                f"weight {self.label or tuple(self.shape)!r} has an input_perm (activation order): its codes are in "
+                f"permuted column order; this format cannot hold the permutation"
             )
         return self.to_plain()
 
@@ -262,6 +273,8 @@ class AffineQuantizedTensor(torch.Tensor):
             t += f", compute_dtype={self.compute_dtype}"
         if self.input_scale is not None:
             t += ", input_scale"
+        if self.input_perm is not None:
+            t += ", input_perm"
         return (
             f"AffineQuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
             f"layout={self.tensor_impl.layout!r}, {self.tensor_impl.spec.describe()}{extra}{t}{name})"
@@ -273,16 +286,18 @@ class AffineQuantizedTensor(torch.Tensor):
         # runtime wrapper again to unwrap the inner tensors: built once per wrapper and reused while
         # each part is the very same object (SmolLM2 int4, compiled decode: 21.5 -> 20.3 ms/token).
         d = self.__dict__
-        impl, wrapper_dtype, transposed, act, label, config, compute, in_scale = (
+        impl, wrapper_dtype, transposed, act, label, config, compute, in_scale, in_perm = (
             self.tensor_impl, d.get("wrapper_dtype"), self.transposed, self.act_quant, self.label, self.config,
-            self.compute_dtype, d.get("input_scale"))
+            self.compute_dtype, d.get("input_scale"), d.get("input_perm"))
         c = d.get("_flatten_cache")
         if (c is not None and c[0] is impl and c[1] is wrapper_dtype and c[2] is transposed and c[3] is act
-                and c[4] is label and c[5] is config and c[6] is compute and c[9] is in_scale):
+                and c[4] is label and c[5] is config and c[6] is compute and c[9] is in_scale and c[10] is in_perm):
             return list(c[7]), c[8]
         ctx = FlattenContext((impl.metadata(), wrapper_dtype or self.dtype, transposed, act, label, config, compute))
-        names = impl.tensor_names() + (["input_scale"] if in_scale is not None else [])
-        d["_flatten_cache"] = (impl, wrapper_dtype, transposed, act, label, config, compute, tuple(names), ctx, in_scale)
+        names = (impl.tensor_names() + (["input_scale"] if in_scale is not None else [])
+                 + (["input_perm"] if in_perm is not None else []))
+        d["_flatten_cache"] = (impl, wrapper_dtype, transposed, act, label, config, compute, tuple(names), ctx, in_scale,
+                               in_perm)
         return names, ctx
 
     @classmethod
@@ -295,12 +310,12 @@ class AffineQuantizedTensor(torch.Tensor):
     @classmethod
     def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride):
         meta, dtype, transposed, act_quant, label, config, compute_dtype = ctx
-        input_scale = inner.get("input_scale")
-        if input_scale is not None:
-            inner = {k: v for k, v in inner.items() if k != "input_scale"}
+        input_scale, input_perm = inner.get("input_scale"), inner.get("input_perm")
+        if input_scale is not None or input_perm is not None:
+            inner = {k: v for k, v in inner.items() if k not in ("input_scale", "input_perm")}
         impl = TensorImpl.rebuild(meta, inner)
         return cls(impl, dtype, transposed=transposed, act_quant=act_quant, label=label, config=config,
-                   compute_dtype=compute_dtype, input_scale=input_scale)
+                   compute_dtype=compute_dtype, input_scale=input_scale, input_perm=input_perm)
 
     def _stable_hash_for_caching(self) -> str:
         _, ctx = self.__tensor_flatten__()
@@ -374,6 +389,36 @@ def check_input_scale(s: Any, k: int, device: torch.device, arg: str = "input_sc
         raise ValueError(f"{arg}: expected device {device} (the codes'), got {s.device}")
 
 
+def check_input_perm(p: Any, k: int, device: torch.device, arg: str = "input_perm") -> None:
+    """``p`` must be a 1-D int64/int32 tensor of ``k`` entries on ``device`` (that its values are a
+    permutation of ``0..k-1`` is checked where they come from a file or another format:
+    :func:`is_permutation`)."""
+    if not isinstance(p, torch.Tensor) or p.dtype not in (torch.int64, torch.int32) or tuple(p.shape) != (k,):
+        got = f"{p.dtype} {list(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+        raise ValueError(f"{arg}: expected an int64 or int32 tensor of shape [{k}] (a permutation of the input features), got {got}")
+    if p.device != device:
+        raise ValueError(f"{arg}: expected device {device} (the codes'), got {p.device}")
+
+
+def is_permutation(p: torch.Tensor) -> bool:
+    """Whether the 1-D integer tensor ``p`` holds each of ``0..len(p)-1`` exactly once."""
+    k = p.numel()
+    return p.dim() == 1 and bool(torch.equal(torch.sort(p.long()).values, torch.arange(k, device=p.device)))
+
+
+def _in_input_order(w: AQT, dequantize, dtype: torch.dtype) -> torch.Tensor:
+    """The weight's values in ``dtype`` from ``dequantize(dtype)`` (the codes' values, in their own
+    column order): columns put back in input order (``input_perm``), then times ``input_scale``
+    (in fp32, one cast)."""
+    s, p = w.input_scale, w.input_perm
+    if s is None and p is None:
+        return dequantize(dtype)
+    out = dequantize(dtype if s is None else torch.float32)
+    if p is not None:
+        out = out.index_select(-1, torch.argsort(p))
+    return out if s is None else (out * s).to(dtype)
+
+
 def _untransposed(w: AQT) -> AQT:
     return w._replace(transposed=False) if w.transposed else w
 
@@ -397,8 +442,9 @@ def _detach(func, args, kwargs):
 @_implements(aten.clone.default)
 def _clone(func, args, kwargs):
     self = args[0]
-    s = self.input_scale
-    return self._replace(self.tensor_impl.map(torch.clone), input_scale=None if s is None else s.clone())
+    s, p = self.input_scale, self.input_perm
+    return self._replace(self.tensor_impl.map(torch.clone), input_scale=None if s is None else s.clone(),
+                         input_perm=None if p is None else p.clone())
 
 
 @_implements(aten._to_copy.default)
@@ -415,8 +461,9 @@ def _to_copy(func, args, kwargs):
     moved = impl.to_device(torch.device(device))
     if moved is impl:
         moved = impl.map(torch.clone)
-    s = self.input_scale
-    return self._replace(moved, dtype=dtype, input_scale=None if s is None else s.to(moved.device, copy=True))
+    s, p = self.input_scale, self.input_perm
+    return self._replace(moved, dtype=dtype, input_scale=None if s is None else s.to(moved.device, copy=True),
+                         input_perm=None if p is None else p.to(moved.device, copy=True))
 
 
 @_implements(aten.t.default, aten.transpose.int, aten.permute.default)
@@ -493,6 +540,11 @@ def _slice(func, args, kwargs):
     in_scale = self.input_scale
     if in_scale is not None and inner_dim == 1:
         in_scale = in_scale[start:end]
+    if self.input_perm is not None and inner_dim == 1 and (start, end) != (0, impl.shape[1]):
+        raise NotImplementedError(
+            "torchq: slicing the input features of a weight with an input_perm (activation order) is not supported: "
+            "its codes' columns are permuted; slice rows, or dequantize() first"
+        )
     view = impl.narrow_view(inner_dim, start, end - start)
     if view is not None:
         out = self._replace(view, input_scale=in_scale)
@@ -522,9 +574,10 @@ def _metadata_diff(dst: AQT, src: AQT) -> list[str]:
         diffs.append(f"activation quantization {dst.act_quant} vs {src.act_quant}")
     if dst.compute_dtype != src.compute_dtype:
         diffs.append(f"compute_dtype {dst.compute_dtype} vs {src.compute_dtype}")
-    if (dst.input_scale is None) != (src.input_scale is None):
-        diffs.append(f"input_scale {'present' if dst.input_scale is not None else 'absent'} vs "
-                     f"{'present' if src.input_scale is not None else 'absent'}")
+    for name in ("input_scale", "input_perm"):
+        a_has, b_has = getattr(dst, name) is not None, getattr(src, name) is not None
+        if a_has != b_has:
+            diffs.append(f"{name} {'present' if a_has else 'absent'} vs {'present' if b_has else 'absent'}")
     return diffs
 
 
@@ -559,6 +612,8 @@ def _copy_(func, args, kwargs):
     parent = getattr(dst, "_narrow_parent", None)
     if parent is not None and dst.input_scale is not None:
         raise NotImplementedError("copy_: into a slice of a weight with an input_scale (AWQ); copy the whole weight")
+    if parent is not None and dst.input_perm is not None:
+        raise NotImplementedError("copy_: into a slice of a weight with an input_perm (activation order); copy the whole weight")
     if parent is not None:
         p, dim, start, length = parent
         if getattr(p, "_narrow_parent", None) is not None:
@@ -578,6 +633,8 @@ def _copy_(func, args, kwargs):
     _copy_impl_tensors(dst.tensor_impl, src_impl)
     if dst.input_scale is not None:
         dst.input_scale.copy_(src.input_scale)
+    if dst.input_perm is not None:
+        dst.input_perm.copy_(src.input_perm)
     return dst
 
 
@@ -592,9 +649,7 @@ def _select(func, args, kwargs):
     if not -n <= index < n:
         raise IndexError(f"select: index {index} out of range for dim 0 of size {n}")
     idx = torch.tensor([index % n], device=self.device)
-    if self.input_scale is not None:
-        return (self.to_plain().rows(idx).dequantize(torch.float32)[0] * self.input_scale).to(self.dtype)
-    return self.to_plain().rows(idx).dequantize(self.dtype)[0]
+    return _in_input_order(self, self.to_plain().rows(idx).dequantize, self.dtype)[0]
 
 
 @_implements(aten.index.Tensor)
@@ -615,10 +670,7 @@ def _index(func, args, kwargs):
     flat = idx.flatten() % n
     if flat.numel() == 0:
         return torch.empty(*idx.shape, self.shape[1], dtype=self.dtype, device=self.device)
-    if self.input_scale is not None:
-        rows = (self.tensor_impl.plain_rows(flat).dequantize(torch.float32) * self.input_scale).to(self.dtype)
-    else:
-        rows = self.tensor_impl.plain_rows(flat).dequantize(self.dtype)
+    rows = _in_input_order(self, self.tensor_impl.plain_rows(flat).dequantize, self.dtype)
     return rows.reshape(*idx.shape, self.shape[1])
 
 

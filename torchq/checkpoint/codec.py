@@ -18,7 +18,9 @@ The record is a JSON object::
     compute_dtype "bfloat16"    optional: the dtype linears compute in (absent: the input's dtype)
     codes_encoding "bitstream" | "bytes"
     parts       {"codes": P, "scale": P, "zero_point": P}   (no zero_point when the domain is NONE;
-                "input_scale": P, fp32 [K], only for a weight with an input scale: AWQ's)
+                "input_scale": P, fp32 [K], only for a weight with an input scale: AWQ's;
+                "input_perm": P, int64/int32 [K], a permutation of 0..K-1, only for a weight with an
+                input permutation: activation-order imports)
                 P = {"dtype": "uint8", "shape": [...], "crc32": int | null}
 
 Bytes of the parts for an ``[N, K]`` weight with ``b``-bit codes and ``G = ceil([N, K] / block)``
@@ -56,7 +58,7 @@ from ..canonical import NestedScale, PlainForm, QuantSpec
 from ..configs import config_from_json
 from ..layouts.base import Layout, choose_layout, layout_from_json, placement_reason, registered_layouts
 from ..primitives import ZeroPointDomain, scale_shape
-from ..tensor import AffineQuantizedTensor
+from ..tensor import AffineQuantizedTensor, is_permutation
 
 __all__ = [
     "CheckpointError",
@@ -164,6 +166,8 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
         tensors["zero_point"] = own_storage(plain.zero_point)
     if w.input_scale is not None:
         tensors["input_scale"] = own_storage(w.input_scale)
+    if w.input_perm is not None:
+        tensors["input_perm"] = own_storage(w.input_perm)
     record = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -258,6 +262,8 @@ class ParsedRecord:
             want["zero_point"] = (None, grid)
         if isinstance(parts, dict) and "input_scale" in parts:  # optional: its presence is the flag
             want["input_scale"] = (torch.float32, (k,))
+        if isinstance(parts, dict) and "input_perm" in parts:  # optional: its presence is the flag
+            want["input_perm"] = (None, (k,))
         if not isinstance(parts, dict) or set(parts) != set(want):
             got = sorted(parts) if isinstance(parts, dict) else parts
             raise CheckpointError(f"{where}: parts must be {sorted(want)} for {spec.describe()}, got {got}")
@@ -275,6 +281,8 @@ class ParsedRecord:
                 raise CheckpointError(f"{where}: part {pname!r} has shape {p['shape']!r}; {spec.describe()} of a {n}x{k} weight needs {list(shape)}")
             if dtype is not None and rec_dtype != dtype:
                 raise CheckpointError(f"{where}: part {pname!r} has dtype {rec_dtype}; expected {dtype}")
+            if pname == "input_perm" and rec_dtype not in (torch.int64, torch.int32):
+                raise CheckpointError(f"{where}: input_perm must be int64 or int32, got {rec_dtype}")
             if pname == "scale" and not rec_dtype.is_floating_point:
                 raise CheckpointError(f"{where}: scale must be floating point, got {rec_dtype}")
             if pname == "zero_point":
@@ -419,6 +427,9 @@ def decode(
     in_scale = parts.get("input_scale")
     if in_scale is not None and _has_data(in_scale) and not bool((torch.isfinite(in_scale) & (in_scale > 0)).all()):
         raise CheckpointError(f"{where}: input_scale must be finite and positive")
+    in_perm = parts.get("input_perm")
+    if in_perm is not None and _has_data(in_perm) and not is_permutation(in_perm):
+        raise CheckpointError(f"{where}: input_perm must be a permutation of 0..{rec.shape[1] - 1} (each index once)")
     try:
         plain = PlainForm(codes.contiguous(), scale, zero, spec, nested)
         chosen = resolve_layout(layout, rec.saved_layout, plain)
@@ -430,6 +441,7 @@ def decode(
     return AffineQuantizedTensor(
         impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config,
         compute_dtype=rec.compute_dtype, input_scale=None if in_scale is None else in_scale.contiguous(),
+        input_perm=None if in_perm is None else in_perm.contiguous(),
     )
 
 
