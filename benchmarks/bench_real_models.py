@@ -15,11 +15,11 @@ copies instead (:mod:`torchq.examples`, no transformers needed), quantized with 
   (``benchmarks/data/declaration.txt``, 805 tokens; ``--ppl-tokens`` takes fewer). Speed: tokens/s of
   greedy decoding (batch 1, KV cache, ``--new-tokens`` tokens after a short chat prompt, the prompt
   included in the time). ``gguf-q4_1`` is the published int4 weights imported losslessly into torchq;
-  ``float`` is the same values dequantized to fp32 (the model is published in Q4_1 only). With
-  ``--loader torchq`` the LM head (the token embedding, Q8_0 in the file) stays float, so
+  ``float`` is the same values dequantized to fp32 (the model is published in Q4_1 only). The LM
+  head (tied to the token embedding, Q8_0 in the file) stays float with either loader (torchq's
+  copy has no head linear; transformers' quantizers keep ``lm_head`` float by default), so
   ``gguf-q4_1`` and ``int4-g32`` (which finds the same 32-weight grid again) score ppl +0.000 by
-  construction; transformers' model has an ``lm_head`` linear tied to the embedding, which every
-  config quantizes too (as ``quantize_`` does), so there they do not.
+  construction. With transformers, ``gguf-q4_1`` is :func:`torchq.interop.gguf_transformers.from_gguf`.
 
 Columns: ``weights`` = bytes of the linear layers' weights (what quantization changes) and their
 share of float's; ``speed`` = the median of ``--rounds`` interleaved rounds (every config once per
@@ -288,8 +288,9 @@ def footnotes(rows: list[dict], args) -> str:
             lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only): gguf-q4_1 holds "
                          "the same values and int4-g32 finds the same grid, so their ppl +0.000 is expected")
         else:
-            lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only); every config also "
-                         "quantizes lm_head (tied to the Q8_0 token embedding), so int4-g32 is not the file's own grid there")
+            lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only); lm_head (tied to "
+                         "the token embedding) stays float, transformers' default, so gguf-q4_1 (torchq.interop.gguf_transformers."
+                         "from_gguf) and int4-g32 (the same grid found again) score ppl +0.000 by construction")
     for model in dict.fromkeys(r["model"] for r in rows):
         note = noise_note({r["config"]: r["timing"] for r in rows if r["model"] == model}, model)
         if note:

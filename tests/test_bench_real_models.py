@@ -35,8 +35,8 @@ def test_table_has_spread_no_memory_column_and_explains_the_float_row():
     notes = mod.footnotes(rows, argparse.Namespace(rounds=3, loader="torchq"))
     assert "Q4_1 weights dequantized" in notes and "+0.000 is expected" in notes
     hf_notes = mod.footnotes(rows, argparse.Namespace(rounds=3, loader="transformers"))
-    assert "from_pretrained(quantization_config=torchq.hf.TorchqConfig" in hf_notes and "quantizes lm_head" in hf_notes
-    assert "+0.000 is expected" not in hf_notes
+    assert "from_pretrained(quantization_config=torchq.hf.TorchqConfig" in hf_notes and "lm_head" in hf_notes
+    assert "+0.000 by construction" in hf_notes
     assert "note: smollm:" in notes and "float/int8wo" in notes  # cannot rank float vs int8wo
     quiet = [_row("float", 20.9, 400 << 20, (1.0, 1.01, 0.99)), _row("int8wo", 21.0, 100 << 20, (0.5, 0.51, 0.49))]
     mod.add_ratios(quiet)

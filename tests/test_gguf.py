@@ -86,9 +86,11 @@ def test_gguf_py_agrees_when_installed():
 
 
 def test_errors_name_the_problem():
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        from_gguf_blocks(torch.zeros(18, dtype=torch.uint8), "IQ2_XS", (1, 32))
+    with pytest.raises(ValueError, match=r"Q5_K rows hold whole blocks of 256, got \[1, 32\]"):
         from_gguf_blocks(torch.zeros(18, dtype=torch.uint8), "Q5_K", (1, 32))
-    with pytest.raises(ValueError, match="K=48"):
+    with pytest.raises(ValueError, match=r"got \[1, 48\]"):
         from_gguf_blocks(torch.zeros(18, dtype=torch.uint8), "Q4_0", (1, 48))
     with pytest.raises(ValueError, match="expected 36 uint8 bytes"):
         from_gguf_blocks(torch.zeros(18, dtype=torch.uint8), "Q4_0", (2, 32))

@@ -75,9 +75,9 @@ def by_quantize_(folder, cfg, dtype=torch.float32, cls=transformers.AutoModelFor
                                         ("int4-g32-hqq", torch.float32), ("int4-g32", torch.bfloat16),
                                         ("int8wo", torch.float16)])
 def test_quantize_on_load_save_pretrained_and_reload(tmp_path, llama_folder, name, dtype, monkeypatch):
-    with pytest.warns(torchq.TiedWeightWarning, match="embed_tokens"):
+    with pytest.warns(torchq.TiedWeightWarning, match="embed_tokens"):  # [] = every linear, the tied head too
         m = transformers.AutoModelForCausalLM.from_pretrained(
-            llama_folder, quantization_config=torchq.hf.TorchqConfig(name), dtype=dtype).eval()
+            llama_folder, quantization_config=torchq.hf.TorchqConfig(name, modules_to_not_convert=[]), dtype=dtype).eval()
     for n in linear_names(m):
         assert isinstance(m.get_submodule(n).weight, AQT), n
     assert m.lm_head.weight is m.model.embed_tokens.weight  # the tie survives, quantized once
@@ -112,6 +112,19 @@ def test_bert_quantize_on_load_and_round_trip(tmp_path, bert_folder):
     m.save_pretrained(tmp_path)
     again = transformers.AutoModel.from_pretrained(tmp_path).eval()
     assert torch.equal(outputs(again), outputs(m))
+
+
+def test_the_default_keeps_the_output_embedding_in_float_as_transformers_does(llama_folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchq.TiedWeightWarning)
+        m = transformers.AutoModelForCausalLM.from_pretrained(llama_folder, quantization_config=torchq.hf.TorchqConfig("int4-g32"))
+    assert not isinstance(m.lm_head.weight, AQT) and m.lm_head.weight is m.model.embed_tokens.weight
+    assert all(isinstance(m.get_submodule(n).weight, AQT) for n in linear_names(m) if n != "lm_head")
+    ref = load(llama_folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torchq.TiedWeightWarning)
+        torchq.quantize_(ref, {"lm_head": None, "_default": torchq.int4_weight_only(group_size=32)})
+    assert torch.equal(outputs(m.eval()), outputs(ref))
 
 
 def test_device_map_cpu_and_modules_to_not_convert(llama_folder):
@@ -156,7 +169,7 @@ def test_config_errors_name_the_argument(llama_folder):
 @pytest.mark.parametrize("name", ["int4-g32-gptq", "int4-g32-awq"])
 def test_calibrated_algorithms_run_after_loading_like_calibrate(tmp_path, llama_folder, name):
     data = [{"input_ids": IDS}]
-    cfg = torchq.hf.TorchqConfig(name, calibration_data=data, calibrate_options={"progress": False})
+    cfg = torchq.hf.TorchqConfig(name, calibration_data=data, calibrate_options={"progress": False}, modules_to_not_convert=[])
     m = load(llama_folder, quantization_config=cfg)
     for n in linear_names(m):
         assert isinstance(m.get_submodule(n).weight, AQT), n
@@ -267,7 +280,7 @@ class Peak:
 
 folder, mode = sys.argv[1], sys.argv[2]
 warnings.simplefilter("ignore")
-kw = {} if mode == "float" else {"quantization_config": torchq.hf.TorchqConfig(mode)}
+kw = {} if mode == "float" else {"quantization_config": torchq.hf.TorchqConfig(mode, modules_to_not_convert=[])}
 transformers.AutoModelForCausalLM.from_pretrained(folder, **kw)  # warm up: imports, lazy modules
 gc.collect()
 with Peak() as p:

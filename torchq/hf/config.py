@@ -91,8 +91,11 @@ class TorchqConfig(QuantizationConfigMixin):
     (``"int4-g128-hqq"`` runs as each weight loads; ``"-gptq"`` / ``"-awq"`` need
     ``calibration_data`` and run :func:`torchq.calibrate` once the model is loaded).
     ``modules_to_not_convert``: module names kept in float (transformers' matching: a name, a
-    prefix up to a module boundary, a regex, or a suffix); by default every ``nn.Linear`` (and
-    ``Conv1D``) is quantized, the tied ``lm_head`` included, as :func:`torchq.quantize_` does.
+    prefix up to a module boundary, a regex, or a suffix). None (default): transformers' own
+    default, as its other quantizers do: the output embedding (``lm_head``), tied weights and the
+    last module stay float (SmolLM2 int4 g128, perplexity 20.9 in float: 64.2 with its tied head
+    quantized too); ``[]`` quantizes every ``nn.Linear`` / ``Conv1D``, the tied head included (its
+    embedding then holds the quantized weight, as :func:`torchq.quantize_` does).
     ``layout``: for a checkpoint with torchq weights, ``"auto"`` (default: the layout this
     device prefers), ``"saved"`` (the stored one where it can live here) or a Layout.
     ``calibration_data``: batches for GPTQ / AWQ (``model(**batch)`` for a mapping, as

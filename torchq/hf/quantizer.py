@@ -162,7 +162,11 @@ class TorchqHfQuantizer(HfQuantizer):
             self.records = {n: inc.record for n, inc in incoming.items() if inc.quantized}
             return model
         cfg = self.quantization_config
-        skip = list(cfg.modules_to_not_convert or []) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        if cfg.modules_to_not_convert is None:  # transformers' default: the output embedding (lm_head) and tied weights
+            skip = self.get_modules_to_not_convert(model, None, keep_fp32)
+        else:
+            skip = list(cfg.modules_to_not_convert) + keep_fp32
         names = [n for n, m in model.named_modules() if default_filter(m, n)]
         resolve = _resolver(cfg.resolved, names)
         for name in names:
