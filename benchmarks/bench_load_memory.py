@@ -46,8 +46,8 @@ class Peak:
         self.stop.set(); self.t.join(); self.sample()
 
 from torchq.examples import hf_models
-model_name, config = sys.argv[1], sys.argv[2]
-qc = None if config == "float" else torchq.hf.TorchqConfig(config)
+model_name, config, lm_head = sys.argv[1], sys.argv[2], sys.argv[3]
+qc = None if config == "float" else torchq.hf.TorchqConfig(config, modules_to_not_convert=[] if lm_head == "same" else None)
 load = hf_models.load_smollm if model_name == "smollm" else hf_models.load_minilm
 ids = torch.ones(1, 8, dtype=torch.long)
 warnings.simplefilter("ignore")
@@ -66,8 +66,8 @@ print(json.dumps({"anon": p.anon - p.start[0], "resident": p.total - sum(p.start
 """
 
 
-def measure(model: str, config: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, model, config], capture_output=True, text=True, timeout=1800)
+def measure(model: str, config: str, lm_head: str = "float") -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, model, config, lm_head], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{model} {config}: {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="smollm,minilm", help="comma-separated: smollm, minilm")
     p.add_argument("--configs", default="int8wo,int4-g32,int4-g128,nf4", help="comma-separated config names (float is always run)")
+    p.add_argument("--lm-head", choices=("float", "same"), default="float",
+                   help="the output embedding stays float (default, transformers' convention) or takes the config too")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args(argv)
     from torchq.examples import hf_models
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in [m for m in args.models.split(",") if m]:
         for config in ["float"] + [c for c in args.configs.split(",") if c and c != "float"]:
             print(f"[{model} {config}]", file=sys.stderr, flush=True)
-            rows.append({"model": model, "config": config, **measure(model, config)})
+            rows.append({"model": model, "config": config, **measure(model, config, args.lm_head)})
     mib = 2**20
     head = ("model", "config", "weights MiB", "anon MiB", "resident MiB", "anon vs float weights")
     table = [head]

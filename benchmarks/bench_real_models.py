@@ -150,7 +150,7 @@ def bench_minilm(configs: list[str], args, progress: Progress) -> list[dict]:
         elif name == "float":
             model = base
         elif hf:
-            model, load_s = _load_timed(hf_models.load_minilm, _hf_config(name))
+            model, load_s = _load_timed(hf_models.load_minilm, _hf_config(name, args))
         else:
             model = quantized(base, name)
         emb, caught = _caught(encode, model, tok, SENTENCES)
@@ -170,10 +170,11 @@ def bench_minilm(configs: list[str], args, progress: Progress) -> list[dict]:
     return rows
 
 
-def _hf_config(name: str):
+def _hf_config(name: str, args) -> object:
     import torchq.hf
 
-    return torchq.hf.TorchqConfig(CONFIGS[name]())
+    skip = [] if getattr(args, "lm_head", "float") == "same" else None  # None: transformers' default (lm_head float)
+    return torchq.hf.TorchqConfig(CONFIGS[name](), modules_to_not_convert=skip)
 
 
 def _load_timed(fn, *a, **kw):
@@ -216,7 +217,7 @@ def bench_smollm(configs: list[str], args, progress: Progress) -> list[dict]:
         elif name == "float":
             model, load_s = _load_timed(hf_models.load_smollm) if hf else (base, None)
         elif hf:
-            model, load_s = _load_timed(hf_models.load_smollm, _hf_config(name))
+            model, load_s = _load_timed(hf_models.load_smollm, _hf_config(name, args))
         else:
             model = quantized(base, name)
         progress(f"smollm {i}/{len(names)} {name}: perplexity on {text_ids.numel() - 1} tokens")
@@ -287,6 +288,9 @@ def footnotes(rows: list[dict], args) -> str:
         if args.loader == "torchq":
             lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only): gguf-q4_1 holds "
                          "the same values and int4-g32 finds the same grid, so their ppl +0.000 is expected")
+        elif getattr(args, "lm_head", "float") == "same":
+            lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only); --lm-head same: "
+                         "lm_head (tied to the Q8_0 token embedding) takes each config too, so int4-g32 is not the file's grid")
         else:
             lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only); lm_head (tied to "
                          "the token embedding) stays float, transformers' default, so gguf-q4_1 (torchq.interop.gguf_transformers."
@@ -340,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="transformers (default): the models as users load them, from_pretrained(quantization_config="
                         "torchq.hf.TorchqConfig(config)), quantized while loading; torchq: torchq's own plain-PyTorch copies "
                         "(torchq.examples), quantize_ on the float model (no transformers needed)")
+    p.add_argument("--lm-head", choices=("float", "same"), default="float",
+                   help="transformers loader: SmolLM2's lm_head (tied to the token embedding) stays float (default, "
+                        "transformers' convention) or takes the same config as the other linears")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--autoquant", action="store_true", help="also autoquant each model: an 'autoquant' row and a summary")
     p.add_argument("--min-sqnr", type=float, default=30.0, help="autoquant's accuracy floor per layer (dB)")

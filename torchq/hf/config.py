@@ -93,9 +93,10 @@ class TorchqConfig(QuantizationConfigMixin):
     ``modules_to_not_convert``: module names kept in float (transformers' matching: a name, a
     prefix up to a module boundary, a regex, or a suffix). None (default): transformers' own
     default, as its other quantizers do: the output embedding (``lm_head``), tied weights and the
-    last module stay float (SmolLM2 int4 g128, perplexity 20.9 in float: 64.2 with its tied head
-    quantized too); ``[]`` quantizes every ``nn.Linear`` / ``Conv1D``, the tied head included (its
-    embedding then holds the quantized weight, as :func:`torchq.quantize_` does).
+    last module stay float; ``[]`` quantizes every ``nn.Linear`` / ``Conv1D``, the tied head included
+    (its embedding then holds the quantized weight, as :func:`torchq.quantize_` does): SmolLM2
+    int4-g32 decodes at 2.4-2.9x float's speed with perplexity +0.91 that way, 2.1x and +0.00 with
+    its head in float.
     ``layout``: for a checkpoint with torchq weights, ``"auto"`` (default: the layout this
     device prefers), ``"saved"`` (the stored one where it can live here) or a Layout.
     ``calibration_data``: batches for GPTQ / AWQ (``model(**batch)`` for a mapping, as
