@@ -155,8 +155,13 @@ def test_from_gguf_smollm2_weights_equal_transformers_own_load(tmp_path):
         path = smollm.gguf_path()
     except ImportError as e:
         pytest.skip(str(e))
+    with pytest.warns(torchq.FallbackWarning, match=r"1 linear weight\(s\) have no torchq kernel.*token_embd.weight \(Q8_0\)"):
+        kept = from_gguf(path)  # default: stays quantized, runs dequantize + F.linear
+    assert isinstance(kept.lm_head.weight, torchq.AffineQuantizedTensor)
+    del kept
     with pytest.warns(GGUFDequantizedWarning, match="token_embd.weight.*no torchq linear kernel"):
-        m = from_gguf(path)
+        m = from_gguf(path, without_kernel="float")
+    assert not isinstance(m.lm_head.weight, torchq.AffineQuantizedTensor)
     assert isinstance(m.model.layers[0].self_attn.q_proj.weight, torchq.AffineQuantizedTensor)
     assert m.lm_head.weight is m.model.embed_tokens.weight
     ref = transformers.AutoModelForCausalLM.from_config(m.config, dtype=torch.float32)

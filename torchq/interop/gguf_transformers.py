@@ -6,7 +6,8 @@ transformers' GGUF support, so every architecture transformers reads is covered)
 device and installs each GGUF weight that torchq can hold exactly (Q4_0, Q4_1, Q8_0, Q2_K-Q6_K:
 :mod:`torchq.interop.gguf`) as an :class:`~torchq.AffineQuantizedTensor` on torchq's kernels, the
 rest in float (``GGUFDequantizedWarning`` names each tensor kept in float that was quantized in
-the file).
+the file). A quantized weight whose format has no torchq linear kernel on this device stays
+quantized by default and runs dequantize + ``F.linear`` (one warning lists them; ``without_kernel``).
 
 transformers rewrites some tensors as it loads them (its per-architecture ``TensorProcessor``):
 llama.cpp's converter permutes the rows of Llama's Q and K projections for its RoPE, and
@@ -72,17 +73,18 @@ def _has_kernel(q: AffineQuantizedTensor, dtype: torch.dtype) -> bool:
 
 
 def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.dtype = torch.float32,
-              layout: Any = None, strict: bool = True, without_kernel: str = "float") -> nn.Module:
+              layout: Any = None, strict: bool = True, without_kernel: str = "keep") -> nn.Module:
     """The transformers model of the GGUF file at ``path`` with its quantized weights kept quantized
     (see the module docstring). ``model_class``: a transformers auto class or model class (default
     ``AutoModelForCausalLM``); ``dtype``: the float dtype of the model (and of the quantized weights'
     outputs); ``layout``: the torchq layout of the quantized weights (default: the device's best);
     ``strict``: every model tensor must come from the file (tied ones through their tie) and every
     file tensor must map to one, else :class:`torchq.CheckpointError`. ``without_kernel``: a
-    quantized weight that a linear layer uses (a head tied to a Q8_0 embedding, say) but for whose
-    format no torchq linear kernel runs on this device is imported dequantized (``"float"``,
-    default, with a warning: every call would otherwise dequantize it) or kept quantized
-    (``"keep"``: a quarter of the memory, dequantize + ``F.linear`` per call, warned then)."""
+    quantized weight that a linear layer uses but for whose format no torchq linear kernel runs on
+    this device (Q5_0, Q6_K, a head tied to a Q8_0 embedding, ...) is kept quantized (``"keep"``,
+    default: its memory stays small and each call dequantizes it, one :class:`torchq.FallbackWarning`
+    here lists them) or imported dequantized to float (``"float"``: fast, float-sized, each one
+    warned)."""
     if without_kernel not in ("float", "keep"):
         raise ValueError(f"without_kernel: expected 'float' or 'keep', got {without_kernel!r}")
     import numpy as np
@@ -116,6 +118,7 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
     incoming: dict[str, Incoming] = {}
     unmapped: list[str] = []
     users = _linear_users(model)
+    no_kernel: list[str] = []
     params = dict(model.named_parameters(remove_duplicate=False))
     for t in read_gguf(path, dtype=dtype, layout=layout, plain=True):
         value = t.value
@@ -133,7 +136,9 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
                 plain = value if order is None else value.rows(order)
                 q = AffineQuantizedTensor.from_plain(plain, dtype, layout=layout, label=mapping[name])
                 linears = users.get(id(model.get_parameter(mapping[name])), []) if mapping[name] in params else []
-                if linears and without_kernel == "float" and not _has_kernel(q, dtype):
+                if linears and not _has_kernel(q, dtype) and without_kernel == "keep":
+                    no_kernel.append(f"{t.name} ({t.kind})")
+                elif linears and without_kernel == "float" and not _has_kernel(q, dtype):
                     warnings.warn(f"GGUF tensor {t.name!r} ({t.kind}): no torchq linear kernel runs {plain.spec.describe()} "
                                   f"on this device for {linears}; imported dequantized to float (without_kernel='keep' "
                                   f"keeps it quantized)", GGUFDequantizedWarning, stacklevel=2)
@@ -151,6 +156,13 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
         f = torch.from_numpy(np.array(result.weights)).to(dtype)
         incoming[mapping[result.name]] = Incoming(mapping[result.name], tuple(f.shape), False, f"{t.kind} as float",
                                                   lambda device, f=f: f if device is None else f.to(device))
+    if no_kernel:
+        from ..dispatch import FallbackWarning
+
+        warnings.warn(f"from_gguf: {len(no_kernel)} linear weight(s) have no torchq kernel on this device and run "
+                      f"dequantize + F.linear on every call (slow): {', '.join(no_kernel[:6])}"
+                      f"{' ...' if len(no_kernel) > 6 else ''}; without_kernel='float' imports them in float",
+                      FallbackWarning, stacklevel=2)
     if unmapped and strict:
         from ..checkpoint.codec import CheckpointError
 
