@@ -145,7 +145,7 @@ def bench_minilm(configs: list[str], args, progress: Progress) -> list[dict]:
         load_s = None
         if name == "autoquant":
             model = copy.deepcopy(base)
-            ids, mask = _batch(tok, SENTENCES[:4])
+            ids, mask = minilm.batch(tok, SENTENCES[:4])
             args.autoquant_tables["minilm"] = torchq.autoquant(model, ids, mask, min_sqnr=args.min_sqnr, progress=False)
         elif name == "float":
             model = base
@@ -301,17 +301,6 @@ def footnotes(rows: list[dict], args) -> str:
         if note:
             lines.append(note)
     return "\n".join(lines)
-
-
-def _batch(tok, sentences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    enc = tok.encode_batch(sentences)
-    t = max(len(e.ids) for e in enc)
-    ids = torch.zeros(len(enc), t, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, e in enumerate(enc):
-        ids[i, : len(e.ids)] = torch.tensor(e.ids)
-        mask[i, : len(e.ids)] = 1
-    return ids, mask
 
 
 def autoquant_summary(result) -> str:

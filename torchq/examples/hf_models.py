@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import shutil
 import tempfile
@@ -98,13 +97,7 @@ def load_minilm(quantization_config: Any = None, dtype: torch.dtype = torch.floa
 def encode(model: nn.Module, tokenizer: Any, sentences: list[str]) -> torch.Tensor:
     """Sentence embeddings ``[len(sentences), hidden]`` (fp32, unit norm): mean of the token states
     over the attention mask, as sentence-transformers computes all-MiniLM-L6-v2's."""
-    enc = tokenizer.encode_batch(sentences)
-    t = max(len(e.ids) for e in enc)
-    ids = torch.zeros(len(enc), t, dtype=torch.long)
-    mask = torch.zeros(len(enc), t, dtype=torch.long)
-    for i, e in enumerate(enc):
-        ids[i, : len(e.ids)] = torch.tensor(e.ids)
-        mask[i, : len(e.ids)] = 1
+    ids, mask = minilm.batch(tokenizer, sentences)
     with torch.inference_mode():
         states = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
     m = mask[..., None].float()
@@ -112,18 +105,8 @@ def encode(model: nn.Module, tokenizer: Any, sentences: list[str]) -> torch.Tens
 
 
 def perplexity(model: nn.Module, ids: torch.Tensor, window: int = 512) -> float:
-    """exp(mean next-token negative log-likelihood) of the 1-D ``ids``, in windows of ``window``
-    (the same windows as :func:`torchq.examples.smollm.perplexity`)."""
-    nll, count = 0.0, 0
-    with torch.inference_mode():
-        for s in range(0, ids.numel() - 1, window):
-            chunk = ids[s : s + window + 1]
-            if chunk.numel() < 2:
-                break
-            logits = model(chunk[None, :-1], use_cache=False).logits.float()
-            nll += float(F.cross_entropy(logits[0], chunk[1:], reduction="sum"))
-            count += chunk.numel() - 1
-    return math.exp(nll / count)
+    """:func:`torchq.examples.smollm.perplexity` (the same windows) of a transformers causal LM."""
+    return smollm.perplexity(model, ids, window, logits_of=lambda m, x: m(x, use_cache=False).logits)
 
 
 def generate(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:

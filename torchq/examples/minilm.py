@@ -106,8 +106,8 @@ def load_tokenizer():
     return tok
 
 
-def encode(model: MiniLM, tokenizer, sentences: list[str]) -> torch.Tensor:
-    """Embeddings ``[len(sentences), 384]`` (fp32, unit norm)."""
+def batch(tokenizer, sentences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[len(sentences), longest]``, right-padded with 0."""
     enc = tokenizer.encode_batch(sentences)
     t = max(len(e.ids) for e in enc)
     ids = torch.zeros(len(enc), t, dtype=torch.long)
@@ -115,5 +115,11 @@ def encode(model: MiniLM, tokenizer, sentences: list[str]) -> torch.Tensor:
     for i, e in enumerate(enc):
         ids[i, : len(e.ids)] = torch.tensor(e.ids)
         mask[i, : len(e.ids)] = 1
+    return ids, mask
+
+
+def encode(model: MiniLM, tokenizer, sentences: list[str]) -> torch.Tensor:
+    """Embeddings ``[len(sentences), 384]`` (fp32, unit norm)."""
+    ids, mask = batch(tokenizer, sentences)
     with torch.inference_mode():
         return model(ids, mask).float()

@@ -169,16 +169,17 @@ def load_tokenizer(path: str | Path | None = None):
     return tok
 
 
-def perplexity(model: SmolLM, ids: torch.Tensor, window: int = 512) -> float:
-    """exp(mean next-token negative log-likelihood) of the 1-D ``ids``, in windows of ``window``."""
+def perplexity(model: SmolLM, ids: torch.Tensor, window: int = 512, logits_of=None) -> float:
+    """exp(mean next-token negative log-likelihood) of the 1-D ``ids``, in windows of ``window``.
+    ``logits_of(model, ids [1, T]) -> [1, T, vocab]`` (default: ``model(ids)``, this module's model)."""
     nll, count = 0.0, 0
     with torch.inference_mode():
         for s in range(0, ids.numel() - 1, window):
             chunk = ids[s : s + window + 1]
             if chunk.numel() < 2:
                 break
-            logits = model(chunk[None, :-1])
-            nll += float(F.cross_entropy(logits[0], chunk[1:], reduction="sum"))
+            logits = model(chunk[None, :-1]) if logits_of is None else logits_of(model, chunk[None, :-1])
+            nll += float(F.cross_entropy(logits[0].float(), chunk[1:], reduction="sum"))
             count += chunk.numel() - 1
     return math.exp(nll / count)
 

@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) Q4_0 / Q4_1 / Q8_0 tensors <-> torchq weights, losslessly.
+"""GGUF (llama.cpp) Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and k-quant (Q2_K-Q6_K) tensors <-> torchq weights, losslessly.
 
 A GGUF weight of logical shape ``[N, K]`` (``ne0 = K`` contiguous, ``K % 32 == 0``) stores each row
 as ``K / 32`` blocks of 32 elements, little-endian:
@@ -18,31 +18,49 @@ As torchq plain forms (groups of 32 along K, fp32 scales holding the fp16 values
   (torchq's ``(q - 8)·s + zero``), checked to be exact so that ``m = zero - 8·d`` comes back;
 * ``Q8_0``: codes ``q`` int8 in [-128, 127], zero-point domain NONE, ``scale = d``.
 
-The k-quants (super-blocks of 256 elements along a row, ``K % 256 == 0``; ``d``, ``dmin`` fp16,
-sub-block scales ``sc`` and minimums ``m`` small integers; values computed in fp32 as gguf-py does):
+``Q8_K`` (292 bytes per 256 elements: fp32 ``d``, 256 int8 ``q``, 16 int16 sums of 16 ``q`` each; value
+``d · q``; llama.cpp's dot-product type, which gguf-py cannot dequantize): codes ``q`` int8, group 256,
+domain NONE, fp32 ``scale = d``; the sums are recomputed on export.
 
-* ``Q4_K`` (144 bytes): ``d``, ``dmin``, 12 bytes of eight 6-bit ``sc`` / ``m``, 128 bytes of
-  nibbles (32-byte chunk ``j``: sub-block ``2j`` low nibbles, ``2j+1`` high); value
-  ``(d·sc)·q − dmin·m``, ``q`` in [0, 15]: codes ``q`` uint8, group 32, FLOAT zero point
-  ``zero = 8·s − dmin·m`` (``s = d·sc``, exact in fp32);
-* ``Q5_K`` (176 bytes): as ``Q4_K`` plus 32 bytes ``qh`` (bit ``i`` of byte ``l`` is the fifth bit of
-  element ``l`` of sub-block ``i``); ``q`` in [0, 31], FLOAT zero ``16·s − dmin·m``;
-* ``Q6_K`` (210 bytes): 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 ``sc``, ``d``; value
-  ``(d·sc)·(q − 32)``: codes int8 [-32, 31], group 16, zero-point domain NONE, ``scale = d·sc``;
-* ``Q3_K`` (110 bytes): 32 bytes ``hmask``, 64 bytes of 2-bit lows, 12 bytes of sixteen 6-bit ``sc``,
-  ``d``; value ``(d·(sc − 32))·q``, ``q`` in [-4, 3]: codes int8, group 16, domain NONE;
-* ``Q2_K`` (84 bytes): 16 bytes of 4-bit ``sc`` / ``m`` pairs, 64 bytes of 2-bit ``q``, ``d``,
-  ``dmin``; value ``(d·sc)·q − dmin·m``, ``q`` in [0, 3]: group 16, FLOAT zero ``2·s − dmin·m``.
+The k-quants (super-blocks of 256 elements along a row, ``K % 256 == 0``; fp16 ``d`` (and ``dmin``),
+sub-block scales ``sc`` and minimums ``m`` small integers; values computed in fp32 as gguf-py does:
+the products ``s = d·sc`` and ``dmin·m`` first, both exact in fp32):
+
+* ``Q4_K`` (144 bytes): ``d``, ``dmin``, 12 bytes of eight 6-bit ``sc`` and ``m`` (bytes 0-3: the low
+  6 bits of ``sc[0..3]``, bits 6-7 the bits 4-5 of ``sc[4..7]``; bytes 4-7 the same for ``m``; bytes
+  8-11: low nibble ``sc[4..7] & 15``, high nibble ``m[4..7] & 15``), 128 bytes of nibbles (32-byte
+  chunk ``j``: sub-block ``2j`` in the low nibbles, ``2j+1`` in the high); value ``s·q − dmin·m``, ``q``
+  in [0, 15]: codes ``q`` uint8, group 32, FLOAT zero point ``zero = 8·s − dmin·m``;
+* ``Q5_K`` (176 bytes): ``d``, ``dmin``, the 12 scale bytes, 32 bytes ``qh`` (bit ``i`` of byte ``l``:
+  the fifth bit of element ``l`` of sub-block ``i``), the 128 nibble bytes; ``q`` in [0, 31], FLOAT zero
+  ``16·s − dmin·m``;
+* ``Q6_K`` (210 bytes): 128 bytes ``ql``, 64 bytes ``qh``, 16 int8 ``sc``, ``d``; element
+  ``128·h + r`` has its low 4 bits in nibble ``r // 64`` of ``ql[64·h + r % 64]`` and its high 2 bits
+  at bits ``2·(r // 32)`` of ``qh[32·h + r % 32]``; value ``(d·sc)·(q − 32)``: codes int8 [-32, 31],
+  group 16, domain NONE, ``scale = d·sc``;
+* ``Q3_K`` (110 bytes): 32 bytes ``hmask`` (bit ``i`` of byte ``l``: ``hbit`` of element ``32·i + l``),
+  64 bytes of 2-bit lows (element ``128·h + r``: bits ``2·(r // 32)`` of byte ``32·h + r % 32``), 12
+  bytes of sixteen 6-bit ``u`` (``u[i]``'s low nibble: nibble ``i // 8`` of byte ``i % 8``; its high 2
+  bits: bits ``2·(i // 4)`` of byte ``8 + i % 4``), ``d``; value ``(d·(u − 32))·q`` with
+  ``q = low − 4·(1 − hbit)`` in [-4, 3]: codes int8, group 16, domain NONE, ``scale = d·(u − 32)``;
+* ``Q2_K`` (84 bytes): 16 bytes of (``sc`` low nibble, ``m`` high nibble), 64 bytes of 2-bit ``q``
+  (as Q3_K's lows), ``d``, ``dmin``; value ``s·q − dmin·m``, ``q`` in [0, 3]: codes uint8, group 16,
+  FLOAT zero ``2·s − dmin·m``.
 
 A FLOAT zero point reproduces ``s·q − dmin·m`` bit for bit only where ``mid·s − dmin·m`` is exact in
-fp32 (and gives +0.0 where a negative ``d`` makes gguf-py's zero −0.0); :func:`from_gguf_blocks` checks every value of the tensor against gguf-py's arithmetic and
-raises ValueError where one differs (the file readers then keep that tensor in float, warned).
-The k-quants import only (their sub-block scales are not recoverable from a plain form).
+fp32 (and gives +0.0 where a negative ``d`` makes gguf-py's value −0.0): :func:`from_gguf_blocks`
+checks every value of the tensor against gguf-py's arithmetic and raises ValueError where one
+differs (the file readers then keep that tensor in float, warned). Every other GGUF type (IQ*,
+TQ*, Q8_K, MXFP4, ...) has no exact torchq form: :func:`read_gguf` yields it dequantized by
+gguf-py, with a :class:`GGUFDequantizedWarning` naming the tensor and its type.
 
 Each dequantized value is then, bit for bit, what gguf-py / llama.cpp's reference dequantizer
-computes in fp32 (one product, plus one rounding for Q4_1's ``+ m``), and :func:`to_gguf_bytes`
-writes the original bytes back. Reading files needs the ``gguf`` package (``pip install gguf``);
-the block conversions themselves need only torch.
+computes in fp32, and :func:`to_gguf_bytes` writes the bytes back: the legacy formats byte for
+byte; the k-quants by factoring each super-block's sub-block scales (and minimums) into fp16 ``d``
+(``dmin``) times integers, llama.cpp's factorization first (its largest sub-block gets the extreme
+integer: −128 Q6_K, −32 Q3_K, 63 Q4_K / Q5_K, 15 Q2_K), so the bytes llama.cpp's quantizer wrote come
+back byte for byte and any other block with equal values. Reading files needs the ``gguf`` package
+(``pip install gguf``); the block conversions themselves need only torch.
 """
 
 from __future__ import annotations
@@ -64,7 +82,8 @@ __all__ = ["BLOCK_BYTES", "K_QUANTS", "GGUFDequantizedWarning", "from_gguf_block
 BLOCK = 32
 QK_K = 256  # k-quant super-block
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+               "Q8_K": 292}
 _SPECS = {
     "Q4_0": QuantSpec((1, BLOCK), -8, 7, ZeroPointDomain.NONE),
     "Q4_1": QuantSpec((1, BLOCK), 0, 15, ZeroPointDomain.FLOAT),
@@ -76,7 +95,13 @@ _SPECS = {
     "Q4_K": QuantSpec((1, 32), 0, 15, ZeroPointDomain.FLOAT),
     "Q5_K": QuantSpec((1, 32), 0, 31, ZeroPointDomain.FLOAT),
     "Q6_K": QuantSpec((1, 16), -32, 31, ZeroPointDomain.NONE),
+    "Q8_K": QuantSpec((1, QK_K), -128, 127, ZeroPointDomain.NONE),
 }
+
+
+def _elements(kind: str) -> int:
+    """Elements per block of ``kind``: 256 for the k-quants and Q8_K, else 32."""
+    return QK_K if kind in K_QUANTS or kind == "Q8_K" else BLOCK
 
 
 class GGUFDequantizedWarning(UserWarning):
@@ -87,7 +112,7 @@ def _check(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> torch.Tensor
     if kind not in BLOCK_BYTES:
         raise ValueError(f"kind: expected one of {sorted(BLOCK_BYTES)}, got {kind!r}")
     n, k = shape
-    block = QK_K if kind in K_QUANTS else BLOCK
+    block = _elements(kind)
     if n < 0 or k <= 0 or k % block:
         raise ValueError(f"shape: {kind} rows hold whole blocks of {block}, got {list(shape)}")
     want = n * (k // block) * BLOCK_BYTES[kind]
@@ -202,6 +227,9 @@ def from_gguf_blocks(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> Pl
     n, k = shape
     if kind in K_QUANTS:
         return _from_k_quant(blocks, kind, (n, k))
+    if kind == "Q8_K":  # fp32 d, 256 int8 q, 16 int16 sums of 16 q (unused); value d·q
+        d = blocks[..., 0:4].contiguous().view(torch.float32).squeeze(-1)
+        return PlainForm(blocks[..., 4:260].contiguous().view(torch.int8).reshape(n, k), d, None, _SPECS[kind])
     if kind in ("Q5_0", "Q5_1"):  # d [, m], 4 bytes qh (bit j: the fifth bit of element j), 16 bytes nibbles
         d = _fp16(blocks[..., 0:2])
         qh = blocks[..., -20:-16]
@@ -233,14 +261,157 @@ def from_gguf_blocks(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> Pl
     return PlainForm(q.contiguous(), d, zero, _SPECS[kind])
 
 
-def to_gguf_bytes(plain: PlainForm, kind: str) -> torch.Tensor:
-    """Inverse of :func:`from_gguf_blocks` for Q4_0 / Q4_1 / Q8_0: the uint8 bytes ``[N, K/32 · block bytes]``."""
-    if kind in K_QUANTS or kind in ("Q5_0", "Q5_1"):
-        raise ValueError(f"kind: {kind} imports only (its sub-block scales and minimums are not recoverable from a plain "
-                         f"form); export to Q4_0, Q4_1 or Q8_0")
-    if plain.spec != _SPECS.get(kind):
-        raise ValueError(f"plain: {kind} needs the format {_SPECS[kind].describe() if kind in _SPECS else kind}, got {plain.spec.describe()}")
+def _pack(values: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+    """Inverse of :func:`_bits`: OR of ``values[..., i, :] << shifts[i]`` over the dim before the last (uint8)."""
+    v = values.to(torch.uint8)
+    out = torch.zeros_like(v[..., 0, :])
+    for i, shift in enumerate(shifts):
+        out |= v[..., i, :] << shift
+    return out
+
+
+def _pivot_unit(v: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
+    """``|pivot| / gcd(v)`` per row of ``v`` ``[B, G]`` (the values as integers over a common power of
+    two): the integer of the pivot is a multiple of it in any factorization ``v = f·c``. 0 where the
+    magnitudes of a row's nonzero values span more than 2^9 (no integers of at most 128 can give them)."""
+    _, ex = torch.frexp(v)
+    nz = v != 0
+    emin = torch.where(nz, ex, 1 << 20).amin(dim=1)
+    emax = torch.where(nz, ex, -(1 << 20)).amax(dim=1)
+    feasible = (emax - emin) <= 9
+    unit = torch.pow(2.0, (24 - emin.clamp(-1000, 1000)).to(torch.float64)).unsqueeze(1)
+    m = torch.where(feasible.unsqueeze(1), v.to(torch.float64) * unit, 0.0).abs().round().to(torch.int64)
+    g = m[:, 0]
+    for j in range(1, m.shape[1]):
+        g = torch.gcd(g, m[:, j])
+    mp = torch.where(feasible, pivot.to(torch.float64).abs() * unit.squeeze(1), 0.0).round().to(torch.int64)
+    return torch.where(g > 0, mp // g.clamp(min=1), 0)
+
+
+def _factor(v: torch.Tensor, lo: int, hi: int, prefer: int, empty: int, kind: str, what: str,
+            k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per super-block (row of ``v`` ``[B, G]``, fp32): an fp16 ``f`` ``[B]`` and integers ``c`` ``[B, G]``
+    in ``[lo, hi]`` with ``f·c == v`` exactly in fp32 (ValueError naming the first block with none).
+
+    llama.cpp's quantizers give the sub-block of largest magnitude the integer ``prefer`` (−128 for
+    Q6_K, −32 for Q3_K, 63 for Q4_K / Q5_K, 15 for Q2_K), so that choice is tried first and gives the
+    file's bytes back; blocks it does not fit try the other integers for their largest value, largest
+    magnitude first (the sign giving a positive ``f`` first), among the multiples of its
+    :func:`_pivot_unit` only. An all-zero block gets ``f = 0`` and ``c = empty`` (what llama.cpp writes)."""
+    per_row = k // QK_K
+    if not bool(torch.isfinite(v).all()):
+        bad = int((~torch.isfinite(v)).any(dim=1).nonzero()[0])
+        raise ValueError(f"plain: {kind} super-block {bad} (row {bad // per_row}) has a {what} that is not finite")
+    f = torch.zeros(v.shape[0], dtype=torch.float32)
+    c = torch.full(tuple(v.shape), empty, dtype=torch.int32)
+    pivot = v.gather(1, v.abs().argmax(dim=1, keepdim=True)).squeeze(1)
+
+    def attempt(idx: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """Fill the blocks ``idx`` that ``cand`` (their pivot's integer) factors; the mask of those."""
+        vt = v[idx]
+        ft = (pivot[idx] / cand).to(torch.float16).to(torch.float32)
+        ct = torch.round(vt / ft.unsqueeze(1)).nan_to_num(0.0)
+        ok = (ct >= lo).all(dim=1) & (ct <= hi).all(dim=1) & (ft.unsqueeze(1) * ct == vt).all(dim=1) & (ft != 0)
+        f[idx[ok]], c[idx[ok]] = ft[ok], ct[ok].to(torch.int32)
+        return ok
+
+    todo = (pivot != 0).nonzero().squeeze(1)
+    todo = todo[~attempt(todo, torch.full_like(pivot[todo], float(prefer)))]
+    if todo.numel():
+        unit = _pivot_unit(v[todo], pivot[todo])
+        open_ = unit > 0
+        for mag in range(max(-lo, hi), 0, -1):
+            for side in (1, -1):
+                sel = (open_ & (mag % unit.clamp(min=1) == 0)).nonzero().squeeze(1)
+                if sel.numel():
+                    cand = torch.sign(pivot[todo[sel]]) * float(side * mag)
+                    open_[sel[attempt(todo[sel], cand)]] = False
+        todo = todo[open_ | (unit == 0)]
+    if todo.numel():
+        b = int(todo[0])
+        col = b % per_row * QK_K
+        raise ValueError(
+            f"plain: {kind} super-block {b} (row {b // per_row}, columns {col}..{col + QK_K - 1}): its sub-block {what}s "
+            f"{v[b].tolist()} are not one fp16 value times integers in [{lo}, {hi}], so it has no {kind} bytes"
+        )
+    return f, c
+
+
+def _k_quant_bytes(plain: PlainForm, kind: str) -> torch.Tensor:
     n, k = plain.shape
+    nb = k // QK_K
+    spec = _SPECS[kind]
+    groups = QK_K // spec.block_size[1]
+    s = plain.scale.to(torch.float32).reshape(n * nb, groups)
+    codes = plain.codes.reshape(n, nb, QK_K)
+    if kind == "Q6_K":
+        d, sc = _factor(s, -128, 127, -128, 0, kind, "scale", k)
+        q = (codes.to(torch.int16) + 32).to(torch.uint8)
+        ql = _pack((q & 0x0F).reshape(n, nb, 2, 2, 64), [0, 4]).reshape(n, nb, 128)
+        qh = _pack((q >> 4).reshape(n, nb, 2, 4, 32), [0, 2, 4, 6]).reshape(n, nb, 64)
+        scales = sc.to(torch.int8).view(torch.uint8).reshape(n, nb, 16)
+        return torch.cat([ql, qh, scales, _le_bytes(d.to(torch.float16), n, nb)], dim=-1).reshape(n, -1)
+    if kind == "Q3_K":
+        d, sc = _factor(s, -32, 31, -32, -32, kind, "scale", k)
+        u = (sc + 32).to(torch.uint8).reshape(n, nb, 16)
+        low = _pack((u & 0x0F).reshape(n, nb, 2, 8), [0, 4])
+        high = _pack((u >> 4).reshape(n, nb, 4, 4), [0, 2, 4, 6])
+        q = codes.to(torch.int16)
+        hbit = (q >= 0).to(torch.uint8)
+        ql = (q + 4 * (1 - hbit.to(torch.int16))).to(torch.uint8)
+        hmask = _pack(hbit.reshape(n, nb, 8, 32), list(range(8)))
+        qs = _pack(ql.reshape(n, nb, 2, 4, 32), [0, 2, 4, 6]).reshape(n, nb, 64)
+        return torch.cat([hmask, qs, low, high, _le_bytes(d.to(torch.float16), n, nb)], dim=-1).reshape(n, -1)
+    mid = (spec.quant_min + spec.quant_max + 1) // 2
+    mm = mid * s - plain.zero_point.to(torch.float32).reshape(n * nb, groups)  # exact where the import's zero was
+    top = 15 if kind == "Q2_K" else 63
+    d, sc = _factor(s, 0, top, top, 0, kind, "scale", k)
+    dmin, m = _factor(mm, 0, top, top, 0, kind, "minimum", k)
+    d_bytes, dmin_bytes = _le_bytes(d.to(torch.float16), n, nb), _le_bytes(dmin.to(torch.float16), n, nb)
+    sc, m = sc.to(torch.uint8).reshape(n, nb, groups), m.to(torch.uint8).reshape(n, nb, groups)
+    q = codes.to(torch.uint8)
+    if kind == "Q2_K":
+        qs = _pack(q.reshape(n, nb, 2, 4, 32), [0, 2, 4, 6]).reshape(n, nb, 64)
+        return torch.cat([sc | (m << 4), qs, d_bytes, dmin_bytes], dim=-1).reshape(n, -1)
+    scales = torch.cat([(sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6), (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
+                        (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], dim=-1)
+    qs = _pack((q & 0x0F).reshape(n, nb, 4, 2, 32), [0, 4]).reshape(n, nb, 128)
+    if kind == "Q4_K":
+        return torch.cat([d_bytes, dmin_bytes, scales, qs], dim=-1).reshape(n, -1)
+    qh = _pack((q >> 4).reshape(n, nb, 8, 32), list(range(8)))
+    return torch.cat([d_bytes, dmin_bytes, scales, qh, qs], dim=-1).reshape(n, -1)
+
+
+def to_gguf_bytes(plain: PlainForm, kind: str) -> torch.Tensor:
+    """Inverse of :func:`from_gguf_blocks`: the uint8 bytes ``[N, K/block · block bytes]`` of ``plain`` as
+    GGUF ``kind`` (one of :data:`BLOCK_BYTES`; ``plain`` must have that kind's spec, see the module docstring).
+
+    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 come back byte for byte. The k-quants store each super-block's
+    sub-block scales (and minimums) as one fp16 ``d`` (``dmin``) times small integers: those are
+    recovered by factoring, choosing llama.cpp's factorization first (its largest sub-block gets the
+    extreme integer), so a file's bytes come back byte for byte where llama.cpp's quantizer wrote them
+    and equal values otherwise. ValueError where a block has no such bytes (e.g. scales that are not
+    fp16 multiples, or an inexact float zero point); the values of the bytes written are checked to be
+    the plain form's."""
+    if kind not in _SPECS:
+        raise ValueError(f"kind: expected one of {sorted(_SPECS)}, got {kind!r}")
+    if plain.spec != _SPECS[kind]:
+        raise ValueError(f"plain: {kind} needs the format {_SPECS[kind].describe()}, got {plain.spec.describe()}")
+    n, k = plain.shape
+    block = _elements(kind)
+    if k % block:
+        raise ValueError(f"plain: {kind} rows hold whole blocks of {block}, got shape {list(plain.shape)}")
+    plain = plain.map(lambda t: t.detach().cpu())
+    if kind in K_QUANTS:
+        out = _k_quant_bytes(plain, kind)
+        _check_values(out, plain, kind)
+        return out
+    if kind == "Q8_K":
+        if plain.scale.dtype != torch.float32:
+            raise ValueError(f"plain: Q8_K stores d in fp32, got scales of {plain.scale.dtype}")
+        nb = k // QK_K
+        sums = plain.codes.to(torch.int16).reshape(n, nb, 16, 16).sum(dim=-1, dtype=torch.int16)
+        return torch.cat([_le_bytes(plain.scale, n, nb), _le_bytes(plain.codes, n, nb), _le_bytes(sums, n, nb)], dim=-1).reshape(n, -1)
     nb = k // BLOCK
     d = plain.scale.to(torch.float16)
     if not torch.equal(d.to(plain.scale.dtype), plain.scale):
@@ -248,23 +419,46 @@ def to_gguf_bytes(plain: PlainForm, kind: str) -> torch.Tensor:
     d_bytes = _le_bytes(d, n, nb)
     if kind == "Q8_0":
         return torch.cat([d_bytes, _le_bytes(plain.codes, n, nb)], dim=-1).reshape(n, -1)
+    mid = (plain.spec.quant_max - plain.spec.quant_min + 1) // 2  # 8 for Q4_0 / Q4_1, 16 for Q5_0 / Q5_1
     q = plain.codes.to(torch.int16).reshape(n, nb, BLOCK)
-    if kind == "Q4_0":
-        q = q + 8
+    if plain.spec.zero_point_domain is ZeroPointDomain.NONE:
+        q = q + mid  # Q4_0 / Q5_0 codes are q − 8 / q − 16
     q = q.to(torch.uint8)
-    qs = q[..., :16] | (q[..., 16:] << 4)
-    if kind == "Q4_0":
-        return torch.cat([d_bytes, qs], dim=-1).reshape(n, -1)
-    m = (plain.zero_point.to(torch.float32) - 8 * plain.scale.to(torch.float32)).to(torch.float16)
-    return torch.cat([d_bytes, _le_bytes(m, n, nb), qs], dim=-1).reshape(n, -1)
+    qs = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+    head = [d_bytes]
+    if plain.zero_point is not None:  # Q4_1 / Q5_1: m = zero − mid·d (exact: checked on import)
+        m = (plain.zero_point.to(torch.float32) - mid * plain.scale.to(torch.float32)).to(torch.float16)
+        head.append(_le_bytes(m, n, nb))
+    if kind in ("Q5_0", "Q5_1"):
+        head.append(_pack((q >> 4).reshape(n, nb, 4, 8).transpose(-1, -2), list(range(8))))  # element 8b + i -> byte b, bit i
+    out = torch.cat([*head, qs], dim=-1).reshape(n, -1)
+    if plain.zero_point is not None:
+        _check_values(out, plain, kind)
+    return out
+
+
+def _check_values(raw: torch.Tensor, plain: PlainForm, kind: str) -> None:
+    """ValueError unless the bytes ``raw`` decode (gguf-py's arithmetic) to ``plain``'s values."""
+    n, k = plain.shape
+    try:
+        back = from_gguf_blocks(raw.reshape(-1), kind, (n, k)).dequantize(torch.float32)
+    except ValueError as e:
+        raise ValueError(f"plain: its {kind} bytes do not decode exactly ({e})") from None
+    want = plain.dequantize(torch.float32)
+    differ = (back != want) & ~(torch.isnan(back) & torch.isnan(want))
+    if bool(differ.any()):
+        i = int(differ.reshape(-1).nonzero()[0])
+        raise ValueError(f"plain: element {i} (row {i // k}, column {i % k}) is {float(want.reshape(-1)[i])!r} but its {kind} "
+                         f"bytes give {float(back.reshape(-1)[i])!r} (the float zero point is not exactly mid·scale − min)")
 
 
 # -- files (needs the gguf package) ------------------------------------------------------------------
 @dataclass
 class GGUFTensor:
-    """One tensor of a GGUF file: ``value`` is an :class:`AffineQuantizedTensor` for Q4_0 / Q4_1 /
-    Q8_0 (losslessly), a float tensor for F32 / F16 / BF16, or for other types gguf-py's
-    dequantization to fp32 (``exact`` False)."""
+    """One tensor of a GGUF file: ``value`` is an :class:`AffineQuantizedTensor` (or with
+    ``plain=True`` its :class:`PlainForm`) for 2-D Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K / Q8_K
+    tensors (losslessly), the tensor as stored for F32 / F16 / BF16 / F64 / I8-I64, or for other types
+    (and a tensor whose float zero point is not exact) gguf-py's dequantization to fp32 (``exact`` False)."""
 
     name: str
     kind: str
@@ -301,17 +495,27 @@ def _dequantized(t: Any, kind: str, shape: tuple[int, ...], why: str) -> torch.T
     import numpy as np
     from gguf.quants import dequantize
 
+    try:
+        values = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type))).reshape(shape)
+    except NotImplementedError:  # gguf-py has no dequantizer for it (Q8_K): torchq's where it reads the blocks
+        if kind not in BLOCK_BYTES or not shape:
+            raise ValueError(f"GGUF tensor {t.name!r} ({kind}): neither gguf-py nor torchq can decode this type") from None
+        raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy())
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        values = from_gguf_blocks(raw, kind, (rows, shape[-1])).dequantize(torch.float32).reshape(shape)
     warnings.warn(f"GGUF tensor {t.name!r} ({kind}): {why}; imported dequantized to float (gguf-py's values)",
                   GGUFDequantizedWarning, stacklevel=3)
-    return torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type))).reshape(shape)
+    return values
 
 
 def read_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32, layout=None, plain: bool = False) -> Iterator[GGUFTensor]:
     """Yield every tensor of a GGUF file (see :class:`GGUFTensor`); quantized weights are packed
     into ``layout`` (default: the device's best for their format) with ``dtype`` as their float
-    dtype (``plain=True``: their :class:`PlainForm` instead of a packed tensor). A tensor of a type
-    torchq cannot hold exactly (IQ*, Q5_0, ...; a k-quant block whose float zero point is not exact)
-    comes dequantized to fp32 with a :class:`GGUFDequantizedWarning` naming it and its format."""
+    dtype (``plain=True``: their :class:`PlainForm` instead of a packed tensor); F32 / F16 / BF16 / F64
+    / I8-I64 tensors come as they are. A tensor of a type torchq cannot hold exactly (IQ*, TQ*, MXFP4,
+    ...; a Q4_1 / Q5_1 / Q2_K / Q4_K / Q5_K tensor whose float zero point is not exact; a quantized
+    tensor that is not 2-D) comes dequantized to fp32 by gguf-py with a :class:`GGUFDequantizedWarning`
+    naming it and its format."""
     import numpy as np
 
     reader = _reader(path)
@@ -335,6 +539,8 @@ def read_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32, layout=No
             arr = np.ascontiguousarray(data)
             tensor = torch.from_numpy(arr.copy()) if kind != "BF16" else torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
             yield GGUFTensor(t.name, kind, shape, tensor.reshape(shape))
+        elif kind in ("F64", "I8", "I16", "I32", "I64"):  # plain numbers, kept as they are
+            yield GGUFTensor(t.name, kind, shape, torch.from_numpy(np.ascontiguousarray(data).copy()).reshape(shape))
         else:
             yield GGUFTensor(t.name, kind, shape, _dequantized(t, kind, shape, "torchq has no exact form for this type"),
                              exact=False)

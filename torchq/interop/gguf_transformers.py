@@ -28,7 +28,7 @@ import io
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from ..tensor import AffineQuantizedTensor
 from .gguf import GGUFDequantizedWarning, read_gguf
 
 __all__ = ["from_gguf"]
+
+if TYPE_CHECKING:
+    import transformers
 
 
 def _row_order(processor: Any, name: str, n: int, kwargs: dict) -> tuple[Any, torch.Tensor | None]:
@@ -73,7 +76,7 @@ def _has_kernel(q: AffineQuantizedTensor, dtype: torch.dtype) -> bool:
 
 
 def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.dtype = torch.float32,
-              layout: Any = None, strict: bool = True, without_kernel: str = "keep") -> nn.Module:
+              layout: Any = None, strict: bool = True, without_kernel: str = "keep") -> transformers.PreTrainedModel:
     """The transformers model of the GGUF file at ``path`` with its quantized weights kept quantized
     (see the module docstring). ``model_class``: a transformers auto class or model class (default
     ``AutoModelForCausalLM``); ``dtype``: the float dtype of the model (and of the quantized weights'
@@ -108,7 +111,12 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
     config = transformers.AutoConfig.for_model(**parsed["config"])
     cls = model_class or transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls(config)
+        if hasattr(cls, "from_config"):  # an auto class
+            model = cls.from_config(config, dtype=dtype)
+        elif hasattr(cls, "_from_config"):  # a PreTrainedModel subclass
+            model = cls._from_config(config, dtype=dtype)
+        else:
+            raise ValueError(f"model_class: expected a transformers auto class or PreTrainedModel subclass, got {cls!r}")
     model.eval()
     arch = gguf_metadata(path).get("general.architecture", "")
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
