@@ -31,16 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [  # noqa: F822  (TorchqConfig and TorchqHfQuantizer are built on first use: module __getattr__)
-    "QUANT_METHOD", "TorchqConfig", "TorchqHfQuantizer", "attach", "is_pretrained_model", "state_dict_and_metadata",
+__all__ = [  # noqa: F822  (TorchqConfig and TorchqHfQuantizer come from torchq.hf on first use: module __getattr__)
+    "TorchqConfig", "TorchqHfQuantizer", "attach", "install_registration_hook", "is_pretrained_model", "prepare_attach",
+    "state_dict_and_metadata",
 ]
-
-QUANT_METHOD = "torchq"
-LOAD_HINT = (
-    "config = transformers.AutoConfig.from_pretrained(folder); with torch.device('meta'): "
-    "model = transformers.AutoModelForCausalLM.from_config(config) (or the model's own class); "
-    "torchq.load_quantized(model, folder, init_buffers='auto')"
-)
 
 
 def is_pretrained_model(model: Any) -> bool:
