@@ -111,7 +111,7 @@ def _resolve_range(dtype: torch.dtype, qmin: int | None, qmax: int | None) -> tu
     return qmin, qmax
 
 
-def _check_block_size(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
+def _check_block_size(shape: Sequence[int], block_size: Sequence[int], allow_empty: bool = False) -> tuple[int, ...]:
     block_size = tuple(int(b) for b in block_size)
     if len(block_size) != len(shape):
         raise ValueError(
@@ -120,14 +120,15 @@ def _check_block_size(shape: Sequence[int], block_size: Sequence[int]) -> tuple[
         )
     if any(b < 1 for b in block_size):
         raise ValueError(f"block_size: expected every entry >= 1, got {block_size}")
-    if any(s == 0 for s in shape):
+    if not allow_empty and any(s == 0 for s in shape):
         raise ValueError(f"input: expected a non-empty tensor, got shape {tuple(shape)}")
     return block_size
 
 
 def scale_shape(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
-    """Shape of the scale / zero-point grid: ``ceil(shape / block_size)`` per dimension."""
-    block_size = _check_block_size(shape, block_size)
+    """Shape of the scale / zero-point grid: ``ceil(shape / block_size)`` per dimension (0 where
+    ``shape`` is 0: a shard without rows)."""
+    block_size = _check_block_size(shape, block_size, allow_empty=True)
     return tuple(-(-s // b) for s, b in zip(shape, block_size))
 
 

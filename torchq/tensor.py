@@ -10,6 +10,7 @@ naming the op and the layout.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -280,6 +281,19 @@ class AffineQuantizedTensor(torch.Tensor):
             f"layout={self.tensor_impl.layout!r}, {self.tensor_impl.spec.describe()}{extra}{t}{name})"
         )
 
+    # -- FSDP2 all-gather extension (see torchq.distributed.fsdp) ----------------------------
+    def fsdp_pre_all_gather(self, mesh):
+        """FSDP2 hook: this rank's row parts (bit-packed codes, scales, zero points), padded."""
+        from .distributed.fsdp import pre_all_gather
+
+        return pre_all_gather(self, mesh)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """FSDP2 hook: the whole quantized weight from the gathered row parts."""
+        from .distributed.fsdp import post_all_gather
+
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+
     # -- subclass protocol ---------------------------------------------------------------------
     def __tensor_flatten__(self):
         # A compiled graph's guards call this for every quantized weight at every call, and its
@@ -349,7 +363,14 @@ class AffineQuantizedTensor(torch.Tensor):
         kwargs = kwargs or {}
         handler = _OPS.get(func)
         if handler is None:
-            aqt = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, cls))
+            aqt = _first_quantized(list(args) + list(kwargs.values()))
+            if func.namespace in ("c10d", "_c10d_functional"):
+                raise NotImplementedError(
+                    f"torchq: {func} on the quantized weight {aqt.label or tuple(aqt.shape)!r}: collectives do not "
+                    f"move quantized weights whole. FSDP2 gathers their row parts itself; for tensor parallelism "
+                    f"every rank shards the weight it holds: parallelize_module(..., src_data_rank=None) or "
+                    f"distribute_tensor(..., src_data_rank=None) (the default scatters from rank 0)"
+                )
             if func._schema.is_mutable and args and args[0] is aqt:  # e.g. peft's merge: weight.data += delta
                 raise NotImplementedError(
                     f"torchq: {func} would modify the quantized weight {aqt.label or tuple(aqt.shape)!r} in place; "
@@ -370,6 +391,17 @@ class AffineQuantizedTensor(torch.Tensor):
 
 
 AQT = AffineQuantizedTensor
+
+
+def _first_quantized(values: list) -> AQT:
+    for v in values:
+        if isinstance(v, AQT):
+            return v
+        if isinstance(v, (list, tuple)):
+            found = _first_quantized(list(v))
+            if found is not None:
+                return found
+    return None  # type: ignore[return-value]
 
 
 def check_compute_dtype(compute_dtype: Any, arg: str = "compute_dtype") -> torch.dtype | None:
@@ -566,7 +598,7 @@ def _metadata_diff(dst: AQT, src: AQT) -> list[str]:
         diffs.append(f"shape {tuple(dst.shape)} vs {tuple(src.shape)}")
     if dst.transposed != src.transposed:
         diffs.append(f"transposed {dst.transposed} vs {src.transposed}")
-    if a.spec != b.spec:
+    if a.spec != b.spec and a.spec != _without_nesting(b.spec):
         diffs.append(f"format {a.spec.describe()} vs {b.spec.describe()}")
     if dst.dtype != src.dtype:
         diffs.append(f"dtype {dst.dtype} vs {src.dtype}")
@@ -579,6 +611,12 @@ def _metadata_diff(dst: AQT, src: AQT) -> list[str]:
         if a_has != b_has:
             diffs.append(f"{name} {'present' if a_has else 'absent'} vs {'present' if b_has else 'absent'}")
     return diffs
+
+
+def _without_nesting(spec: QuantSpec) -> QuantSpec:
+    """``spec`` with single-quantized scales: a weight with double-quantized scales copies into one
+    that holds the fp32 scales they reconstruct to (the same values; a shard's form)."""
+    return dataclasses.replace(spec, double_quant=False) if spec.double_quant else spec
 
 
 def _copy_impl_tensors(dst: TensorImpl, src: TensorImpl) -> None:
@@ -608,7 +646,10 @@ def _copy_(func, args, kwargs):
         raise ValueError(f"copy_: source and destination quantized tensors differ: {'; '.join(diffs)}")
     src_impl = src.tensor_impl
     if src_impl.metadata() != dst.tensor_impl.metadata():  # same values, other layout: repack
-        src_impl = dst.tensor_impl.layout.pack(src_impl.to_plain())
+        plain = src_impl.to_plain()
+        if plain.nested is not None and not dst.tensor_impl.spec.double_quant:  # keep the fp32 scales they reconstruct to
+            plain = PlainForm(plain.codes, plain.scale, plain.zero_point, dst.tensor_impl.spec)
+        src_impl = dst.tensor_impl.layout.pack(plain)
     parent = getattr(dst, "_narrow_parent", None)
     if parent is not None and dst.input_scale is not None:
         raise NotImplementedError("copy_: into a slice of a weight with an input_scale (AWQ); copy the whole weight")

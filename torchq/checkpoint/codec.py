@@ -145,18 +145,37 @@ def part_record(t: torch.Tensor, checksum: bool) -> dict:
 
 
 # -- encoding ------------------------------------------------------------------------------------
+def encode_codes(codes: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, str]:
+    """``(stored codes, encoding)`` of plain ``[N, K]`` codes: ``bitstream`` (uint8
+    ``[N, ceil(K/8)*b]`` of ``q - quant_min``) for ``b <= 7`` bits, else ``bytes`` (the codes)."""
+    if spec.bits <= 7:  # uint8 wrap-around: q - quant_min
+        return pack_bits(codes.view(torch.uint8) - spec.quant_min % 256, spec.bits), "bitstream"
+    return codes, "bytes"
+
+
+def decode_codes(stored: torch.Tensor, spec: QuantSpec, k: int, encoding: str, where: str) -> torch.Tensor:
+    """Plain ``[N, k]`` codes from :func:`encode_codes`' form; a :class:`CheckpointError` naming
+    ``where`` for a code outside the spec's range (checked where the tensor holds data)."""
+    real = _has_data(stored)
+    if encoding == "bitstream":
+        u = unpack_bits(stored, spec.bits, k)
+        if real and spec.quant_max - spec.quant_min + 1 < 2**spec.bits and bool((u > spec.quant_max - spec.quant_min).any()):
+            raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
+        codes = u.contiguous()
+        codes += spec.quant_min % 256  # uint8 wrap-around: two's complement of the int8 code
+        return codes.view(torch.int8) if spec.code_dtype == torch.int8 else codes
+    if real and bool(((stored < spec.quant_min) | (stored > spec.quant_max)).any()):
+        raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
+    return stored
+
+
 def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(record, tensors)`` for one quantized weight; tensors stay on the weight's device."""
     if not isinstance(w, AffineQuantizedTensor):
         raise TypeError(f"encode: expected an AffineQuantizedTensor, got {type(w).__name__}")
     plain = w.to_plain()
     spec = plain.spec
-    if spec.bits <= 7:
-        codes = pack_bits(plain.codes.view(torch.uint8) - spec.quant_min % 256, spec.bits)  # wrap-around: q - quant_min
-        encoding = "bitstream"
-    else:
-        codes = plain.codes
-        encoding = "bytes"
+    codes, encoding = encode_codes(plain.codes, spec)
     tensors = {"codes": own_storage(codes)}
     if plain.nested is None:
         tensors["scale"] = own_storage(plain.scale)
@@ -399,18 +418,8 @@ def decode(
     if device is not None:
         parts = {p: t.to(device) for p, t in parts.items()}
     spec = rec.spec
-    codes = parts["codes"]
-    real = _has_data(codes)
-    if rec.encoding == "bitstream":
-        u = unpack_bits(codes, spec.bits, rec.shape[1])
-        if real and spec.quant_max - spec.quant_min + 1 < 2**spec.bits and bool((u > spec.quant_max - spec.quant_min).any()):
-            raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
-        codes = u.contiguous()
-        codes += spec.quant_min % 256  # uint8 wrap-around: two's complement of the int8 code
-        if spec.code_dtype == torch.int8:
-            codes = codes.view(torch.int8)
-    elif real and bool(((codes < spec.quant_min) | (codes > spec.quant_max)).any()):
-        raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
+    real = _has_data(parts["codes"])
+    codes = decode_codes(parts["codes"], spec, rec.shape[1], rec.encoding, where)
     nested = None
     if spec.double_quant:
         nested = NestedScale(parts["scale_codes"], parts["scale_absmax"], parts["scale_offset"])

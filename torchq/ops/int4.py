@@ -50,7 +50,7 @@ _ROUND_DTYPE = {v: k for k, v in ROUND_KIND.items()}
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N, B]`` bytes to their uint8 codes ``[N, 2B]`` (element ``2j`` = high nibble of byte ``j``)."""
     n = packed.shape[0]
-    return torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(n, -1)
+    return torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(n, 2 * packed.shape[1])
 
 
 def check_int4_groupwise_linear_args(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias) -> None:

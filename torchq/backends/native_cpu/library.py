@@ -446,21 +446,28 @@ def weight_args(owner: object, build: Callable[[object], NativeWeight | None]) -
     ``owner`` so a decode-sized call does not redo it.
 
     ``build(owner)`` may only point into tensors that ``owner`` holds, never into copies: those
-    pointers stay valid, and see the current values, as long as ``owner`` lives (its tensors are
-    never re-allocated; ``copy_`` into a quantized weight writes in place). A copy of the owner
-    (deepcopy, ``.to``) is a new object and builds its own. ``build`` returns None when the
+    pointers stay valid, and see the current values, as long as ``owner`` lives and its tensors
+    keep their data pointers (``copy_`` into a quantized weight writes in place; FSDP2 frees and
+    re-allocates a gathered weight's storages between forward and backward, which moves them:
+    the pointers are compared at every call and the weight rebuilt when one moved). A copy of the
+    owner (deepcopy, ``.to``) is a new object and builds its own. ``build`` returns None when the
     weight cannot be taken in place (a non-contiguous tensor, scales of another dtype); that
     is not remembered, and the caller takes its general path."""
     entry = _ARGS.get(owner)
     shape = getattr(owner, "shape", None)
-    if entry is not None and entry[0] == shape:
+    if entry is not None and entry[0] == shape and entry[3] == _data_pointers(entry[2]):
         return entry[1]
     weight = build(owner)
     if weight is not None:
         # Built for this shape only, and holding every attribute the pointers may point into:
         # reassigning one cannot leave them dangling.
-        _ARGS.set(owner, (shape, weight, tuple(vars(owner).values())))
+        held = tuple(vars(owner).values())
+        _ARGS.set(owner, (shape, weight, held, _data_pointers(held)))
     return weight
+
+
+def _data_pointers(values: tuple) -> tuple[int, ...]:
+    return tuple(v.data_ptr() for v in values if isinstance(v, torch.Tensor))
 
 
 _OP_WEIGHTS = IdentityCache()
@@ -558,16 +565,19 @@ class BoundLinear:
     the bias that change per call, and the library call (the dispatch's bound form of a native
     kernel, :attr:`torchq.dispatch.LinearKernel.bind`). Calling it with ``(x, weight, bias)`` of
     that signature gives :func:`run_linear`'s bits, or None (the caller takes its general path)
-    for a weight whose tensor impl now claims another shape than the one checked (its pointers
-    are checked again there), an x that is not contiguous or whose storage holds less than its
+    for a weight whose tensor impl now claims another shape than the one checked, or whose tensors
+    moved (FSDP2 re-allocates a gathered weight's storages: the general path rebuilds its pointers
+    there), an x that is not contiguous or whose storage holds less than its
     sizes claim, or an fp32 bias that is not contiguous or whose storage is short (run_linear
     then copies or raises)."""
 
     __slots__ = ("weight", "shape", "address", "op", "code", "dtype", "m", "n", "nbytes", "element_size", "out_shape", "bias_after",
-                 "recheck_tiles")
+                 "recheck_tiles", "held", "pointers")
 
-    def __init__(self, weight: NativeWeight, shape: object, x: torch.Tensor, recheck_tiles: bool = False) -> None:
+    def __init__(self, weight: NativeWeight, shape: object, x: torch.Tensor, recheck_tiles: bool = False,
+                 held: tuple[torch.Tensor, ...] = ()) -> None:
         self.weight, self.shape, self.address, self.op, self.n = weight, shape, weight.address, weight.op, weight.n
+        self.held, self.pointers = held, _data_pointers(held)  # the owner's tensors the weight points into
         self.code, self.dtype = DTYPE_CODES[x.dtype], x.dtype
         self.m = x.numel() // weight.k
         self.element_size = x.element_size()  # the signature fixes x's dtype
@@ -580,7 +590,7 @@ class BoundLinear:
 
     def __call__(self, x: torch.Tensor, quantized_weight: Any, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the signature (dtype, shape, CPU; the bias's dtype and shape) is the dispatch key's
-        if (quantized_weight.tensor_impl.shape != self.shape or not x.is_contiguous()
+        if (quantized_weight.tensor_impl.shape != self.shape or _data_pointers(self.held) != self.pointers or not x.is_contiguous()
                 or x.storage_offset() * self.element_size + self.nbytes > x.untyped_storage().nbytes()
                 or (self.recheck_tiles and use_tiles(self.m, self.dtype))):
             return None
@@ -622,7 +632,8 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
         weight = weight.int8_activations()
     elif dynamic is not None:
         weight = weight.dynamic(*dynamic)
-    return BoundLinear(weight, owner.shape, x, recheck_tiles=not int8_activations and m > FUSED_MAX_M)
+    held = tuple(v for v in vars(owner).values() if isinstance(v, torch.Tensor))
+    return BoundLinear(weight, owner.shape, x, recheck_tiles=not int8_activations and m > FUSED_MAX_M, held=held)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

@@ -1,0 +1,373 @@
+"""Process-group workers for tests/test_distributed.py (spawned, gloo on CPU; NCCL on CUDA).
+
+Each scenario is a function ``(rank, world, backend, tmp) -> result``; :func:`spawn` starts one
+process per rank and returns every rank's result (a child's traceback becomes the error)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, backend: str, port: int, tmp: str, scenario: str, args: tuple) -> None:
+    out = Path(tmp) / f"result-{scenario}-{rank}.pkl"
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        try:
+            result = globals()[scenario](rank, world, backend, Path(tmp), *args)
+        finally:
+            dist.destroy_process_group()
+        out.write_bytes(pickle.dumps(("ok", result)))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
+        sys.exit(1)
+
+
+def spawn(scenario: str, world: int, tmp: Path, *args, backend: str = "gloo") -> list:
+    """Run ``scenario`` on ``world`` processes; each rank's result, in rank order."""
+    mp.start_processes(_entry, args=(world, backend, free_port(), str(tmp), scenario, args), nprocs=world,
+                       join=True, start_method="spawn")
+    results = []
+    for rank in range(world):
+        status, value = pickle.loads((Path(tmp) / f"result-{scenario}-{rank}.pkl").read_bytes())
+        if status != "ok":
+            raise AssertionError(f"rank {rank} of {scenario}:\n{value}")
+        results.append(value)
+    return results
+
+
+# -- models -----------------------------------------------------------------------------------------
+class LoRALinear(nn.Module):
+    """A frozen (quantized) linear plus a trainable rank-``r`` update, seeded by its shape."""
+
+    def __init__(self, base: nn.Linear, r: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        g = torch.Generator().manual_seed(base.in_features * 1000 + base.out_features)
+        self.lora_a = nn.Parameter(torch.randn(r, base.in_features, generator=g) * 0.05)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, r, generator=g) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t().to(x.dtype)) @ self.lora_b.t().to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    """Two residual MLP blocks and a 6-row head: over 4 ranks the head's rows go 2, 2, 2, 0 (one
+    rank holds an empty shard: only padding in the all-gather)."""
+
+    def __init__(self, d: int = 64, hidden: int = 128, classes: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d, hidden) for _ in range(2)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def config(name: str):
+    import torchq
+
+    if name == "nf4-single":
+        return torchq.nf4_weight_only(double_quant=False)
+    return torchq.config_from_name(name)
+
+
+def quantized_net(name: str, device: str = "cpu", lora: bool = True) -> Net:
+    import torchq
+
+    torch.manual_seed(0)
+    m = Net()
+    torchq.quantize_(m, config(name))
+    for p in m.parameters():
+        p.requires_grad_(False)
+    if lora:
+        for b in m.blocks:
+            b.up, b.down = LoRALinear(b.up), LoRALinear(b.down)
+        m.head = LoRALinear(m.head)
+    return m.to(device)
+
+
+def batches(steps: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 64, generator=g).to(device), torch.randint(0, 6, (8,), generator=g).to(device)) for _ in range(steps)]
+
+
+def lora_grads(m: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in m.named_parameters():
+        if "lora_" in n and p.grad is not None:
+            g = p.grad
+            out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu().clone()
+    return out
+
+
+def train(m: nn.Module, steps: int, device: str = "cpu", record_grads: bool = False):
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    losses, grads = [], []
+    for x, y in batches(steps, device):
+        loss = nn.functional.cross_entropy(m(x).float(), y)
+        loss.backward()
+        losses.append(loss.item())
+        if record_grads:
+            grads.append(lora_grads(m))
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def shard(m: nn.Module, mesh, **kw) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh, **kw)
+    fully_shard(m, mesh=mesh, **kw)
+    return m
+
+
+def quantized_weights(m: nn.Module) -> dict[str, torch.Tensor]:
+    from torchq import AffineQuantizedTensor
+
+    out = {}
+    for n, p in m.named_parameters():
+        local = p._local_tensor if hasattr(p, "_local_tensor") else p
+        if isinstance(local, AffineQuantizedTensor):
+            out[n] = local
+    return out
+
+
+# -- scenarios ---------------------------------------------------------------------------------------
+def fsdp_qlora(rank, world, backend, tmp, configs, steps=3):
+    """QLoRA steps under FSDP2 against the same steps on one process (computed here, no
+    collectives), per config: losses, adapter gradients, shard sizes and all-gather bytes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    out = {}
+    for name in configs:
+        ref_losses, ref_grads = train(quantized_net(name, device), steps, device, record_grads=True)
+        whole = {n: w.nbytes_quantized() for n, w in quantized_weights(quantized_net(name, device)).items()}
+        m = shard(quantized_net(name, device), mesh)
+        local = {n: w.nbytes_quantized() for n, w in quantized_weights(m).items()}
+        gathered = []
+        original = dist.all_gather_single
+
+        def counting(output, input, *a, **k):
+            gathered.append(output.numel() * output.element_size())
+            return original(output, input, *a, **k)
+
+        dist.all_gather_single = counting
+        try:
+            losses, grads = train(m, steps, device, record_grads=True)
+        finally:
+            dist.all_gather_single = original
+        out[name] = dict(ref_losses=ref_losses, losses=losses, ref_grads=ref_grads, grads=grads, whole=whole, local=local,
+                         gathered=sum(gathered), steps=steps)
+    return out
+
+
+def fsdp_policies(rank, world, backend, tmp, name):
+    """Mixed precision (bf16 params) and CPU offload: the gathered weight holds the original
+    codes and scales bit for bit; offload matches the plain run's losses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    original = {n: w.to_plain() for n, w in quantized_weights(quantized_net(name, device)).items()}
+    m = shard(quantized_net(name, device), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    seen = {}
+
+    def capture(mod, args, name):
+        w = mod.weight
+        seen[name] = (w.dtype, w.to_plain().map(torch.clone))  # FSDP2 frees the gathered storage after forward
+
+    for n, mod in m.named_modules():
+        if isinstance(mod, nn.Linear):
+            mod.register_forward_pre_hook(lambda mod, args, n=n: capture(mod, args, n))
+    mp_losses, _ = train(m, 2, device)
+    same = {}
+    for n, (dtype, plain) in seen.items():
+        ref = original[f"{n}.weight"]
+        same[n] = (dtype, _plain_equal(plain, ref))
+    plain_losses, _ = train(shard(quantized_net(name, device), mesh), 2, device)
+    offload_losses, _ = train(shard(quantized_net(name, device), mesh, offload_policy=CPUOffloadPolicy(pin_memory=False)), 2, device)
+    return dict(same=same, mp_losses=mp_losses, plain_losses=plain_losses, offload_losses=offload_losses)
+
+
+def _plain_equal(a, b) -> bool:
+    """Bit equality of two plain forms' values: codes, zero points and (reconstructed) scales."""
+    if not torch.equal(a.codes.cpu(), b.codes.cpu()) or not torch.equal(a.scale.cpu(), b.scale.cpu()):
+        return False
+    if (a.zero_point is None) != (b.zero_point is None):
+        return False
+    return a.zero_point is None or torch.equal(a.zero_point.cpu(), b.zero_point.cpu())
+
+
+def tensor_parallel(rank, world, backend, tmp, name):
+    """ColwiseParallel / RowwiseParallel on quantized linears: each rank's shard is the quantized
+    shard of the float weight; outputs against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import torchq
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    torch.manual_seed(0)
+    m = Net().to(device)
+    floats = {n: p.detach().clone() for n, p in m.named_parameters()}
+    torchq.quantize_(m, config(name))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        ref = {i: (m.blocks[i].up(x), m.blocks[i].down(torch.relu(m.blocks[i].up(x)))) for i in range(2)}
+        ref_out = m(x)
+    plan = {}
+    for i in range(2):
+        plan[f"blocks.{i}.up"] = ColwiseParallel()
+        plan[f"blocks.{i}.down"] = RowwiseParallel()
+    parallelize_module(m, mesh, plan, src_data_rank=None)
+    shard_is_quantized_shard = {}
+    for n, p in m.named_parameters():
+        if not n.endswith("weight") or n.startswith("head"):
+            continue
+        dim = 0 if ".up." in n else 1
+        piece = floats[n].chunk(world, dim=dim)[rank]
+        expect = torchq.AffineQuantizedTensor  # quantize the float piece on its own
+        q = nn.Linear(piece.shape[1], piece.shape[0], bias=False).to(device)
+        q.weight.data.copy_(piece)
+        torchq.quantize_(nn.Sequential(q), config(name))
+        assert isinstance(q.weight, expect)
+        shard_is_quantized_shard[n] = _plain_equal(p._local_tensor.to_plain(), q.weight.to_plain())
+    with torch.no_grad():
+        up = {i: m.blocks[i].up(x) for i in range(2)}
+        out = m(x)
+    col_equal = {i: torch.equal(up[i], ref[i][0].chunk(world, dim=-1)[rank]) for i in range(2)}
+    return dict(shard_is_quantized_shard=shard_is_quantized_shard, col_equal=col_equal,
+                out=out.cpu(), ref_out=ref_out.cpu(), x=x.cpu())
+
+
+def dcp_save(rank, world, backend, tmp, name, folder, kind="fsdp"):
+    """Train one step sharded (FSDP2 or TP), save with DCP; rank 0 also returns the outputs the
+    saved model gives, which a load on another world size must reproduce."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torchq.distributed import checkpoint as tqdcp
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    m = quantized_net(name, device, lora=kind == "fsdp")
+    if kind == "fsdp":
+        shard(m, mesh)
+        train(m, 1, device)
+    else:
+        parallelize_module(m, mesh, {"blocks.0.up": ColwiseParallel(), "blocks.0.down": RowwiseParallel(),
+                                     "blocks.1.up": ColwiseParallel(), "blocks.1.down": RowwiseParallel()},
+                           src_data_rank=None)
+    sd = tqdcp.state_dict(m)
+    dcp.save(sd, checkpoint_id=str(tmp / folder))
+    x = batches(1, device)[0][0]
+    with torch.no_grad():
+        y = m(x)
+    y = y.full_tensor() if hasattr(y, "full_tensor") else y
+    return dict(y=y.cpu(), keys=sorted(sd))
+
+
+def dcp_load(rank, world, backend, tmp, name, folder, lora=True):
+    """Load a DCP checkpoint into a model built and sharded (FSDP2) on this world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchq.distributed import checkpoint as tqdcp
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    torch.manual_seed(123)
+    m = quantized_net(name, device, lora=lora)
+    shard(m, mesh)
+    sd = tqdcp.state_dict(m)
+    dcp.load(sd, checkpoint_id=str(tmp / folder))
+    tqdcp.load_state_dict(m, sd)
+    x = batches(1, device)[0][0]
+    with torch.no_grad():
+        y = m(x)
+    local = {n: w.nbytes_quantized() for n, w in quantized_weights(m).items()}
+    return dict(y=y.cpu(), local=local)
+
+
+def single_file_load(rank, world, backend, tmp, name, path, kind="fsdp"):
+    """A torchq.save_quantized file into a model quantized on the meta device and sharded:
+    the rows each rank read, and the outputs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import torchq
+    from torchq.distributed import checkpoint as tqdcp
+    from torchq.distributed import sharded_file
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    with torch.device("meta"):
+        m = Net()
+    torchq.quantize_(m, config(name))
+    if kind == "fsdp":
+        shard(m, mesh)
+    else:
+        parallelize_module(m, mesh, {"blocks.0.up": ColwiseParallel(), "blocks.0.down": RowwiseParallel(),
+                                     "blocks.1.up": ColwiseParallel(), "blocks.1.down": RowwiseParallel()},
+                           src_data_rank=None)
+    reads = []
+    original = sharded_file._Reader.read
+
+    def recording(self, key, rows=None, cols=None):
+        t = original(self, key, rows, cols)
+        reads.append((key, tuple(t.shape)))
+        return t
+
+    sharded_file._Reader.read = recording
+    try:
+        tqdcp.load_quantized_sharded(m, path)
+    finally:
+        sharded_file._Reader.read = original
+    if device != "cpu":
+        m.to(device)
+    x = batches(1, device)[0][0]
+    with torch.no_grad():
+        y = m(x)
+    y = y.full_tensor() if hasattr(y, "full_tensor") else y
+    return dict(y=y.cpu(), reads=reads)

@@ -1,0 +1,232 @@
+"""Distributed checkpoints (``torch.distributed.checkpoint``) of models with quantized weights.
+
+DCP saves and reshards plain tensors and DTensors; a quantized weight is several tensors in a
+layout. :func:`state_dict` therefore lists each quantized weight as its :mod:`row parts
+<torchq.distributed.rows>`, each a tensor (whole weight), or a DTensor with the weight's own
+placement (FSDP2 and ``ColwiseParallel``: ``Shard(0)``; ``RowwiseParallel``: ``Shard(1)``), plus
+a small uint8 tensor holding the format as JSON::
+
+    <name>.torchq.codes        uint8 [N, ceil(K/8)*b] bit-packed codes (b < 8), or the 8-bit codes [N, K]
+    <name>.torchq.scale        [N, ceil(K/g)] scales, in their dtype
+    <name>.torchq.zero_point   [N, ceil(K/g)] zero points (formats that have them)
+    <name>.torchq.input_scale  fp32 [K] / <name>.torchq.input_perm [K]  (weights that have them)
+    <name>.torchq.format       uint8 [bytes]: {"spec", "shape", "dtype", "dtypes", "widths"}
+
+so DCP reshards them like any tensor (saved on 2 ranks, loaded on 4). Everything else in the
+model's state dict passes through unchanged. To load, build the model the same way (quantized
+with the same config, sharded any way), take its :func:`state_dict` as the template, let
+``dcp.load`` fill it, and call :func:`load_state_dict`::
+
+    sd = torchq.distributed.checkpoint.state_dict(model)
+    dcp.save(sd, checkpoint_id=folder)
+    ...
+    sd = torchq.distributed.checkpoint.state_dict(other_model)
+    dcp.load(sd, checkpoint_id=folder)
+    torchq.distributed.checkpoint.load_state_dict(other_model, sd)
+
+:func:`load_quantized_sharded` reads a single-file :func:`torchq.save_quantized` checkpoint into
+a sharded model: each rank reads its own rows (or columns) of each weight's parts, never the
+whole weight.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..canonical import QuantSpec
+from ..checkpoint.codec import CheckpointError, dtype_from_name, dtype_name
+from ..tensor import AQT
+from .rows import RowFormat, from_row_parts, pack_in, row_format, to_row_parts
+
+__all__ = ["state_dict", "load_state_dict", "load_quantized_sharded", "PART_TAG"]
+
+PART_TAG = ".torchq."
+
+
+def _dtensor_types():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor, Replicate, Shard
+
+
+def _local_and_placement(value: Any) -> tuple[AQT | None, Any, Any]:
+    """``(local quantized weight, mesh, placement)``: placement None for a whole (non-DTensor)
+    weight; ``(None, None, None)`` for anything that is not a quantized weight."""
+    if isinstance(value, AQT):
+        return value, None, None
+    DTensor, Replicate, Shard = _dtensor_types()
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, AQT):
+        if len(value.placements) != 1:
+            raise NotImplementedError(
+                f"torchq: quantized weight on a {len(value.placements)}-D device mesh ({value.placements}): distributed "
+                f"checkpoints of quantized weights support 1-D meshes (FSDP2 or tensor parallelism)"
+            )
+        placement = value.placements[0]
+        if not isinstance(placement, (Shard, Replicate)):
+            raise NotImplementedError(f"torchq: quantized weight with placement {placement}: expected Shard or Replicate")
+        return value._local_tensor, value.device_mesh, placement
+    return None, None, None
+
+
+def _format_tensor(fmt: RowFormat, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    doc = {"spec": fmt.spec.to_json(), "shape": list(shape), "dtype": dtype_name(dtype),
+           "dtypes": [dtype_name(d) for d in fmt.dtypes], "widths": list(fmt.widths)}
+    return torch.frombuffer(bytearray(json.dumps(doc, sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def _format_from_tensor(t: torch.Tensor, name: str) -> tuple[RowFormat, tuple[int, int], torch.dtype]:
+    try:
+        doc = json.loads(bytes(t.cpu().numpy().tobytes()).decode())
+        spec = QuantSpec.from_json(doc["spec"])
+        n, k = (int(v) for v in doc["shape"])
+        dtype = dtype_from_name(doc["dtype"], f"{name}: dtype")
+        dtypes = [dtype_from_name(d, f"{name}: dtypes") for d in doc["dtypes"]]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{name}{PART_TAG}format: not a torchq row-parts format ({e})") from None
+    fmt = row_format(spec, k, dtypes[1], dtypes[2] if len(dtypes) > 2 else None, name)
+    if list(fmt.dtypes) != dtypes or list(fmt.widths) != list(doc["widths"]):
+        raise CheckpointError(f"{name}{PART_TAG}format: parts {doc['dtypes']} {doc['widths']} do not match {spec.describe()}")
+    return fmt, (n, k), dtype
+
+
+def _shard_width(total: int, mesh: Any) -> tuple[int, int]:
+    """``(offset, length)`` of this rank's ``torch.chunk`` piece of ``total`` (DTensor's rule)."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    chunk = -(-total // world) if total else 0
+    start = min(total, rank * chunk)
+    return start, min(total, start + chunk) - start
+
+
+def _global_format(name: str, local: AQT, mesh: Any, placement: Any) -> tuple[RowFormat, tuple[int, int]]:
+    plain = local.to_plain()
+    zero_dtype = None if plain.zero_point is None else plain.zero_point.dtype
+    n, k = plain.shape
+    if placement is not None and placement.is_shard():
+        dim = placement.dim % 2
+        total = _global_size(local, mesh, dim)
+        n, k = (total, k) if dim == 0 else (n, total)
+    return row_format(plain.spec, k, plain.scale.dtype, zero_dtype, f"quantized weight {name!r}"), (n, k)
+
+
+def _global_size(local: AQT, mesh: Any, dim: int) -> int:
+    # every rank holds torch.chunk's piece: the whole is the sum of the pieces
+    import torch.distributed as dist
+
+    count = torch.tensor([local.shape[dim]], dtype=torch.int64, device=local.device)
+    dist.all_reduce(count, group=mesh.get_group())
+    return int(count.item())
+
+
+def state_dict(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
+    """``model.state_dict()`` (or the given state dict) with every quantized weight replaced by
+    its row parts and format tensor (see the module doc), ready for ``dcp.save`` or as the
+    template ``dcp.load`` fills. Collective on sharded models: every rank must call it."""
+    sd = model.state_dict() if isinstance(model, nn.Module) else dict(model)
+    DTensor, Replicate, Shard = _dtensor_types()
+    out: dict[str, Any] = {}
+    for name, value in sd.items():
+        local, mesh, placement = _local_and_placement(value)
+        if local is None:
+            out[name] = value
+            continue
+        if local.transposed:
+            raise NotImplementedError(f"torchq: quantized weight {name!r} is transposed; checkpoints hold [N, K] weights")
+        fmt, shape = _global_format(name, local, mesh, placement)
+        _, parts = to_row_parts(local.to_plain(), f"quantized weight {name!r}")
+        for pname, part, width in zip(fmt.names, parts, fmt.widths):
+            key = f"{name}{PART_TAG}{pname}"
+            if placement is None or not placement.is_shard():
+                out[key] = part if placement is None else DTensor.from_local(part, mesh, [Replicate()], run_check=False)
+                continue
+            dim = placement.dim % 2
+            gshape = (shape[0], width)
+            if dim == 1:
+                start, length = _shard_width(width, mesh)
+                if part.shape[1] != length:
+                    raise ValueError(
+                        f"torchq: quantized weight {name!r} is sharded along its {shape[1]} input features into pieces whose "
+                        f"{pname} ({part.shape[1]} wide here) are not torch.chunk's pieces of the whole ({width} wide): "
+                        f"the input features per rank must be a multiple of 8 and of the group size"
+                    )
+            out[key] = DTensor.from_local(part.contiguous(), mesh, [Shard(dim)], run_check=False, shape=torch.Size(gshape),
+                                          stride=(gshape[1], 1))
+        for extra in ("input_scale", "input_perm"):
+            t = getattr(local, extra)
+            if t is not None:
+                if placement is not None and placement.is_shard() and placement.dim % 2 == 1:
+                    raise NotImplementedError(f"torchq: {extra} of {name!r} with its input features sharded")
+                out[f"{name}{PART_TAG}{extra}"] = t
+        out[f"{name}{PART_TAG}format"] = _format_tensor(fmt, shape, local.dtype)
+    return out
+
+
+def load_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
+    """Install the quantized weights of ``state_dict`` (a :func:`state_dict` template that
+    ``dcp.load`` filled) into ``model``: each rank decodes its own parts and copies them into its
+    shard in place (FSDP2's and DTensor's bookkeeping stay valid), or replaces a whole weight.
+    The other entries were filled in place by ``dcp.load`` already (they are the model's own
+    tensors); entries that are not, are loaded with ``model.load_state_dict(strict=False)``.
+    Every weight is decoded and checked before any is installed."""
+    current = model.state_dict()
+    staged: list[tuple[str, Any, AQT]] = []
+    for name, value in current.items():
+        local, mesh, placement = _local_and_placement(value)
+        if local is None:
+            continue
+        fkey = f"{name}{PART_TAG}format"
+        if fkey not in state_dict:
+            raise CheckpointError(f"load_state_dict: quantized weight {name!r} has no {fkey!r} in the state dict")
+        fmt, shape, _ = _format_from_tensor(state_dict[fkey], name)
+        want, want_shape = _global_format(name, local, mesh, placement)
+        if (want.spec, want.dtypes, want.widths, want_shape) != (fmt.spec, fmt.dtypes, fmt.widths, shape):
+            raise CheckpointError(
+                f"load_state_dict: quantized weight {name!r}: the checkpoint holds {fmt.spec.describe()} {list(shape)}, "
+                f"the model {want.spec.describe()} {list(want_shape)}; quantize the model with the same config first"
+            )
+        parts = []
+        for pname in fmt.names:
+            t = state_dict[f"{name}{PART_TAG}{pname}"]
+            parts.append(t._local_tensor if hasattr(t, "_local_tensor") else t)
+        k_local = local.shape[1]
+        local_fmt = fmt if k_local == fmt.k else row_format(fmt.spec, k_local, fmt.dtypes[1], fmt.dtypes[2] if len(fmt.dtypes) > 2 else None)
+        plain = from_row_parts(local_fmt, [p.to(local.device) for p in parts], f"quantized weight {name!r}")
+        extras = {e: state_dict.get(f"{name}{PART_TAG}{e}") for e in ("input_scale", "input_perm")}
+        extras = {e: None if t is None else (t._local_tensor if hasattr(t, "_local_tensor") else t).to(local.device)
+                  for e, t in extras.items()}
+        new = local._replace(pack_in(local.tensor_impl.layout, plain), **extras)
+        staged.append((name, value, new))
+    for name, value, new in staged:
+        if isinstance(value, AQT):
+            _set_weight(model, name, new)
+        else:
+            value._local_tensor.copy_(new)
+    rest = {k: v for k, v in state_dict.items() if PART_TAG not in k and k in current and v is not current[k]}
+    if rest:
+        model.load_state_dict(rest, strict=False)
+
+
+def _set_weight(model: nn.Module, name: str, w: AQT) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    old = getattr(owner, attr)
+    if isinstance(old, nn.Parameter):
+        owner.register_parameter(attr, nn.Parameter(w, requires_grad=False))
+    else:
+        setattr(owner, attr, w)
+
+
+def load_quantized_sharded(model: nn.Module, path: str, *, verify: bool = True) -> None:
+    """Load a single-file (or one-folder) :func:`torchq.save_quantized` checkpoint into a model
+    whose quantized weights are sharded (FSDP2, ``ColwiseParallel``/``RowwiseParallel``) or
+    whole. Each rank reads only its own rows or columns of each weight's stored parts from the
+    safetensors file (``safe_open(...).get_slice``); with ``verify`` each part's CRC-32 is
+    checked by streaming it in 4 MiB pieces, so no rank holds a whole weight. The model must be
+    quantized with the checkpoint's formats (e.g. quantized on the meta device... then sharded:
+    its shards' bytes are replaced). Float tensors are loaded whole with ``load_state_dict``."""
+    from .sharded_file import load_sharded
+
+    load_sharded(model, path, verify=verify)
