@@ -185,7 +185,7 @@ def fsdp_qlora(rank, world, backend, tmp, configs, steps=3):
         gathered = []
         original = dist.all_gather_single
 
-        def counting(output, input, *a, **k):
+        def counting(output, input, *a, gathered=gathered, original=original, **k):
             gathered.append(output.numel() * output.element_size())
             return original(output, input, *a, **k)
 
@@ -251,6 +251,7 @@ def tensor_parallel(rank, world, backend, tmp, name):
     m = Net().to(device)
     floats = {n: p.detach().clone() for n, p in m.named_parameters()}
     torchq.quantize_(m, config(name))
+    whole = {n: w.to_plain() for n, w in quantized_weights(m).items()}
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
         ref = {i: (m.blocks[i].up(x), m.blocks[i].down(torch.relu(m.blocks[i].up(x)))) for i in range(2)}
@@ -271,7 +272,12 @@ def tensor_parallel(rank, world, backend, tmp, name):
         q.weight.data.copy_(piece)
         torchq.quantize_(nn.Sequential(q), config(name))
         assert isinstance(q.weight, expect)
-        shard_is_quantized_shard[n] = _plain_equal(p._local_tensor.to_plain(), q.weight.to_plain())
+        if whole[n].nested is None:  # exactly the quantized piece of the float weight
+            shard_is_quantized_shard[n] = _plain_equal(p._local_tensor.to_plain(), q.weight.to_plain())
+        else:  # double-quantized scales span the whole weight: the piece holds their fp32 values
+            rows = whole[n].shape[dim] // world
+            shard_is_quantized_shard[n] = (torch.equal(p._local_tensor.to_plain().codes, q.weight.to_plain().codes)
+                                           and _plain_equal(p._local_tensor.to_plain(), whole[n].narrow(dim, rank * rows, rows)))
     with torch.no_grad():
         up = {i: m.blocks[i].up(x) for i in range(2)}
         out = m(x)

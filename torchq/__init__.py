@@ -124,6 +124,7 @@ __all__ = [
     "is_strict",
     "layout_from_json",
     "blockwise",
+    "distributed",
     "interop",
     "native",
     "layouts",

@@ -216,7 +216,11 @@ class AffineQuantizedTensor(torch.Tensor):
                   compute_dtype=self.compute_dtype, input_scale=self.input_scale, input_perm=self.input_perm)
         kw.update(changes)
         dtype = kw.pop("dtype", self.dtype)
-        return AffineQuantizedTensor(self.tensor_impl if impl is None else impl, dtype, **kw)
+        out = AffineQuantizedTensor(self.tensor_impl if impl is None else impl, dtype, **kw)
+        rows = self.__dict__.get("_fsdp_rows")  # an FSDP2 shard's (whole, padded) row counts, kept by .to()
+        if rows is not None and out.shape == self.shape:
+            out._fsdp_rows = rows
+        return out
 
     # -- public helpers ----------------------------------------------------------------------
     @property

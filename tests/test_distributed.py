@@ -1,0 +1,370 @@
+"""Quantized weights under torch.distributed: row parts, the sharding ops, FSDP2's all-gather
+extension, tensor parallelism, distributed checkpoints and sharded single-file loads.
+
+The multi-process tests spawn 2 and 4 gloo processes on the CPU (the NCCL variants run when
+there are enough CUDA devices) from :mod:`distributed_workers`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchq
+from torchq import AffineQuantizedTensor
+from torchq.canonical import PlainForm, QuantSpec
+from torchq.distributed import checkpoint as tqdcp
+from torchq.distributed.fsdp import post_all_gather, pre_all_gather
+from torchq.distributed.rows import from_row_parts, to_row_parts, zero_plain
+from torchq.primitives import ZeroPointDomain
+
+sys.path.insert(0, str(Path(__file__).parent))
+import distributed_workers as dw  # noqa: E402
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+NCCL = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()
+
+FORMATS = [
+    QuantSpec((1, 32), 0, 15, ZeroPointDomain.FLOAT),  # int4 asymmetric, float zero (tinygemm)
+    QuantSpec((1, 16), -8, 7, ZeroPointDomain.NONE),  # int4 symmetric
+    QuantSpec((1, 32), 0, 7, ZeroPointDomain.INT),  # 3-bit with integer zero points
+    QuantSpec((1, 24), -128, 127, ZeroPointDomain.NONE),  # int8 groups
+    QuantSpec((1, 64), 0, 15, ZeroPointDomain.NONE, codebook="nf4"),
+    QuantSpec((1, 64), 0, 15, ZeroPointDomain.NONE, codebook="fp4", double_quant=True),
+]
+
+
+def _weight(spec: QuantSpec, shape, scale_dtype=torch.float32, seed=0) -> AffineQuantizedTensor:
+    if spec.codebook is not None:
+        scale_dtype = torch.float32
+    return AffineQuantizedTensor.from_plain(PlainForm.example(spec, shape, scale_dtype, seed=seed), torch.float32)
+
+
+def _values_equal(a: PlainForm, b: PlainForm) -> bool:
+    return (torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+            and (a.zero_point is None) == (b.zero_point is None)
+            and (a.zero_point is None or torch.equal(a.zero_point, b.zero_point)))
+
+
+# -- row parts -----------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(spec=st.sampled_from(FORMATS), n=st.integers(1, 19), groups=st.integers(1, 4), seed=st.integers(0, 2**16),
+       bf16=st.booleans())
+def test_row_parts_round_trip_any_row_range(spec, n, groups, seed, bf16):
+    """Row parts decode to the same codes, scales and zero points, and cutting the parts at any
+    row range gives the parts of that row range of the weight (blocks are never split)."""
+    k = spec.block_size[1] * groups
+    scale_dtype = torch.bfloat16 if bf16 else torch.float32
+    w = _weight(spec, (n, k), scale_dtype, seed)
+    plain = w.to_plain()
+    fmt, parts = to_row_parts(plain)
+    assert fmt.row_bytes() * n == sum(p.numel() * p.element_size() for p in parts)
+    assert _values_equal(from_row_parts(fmt, parts), plain)
+    lo = seed % n
+    hi = lo + 1 + (seed // 7) % (n - lo)
+    cut = from_row_parts(fmt, [p[lo:hi] for p in parts])
+    assert _values_equal(cut, plain.narrow(0, lo, hi - lo))
+
+
+def test_row_parts_codes_out_of_range_are_an_error():
+    spec = QuantSpec((1, 32), 0, 7, ZeroPointDomain.INT)  # 3-bit: a packed value of 7+ cannot come from it... 8 can
+    fmt, parts = to_row_parts(_weight(spec, (4, 32)).to_plain())
+    bad = [p.clone() for p in parts]
+    bad[0].fill_(0xFF)  # every 3-bit field 7: in range
+    from_row_parts(fmt, bad)
+    spec8 = QuantSpec((1, 32), -100, 100, ZeroPointDomain.NONE)
+    fmt8, parts8 = to_row_parts(_weight(spec8, (4, 32)).to_plain())
+    bad8 = [p.clone() for p in parts8]
+    bad8[0][0, 0] = 127
+    with pytest.raises(ValueError, match=r"codes outside \[-100, 100\]"):
+        from_row_parts(fmt8, bad8)
+    with pytest.raises(ValueError, match="scale: expected"):
+        from_row_parts(fmt8, [parts8[0], parts8[1][:, :0]])
+
+
+def test_blocks_spanning_rows_cannot_be_row_sharded():
+    spec = QuantSpec((4, 32), -8, 7, ZeroPointDomain.NONE)
+    w = _weight(spec, (8, 64))
+    with pytest.raises(ValueError, match="blocks span 4 rows"):
+        to_row_parts(w.to_plain(), "quantized weight 'x'")
+    with pytest.raises(ValueError, match="multiples of 4"):
+        torch.chunk(w, 3, dim=0)
+
+
+@pytest.mark.parametrize("spec", FORMATS, ids=lambda s: s.describe())
+def test_zero_plain_dequantizes_to_zero(spec):
+    z = zero_plain(spec, (3, spec.block_size[1] * 2), torch.float32,
+                   None if spec.zero_point_domain is ZeroPointDomain.NONE else
+                   (torch.float32 if spec.zero_point_domain is ZeroPointDomain.FLOAT else torch.uint8), "cpu")
+    assert not z.spec.double_quant
+    assert torch.equal(z.dequantize(), torch.zeros(3, spec.block_size[1] * 2))
+
+
+# -- sharding ops ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["int4-g32", "int8wo", "nf4-single", "intx3-g32"])
+@pytest.mark.parametrize("world", [2, 3, 4, 7])
+def test_chunk_of_a_quantized_weight_is_the_quantized_chunk(name, world):
+    """torch.chunk (FSDP2's and DTensor's cut) of a quantized weight along rows gives each piece
+    exactly as quantizing that piece of the float weight would, in a layout that holds it
+    (double-quantized scales are the exception: their statistics span the whole weight, so a
+    piece holds the fp32 scales they stand for; the hypothesis tests above cover those)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 10)
+    w_float = lin.weight.detach().clone()
+    torchq.quantize_(lin, dw.config(name))
+    pieces = torch.chunk(lin.weight, world, dim=0)
+    assert [p.shape[0] for p in pieces] == [p.shape[0] for p in torch.chunk(w_float, world, dim=0)]
+    for piece, fpiece in zip(pieces, torch.chunk(w_float, world, dim=0)):
+        q = nn.Linear(128, fpiece.shape[0], bias=False)
+        q.weight.data.copy_(fpiece)
+        torchq.quantize_(nn.Sequential(q), dw.config(name))
+        assert isinstance(piece, AffineQuantizedTensor)
+        assert _values_equal(piece.to_plain(), q.weight.to_plain())
+
+
+def test_new_zeros_empty_view_and_as_strided():
+    w = _weight(FORMATS[0], (6, 64))
+    z = w.new_zeros((9, 64))
+    assert isinstance(z, AffineQuantizedTensor) and z.shape == (9, 64) and z.spec == w.spec
+    assert torch.equal(z.dequantize(), torch.zeros(9, 64))
+    e = w.new_empty(0)
+    assert e.shape == (0, 64)
+    assert w.view(-1) is not w and w.view(-1).shape == w.shape
+    assert torch.as_strided(w, (6, 64), (64, 1), 0).shape == (6, 64)
+    with pytest.raises(NotImplementedError, match="new_zeros"):
+        w.new_zeros((6, 32))
+    with pytest.raises(NotImplementedError, match=r"view\(\[3, 128\]\)"):
+        w.view(3, 128)
+    with pytest.raises(NotImplementedError, match="as_strided"):
+        torch.as_strided(w, (3, 64), (64, 1), 0)
+    assert not w.is_pinned()
+
+
+def test_narrow_copy_into_padded_rows():
+    """FSDP2's padding sequence: new_zeros(padded).narrow(0, 0, n).copy_(shard)."""
+    w = _weight(FORMATS[4], (10, 128))
+    shard = torch.chunk(w, 4, dim=0)[3]  # 1 row
+    padded = w.new_zeros((3, 128))
+    padded.narrow(0, 0, 1).copy_(shard)
+    got = padded.to_plain()
+    assert _values_equal(got.narrow(0, 0, 1), shard.to_plain())
+    assert torch.equal(got.narrow(0, 1, 2).dequantize(), torch.zeros(2, 128))
+
+
+def test_collectives_on_quantized_weights_name_the_way_out():
+    w = _weight(FORMATS[0], (4, 32))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(NotImplementedError, match="src_data_rank=None"):
+            dist.scatter(w.new_zeros((4, 32)), [w], src=0)  # what distribute_tensor's default scatter runs
+    finally:
+        dist.destroy_process_group()
+
+
+# -- FSDP2 extension hooks without processes ---------------------------------------------------------
+class _Mesh:
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def size(self) -> int:
+        return self.world
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=st.sampled_from(FORMATS), n=st.integers(1, 13), world=st.integers(1, 5), dtype=st.sampled_from(
+    [torch.float32, torch.bfloat16]))
+def test_gather_hooks_rebuild_the_weight_from_padded_shards(spec, n, world, dtype):
+    """pre_all_gather on each rank's chunk (padded to ceil(N/world) rows, empty ranks sending
+    only padding) and post_all_gather on their concatenation give the whole weight's values in
+    the requested dtype; with ``out`` the same tensors are refilled."""
+    w = _weight(spec, (n, spec.block_size[1] * 2))
+    chunks = list(torch.chunk(w, world, dim=0))
+    chunks += [w.new_empty(0)] * (world - len(chunks))
+    padded = -(-n // world)
+    inputs = []
+    for c in chunks:
+        c._fsdp_rows = (n, padded)  # what the first all-reduce finds
+        parts, meta = pre_all_gather(c, _Mesh(world))
+        assert all(p.shape[0] == padded for p in parts)
+        inputs.append(parts)
+    gathered = tuple(torch.cat([r[i] for r in inputs]) for i in range(len(inputs[0])))
+    full, inner = post_all_gather(gathered, meta, dtype)
+    assert full.dtype == dtype and full.shape == (n, w.shape[1])
+    assert _values_equal(full.to_plain(), w.to_plain())
+    for t in inner:  # each inner tensor owns its whole storage (FSDP2 frees and re-allocates it)
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert all(t.untyped_storage().data_ptr() != g.untyped_storage().data_ptr() for g in gathered)
+    for t in inner:
+        t.untyped_storage().resize_(0)
+    for t in inner:
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+    assert post_all_gather(gathered, meta, dtype, out=full) is None
+    assert _values_equal(full.to_plain(), w.to_plain())
+
+
+def test_native_weights_follow_reallocated_storage():
+    """A native kernel's cached weight (and the dispatch's bound call) must not keep pointers into
+    storage that FSDP2 frees and re-allocates between forward and backward."""
+    torch.manual_seed(0)
+    for name in ("int8wo", "int4-g32", "nf4"):
+        lin = nn.Linear(64, 48)
+        torchq.quantize_(lin, dw.config(name))
+        x = torch.randn(3, 64)
+        y0 = lin(x)
+        impl = lin.weight.tensor_impl
+        saved = {n: getattr(impl, n).clone() for n in impl.tensor_names()}
+        for n in saved:
+            getattr(impl, n).untyped_storage().resize_(0)
+        keep = [torch.empty(s.numel() * s.element_size() // 4 + 1) for s in saved.values()]  # take the freed blocks
+        for n, s in saved.items():
+            getattr(impl, n).untyped_storage().resize_(s.numel() * s.element_size())
+            getattr(impl, n).copy_(s)
+        assert torch.equal(lin(x), y0), name
+        del keep
+
+
+# -- multi-process ---------------------------------------------------------------------------------------
+def _check_qlora(results: list, configs) -> None:
+    r0 = results[0]
+    for name in configs:
+        d = r0[name]
+        assert d["losses"] == d["ref_losses"], name  # the same floats, bit for bit
+        for g, ref in zip(d["grads"], d["ref_grads"]):
+            assert set(g) == set(ref)
+            for k in g:
+                torch.testing.assert_close(g[k], ref[k], rtol=1e-6, atol=1e-7, msg=f"{name} {k}")
+        world = len(results)
+        for key, whole in d["whole"].items():  # a rank holds about 1/world of each weight's parts
+            local = max(r[name]["local"][key] for r in results)
+            assert local <= whole / world * 1.35 + 64, (name, key, local, whole)
+
+
+@pytest.mark.slow
+def test_fsdp2_qlora_two_processes_matches_one(tmp_path):
+    configs = ("nf4", "nf4-single", "int4-g32", "int8wo")
+    results = dw.spawn("fsdp_qlora", 2, tmp_path, configs)
+    _check_qlora(results, configs)
+    for name in configs:  # the all-gathers carried the quantized parts, not float weights
+        d = results[0][name]
+        float_bytes = sum(4 * 64 * 128 for _ in range(4)) + 4 * 6 * 64
+        assert d["gathered"] < d["steps"] * 2 * float_bytes / 2, (name, d["gathered"])
+
+
+@pytest.mark.slow
+def test_fsdp2_qlora_four_processes_uneven_and_empty_shards(tmp_path):
+    configs = ("nf4", "int4-g32")
+    _check_qlora(dw.spawn("fsdp_qlora", 4, tmp_path, configs), configs)
+
+
+@pytest.mark.slow
+def test_fsdp2_mixed_precision_and_cpu_offload_change_no_bit(tmp_path):
+    r = dw.spawn("fsdp_policies", 2, tmp_path, "nf4")[0]
+    assert r["same"] and all(dtype == torch.bfloat16 and equal for dtype, equal in r["same"].values()), r["same"]
+    assert r["offload_losses"] == r["plain_losses"]
+    assert all(abs(a - b) < 0.02 for a, b in zip(r["mp_losses"], r["plain_losses"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["int4-g32", "nf4"])
+def test_tensor_parallel_matches_one_process(tmp_path, name):
+    results = dw.spawn("tensor_parallel", 2, tmp_path, name)
+    for r in results:
+        assert all(r["shard_is_quantized_shard"].values()), r["shard_is_quantized_shard"]
+        assert all(r["col_equal"].values())  # ColwiseParallel: each output column is computed as on one process
+    r = results[0]
+    # RowwiseParallel sums partial products across ranks: fp32 summation-order bound
+    # |y - y_ref| <= 2 * K * eps * (|x| |W|^T) per output, K = 128 the reduced length
+    diff = (r["out"] - r["ref_out"]).abs().max().item()
+    assert diff <= 2 * 128 * torch.finfo(torch.float32).eps * 64, diff
+    assert torch.allclose(r["out"], r["ref_out"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dcp_round_trips_and_reshards(tmp_path):
+    """FSDP2 on 2 ranks -> DCP -> FSDP2 on 4 ranks, and 4 -> 2: the loaded models give the saved
+    model's outputs exactly; TP on 2 ranks -> FSDP2 on 4."""
+    name = "nf4"
+    saved2 = dw.spawn("dcp_save", 2, tmp_path, name, "ck2")[0]
+    assert any(k.endswith(".torchq.codes") for k in saved2["keys"])
+    assert not any(k.endswith("base.weight") for k in saved2["keys"])
+    loaded4 = dw.spawn("dcp_load", 4, tmp_path, name, "ck2")
+    for r in loaded4:
+        assert torch.equal(r["y"], saved2["y"])
+    saved4 = dw.spawn("dcp_save", 4, tmp_path, name, "ck4")[0]
+    loaded2 = dw.spawn("dcp_load", 2, tmp_path, name, "ck4")
+    for r in loaded2:
+        assert torch.equal(r["y"], saved4["y"])
+    tp = dw.spawn("dcp_save", 2, tmp_path, "int4-g32", "tp2", "tp")[0]
+    from_tp = dw.spawn("dcp_load", 4, tmp_path, "int4-g32", "tp2", False)
+    torch.testing.assert_close(from_tp[0]["y"], tp["y"], rtol=1e-5, atol=1e-5)  # TP's output summed across ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+def test_single_file_checkpoint_into_sharded_model(tmp_path, kind):
+    """torchq.save_quantized -> a model quantized on the meta device and sharded: each rank reads
+    only its own rows (FSDP2, ColwiseParallel) or columns (RowwiseParallel) of the codes."""
+    name = "nf4"
+    torch.manual_seed(0)
+    m = dw.Net()
+    torchq.quantize_(m, dw.config(name))
+    path = tmp_path / "model.safetensors"
+    torchq.save_quantized(m, path)
+    x = dw.batches(1)[0][0]
+    with torch.no_grad():
+        ref = m(x)
+    results = dw.spawn("single_file_load", 2, tmp_path, name, str(path), kind)
+    for r in results:
+        if kind == "fsdp":
+            assert torch.equal(r["y"], ref)
+        else:
+            torch.testing.assert_close(r["y"], ref, rtol=1e-5, atol=1e-5)
+        codes = [shape for key, shape in r["reads"] if key.endswith(":codes")]
+        assert codes and all(s[0] * s[1] <= 128 * 64 // 2 // 2 for s in codes), codes  # half of a 128x64 4-bit weight
+
+
+def test_dcp_state_dict_of_a_whole_model_round_trips(tmp_path):
+    """Without a process group: the row-part state dict saves with DCP and loads into a model
+    quantized the same way, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    m = dw.quantized_net("int4-g32", lora=False)
+    sd = tqdcp.state_dict(m)
+    assert "head.weight.torchq.format" in sd and "head.weight" not in sd
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    torch.manual_seed(5)
+    other = dw.Net()
+    torchq.quantize_(other, dw.config("int4-g32"))
+    sd2 = tqdcp.state_dict(other)
+    dcp.load(sd2, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    tqdcp.load_state_dict(other, sd2)
+    x = torch.randn(3, 64)
+    assert torch.equal(other(x), m(x))
+    wrong = dw.Net()
+    torchq.quantize_(wrong, dw.config("int8wo"))
+    sd3 = tqdcp.state_dict(wrong)
+    sd3.update({k: v for k, v in sd2.items() if k.endswith("format")})
+    before = {n: p.to_plain().codes.clone() for n, p in dw.quantized_weights(wrong).items()}
+    with pytest.raises(torchq.CheckpointError, match="quantize the model with the same config"):
+        tqdcp.load_state_dict(wrong, sd3)
+    assert all(torch.equal(p.to_plain().codes, before[n]) for n, p in dw.quantized_weights(wrong).items())
+
+
+@pytest.mark.skipif(not NCCL, reason="needs 2 CUDA devices and NCCL")
+def test_fsdp2_qlora_nccl(tmp_path):
+    configs = ("nf4", "int4-g32", "int8wo")
+    _check_qlora(dw.spawn("fsdp_qlora", 2, tmp_path, configs, backend="nccl"), configs)
+
+
+@pytest.mark.skipif(not NCCL, reason="needs 2 CUDA devices and NCCL")
+def test_tensor_parallel_nccl(tmp_path):
+    for r in dw.spawn("tensor_parallel", 2, tmp_path, "int4-g32", backend="nccl"):
+        assert all(r["shard_is_quantized_shard"].values()) and all(r["col_equal"].values())
