@@ -231,6 +231,21 @@ def test_native_weights_follow_reallocated_storage():
         del keep
 
 
+@pytest.mark.parametrize("name", ["nf4", "int4-g32"])
+def test_fsdp2_on_one_process(name):
+    """A one-rank mesh takes FSDP2's single-process path (it copies the first all-gather input
+    only): the same losses as without FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ref, _ = dw.train(dw.quantized_net(name), 2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        losses, _ = dw.train(dw.shard(dw.quantized_net(name), init_device_mesh("cpu", (1,))), 2)
+    finally:
+        dist.destroy_process_group()
+    assert losses == ref
+
+
 # -- multi-process ---------------------------------------------------------------------------------------
 def _check_qlora(results: list, configs) -> None:
     r0 = results[0]

@@ -219,14 +219,17 @@ def _set_weight(model: nn.Module, name: str, w: AQT) -> None:
         setattr(owner, attr, w)
 
 
-def load_quantized_sharded(model: nn.Module, path: str, *, verify: bool = True) -> None:
+def load_quantized_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bool = True) -> None:
     """Load a single-file (or one-folder) :func:`torchq.save_quantized` checkpoint into a model
     whose quantized weights are sharded (FSDP2, ``ColwiseParallel``/``RowwiseParallel``) or
     whole. Each rank reads only its own rows or columns of each weight's stored parts from the
     safetensors file (``safe_open(...).get_slice``); with ``verify`` each part's CRC-32 is
     checked by streaming it in 4 MiB pieces, so no rank holds a whole weight. The model must be
-    quantized with the checkpoint's formats (e.g. quantized on the meta device... then sharded:
-    its shards' bytes are replaced). Float tensors are loaded whole with ``load_state_dict``."""
+    quantized with the checkpoint's formats before it is sharded (on the meta device is fine:
+    meta shards are replaced, real ones are written in place). Float tensors are read the same
+    way, each rank its own piece. ``strict``: entries of the model the file lacks (LoRA adapters
+    added after saving), or of the file the model lacks, are an error; with ``strict=False`` they
+    are left alone. Everything is read and checked before anything is installed."""
     from .sharded_file import load_sharded
 
-    load_sharded(model, path, verify=verify)
+    load_sharded(model, path, verify=verify, strict=strict)

@@ -4,9 +4,10 @@
 ``fully_shard`` cuts a quantized weight along dim 0 with ``torch.chunk`` (``ceil(N / world)``
 rows per rank, the last ranks fewer or none) and keeps each rank's rows as a quantized weight
 in its layout (another layout where the shard's shape rules that one out). Padding rule: every
-rank all-gathers ``ceil(N / world)`` rows of :mod:`row parts <torchq.distributed.rows>` (bit-packed
-codes, scales, zero points); the rows a rank lacks are sent as zeros and dropped after the
-gather. Only those parts cross the wire, ``N * RowFormat.row_bytes()`` per weight instead of
+rank all-gathers one uint8 tensor of ``ceil(N / world)`` rows, each row the bytes of its
+:mod:`row parts <torchq.distributed.rows>` (bit-packed codes, then scales, then zero points);
+the rows a rank lacks are sent as zeros and dropped after the gather. (One tensor, not one per
+part: FSDP2's single-process path copies only the first all-gather input.) Only those parts cross the wire, ``N * RowFormat.row_bytes()`` per weight instead of
 ``N * K * itemsize`` for the float weight; the gathered weight is packed in the shard's layout,
 in the dtype FSDP asks for (``param_dtype`` of a mixed precision policy: the wrapper's dtype
 only, never the codes or scales). With CPU offload the parts move as bytes.
@@ -35,20 +36,22 @@ class GatherMetadata(tuple):
 
 
 def pre_all_gather(w: AQT, mesh: Any) -> tuple[tuple[torch.Tensor, ...], GatherMetadata]:
-    """The all-gather inputs of a rank's shard ``w``: its row parts padded with zero rows to
-    ``ceil(N / world)`` (FSDP2's padded shard size), and the metadata to rebuild the whole."""
+    """The all-gather input of a rank's shard ``w``: uint8 ``[ceil(N / world), row_bytes]`` (FSDP2's
+    padded shard size), each row its row parts' bytes, zero rows past the shard's own; and the
+    metadata to rebuild the whole."""
     if w.transposed:
         raise NotImplementedError(f"torchq: FSDP2 shards quantized weights as [N, K]; {w.label!r} is transposed")
     what = f"quantized weight {w.label or tuple(w.shape)!r}"
     fmt, parts = to_row_parts(w.to_plain(), what)
     rows = w.shape[0]
     whole, padded = _shard_rows(w, mesh)
-    if padded != rows:
-        full = fmt.empty(padded, w.device)
-        for dst, src in zip(full, parts):
-            dst[:rows].copy_(src)
-        parts = full
-    return tuple(parts), GatherMetadata((fmt, w.tensor_impl.layout, whole, w))
+    record = torch.zeros(padded, fmt.row_bytes(), dtype=torch.uint8, device=w.device)
+    col = 0
+    for part in parts:
+        width = part.shape[1] * part.element_size()
+        record[:rows, col:col + width] = part.view(torch.uint8).reshape(rows, width)
+        col += width
+    return (record,), GatherMetadata((fmt, w.tensor_impl.layout, whole, w))
 
 
 def _shard_rows(w: AQT, mesh: Any) -> tuple[int, int]:
@@ -80,7 +83,12 @@ def post_all_gather(all_gather_outputs: tuple[torch.Tensor, ...], metadata: Gath
     Returns ``(weight, inner tensors FSDP may free)``, or fills ``out`` in place."""
     fmt, layout, n, template = metadata
     fmt: RowFormat
-    parts = [t[:n] for t in all_gather_outputs]
+    (record,) = all_gather_outputs
+    parts, col = [], 0
+    for dtype, width in zip(fmt.dtypes, fmt.widths):
+        nbytes = width * dtype.itemsize
+        parts.append(record.new_empty((n, nbytes)).copy_(record[:n, col:col + nbytes]).view(dtype))  # own storage, packed strides
+        col += nbytes
     plain = from_row_parts(fmt, parts)
     impl = pack_in(layout, plain)
     # Each inner tensor owns its storage (FSDP frees and re-allocates storages whole).

@@ -67,7 +67,7 @@ def _itemsize(name: str) -> int:
     return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}.get(name, 1)
 
 
-def load_sharded(model: nn.Module, path: str, *, verify: bool = True) -> None:
+def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bool = True) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     path = Path(path)
@@ -89,10 +89,13 @@ def load_sharded(model: nn.Module, path: str, *, verify: bool = True) -> None:
         current = model.state_dict()
         staged: list[tuple[str, Any, torch.Tensor]] = []
         missing = [n for n in current if n not in sources]
-        if missing:
-            raise CheckpointError(f"{path}: the checkpoint has no entry for {missing[:8]}")
+        if missing and strict:
+            raise CheckpointError(f"{path}: the checkpoint has no entry for {missing[:8]} (strict=False leaves them)")
+        unexpected = [n for n in sources if n not in current and sources[n] is not None]
+        if unexpected and strict:
+            raise CheckpointError(f"{path}: the model has no {unexpected[:8]} (strict=False skips them)")
         for name, value in current.items():
-            src = sources[name]
+            src = sources.get(name)
             if src is None:  # an alias of a tensor loaded under its own name (tied weights)
                 continue
             reader, rec, quantized = src
