@@ -253,3 +253,39 @@ def test_compile_inductor_matches_eager(ex, device):
     torch._dynamo.reset()
     compiled = torch.compile(lambda a: F.linear(a, w), fullgraph=True)
     assert _sqnr(compiled(x), F.linear(x, w)) >= _min_sqnr(ex, torch.float32)
+
+
+class _Mesh:
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def size(self) -> int:
+        return self.world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("ex,device", CASES)
+def test_fsdp2_row_shards_gather_back_into_the_layout(ex, device, world):
+    """FSDP2's cut (torch.chunk over rows, each piece in a layout that holds it) and its
+    all-gather hooks (torchq.distributed.fsdp) give back the weight's values in its own layout."""
+    from torchq.distributed.fsdp import post_all_gather, pre_all_gather
+
+    if ex.spec.block_size[0] != 1:
+        pytest.skip("blocks span rows: no row shards")
+    w = _weight(ex, device)
+    n = w.shape[0]
+    pieces = list(torch.chunk(w, world, dim=0))
+    pieces += [w.new_empty(0)] * (world - len(pieces))
+    padded = -(-n // world)
+    records = []
+    for p in pieces:
+        p._fsdp_rows = (n, padded)
+        (record,), meta = pre_all_gather(p, _Mesh(world))
+        records.append(record)
+    full, _ = post_all_gather((torch.cat(records),), meta, torch.float32)
+    assert full.quant_layout == w.quant_layout
+    want = w.to_plain()
+    got = full.to_plain()
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+    assert (got.zero_point is None) == (want.zero_point is None)
+    assert got.zero_point is None or torch.equal(got.zero_point, want.zero_point)
