@@ -13,7 +13,8 @@ any weight, so no rank ever holds the whole model:
 
 Columns, per rank (the largest over ranks): ``held`` MiB of base weights a rank holds (its
 shards), ``peak`` MiB of resident memory above the process's footprint after imports, during
-setup and the timed steps (``/proc/self/status`` VmHWM, reset after imports), ``step`` median
+setup and the timed steps (``/proc/self/status`` VmHWM, reset after imports; ``setup``: the
+same before the first step), ``step`` median
 seconds per optimizer step (batch ``--batch`` x ``--seq`` tokens), ``gathered`` MiB that
 FSDP2's all-gathers received per step, and ``vs float`` its ratio to the float run's at the same
 world size. Threads per process: ``cores // world``. On this 2-core machine 4 processes share 2
@@ -40,16 +41,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-
-class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, r: int = 8) -> None:
-        super().__init__()
-        self.base = base
-        self.lora_a = nn.Parameter(torch.randn(r, base.in_features, device="cpu") * 0.01)
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, r, device="cpu"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+from torchq.examples.lora import LoRALinear
 
 
 class Block(nn.Module):
@@ -74,7 +66,7 @@ class Net(nn.Module):
 
 def add_lora(m: Net) -> None:
     for b in m.blocks:
-        b.up, b.down = LoRALinear(b.up), LoRALinear(b.down)
+        b.up, b.down = LoRALinear(b.up), LoRALinear(b.down)  # rank 8, B = 0 at first
 
 
 def _status() -> dict[str, int]:
@@ -106,6 +98,8 @@ def _child(rank: int, world: int, port: int, args: dict, out: str) -> None:
         m = Net(args["layers"], args["d"], args["hidden"])
     if args["config"] != "float":
         torchq.quantize_(m, torchq.config_from_name(args["config"]))
+    for p in m.parameters():  # QLoRA either way: only the adapters train
+        p.requires_grad_(False)
     add_lora(m)
     for b in m.blocks:
         fully_shard(b, mesh=mesh)
@@ -128,6 +122,7 @@ def _child(rank: int, world: int, port: int, args: dict, out: str) -> None:
             continue
         local = p._local_tensor
         held += local.nbytes_quantized() if hasattr(local, "nbytes_quantized") else local.numel() * local.element_size()
+    setup_peak = _status()["VmHWM"] - base_rss
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args["batch"], args["seq"], args["d"], generator=gen)
@@ -155,7 +150,7 @@ def _child(rank: int, world: int, port: int, args: dict, out: str) -> None:
             times.append(dt)
         losses.append(loss.item())
     status = _status()
-    result = dict(rank=rank, held=held, peak=status["VmHWM"] - base_rss, step=statistics.median(times),
+    result = dict(rank=rank, held=held, setup=setup_peak, peak=status["VmHWM"] - base_rss, step=statistics.median(times),
                   gathered=sum(gathered), losses=losses)
     Path(out, f"r{rank}.pkl").write_bytes(pickle.dumps(result))
     dist.destroy_process_group()
@@ -173,7 +168,8 @@ def run(config: str, world: int, args: argparse.Namespace, checkpoint: str) -> d
                     steps=args.steps, checkpoint=checkpoint)
         mp.start_processes(_child, args=(world, _free_port(), spec, out), nprocs=world, join=True, start_method="spawn")
         ranks = [pickle.loads(Path(out, f"r{r}.pkl").read_bytes()) for r in range(world)]
-    return dict(config=config, world=world, held=max(r["held"] for r in ranks), peak=max(r["peak"] for r in ranks),
+    return dict(config=config, world=world, held=max(r["held"] for r in ranks), setup=max(r["setup"] for r in ranks),
+                peak=max(r["peak"] for r in ranks),
                 step=max(r["step"] for r in ranks), gathered=max(r["gathered"] for r in ranks), losses=ranks[0]["losses"])
 
 
@@ -215,11 +211,12 @@ def main() -> None:
                 sys.stdout.flush()
     float_gather = {r["world"]: r["gathered"] for r in rows if r["config"] == "float"}
     mib = 1 << 20
-    print(f"{'config':8} {'world':>5} {'held MiB':>9} {'peak MiB':>9} {'step s':>7} {'gathered MiB':>13} {'vs float':>8}")
+    print(f"{'config':8} {'world':>5} {'held MiB':>9} {'setup MiB':>9} {'peak MiB':>9} {'step s':>7} {'gathered MiB':>13} "
+          f"{'vs float':>8}")
     for r in rows:
         ratio = r["gathered"] / float_gather[r["world"]] if float_gather.get(r["world"]) else float("nan")
         r["gathered_vs_float"] = ratio
-        print(f"{r['config']:8} {r['world']:>5} {r['held'] / mib:>9.1f} {r['peak'] / mib:>9.1f} {r['step']:>7.2f} "
+        print(f"{r['config']:8} {r['world']:>5} {r['held'] / mib:>9.1f} {r['setup'] / mib:>9.1f} {r['peak'] / mib:>9.1f} {r['step']:>7.2f} "
               f"{r['gathered'] / mib:>13.1f} {ratio:>8.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.multiprocessing.spawn import ProcessException
 
 
 def free_port() -> int:
@@ -45,30 +46,31 @@ def _entry(rank: int, world: int, backend: str, port: int, tmp: str, scenario: s
 
 def spawn(scenario: str, world: int, tmp: Path, *args, backend: str = "gloo") -> list:
     """Run ``scenario`` on ``world`` processes; each rank's result, in rank order."""
-    mp.start_processes(_entry, args=(world, backend, free_port(), str(tmp), scenario, args), nprocs=world,
-                       join=True, start_method="spawn")
+    failure = None
+    try:
+        mp.start_processes(_entry, args=(world, backend, free_port(), str(tmp), scenario, args), nprocs=world,
+                           join=True, start_method="spawn")
+    except ProcessException as e:  # the child's own traceback is in its result file
+        failure = e
     results = []
     for rank in range(world):
-        status, value = pickle.loads((Path(tmp) / f"result-{scenario}-{rank}.pkl").read_bytes())
+        path = Path(tmp) / f"result-{scenario}-{rank}.pkl"
+        status, value = pickle.loads(path.read_bytes()) if path.exists() else ("error", f"no result ({failure})")
         if status != "ok":
             raise AssertionError(f"rank {rank} of {scenario}:\n{value}")
         results.append(value)
+    if failure is not None:
+        raise failure
     return results
 
 
 # -- models -----------------------------------------------------------------------------------------
-class LoRALinear(nn.Module):
-    """A frozen (quantized) linear plus a trainable rank-``r`` update, seeded by its shape."""
+def adapter(base: nn.Linear) -> nn.Module:
+    """A rank-4 adapter, seeded by the layer's shape, with a non-zero B so A has gradients."""
+    from torchq.examples.lora import LoRALinear
 
-    def __init__(self, base: nn.Linear, r: int = 4) -> None:
-        super().__init__()
-        self.base = base
-        g = torch.Generator().manual_seed(base.in_features * 1000 + base.out_features)
-        self.lora_a = nn.Parameter(torch.randn(r, base.in_features, generator=g) * 0.05)
-        self.lora_b = nn.Parameter(torch.randn(base.out_features, r, generator=g) * 0.05)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.t().to(x.dtype)) @ self.lora_b.t().to(x.dtype)
+    g = torch.Generator().manual_seed(base.in_features * 1000 + base.out_features)
+    return LoRALinear(base, rank=4, b_std=0.05, generator=g)
 
 
 class Block(nn.Module):
@@ -114,8 +116,8 @@ def quantized_net(name: str, device: str = "cpu", lora: bool = True) -> Net:
         p.requires_grad_(False)
     if lora:
         for b in m.blocks:
-            b.up, b.down = LoRALinear(b.up), LoRALinear(b.down)
-        m.head = LoRALinear(m.head)
+            b.up, b.down = adapter(b.up), adapter(b.down)
+        m.head = adapter(m.head)
     return m.to(device)
 
 
@@ -373,7 +375,7 @@ def single_file_load(rank, world, backend, tmp, name, path, kind="fsdp"):
     if device != "cpu":
         m.to(device)
     x = batches(1, device)[0][0]
-    with torch.no_grad():
+    with torch.no_grad(), torchq.strict():  # loaded into the CPU's layouts: their kernels, no fallback
         y = m(x)
     y = y.full_tensor() if hasattr(y, "full_tensor") else y
     return dict(y=y.cpu(), reads=reads)

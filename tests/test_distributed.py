@@ -326,8 +326,9 @@ def test_dcp_round_trips_and_reshards(tmp_path):
 @pytest.mark.parametrize("kind", ["fsdp", "tp"])
 def test_single_file_checkpoint_into_sharded_model(tmp_path, kind):
     """torchq.save_quantized -> a model quantized on the meta device and sharded: each rank reads
-    only its own rows (FSDP2, ColwiseParallel) or columns (RowwiseParallel) of the codes."""
-    name = "nf4"
+    only its own rows (FSDP2, ColwiseParallel) or columns (RowwiseParallel) of the codes, and the
+    weights land in the CPU's layouts (the meta device's choice has no CPU kernel for int4)."""
+    name = "nf4" if kind == "fsdp" else "int4-g32"
     torch.manual_seed(0)
     m = dw.Net()
     torchq.quantize_(m, dw.config(name))
@@ -383,3 +384,32 @@ def test_fsdp2_qlora_nccl(tmp_path):
 def test_tensor_parallel_nccl(tmp_path):
     for r in dw.spawn("tensor_parallel", 2, tmp_path, "int4-g32", backend="nccl"):
         assert all(r["shard_is_quantized_shard"].values()) and all(r["col_equal"].values())
+
+
+def test_sharded_file_loader_checks_before_installing(tmp_path):
+    """Without a process group the sliced loader reads whole weights; a flipped byte is a CRC
+    error naming the part, a float target is refused, and a failed load changes nothing."""
+    torch.manual_seed(0)
+    m = dw.Net()
+    torchq.quantize_(m, dw.config("nf4"))
+    path = tmp_path / "m.safetensors"
+    torchq.save_quantized(m, path)
+    target = dw.Net()
+    torchq.quantize_(target, dw.config("nf4"))
+    tqdcp.load_quantized_sharded(target, str(path))
+    x = torch.randn(2, 64)
+    assert torch.equal(target(x), m(x))
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x40  # a byte of the last tensor's data
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    fresh = dw.Net()
+    torchq.quantize_(fresh, dw.config("nf4"))
+    before = {n: t.clone() if not isinstance(t, AffineQuantizedTensor) else t.to_plain().codes.clone()
+              for n, t in fresh.state_dict().items()}
+    with pytest.raises(torchq.CheckpointError, match="crc32"):
+        tqdcp.load_quantized_sharded(fresh, str(bad))
+    for n, t in fresh.state_dict().items():
+        assert torch.equal(t.to_plain().codes if isinstance(t, AffineQuantizedTensor) else t, before[n]), n
+    with pytest.raises(torchq.CheckpointError, match="quantize the model"):
+        tqdcp.load_quantized_sharded(dw.Net(), str(path))

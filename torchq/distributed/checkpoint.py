@@ -101,30 +101,19 @@ def _shard_width(total: int, mesh: Any) -> tuple[int, int]:
     return start, min(total, start + chunk) - start
 
 
-def _global_format(name: str, local: AQT, mesh: Any, placement: Any) -> tuple[RowFormat, tuple[int, int]]:
+def _global_format(name: str, local: AQT, shape: tuple[int, ...]) -> tuple[RowFormat, tuple[int, int]]:
+    """The row format and ``[N, K]`` of the whole weight whose piece ``local`` is (``shape``: the
+    whole weight's, a DTensor's global shape)."""
     plain = local.to_plain()
     zero_dtype = None if plain.zero_point is None else plain.zero_point.dtype
-    n, k = plain.shape
-    if placement is not None and placement.is_shard():
-        dim = placement.dim % 2
-        total = _global_size(local, mesh, dim)
-        n, k = (total, k) if dim == 0 else (n, total)
+    n, k = (int(v) for v in shape)
     return row_format(plain.spec, k, plain.scale.dtype, zero_dtype, f"quantized weight {name!r}"), (n, k)
-
-
-def _global_size(local: AQT, mesh: Any, dim: int) -> int:
-    # every rank holds torch.chunk's piece: the whole is the sum of the pieces
-    import torch.distributed as dist
-
-    count = torch.tensor([local.shape[dim]], dtype=torch.int64, device=local.device)
-    dist.all_reduce(count, group=mesh.get_group())
-    return int(count.item())
 
 
 def state_dict(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
     """``model.state_dict()`` (or the given state dict) with every quantized weight replaced by
     its row parts and format tensor (see the module doc), ready for ``dcp.save`` or as the
-    template ``dcp.load`` fills. Collective on sharded models: every rank must call it."""
+    template ``dcp.load`` fills (each rank lists its own pieces; no collective)."""
     sd = model.state_dict() if isinstance(model, nn.Module) else dict(model)
     DTensor, Replicate, Shard = _dtensor_types()
     out: dict[str, Any] = {}
@@ -135,7 +124,7 @@ def state_dict(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
             continue
         if local.transposed:
             raise NotImplementedError(f"torchq: quantized weight {name!r} is transposed; checkpoints hold [N, K] weights")
-        fmt, shape = _global_format(name, local, mesh, placement)
+        fmt, shape = _global_format(name, local, value.shape)
         _, parts = to_row_parts(local.to_plain(), f"quantized weight {name!r}")
         for pname, part, width in zip(fmt.names, parts, fmt.widths):
             key = f"{name}{PART_TAG}{pname}"
@@ -181,7 +170,7 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
         if fkey not in state_dict:
             raise CheckpointError(f"load_state_dict: quantized weight {name!r} has no {fkey!r} in the state dict")
         fmt, shape, _ = _format_from_tensor(state_dict[fkey], name)
-        want, want_shape = _global_format(name, local, mesh, placement)
+        want, want_shape = _global_format(name, local, value.shape)
         if (want.spec, want.dtypes, want.widths, want_shape) != (fmt.spec, fmt.dtypes, fmt.widths, shape):
             raise CheckpointError(
                 f"load_state_dict: quantized weight {name!r}: the checkpoint holds {fmt.spec.describe()} {list(shape)}, "
@@ -219,17 +208,19 @@ def _set_weight(model: nn.Module, name: str, w: AQT) -> None:
         setattr(owner, attr, w)
 
 
-def load_quantized_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bool = True) -> None:
+def load_quantized_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bool = True,
+                           device: torch.device | str | None = None) -> None:
     """Load a single-file (or one-folder) :func:`torchq.save_quantized` checkpoint into a model
     whose quantized weights are sharded (FSDP2, ``ColwiseParallel``/``RowwiseParallel``) or
     whole. Each rank reads only its own rows or columns of each weight's stored parts from the
     safetensors file (``safe_open(...).get_slice``); with ``verify`` each part's CRC-32 is
     checked by streaming it in 4 MiB pieces, so no rank holds a whole weight. The model must be
     quantized with the checkpoint's formats before it is sharded (on the meta device is fine:
-    meta shards are replaced, real ones are written in place). Float tensors are read the same
+    meta shards are replaced, in ``device``'s best layout (default the CPU; the meta device's
+    layout was chosen for no device), real ones are written in place). Float tensors are read the same
     way, each rank its own piece. ``strict``: entries of the model the file lacks (LoRA adapters
     added after saving), or of the file the model lacks, are an error; with ``strict=False`` they
     are left alone. Everything is read and checked before anything is installed."""
     from .sharded_file import load_sharded
 
-    load_sharded(model, path, verify=verify, strict=strict)
+    load_sharded(model, path, verify=verify, strict=strict, device=device)

@@ -17,6 +17,7 @@ from ..canonical import PlainForm
 from ..checkpoint import codec
 from ..checkpoint.codec import CheckpointError
 from ..checkpoint.safetensors_io import _checkpoint_files, _File, _part_key, _Whole
+from ..layouts.base import choose_layout
 from ..primitives import scale_shape
 from .checkpoint import _dtensor_types, _local_and_placement, _set_weight, _shard_width
 from .rows import pack_in
@@ -67,10 +68,12 @@ def _itemsize(name: str) -> int:
     return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}.get(name, 1)
 
 
-def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bool = True) -> None:
+def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bool = True,
+                 device: torch.device | str | None = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     path = Path(path)
+    device = torch.device("cpu" if device is None else device)
     with contextlib.ExitStack() as stack:
         files, weight_map = _checkpoint_files(path)
         opened: list[_File | _Whole] = [_File(f, stack) for f in files]
@@ -100,9 +103,9 @@ def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bo
                 continue
             reader, rec, quantized = src
             if quantized:
-                staged.append((name, value, _load_quantized(reader, name, rec, value, verify, path)))
+                staged.append((name, value, _load_quantized(reader, name, rec, value, verify, path, device)))
             else:
-                staged.append((name, value, _load_float(reader, name, rec, value, verify, path)))
+                staged.append((name, value, _load_float(reader, name, rec, value, verify, path, device)))
     DTensor, _, _ = _dtensor_types()
     assign: dict[str, Any] = {}
     for name, value, new in staged:
@@ -140,7 +143,7 @@ def _piece(value: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, in
     return (rng, None) if dim == 0 else (None, rng)
 
 
-def _load_float(reader: _Reader, name: str, part: Any, value: Any, verify: bool, path: Path) -> torch.Tensor:
+def _load_float(reader: _Reader, name: str, part: Any, value: Any, verify: bool, path: Path, device: torch.device) -> torch.Tensor:
     where = f"{path}: tensor {name!r}"
     if not isinstance(part, dict) or set(part) != {"dtype", "shape", "crc32"}:
         raise CheckpointError(f"{where}: header entry must have dtype, shape and crc32, got {part!r}")
@@ -151,10 +154,10 @@ def _load_float(reader: _Reader, name: str, part: Any, value: Any, verify: bool,
         raise CheckpointError(f"{where}: data is corrupted (crc32 mismatch)")
     rows, cols = _piece(value, shape, name)
     t = reader.read(name, rows, cols)
-    return t.to(dtype=value.dtype)
+    return t.to(device=value.device if not value.is_meta else device, dtype=value.dtype)
 
 
-def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify: bool, path: Path):
+def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify: bool, path: Path, device: torch.device):
     where = f"{path}: quantized tensor {name!r}"
     try:
         rec = codec.parse_record(record, name)
@@ -216,7 +219,11 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
     if local.tensor_impl.spec.double_quant and placement is None:  # a whole weight keeps its nested scales
         plain = PlainForm(plain.codes, plain.scale, plain.zero_point, local.tensor_impl.spec,
                           _nested_of(reader, name)) if rec.spec.double_quant else plain
-    impl = pack_in(local.tensor_impl.layout, plain.map(lambda t: t.to(local.device)) if not local.is_meta else plain)
+    if local.is_meta:  # meta's layout was chosen for no device: the device's best one
+        plain = plain.map(lambda t: t.to(device))
+        impl = choose_layout(plain.spec, plain.shape, plain.scale.dtype, device).pack(plain)
+    else:
+        impl = pack_in(local.tensor_impl.layout, plain.map(lambda t: t.to(local.device)))
     return local._replace(impl, dtype=rec.dtype, input_scale=extras.get("input_scale"), input_perm=extras.get("input_perm"))
 
 
