@@ -15,7 +15,8 @@ Columns, per rank (the largest over ranks): ``held`` MiB of base weights a rank 
 shards), ``peak`` MiB of resident memory above the process's footprint after imports, during
 setup and the timed steps (``/proc/self/status`` VmHWM, reset after imports; ``setup``: the
 same before the first step), ``step`` median
-seconds per optimizer step (batch ``--batch`` x ``--seq`` tokens), ``gathered`` MiB that
+seconds per optimizer step, each rank on its own batch of ``--batch`` x ``--seq`` tokens (data
+parallel: the global batch grows with the world size), ``gathered`` MiB that
 FSDP2's all-gathers received per step, and ``vs float`` its ratio to the float run's at the same
 world size. Threads per process: ``cores // world``. On this 2-core machine 4 processes share 2
 cores: step times at world 4 measure oversubscription, not scaling.
@@ -29,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,10 +37,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from torchq.examples.lora import LoRALinear
+from torchq.examples.processes import run_local
 
 
 class Block(nn.Module):
@@ -79,9 +78,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _child(rank: int, world: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+def _child(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -89,7 +86,6 @@ def _child(rank: int, world: int, port: int, args: dict, out: str) -> None:
     import torchq
     from torchq.distributed import checkpoint as tqdcp
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     base_rss = _status()["VmRSS"]
     _reset_peak()
@@ -150,24 +146,14 @@ def _child(rank: int, world: int, port: int, args: dict, out: str) -> None:
             times.append(dt)
         losses.append(loss.item())
     status = _status()
-    result = dict(rank=rank, held=held, setup=setup_peak, peak=status["VmHWM"] - base_rss, step=statistics.median(times),
-                  gathered=sum(gathered), losses=losses)
-    Path(out, f"r{rank}.pkl").write_bytes(pickle.dumps(result))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return dict(rank=rank, held=held, setup=setup_peak, peak=status["VmHWM"] - base_rss, step=statistics.median(times),
+                gathered=sum(gathered), losses=losses)
 
 
 def run(config: str, world: int, args: argparse.Namespace, checkpoint: str) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        spec = dict(config=config, layers=args.layers, d=args.d, hidden=args.hidden, batch=args.batch, seq=args.seq,
-                    steps=args.steps, checkpoint=checkpoint)
-        mp.start_processes(_child, args=(world, _free_port(), spec, out), nprocs=world, join=True, start_method="spawn")
-        ranks = [pickle.loads(Path(out, f"r{r}.pkl").read_bytes()) for r in range(world)]
+    spec = dict(config=config, layers=args.layers, d=args.d, hidden=args.hidden, batch=args.batch, seq=args.seq,
+                steps=args.steps, checkpoint=checkpoint)
+    ranks = run_local(_child, world, spec, threads=max(1, (os.cpu_count() or 1) // world))
     return dict(config=config, world=world, held=max(r["held"] for r in ranks), setup=max(r["setup"] for r in ranks),
                 peak=max(r["peak"] for r in ranks),
                 step=max(r["step"] for r in ranks), gathered=max(r["gathered"] for r in ranks), losses=ranks[0]["losses"])

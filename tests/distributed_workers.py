@@ -1,67 +1,27 @@
 """Process-group workers for tests/test_distributed.py (spawned, gloo on CPU; NCCL on CUDA).
 
-Each scenario is a function ``(rank, world, backend, tmp) -> result``; :func:`spawn` starts one
-process per rank and returns every rank's result (a child's traceback becomes the error)."""
+Each scenario is a function ``(rank, world, backend, tmp, *args) -> result``; :func:`spawn` runs
+it on one process per rank (:func:`torchq.examples.processes.run_local`) and returns every rank's
+result (a child's traceback becomes the error)."""
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import sys
-import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
-from torch.multiprocessing.spawn import ProcessException
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, backend: str, port: int, tmp: str, scenario: str, args: tuple) -> None:
-    out = Path(tmp) / f"result-{scenario}-{rank}.pkl"
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
-        try:
-            result = globals()[scenario](rank, world, backend, Path(tmp), *args)
-        finally:
-            dist.destroy_process_group()
-        out.write_bytes(pickle.dumps(("ok", result)))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
-        sys.exit(1)
+def _scenario(rank: int, world: int, scenario: str, backend: str, tmp: str, args: tuple):
+    torch.set_num_threads(1)
+    return globals()[scenario](rank, world, backend, Path(tmp), *args)
 
 
 def spawn(scenario: str, world: int, tmp: Path, *args, backend: str = "gloo") -> list:
     """Run ``scenario`` on ``world`` processes; each rank's result, in rank order."""
-    failure = None
-    try:
-        mp.start_processes(_entry, args=(world, backend, free_port(), str(tmp), scenario, args), nprocs=world,
-                           join=True, start_method="spawn")
-    except ProcessException as e:  # the child's own traceback is in its result file
-        failure = e
-    results = []
-    for rank in range(world):
-        path = Path(tmp) / f"result-{scenario}-{rank}.pkl"
-        status, value = pickle.loads(path.read_bytes()) if path.exists() else ("error", f"no result ({failure})")
-        if status != "ok":
-            raise AssertionError(f"rank {rank} of {scenario}:\n{value}")
-        results.append(value)
-    if failure is not None:
-        raise failure
-    return results
+    from torchq.examples.processes import run_local
+
+    return run_local(_scenario, world, scenario, backend, str(tmp), args, backend=backend)
 
 
 # -- models -----------------------------------------------------------------------------------------
@@ -379,3 +339,9 @@ def single_file_load(rank, world, backend, tmp, name, path, kind="fsdp"):
         y = m(x)
     y = y.full_tensor() if hasattr(y, "full_tensor") else y
     return dict(y=y.cpu(), reads=reads)
+
+
+def failing(rank, world, backend, tmp):
+    if rank == 1:
+        raise ValueError("rank one fails")
+    return rank

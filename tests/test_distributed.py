@@ -288,9 +288,9 @@ def test_fsdp2_mixed_precision_and_cpu_offload_change_no_bit(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["int4-g32", "nf4"])
-def test_tensor_parallel_matches_one_process(tmp_path, name):
-    results = dw.spawn("tensor_parallel", 2, tmp_path, name)
+@pytest.mark.parametrize("name,world", [("int4-g32", 2), ("nf4", 2), ("int4-g32", 4)])
+def test_tensor_parallel_matches_one_process(tmp_path, name, world):
+    results = dw.spawn("tensor_parallel", world, tmp_path, name)
     for r in results:
         assert all(r["shard_is_quantized_shard"].values()), r["shard_is_quantized_shard"]
         assert all(r["col_equal"].values())  # ColwiseParallel: each output column is computed as on one process
@@ -372,6 +372,12 @@ def test_dcp_state_dict_of_a_whole_model_round_trips(tmp_path):
     with pytest.raises(torchq.CheckpointError, match="quantize the model with the same config"):
         tqdcp.load_state_dict(wrong, sd3)
     assert all(torch.equal(p.to_plain().codes, before[n]) for n, p in dw.quantized_weights(wrong).items())
+
+
+@pytest.mark.slow
+def test_a_failing_rank_reports_its_traceback(tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed.*rank one fails"):
+        dw.spawn("failing", 2, tmp_path)
 
 
 @pytest.mark.skipif(not NCCL, reason="needs 2 CUDA devices and NCCL")

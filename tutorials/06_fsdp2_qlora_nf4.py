@@ -15,8 +15,6 @@ so a shard keeps the fp32 scales they stand for (the same values): a rank holds 
 half of the weight's bytes.
 """
 
-import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from torch import nn
 import torchq
 import torchq.distributed.checkpoint
 from torchq.examples.lora import LoRALinear  # the adapter of tutorial 4
+from torchq.examples.processes import run_local  # spawns the ranks, joins them in a gloo group
 
 DIMS, HIDDEN, RANK, STEPS, BATCH = 256, 512, 8, 30, 64
 
@@ -116,76 +115,63 @@ def train(model, teacher, rank=0, world=1):
     return torch.stack(losses)
 
 
-def worker(rank: int, world: int, port: int, folder: str) -> None:
-    """One process of the distributed job (torch.multiprocessing starts it with its rank)."""
+def worker(rank: int, world: int, folder: str) -> None:
+    """One process of the distributed job (run_local starts it with its rank, in a gloo group)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)  # two processes share the CPU
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        model, teacher = pretrained_and_teacher()
-        model = qlora(model)
-        whole = quantized_bytes(model)
-        shard(model, mesh)
-        held = [None] * world
-        dist.all_gather_object(held, quantized_bytes(model))
-        weight = model.blocks[0].up.base.weight  # a DTensor whose local shard is a quantized weight
-        print(f"rank {rank}: blocks.0.up.base.weight {tuple(weight.shape)} -> local "
-              f"{type(weight.to_local()).__name__} {tuple(weight.to_local().shape)}")
+    mesh = init_device_mesh("cpu", (world,))
+    model, teacher = pretrained_and_teacher()
+    model = qlora(model)
+    whole = quantized_bytes(model)
+    shard(model, mesh)
+    held = [None] * world
+    dist.all_gather_object(held, quantized_bytes(model))
+    weight = model.blocks[0].up.base.weight  # a DTensor whose local shard is a quantized weight
+    print(f"rank {rank}: blocks.0.up.base.weight {tuple(weight.shape)} -> local "
+          f"{type(weight.to_local()).__name__} {tuple(weight.to_local().shape)}")
 
-        # Train. The loss printed is the mean over both ranks' halves of the batch.
-        losses = train(model, teacher, rank, world)
-        dist.all_reduce(losses, op=dist.ReduceOp.AVG)
-        assert losses[-5:].mean() < 0.5 * losses[:2].mean(), f"the adapters should learn the task: {losses.tolist()}"
+    # Train. The loss printed is the mean over both ranks' halves of the batch.
+    losses = train(model, teacher, rank, world)
+    dist.all_reduce(losses, op=dist.ReduceOp.AVG)
+    assert losses[-5:].mean() < 0.5 * losses[:2].mean(), f"the adapters should learn the task: {losses.tolist()}"
 
-        # Save with DCP: every rank writes its own shards (codes, scales, adapters) into one folder.
-        dcp.save(torchq.distributed.checkpoint.state_dict(model), checkpoint_id=f"{folder}/checkpoint")
-        _, _, probe = data()
-        with torch.no_grad():
-            trained = model(probe)
+    # Save with DCP: every rank writes its own shards (codes, scales, adapters) into one folder.
+    dcp.save(torchq.distributed.checkpoint.state_dict(model), checkpoint_id=f"{folder}/checkpoint")
+    _, _, probe = data()
+    with torch.no_grad():
+        trained = model(probe)
 
-        # Load into a freshly built model (other random adapters), quantized and sharded the same
-        # way: its state dict is the template that dcp.load fills, then load_state_dict installs
-        # the quantized weights.
-        torch.manual_seed(123)
-        fresh = shard(qlora(Net()), mesh)
-        with torch.no_grad():
-            assert not torch.equal(fresh(probe), trained)
-        template = torchq.distributed.checkpoint.state_dict(fresh)
-        dcp.load(template, checkpoint_id=f"{folder}/checkpoint")
-        torchq.distributed.checkpoint.load_state_dict(fresh, template)
-        with torch.no_grad():
-            reloaded = fresh(probe)
-        assert torch.equal(reloaded, trained), "the reloaded model gives the trained model's outputs"
+    # Load into a freshly built model (other random adapters), quantized and sharded the same
+    # way: its state dict is the template that dcp.load fills, then load_state_dict installs
+    # the quantized weights.
+    torch.manual_seed(123)
+    fresh = shard(qlora(Net()), mesh)
+    with torch.no_grad():
+        assert not torch.equal(fresh(probe), trained)
+    template = torchq.distributed.checkpoint.state_dict(fresh)
+    dcp.load(template, checkpoint_id=f"{folder}/checkpoint")
+    torchq.distributed.checkpoint.load_state_dict(fresh, template)
+    with torch.no_grad():
+        reloaded = fresh(probe)
+    assert torch.equal(reloaded, trained), "the reloaded model gives the trained model's outputs"
 
-        if rank == 0:
-            print(f"quantized base: {whole} bytes whole; held per rank: {held} "
-                  f"({', '.join(f'{h / whole:.0%}' for h in held)})")
-            print(f"loss: {losses[0]:.6f} -> {losses[-1]:.6f} over {len(losses)} steps")
-            print(f"checkpoint: {sorted(p.name for p in Path(folder, 'checkpoint').iterdir())}")
-            print("reloaded model == trained model on a fixed input (bit for bit)")
-            torch.save({"losses": losses, "trained": trained, "whole": whole, "held": held}, f"{folder}/result.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if rank == 0:
+        print(f"quantized base: {whole} bytes whole; held per rank: {held} "
+              f"({', '.join(f'{h / whole:.0%}' for h in held)})")
+        print(f"loss: {losses[0]:.6f} -> {losses[-1]:.6f} over {len(losses)} steps")
+        print(f"checkpoint: {sorted(p.name for p in Path(folder, 'checkpoint').iterdir())}")
+        print("reloaded model == trained model on a fixed input (bit for bit)")
+        torch.save({"losses": losses, "trained": trained, "whole": whole, "held": held}, f"{folder}/result.pt")
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
     world = 2
     with tempfile.TemporaryDirectory() as folder:
         # Raises (with the child's traceback) if a rank fails.
-        mp.start_processes(worker, args=(world, free_port(), folder), nprocs=world, join=True, start_method="spawn")
+        run_local(worker, world, folder)
         result = torch.load(f"{folder}/result.pt")
 
     # Each rank held about half of the quantized bytes.

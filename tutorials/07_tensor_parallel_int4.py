@@ -18,8 +18,6 @@ read each rank's own piece of a torchq.save_quantized file, in the best layout f
 loads onto (device=, default the CPU).
 """
 
-import os
-import socket
 import tempfile
 
 import torch
@@ -27,6 +25,7 @@ from torch import nn
 
 import torchq
 import torchq.distributed.checkpoint
+from torchq.examples.processes import run_local  # spawns the ranks, joins them in a gloo group
 
 DIMS, HIDDEN = 256, 1024
 CONFIG = torchq.int4_weight_only(group_size=128)
@@ -84,76 +83,63 @@ def quantized_bytes(model: nn.Module) -> int:
     return total
 
 
-def worker(rank: int, world: int, port: int, folder: str) -> None:
-    """One process of the distributed job (torch.multiprocessing starts it with its rank)."""
+def worker(rank: int, world: int, folder: str) -> None:
+    """One process of the distributed job (run_local starts it with its rank, in a gloo group)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)  # two processes share the CPU
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        x = prompt()
+    mesh = init_device_mesh("cpu", (world,))
+    x = prompt()
 
-        # 1. Every rank builds the whole quantized model, takes the single-process outputs as the
-        #    reference, then keeps only its pieces.
-        model = quantized_model()
-        whole = quantized_bytes(model)
-        with torch.no_grad():
-            ref_up, ref = model.blocks[0].up(x), model(x)
-        tensor_parallel(model, mesh)
-        up, down = model.blocks[0].up.weight, model.blocks[0].down.weight
-        print(f"rank {rank}: up {tuple(up.shape)} -> {tuple(up.to_local().shape)} {up.placements}, "
-              f"down {tuple(down.shape)} -> {tuple(down.to_local().shape)} {down.placements}, "
-              f"{quantized_bytes(model)} of {whole} bytes, {up.to_local().quant_layout}")
+    # 1. Every rank builds the whole quantized model, takes the single-process outputs as the
+    #    reference, then keeps only its pieces.
+    model = quantized_model()
+    whole = quantized_bytes(model)
+    with torch.no_grad():
+        ref_up, ref = model.blocks[0].up(x), model(x)
+    tensor_parallel(model, mesh)
+    up, down = model.blocks[0].up.weight, model.blocks[0].down.weight
+    print(f"rank {rank}: up {tuple(up.shape)} -> {tuple(up.to_local().shape)} {up.placements}, "
+          f"down {tuple(down.shape)} -> {tuple(down.to_local().shape)} {down.placements}, "
+          f"{quantized_bytes(model)} of {whole} bytes, {up.to_local().quant_layout}")
 
-        with torch.no_grad(), torchq.strict():  # strict: the int4 kernel runs on each piece, no fallback
-            up_out, out = model.blocks[0].up(x), model(x)
-        # A column-parallel output is this rank's slice of the output features, computed from the
-        # same codes and scales by the same kernel: bit for bit.
-        assert torch.equal(up_out, ref_up.chunk(world, dim=-1)[rank])
-        # A row-parallel output is a sum of two partial sums: equal up to fp32 rounding.
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        held = [None] * world
-        dist.all_gather_object(held, quantized_bytes(model))
-        assert all(h == whole // world for h in held), (held, whole)
+    with torch.no_grad(), torchq.strict():  # strict: the int4 kernel runs on each piece, no fallback
+        up_out, out = model.blocks[0].up(x), model(x)
+    # A column-parallel output is this rank's slice of the output features, computed from the
+    # same codes and scales by the same kernel: bit for bit.
+    assert torch.equal(up_out, ref_up.chunk(world, dim=-1)[rank])
+    # A row-parallel output is a sum of two partial sums: equal up to fp32 rounding.
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    held = [None] * world
+    dist.all_gather_object(held, quantized_bytes(model))
+    assert all(h == whole // world for h in held), (held, whole)
 
-        # 2. Load a single-file checkpoint straight into a sharded model: built on the meta device
-        #    (no memory), quantized there (formats, no data), parallelized, then each rank reads
-        #    only its rows (up) or columns (down) of the file's codes and scales, into the CPU's
-        #    int4 layout (strict mode below proves its kernel runs: no dequantize fallback).
-        with torch.device("meta"):
-            meta = Net()
-        torchq.quantize_(meta, torchq.int4_weight_only(group_size=128))
-        tensor_parallel(meta.eval(), mesh)
-        torchq.distributed.checkpoint.load_quantized_sharded(meta, f"{folder}/model.safetensors")
-        with torch.no_grad(), torchq.strict():
-            loaded = meta(x)
-        assert torch.equal(loaded, out), "the loaded model serves the same outputs"
+    # 2. Load a single-file checkpoint straight into a sharded model: built on the meta device
+    #    (no memory), quantized there (formats, no data), parallelized, then each rank reads
+    #    only its rows (up) or columns (down) of the file's codes and scales, into the CPU's
+    #    int4 layout (strict mode below proves its kernel runs: no dequantize fallback).
+    with torch.device("meta"):
+        meta = Net()
+    torchq.quantize_(meta, torchq.int4_weight_only(group_size=128))
+    tensor_parallel(meta.eval(), mesh)
+    torchq.distributed.checkpoint.load_quantized_sharded(meta, f"{folder}/model.safetensors")
+    with torch.no_grad(), torchq.strict():
+        loaded = meta(x)
+    assert torch.equal(loaded, out), "the loaded model serves the same outputs"
 
-        if rank == 0:
-            diff = (out - ref).abs().max().item()
-            print(f"quantized weights: {whole} bytes whole; held per rank: {held}")
-            print(f"tensor parallel vs one process: column-parallel outputs equal, final max |diff| {diff:.2e}")
-            print("loaded from torchq.save_quantized into a meta-built TP model: same outputs")
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if rank == 0:
+        diff = (out - ref).abs().max().item()
+        print(f"quantized weights: {whole} bytes whole; held per rank: {held}")
+        print(f"tensor parallel vs one process: column-parallel outputs equal, final max |diff| {diff:.2e}")
+        print("loaded from torchq.save_quantized into a meta-built TP model: same outputs")
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
     world = 2
     with tempfile.TemporaryDirectory() as folder:
         # An ordinary single-process checkpoint (what the workers load in step 2).
         torchq.save_quantized(quantized_model(), f"{folder}/model.safetensors")
         # Raises (with the child's traceback) if a rank fails.
-        mp.start_processes(worker, args=(world, free_port(), folder), nprocs=world, join=True, start_method="spawn")
+        run_local(worker, world, folder)
     print("tensor-parallel int4: OK")
