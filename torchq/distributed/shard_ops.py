@@ -5,13 +5,16 @@
   range of the float weight (a block or group that would be cut raises a ValueError naming it);
 * ``new_zeros`` / ``new_empty``: a weight of the same format whose values are 0 (a shard's padding
   rows; ``new_empty(0)``: no rows);
-* ``view`` to its own shape (an alias) or to ``[-1]`` (FSDP2's flat shard handle: the weight has
-  no 1-D form, so this is also an alias in its 2-D shape; nothing reads it as 1-D);
+* ``view`` to its own shape (an alias); ``view(-1)`` only for FSDP2, which keeps it as a flat shard
+  handle it never reads for weights with an all-gather extension (the weight has no 1-D form, so
+  FSDP2 gets an alias in the 2-D shape; anyone else gets a NotImplementedError);
 * ``as_strided`` to its own size and contiguous strides (an alias);
 * ``is_pinned`` / ``_pin_memory`` (CPU offload), ``empty_like`` (zeros, as ``new_zeros``).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
@@ -95,12 +98,25 @@ def _zeros_like(func, args, kwargs):
 def _view(func, args, kwargs):
     self: AQT = args[0]
     size = list(args[1])
-    if size == list(self.shape) or size in ([-1], [self.numel()]):
+    if size == list(self.shape) or (size in ([-1], [self.numel()]) and _called_by_fsdp()):
         return return_and_correct_aliasing(func, args, kwargs, self._replace())
     raise NotImplementedError(
         f"torchq: view({size}) of the quantized weight {self.label or tuple(self.shape)!r} {tuple(self.shape)}: a "
         f"quantized weight keeps its 2-D shape; call .dequantize() first"
     )
+
+
+def _called_by_fsdp(depth: int = 12) -> bool:
+    """Whether FSDP2's own code asked (it keeps ``view(-1)`` of a shard as a handle it never reads
+    for weights with an all-gather extension); anyone else asking for a 1-D view gets the error."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if "/fsdp/_fully_shard/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @_implements(aten.as_strided.default)
