@@ -397,7 +397,8 @@ class AffineQuantizedTensor(torch.Tensor):
 AQT = AffineQuantizedTensor
 
 
-def _first_quantized(values: list) -> AQT:
+def _first_quantized(values: list) -> AQT | None:
+    """The first quantized weight in ``values``, looking into lists and tuples (c10d ops take lists)."""
     for v in values:
         if isinstance(v, AQT):
             return v
@@ -405,7 +406,7 @@ def _first_quantized(values: list) -> AQT:
             found = _first_quantized(list(v))
             if found is not None:
                 return found
-    return None  # type: ignore[return-value]
+    return None
 
 
 def check_compute_dtype(compute_dtype: Any, arg: str = "compute_dtype") -> torch.dtype | None:
