@@ -40,30 +40,15 @@ import torch
 import torch.nn as nn
 
 from torchq.examples.lora import LoRALinear
+from torchq.examples.mlp import ResidualMLP
 from torchq.examples.processes import run_local
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, hidden, bias=False), nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+def build_model(layers: int, d: int, hidden: int) -> ResidualMLP:
+    return ResidualMLP(d, hidden, depth=layers, bias=False)
 
 
-class Net(nn.Module):
-    def __init__(self, layers: int, d: int, hidden: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(d, hidden) for _ in range(layers)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def add_lora(m: Net) -> None:
+def add_lora(m: ResidualMLP) -> None:
     for b in m.blocks:
         b.up, b.down = LoRALinear(b.up), LoRALinear(b.down)  # rank 8, B = 0 at first
 
@@ -91,7 +76,7 @@ def _child(rank: int, world: int, args: dict) -> dict:
     _reset_peak()
     torch.manual_seed(0)
     with torch.device("meta"):
-        m = Net(args["layers"], args["d"], args["hidden"])
+        m = build_model(args["layers"], args["d"], args["hidden"])
     if args["config"] != "float":
         torchq.quantize_(m, torchq.config_from_name(args["config"]))
     for p in m.parameters():  # QLoRA either way: only the adapters train
@@ -183,7 +168,7 @@ def main() -> None:
             if config == "float":
                 continue
             torch.manual_seed(0)
-            m = Net(args.layers, args.d, args.hidden)
+            m = build_model(args.layers, args.d, args.hidden)
             for p in m.parameters():
                 nn.init.normal_(p.data, 0, 0.02)
             torchq.quantize_(m, torchq.config_from_name(config))

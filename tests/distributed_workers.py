@@ -33,29 +33,12 @@ def adapter(base: nn.Linear) -> nn.Module:
     return LoRALinear(base, rank=4, b_std=0.05, generator=g)
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
+def build_net() -> nn.Module:
+    """Two residual MLP blocks (64 -> 128 -> 64, relu) and a 6-row head: over 4 ranks the head's
+    rows go 2, 2, 2, 0 (one rank holds an empty shard: only padding in the all-gather)."""
+    from torchq.examples.mlp import ResidualMLP
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Net(nn.Module):
-    """Two residual MLP blocks and a 6-row head: over 4 ranks the head's rows go 2, 2, 2, 0 (one
-    rank holds an empty shard: only padding in the all-gather)."""
-
-    def __init__(self, d: int = 64, hidden: int = 128, classes: int = 6) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(d, hidden) for _ in range(2)])
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
+    return ResidualMLP(64, 128, depth=2, classes=6, activation="relu")
 
 
 def config(name: str):
@@ -66,11 +49,11 @@ def config(name: str):
     return torchq.config_from_name(name)
 
 
-def quantized_net(name: str, device: str = "cpu", lora: bool = True) -> Net:
+def quantized_net(name: str, device: str = "cpu", lora: bool = True) -> nn.Module:
     import torchq
 
     torch.manual_seed(0)
-    m = Net()
+    m = build_net()
     torchq.quantize_(m, config(name))
     for p in m.parameters():
         p.requires_grad_(False)
@@ -210,7 +193,7 @@ def tensor_parallel(rank, world, backend, tmp, name):
     device = "cuda" if backend == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world,))
     torch.manual_seed(0)
-    m = Net().to(device)
+    m = build_net().to(device)
     floats = {n: p.detach().clone() for n, p in m.named_parameters()}
     torchq.quantize_(m, config(name))
     whole = {n: w.to_plain() for n, w in quantized_weights(m).items()}
@@ -311,7 +294,7 @@ def single_file_load(rank, world, backend, tmp, name, path, kind="fsdp"):
     device = "cuda" if backend == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world,))
     with torch.device("meta"):
-        m = Net()
+        m = build_net()
     torchq.quantize_(m, config(name))
     if kind == "fsdp":
         shard(m, mesh)

@@ -332,7 +332,7 @@ def test_single_file_checkpoint_into_sharded_model(tmp_path, kind):
     weights land in the CPU's layouts (the meta device's choice has no CPU kernel for int4)."""
     name = "nf4" if kind == "fsdp" else "int4-g32"
     torch.manual_seed(0)
-    m = dw.Net()
+    m = dw.build_net()
     torchq.quantize_(m, dw.config(name))
     path = tmp_path / "model.safetensors"
     torchq.save_quantized(m, path)
@@ -359,14 +359,14 @@ def test_dcp_state_dict_of_a_whole_model_round_trips(tmp_path):
     assert "head.weight.torchq.format" in sd and "head.weight" not in sd
     dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
     torch.manual_seed(5)
-    other = dw.Net()
+    other = dw.build_net()
     torchq.quantize_(other, dw.config("int4-g32"))
     sd2 = tqdcp.state_dict(other)
     dcp.load(sd2, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
     tqdcp.load_state_dict(other, sd2)
     x = torch.randn(3, 64)
     assert torch.equal(other(x), m(x))
-    wrong = dw.Net()
+    wrong = dw.build_net()
     torchq.quantize_(wrong, dw.config("int8wo"))
     sd3 = tqdcp.state_dict(wrong)
     sd3.update({k: v for k, v in sd2.items() if k.endswith("format")})
@@ -398,11 +398,11 @@ def test_sharded_file_loader_checks_before_installing(tmp_path):
     """Without a process group the sliced loader reads whole weights; a flipped byte is a CRC
     error naming the part, a float target is refused, and a failed load changes nothing."""
     torch.manual_seed(0)
-    m = dw.Net()
+    m = dw.build_net()
     torchq.quantize_(m, dw.config("nf4"))
     path = tmp_path / "m.safetensors"
     torchq.save_quantized(m, path)
-    target = dw.Net()
+    target = dw.build_net()
     torchq.quantize_(target, dw.config("nf4"))
     tqdcp.load_quantized_sharded(target, str(path))
     x = torch.randn(2, 64)
@@ -411,7 +411,7 @@ def test_sharded_file_loader_checks_before_installing(tmp_path):
     data[-7] ^= 0x40  # a byte of the last tensor's data
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(bytes(data))
-    fresh = dw.Net()
+    fresh = dw.build_net()
     torchq.quantize_(fresh, dw.config("nf4"))
     before = {n: t.clone() if not isinstance(t, AffineQuantizedTensor) else t.to_plain().codes.clone()
               for n, t in fresh.state_dict().items()}
@@ -420,4 +420,4 @@ def test_sharded_file_loader_checks_before_installing(tmp_path):
     for n, t in fresh.state_dict().items():
         assert torch.equal(t.to_plain().codes if isinstance(t, AffineQuantizedTensor) else t, before[n]), n
     with pytest.raises(torchq.CheckpointError, match="quantize the model"):
-        tqdcp.load_quantized_sharded(dw.Net(), str(path))
+        tqdcp.load_quantized_sharded(dw.build_net(), str(path))

@@ -24,36 +24,22 @@ from torch import nn
 import torchq
 import torchq.distributed.checkpoint
 from torchq.examples.lora import LoRALinear  # the adapter of tutorial 4
+from torchq.examples.mlp import ResidualMLP  # blocks of x + down(gelu(up(x)))
 from torchq.examples.processes import run_local  # spawns the ranks, joins them in a gloo group
 
 DIMS, HIDDEN, RANK, STEPS, BATCH = 256, 512, 8, 30, 64
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(DIMS, HIDDEN), nn.Linear(HIDDEN, DIMS)
-
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
+def build_model() -> ResidualMLP:
+    """Two residual blocks x + down(gelu(up(x))) of DIMS -> HIDDEN -> DIMS."""
+    return ResidualMLP(DIMS, HIDDEN, depth=2)
 
 
 def pretrained_and_teacher():
     """The same "pretrained" model on every rank, and a teacher that differs from it by a low-rank
     change (a task the adapters can learn)."""
     torch.manual_seed(0)
-    model, teacher = Net(), Net()
+    model, teacher = build_model(), build_model()
     teacher.load_state_dict(model.state_dict())
     with torch.no_grad():
         for block in teacher.blocks:
@@ -62,7 +48,7 @@ def pretrained_and_teacher():
     return model, teacher
 
 
-def qlora(model: Net) -> Net:
+def qlora(model: ResidualMLP) -> ResidualMLP:
     """NF4 base (frozen, bias included), an adapter around each linear."""
     torchq.quantize_(model, torchq.nf4_weight_only(block_size=64, double_quant=True))
     model.requires_grad_(False)
@@ -81,7 +67,7 @@ def quantized_bytes(model: nn.Module) -> int:
     return total
 
 
-def shard(model: Net, mesh) -> Net:
+def shard(model: ResidualMLP, mesh) -> ResidualMLP:
     """FSDP2: each block is its own unit (gathered just in time), then the root."""
     from torch.distributed.fsdp import fully_shard
 
@@ -148,7 +134,7 @@ def worker(rank: int, world: int, folder: str) -> None:
     # way: its state dict is the template that dcp.load fills, then load_state_dict installs
     # the quantized weights.
     torch.manual_seed(123)
-    fresh = shard(qlora(Net()), mesh)
+    fresh = shard(qlora(build_model()), mesh)
     with torch.no_grad():
         assert not torch.equal(fresh(probe), trained)
     template = torchq.distributed.checkpoint.state_dict(fresh)

@@ -25,36 +25,22 @@ from torch import nn
 
 import torchq
 import torchq.distributed.checkpoint
+from torchq.examples.mlp import ResidualMLP  # blocks of x + down(gelu(up(x)))
 from torchq.examples.processes import run_local  # spawns the ranks, joins them in a gloo group
 
 DIMS, HIDDEN = 256, 1024
 CONFIG = torchq.int4_weight_only(group_size=128)
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(DIMS, HIDDEN), nn.Linear(HIDDEN, DIMS)
-
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(x)))
+def build_model() -> ResidualMLP:
+    """Three residual blocks x + down(gelu(up(x))) of DIMS -> HIDDEN -> DIMS."""
+    return ResidualMLP(DIMS, HIDDEN, depth=3)
 
 
-class Net(nn.Module):
-    def __init__(self, depth: int = 3):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(depth)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def quantized_model() -> Net:
+def quantized_model() -> ResidualMLP:
     """The "pretrained" model (the same on every process), quantized to int4."""
     torch.manual_seed(0)
-    model = Net()
+    model = build_model()
     torchq.quantize_(model, CONFIG)
     return model.eval()
 
@@ -63,7 +49,7 @@ def prompt() -> torch.Tensor:
     return torch.randn(8, DIMS, generator=torch.Generator().manual_seed(1))
 
 
-def tensor_parallel(model: Net, mesh) -> Net:
+def tensor_parallel(model: ResidualMLP, mesh) -> ResidualMLP:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {}
@@ -120,7 +106,7 @@ def worker(rank: int, world: int, folder: str) -> None:
     #    only its rows (up) or columns (down) of the file's codes and scales, into the CPU's
     #    int4 layout (strict mode below proves its kernel runs: no dequantize fallback).
     with torch.device("meta"):
-        meta = Net()
+        meta = build_model()
     torchq.quantize_(meta, torchq.int4_weight_only(group_size=128))
     tensor_parallel(meta.eval(), mesh)
     torchq.distributed.checkpoint.load_quantized_sharded(meta, f"{folder}/model.safetensors")
