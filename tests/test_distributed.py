@@ -374,6 +374,10 @@ def test_dcp_state_dict_of_a_whole_model_round_trips(tmp_path):
     with pytest.raises(torchq.CheckpointError, match="quantize the model with the same config"):
         tqdcp.load_state_dict(wrong, sd3)
     assert all(torch.equal(p.to_plain().codes, before[n]) for n, p in dw.quantized_weights(wrong).items())
+    sd2["blocks.1.up.weight.torchq.scale"][3, 1] = float("nan")  # a hostile file's scale
+    with pytest.raises(torchq.CheckpointError, match="'blocks.1.up.weight': scale contains NaN"):
+        tqdcp.load_state_dict(other, sd2)
+    assert torch.equal(other(x), m(x))  # nothing was installed
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from ..canonical import QuantSpec
 from ..checkpoint.codec import CheckpointError, dtype_from_name, dtype_name
-from ..tensor import AQT
+from ..tensor import AQT, check_input_perm, check_input_scale, is_permutation
 from .rows import RowFormat, from_row_parts, pack_in, row_format, to_row_parts
 
 __all__ = ["state_dict", "load_state_dict", "load_quantized_sharded", "PART_TAG"]
@@ -126,6 +126,9 @@ def state_dict(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
             raise NotImplementedError(f"torchq: quantized weight {name!r} is transposed; checkpoints hold [N, K] weights")
         fmt, shape = _global_format(name, local, value.shape)
         _, parts = to_row_parts(local.to_plain(), f"quantized weight {name!r}")
+        # copies, never the weight's own tensors: dcp.load writes into this dict, and a load must
+        # change nothing before load_state_dict has checked it
+        parts = tuple(p.clone(memory_format=torch.contiguous_format) for p in parts)
         for pname, part, width in zip(fmt.names, parts, fmt.widths):
             key = f"{name}{PART_TAG}{pname}"
             if placement is None or not placement.is_shard():
@@ -148,7 +151,7 @@ def state_dict(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
             if t is not None:
                 if placement is not None and placement.is_shard() and placement.dim % 2 == 1:
                     raise NotImplementedError(f"torchq: {extra} of {name!r} with its input features sharded")
-                out[f"{name}{PART_TAG}{extra}"] = t
+                out[f"{name}{PART_TAG}{extra}"] = t.clone()
         out[f"{name}{PART_TAG}format"] = _format_tensor(fmt, shape, local.dtype)
     return out
 
@@ -157,9 +160,10 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
     """Install the quantized weights of ``state_dict`` (a :func:`state_dict` template that
     ``dcp.load`` filled) into ``model``: each rank decodes its own parts and copies them into its
     shard in place (FSDP2's and DTensor's bookkeeping stay valid), or replaces a whole weight.
-    The other entries were filled in place by ``dcp.load`` already (they are the model's own
-    tensors); entries that are not, are loaded with ``model.load_state_dict(strict=False)``.
-    Every weight is decoded and checked before any is installed."""
+    The other entries of ``state_dict`` that the model has are loaded with
+    ``model.load_state_dict(strict=False)`` (after ``dcp.load`` they already share the model's
+    storage: a copy onto itself). Every weight is decoded and checked (codes in range, finite
+    scales and zero points) before any is installed."""
     current = model.state_dict()
     staged: list[tuple[str, Any, AQT]] = []
     for name, value in current.items():
@@ -182,10 +186,12 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
             parts.append(t._local_tensor if hasattr(t, "_local_tensor") else t)
         k_local = local.shape[1]
         local_fmt = fmt if k_local == fmt.k else row_format(fmt.spec, k_local, fmt.dtypes[1], fmt.dtypes[2] if len(fmt.dtypes) > 2 else None)
-        plain = from_row_parts(local_fmt, [p.to(local.device) for p in parts], f"quantized weight {name!r}")
+        # copies: the installed weight must not share memory with the caller's state dict
+        plain = from_row_parts(local_fmt, [p.to(local.device, copy=True) for p in parts], f"quantized weight {name!r}")
         extras = {e: state_dict.get(f"{name}{PART_TAG}{e}") for e in ("input_scale", "input_perm")}
-        extras = {e: None if t is None else (t._local_tensor if hasattr(t, "_local_tensor") else t).to(local.device)
+        extras = {e: None if t is None else (t._local_tensor if hasattr(t, "_local_tensor") else t).to(local.device, copy=True)
                   for e, t in extras.items()}
+        _check_values(name, plain, **extras)
         new = local._replace(pack_in(local.tensor_impl.layout, plain), **extras)
         staged.append((name, value, new))
     for name, value, new in staged:
@@ -193,9 +199,28 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
             _set_weight(model, name, new)
         else:
             value._local_tensor.copy_(new)
-    rest = {k: v for k, v in state_dict.items() if PART_TAG not in k and k in current and v is not current[k]}
+    rest = {k: v for k, v in state_dict.items() if PART_TAG not in k and k in current}
     if rest:
         model.load_state_dict(rest, strict=False)
+
+
+def _check_values(name: str, plain, input_scale: torch.Tensor | None, input_perm: torch.Tensor | None) -> None:
+    """What a file could get wrong that the shapes do not show: non-finite scales or zero points, an
+    input scale that is not finite and positive, an input permutation that is not one."""
+    where = f"load_state_dict: quantized weight {name!r}"
+    if not bool(torch.isfinite(plain.scale).all()):
+        raise CheckpointError(f"{where}: scale contains NaN/inf")
+    z = plain.zero_point
+    if z is not None and z.is_floating_point() and not bool(torch.isfinite(z).all()):
+        raise CheckpointError(f"{where}: zero_point contains NaN/inf")
+    if input_scale is not None:
+        check_input_scale(input_scale, plain.shape[1], input_scale.device)
+        if not bool((torch.isfinite(input_scale) & (input_scale > 0)).all()):
+            raise CheckpointError(f"{where}: input_scale must be finite and positive")
+    if input_perm is not None:
+        check_input_perm(input_perm, plain.shape[1], input_perm.device)
+        if not is_permutation(input_perm):
+            raise CheckpointError(f"{where}: input_perm must be a permutation of 0..{plain.shape[1] - 1}")
 
 
 def _set_weight(model: nn.Module, name: str, w: AQT) -> None:
