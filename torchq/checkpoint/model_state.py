@@ -208,10 +208,47 @@ def _fmt_names(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+COMPUTE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_floating_point:
+        return "floating-point"
+    if dtype.is_complex:
+        return "complex"
+    return "bool" if dtype == torch.bool else "integer"
+
+
+def check_entry_dtype(name: str, model_dtype: torch.dtype, stored: torch.dtype, source: str, what: str = "entry",
+                      trainable: bool = False) -> None:
+    """CheckpointError unless a stored float (or integer, bool) entry of dtype ``stored`` may fill the
+    model's ``model_dtype`` entry ``name``: the same kind of number, and for floats either the same
+    dtype or two of float32 / bfloat16 / float16 (an fp64 or float8 tensor never silently becomes,
+    or sits beside, a model's compute dtype; an integer never becomes a weight)."""
+    desc = f"a {'trainable ' if trainable else ''}{model_dtype} {what}"
+    if _kind(stored) != _kind(model_dtype):
+        raise CheckpointError(
+            f"{source}: {name!r} is {desc} in the model but {stored} in the checkpoint ({_kind(stored)} "
+            f"values for a {_kind(model_dtype)} {what}); is it a checkpoint of another model? The model was not changed"
+        )
+    if stored != model_dtype and stored.is_floating_point and not (stored in COMPUTE_FLOATS and model_dtype in COMPUTE_FLOATS):
+        raise CheckpointError(
+            f"{source}: {name!r} is {desc} in the model but {stored} in the checkpoint; torchq converts only "
+            f"between float32, bfloat16 and float16 (cast the checkpoint, or build the model in {stored}). "
+            f"The model was not changed"
+        )
+
+
 def _final_value(slot: Slot, value: torch.Tensor, inc: Incoming, source: str) -> tuple[torch.Tensor, bool]:
     """``(object to install, copy in place?)`` for one loaded tensor; raises CheckpointError
     (the model untouched) when it cannot take the slot."""
     old = slot.tensor
+    if not isinstance(value, AffineQuantizedTensor) and not isinstance(old, AffineQuantizedTensor):
+        check_entry_dtype(slot.name, old.dtype, value.dtype, source, "buffer" if slot.is_buffer else "parameter",
+                          old.requires_grad and not slot.is_buffer)
+        if _kind(value.dtype) == "integer" and value.dtype != old.dtype and not torch.equal(value.to(old.dtype).to(value.dtype), value):
+            raise CheckpointError(f"{source}: {slot.name!r} holds {value.dtype} values that do not fit the model's {old.dtype}; "
+                                  f"the model was not changed")
     in_place = (
         not inc.quantized and not isinstance(old, AffineQuantizedTensor) and not _is_meta(old)
         and old.device == value.device and type(old) in (torch.Tensor, nn.Parameter) and not old.is_inference()
@@ -220,11 +257,6 @@ def _final_value(slot: Slot, value: torch.Tensor, inc: Incoming, source: str) ->
         return value, in_place
     if isinstance(value, AffineQuantizedTensor):
         return nn.Parameter(value, requires_grad=False), False
-    if old.requires_grad and not (value.is_floating_point() or value.is_complex()):
-        raise CheckpointError(
-            f"{source}: {slot.name!r} is a trainable {old.dtype} parameter in the model but {value.dtype} in the "
-            f"checkpoint, which cannot require gradients; is it a checkpoint of another model? The model was not changed"
-        )
     return nn.Parameter(value, requires_grad=old.requires_grad), False
 
 

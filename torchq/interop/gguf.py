@@ -70,14 +70,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..canonical import PlainForm, QuantSpec
+from ..checkpoint.codec import CheckpointError
 from ..primitives import ZeroPointDomain
 from ..tensor import AffineQuantizedTensor
 
-__all__ = ["BLOCK_BYTES", "K_QUANTS", "GGUFDequantizedWarning", "from_gguf_blocks", "to_gguf_bytes", "GGUFTensor", "read_gguf",
-           "gguf_metadata"]
+__all__ = ["BLOCK_BYTES", "K_QUANTS", "GGUFDequantizedWarning", "NonFiniteScaleError", "from_gguf_blocks", "to_gguf_bytes",
+           "GGUFTensor", "read_gguf", "gguf_metadata"]
 
 BLOCK = 32
 QK_K = 256  # k-quant super-block
@@ -108,6 +110,29 @@ class GGUFDequantizedWarning(UserWarning):
     """A GGUF tensor was imported dequantized to float: its format has no exact torchq form."""
 
 
+class NonFiniteScaleError(ValueError):
+    """A GGUF block holds a NaN or infinite scale (``d``, ``dmin`` or ``m``): no exact form, no float form."""
+
+
+# where each kind keeps its float block fields: (name, byte offset, bytes); fp16, or fp32 for 4 bytes
+_SCALE_FIELDS = {
+    "Q4_0": (("d", 0, 2),), "Q4_1": (("d", 0, 2), ("m", 2, 2)), "Q5_0": (("d", 0, 2),), "Q5_1": (("d", 0, 2), ("m", 2, 2)),
+    "Q8_0": (("d", 0, 2),), "Q2_K": (("d", 80, 2), ("dmin", 82, 2)), "Q3_K": (("d", 108, 2),),
+    "Q4_K": (("d", 0, 2), ("dmin", 2, 2)), "Q5_K": (("d", 0, 2), ("dmin", 2, 2)), "Q6_K": (("d", 208, 2),), "Q8_K": (("d", 0, 4),),
+}
+
+
+def _check_scales(blocks: torch.Tensor, kind: str) -> None:
+    """NonFiniteScaleError naming the first block ``[n, nb, bytes]`` whose ``d`` / ``dmin`` / ``m`` is NaN or inf."""
+    for field, at, size in _SCALE_FIELDS[kind]:
+        v = blocks[..., at:at + size].contiguous().view(torch.float16 if size == 2 else torch.float32).squeeze(-1)
+        bad = ~torch.isfinite(v)
+        if bool(bad.any()):
+            row, block = (int(i) for i in bad.nonzero()[0])
+            raise NonFiniteScaleError(f"{kind} block {block} of row {row} has {field} = {float(v[row, block])!r}; "
+                                      f"a scale must be finite")
+
+
 def _check(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> torch.Tensor:
     if kind not in BLOCK_BYTES:
         raise ValueError(f"kind: expected one of {sorted(BLOCK_BYTES)}, got {kind!r}")
@@ -119,7 +144,9 @@ def _check(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> torch.Tensor
     if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.numel() != want:
         got = f"{raw.dtype} with {raw.numel()}" if isinstance(raw, torch.Tensor) else type(raw).__name__
         raise ValueError(f"raw: expected {want} uint8 bytes for {kind} {list(shape)}, got {got}")
-    return raw.reshape(n, k // block, BLOCK_BYTES[kind])
+    blocks = raw.reshape(n, k // block, BLOCK_BYTES[kind])
+    _check_scales(blocks, kind)
+    return blocks
 
 
 def _fp16(b: torch.Tensor) -> torch.Tensor:
@@ -467,45 +494,51 @@ class GGUFTensor:
     exact: bool = True
 
 
-def _reader(path: str | Path):
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:
-        raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from e
-    return GGUFReader(str(path))
-
-
 def gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file (arrays of strings and numbers as lists)."""
-    reader = _reader(path)
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        try:
-            out[name] = field.contents()
-        except Exception:  # a type gguf-py cannot render: skip it rather than fail the whole read
-            continue
-    return out
+    """The key/value metadata of a GGUF file (arrays of strings and numbers as lists), read by the
+    bounded reader (:class:`~torchq.interop.gguf_file.GGUFFile`: a malformed file is a
+    :class:`~torchq.CheckpointError` naming the file and the field)."""
+    from .gguf_file import open_gguf
+
+    with open_gguf(path) as f:
+        return f.metadata()
 
 
-def _dequantized(t: Any, kind: str, shape: tuple[int, ...], why: str) -> torch.Tensor:
+def _finite(values: torch.Tensor, path: str, t: Any, what: str) -> torch.Tensor:
+    """``values``, or CheckpointError naming the first element that is NaN or infinite."""
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        i = int((~torch.isfinite(values)).reshape(-1).nonzero()[0])
+        raise CheckpointError(f"{path}: tensor {t.name!r} ({t.kind} {list(t.shape)}): {what} element {i} is "
+                              f"{float(values.reshape(-1)[i])!r}; a model's weights must be finite")
+    return values
+
+
+def _dequantized(path: str, f: Any, t: Any, why: str) -> torch.Tensor:
     import warnings
 
-    import numpy as np
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     try:
-        values = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type))).reshape(shape)
+        values = torch.from_numpy(np.ascontiguousarray(dequantize(f.tensor_array(t), GGMLQuantizationType(t.type_id))))
     except NotImplementedError:  # gguf-py has no dequantizer for it (Q8_K): torchq's where it reads the blocks
-        if kind not in BLOCK_BYTES or not shape:
-            raise ValueError(f"GGUF tensor {t.name!r} ({kind}): neither gguf-py nor torchq can decode this type") from None
-        raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy())
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        values = from_gguf_blocks(raw, kind, (rows, shape[-1])).dequantize(torch.float32).reshape(shape)
-    warnings.warn(f"GGUF tensor {t.name!r} ({kind}): {why}; imported dequantized to float (gguf-py's values)",
+        if t.kind not in BLOCK_BYTES:
+            raise CheckpointError(f"{path}: tensor {t.name!r} ({t.kind}): neither gguf-py nor torchq can decode this type") from None
+        raw = torch.from_numpy(f.tensor_bytes(t))
+        rows = t.numel // t.shape[-1] if t.shape[-1] else 0
+        values = _plain(path, t, raw, (rows, t.shape[-1])).dequantize(torch.float32)
+    values = _finite(values.reshape(t.shape), path, t, "dequantized")
+    warnings.warn(f"GGUF tensor {t.name!r} ({t.kind}): {why}; imported dequantized to float (gguf-py's values)",
                   GGUFDequantizedWarning, stacklevel=3)
     return values
+
+
+def _plain(path: str, t: Any, raw: torch.Tensor, shape: tuple[int, int]) -> PlainForm:
+    """from_gguf_blocks, a non-finite scale raised as CheckpointError naming the file and tensor."""
+    try:
+        return from_gguf_blocks(raw, t.kind, shape)
+    except NonFiniteScaleError as e:
+        raise CheckpointError(f"{path}: tensor {t.name!r} ({t.kind} {list(t.shape)}): {e}") from None
 
 
 def read_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32, layout=None, plain: bool = False) -> Iterator[GGUFTensor]:
@@ -515,32 +548,40 @@ def read_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32, layout=No
     / I8-I64 tensors come as they are. A tensor of a type torchq cannot hold exactly (IQ*, TQ*, MXFP4,
     ...; a Q4_1 / Q5_1 / Q2_K / Q4_K / Q5_K tensor whose float zero point is not exact; a quantized
     tensor that is not 2-D) comes dequantized to fp32 by gguf-py with a :class:`GGUFDequantizedWarning`
-    naming it and its format."""
-    import numpy as np
+    naming it and its format.
 
-    reader = _reader(path)
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        shape = tuple(int(s) for s in reversed([int(v) for v in t.shape]))  # ggml lists ne0 first
-        data = np.asarray(t.data)
+    The whole header is checked first (:class:`~torchq.interop.gguf_file.GGUFFile`); a NaN or infinite
+    block scale (``d``, ``dmin``, ``m``) or float value is a :class:`~torchq.CheckpointError` naming the
+    file, the tensor and the element, as is any malformed header."""
+    from .gguf_file import open_gguf
+
+    with open_gguf(path) as f:
+        yield from read_tensors(f, dtype=dtype, layout=layout, plain=plain)
+
+
+def read_tensors(f: Any, *, dtype: torch.dtype = torch.float32, layout=None, plain: bool = False) -> Iterator[GGUFTensor]:
+    """:func:`read_gguf` of an open :class:`~torchq.interop.gguf_file.GGUFFile`."""
+    path = f.path
+    for t in f.tensors:
+        kind, shape = t.kind, t.shape
         if kind in BLOCK_BYTES:
             if len(shape) != 2:
-                yield GGUFTensor(t.name, kind, shape, _dequantized(t, kind, shape, f"{len(shape)}-D"), exact=False)
+                yield GGUFTensor(t.name, kind, shape, _dequantized(path, f, t, f"{len(shape)}-D"), exact=False)
                 continue
-            raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1).copy())
+            raw = torch.from_numpy(f.tensor_bytes(t))
             try:
-                form = from_gguf_blocks(raw, kind, shape)
-            except ValueError as e:
-                yield GGUFTensor(t.name, kind, shape, _dequantized(t, kind, shape, str(e)), exact=False)
+                form = _plain(path, t, raw, shape)
+            except ValueError as e:  # a float zero point that is not exact: gguf-py's values in float
+                yield GGUFTensor(t.name, kind, shape, _dequantized(path, f, t, str(e)), exact=False)
                 continue
             value = form if plain else AffineQuantizedTensor.from_plain(form, dtype, layout=layout, label=t.name)
             yield GGUFTensor(t.name, kind, shape, value)  # type: ignore[arg-type]
         elif kind in ("F32", "F16", "BF16"):
-            arr = np.ascontiguousarray(data)
-            tensor = torch.from_numpy(arr.copy()) if kind != "BF16" else torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
-            yield GGUFTensor(t.name, kind, shape, tensor.reshape(shape))
+            raw = torch.from_numpy(f.tensor_bytes(t))
+            tensor = raw.view({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]).reshape(shape)
+            yield GGUFTensor(t.name, kind, shape, _finite(tensor, path, t, "its"))
         elif kind in ("F64", "I8", "I16", "I32", "I64"):  # plain numbers, kept as they are
-            yield GGUFTensor(t.name, kind, shape, torch.from_numpy(np.ascontiguousarray(data).copy()).reshape(shape))
+            tensor = torch.from_numpy(f.tensor_array(t))
+            yield GGUFTensor(t.name, kind, shape, _finite(tensor, path, t, "its"))
         else:
-            yield GGUFTensor(t.name, kind, shape, _dequantized(t, kind, shape, "torchq has no exact form for this type"),
-                             exact=False)
+            yield GGUFTensor(t.name, kind, shape, _dequantized(path, f, t, "torchq has no exact form for this type"), exact=False)

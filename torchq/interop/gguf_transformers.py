@@ -24,8 +24,10 @@ The dequantized values of every imported weight equal transformers' float weight
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,14 +36,121 @@ import torch
 from torch import nn
 
 from ..canonical import PlainForm
+from ..checkpoint.codec import CheckpointError
 from ..checkpoint.model_state import Incoming, install_checkpoint
 from ..tensor import AffineQuantizedTensor
-from .gguf import GGUFDequantizedWarning, read_gguf
+from .gguf import GGUFDequantizedWarning, read_tensors
+from .gguf_file import ARRAY, STRING, GGUFField, GGUFFile, open_gguf
 
 __all__ = ["from_gguf"]
 
 if TYPE_CHECKING:
     import transformers
+
+
+class _Elements:
+    """gguf-py's ``ReaderField.parts`` as transformers indexes it: element ``i`` of an array (or the
+    value of a scalar at 0) as a one-element numpy array, a string as its UTF-8 bytes; made on demand."""
+
+    def __init__(self, field: GGUFField) -> None:
+        self.field = field
+
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+
+        f = self.field
+        if f.type == ARRAY:
+            return f.value[i].encode() if f.element_type == STRING else f.value[i:i + 1]
+        return f.value.encode() if f.type == STRING else np.array([f.value])
+
+
+class _FieldView:
+    """What transformers reads of a gguf-py ``ReaderField``: ``types``, ``data`` (indices into
+    ``parts``), ``parts`` and ``contents()``; backed by the bounded reader's values."""
+
+    def __init__(self, field: GGUFField) -> None:
+        from gguf import GGUFValueType
+
+        self.name, self._field = field.name, field
+        self.types = [GGUFValueType(field.type)] + ([GGUFValueType(field.element_type)] if field.type == ARRAY else [])
+        self.data = range(len(field.value)) if field.type == ARRAY else [0]
+        self.parts = _Elements(field)
+
+    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+        value = self._field.contents()
+        return value[index_or_slice] if self._field.type == ARRAY else value
+
+
+class _TensorView:
+    """What transformers reads of a gguf-py ``ReaderTensor`` (the data read only on request)."""
+
+    def __init__(self, file: GGUFFile, t: Any) -> None:
+        import numpy as np
+        from gguf import GGMLQuantizationType
+
+        self._file, self._t = file, t
+        self.name, self.tensor_type = t.name, GGMLQuantizationType(t.type_id)
+        self.shape = np.array(t.ne, dtype=np.uint64)
+        self.n_elements, self.n_bytes, self.data_offset = t.numel, t.nbytes, t.offset
+
+    @property
+    def data(self) -> Any:
+        return self._file.tensor_array(self._t)
+
+
+class _ReaderView:
+    """gguf-py's ``GGUFReader`` interface (``fields``, ``tensors``, ``get_field``) over a checked :class:`GGUFFile`."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.fields = {k: _FieldView(f) for k, f in file.fields.items()}
+        self.tensors = [_TensorView(file, t) for t in file.tensors]
+
+    def get_field(self, key: str) -> Any:
+        return self.fields.get(key)
+
+
+_GGUF_PY_LOCK = threading.Lock()
+MODULE_BYTES = 4096  # tensor bytes a file must hold per block / expert beyond the first 64
+
+
+def _check_model_size(file: GGUFFile) -> None:
+    """CheckpointError when the metadata asks for more blocks or experts than the file's tensor data
+    can fill: transformers builds each block as Python modules (~0.4 MB each, even on ``meta``) before
+    any tensor is read, so a few bytes claiming 20000 blocks would cost gigabytes. Up to 64 are always
+    allowed, beyond that one per :data:`MODULE_BYTES` bytes of tensor data (real files hold megabytes per block)."""
+    arch = file.get("general.architecture")
+    if not isinstance(arch, str):
+        return
+    data = max(0, file.size - file.data_start)
+    limit = max(64, data // MODULE_BYTES)
+    for key in (f"{arch}.block_count", f"{arch}.expert_count"):
+        count = file.get(key)
+        if isinstance(count, int) and count > limit:
+            raise CheckpointError(f"{file.path}: key {key!r} asks for {count}, but the file's {data} bytes of tensor data can "
+                                  f"fill at most {limit} (transformers builds every one before reading a tensor)")
+
+
+@contextlib.contextmanager
+def _bounded_gguf_py(file: GGUFFile):
+    """While transformers reads ``file``: gguf-py's ``GGUFReader`` of that path is the bounded
+    reader's view (gguf-py's own allocates a numpy object per array element and reads past a short
+    file's end), and ``get_tensor_name_map`` is cached (transformers builds the whole name map once
+    per module of the model: quadratic in the block count). Other paths get gguf-py's reader; both
+    names are restored on exit."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    target = os.path.realpath(file.path)
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        return _ReaderView(file) if os.path.realpath(os.fspath(path)) == target else real_reader(path, mode)
+
+    with _GGUF_PY_LOCK:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=4)(real_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def _row_order(processor: Any, name: str, n: int, kwargs: dict) -> tuple[Any, torch.Tensor | None]:
@@ -90,7 +199,6 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
     warned)."""
     if without_kernel not in ("float", "keep"):
         raise ValueError(f"without_kernel: expected 'float' or 'keep', got {without_kernel!r}")
-    import numpy as np
     import transformers
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -99,48 +207,58 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
         load_gguf_checkpoint,
     )
 
-    from .gguf import gguf_metadata
+    cls = model_class or transformers.AutoModelForCausalLM
+    if not (hasattr(cls, "from_config") or hasattr(cls, "_from_config")):
+        raise ValueError(f"model_class: expected a transformers auto class or PreTrainedModel subclass, got {cls!r}")
+    path = Path(path)
+    with open_gguf(path) as file:  # the whole header checked before transformers or gguf-py sees the file
+        _check_model_size(file)
+        try:
+            with _bounded_gguf_py(file), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+                warnings.simplefilter("ignore")
+                parsed = load_gguf_checkpoint(str(path))  # config and tokenizer metadata, no tensors
+                config = transformers.AutoConfig.for_model(**parsed["config"])
+                with torch.device("meta"):
+                    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # auto class / model class
+                    model = build(config, dtype=dtype)
+                model.eval()
+                arch = file.get("general.architecture", "")
+                processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+                mapping = get_gguf_hf_weights_map(model, processor)
+        except (ImportError, CheckpointError):
+            raise
+        except Exception as e:  # transformers' own errors on a malformed config: the file named, the cause kept
+            raise CheckpointError(f"{path}: transformers cannot build a model from this GGUF file's metadata "
+                                  f"({type(e).__name__}: {e})") from e
+        return _install(path, file, model, processor, mapping, parsed, dtype, layout, strict, without_kernel)
+
+
+def _install(path: Path, file: GGUFFile, model: nn.Module, processor: Any, mapping: dict, parsed: dict, dtype: torch.dtype,
+              layout: Any, strict: bool, without_kernel: str) -> Any:
+    """Read ``file``'s tensors into the meta-built ``model`` (see :func:`from_gguf`)."""
+    import numpy as np
+
     from .transformers import attach
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"path: no GGUF file at {str(path)!r}")
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        parsed = load_gguf_checkpoint(str(path))  # config and tokenizer metadata, no tensors
-    config = transformers.AutoConfig.for_model(**parsed["config"])
-    cls = model_class or transformers.AutoModelForCausalLM
-    with torch.device("meta"):
-        if hasattr(cls, "from_config"):  # an auto class
-            model = cls.from_config(config, dtype=dtype)
-        elif hasattr(cls, "_from_config"):  # a PreTrainedModel subclass
-            model = cls._from_config(config, dtype=dtype)
-        else:
-            raise ValueError(f"model_class: expected a transformers auto class or PreTrainedModel subclass, got {cls!r}")
-    model.eval()
-    arch = gguf_metadata(path).get("general.architecture", "")
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
-    mapping = get_gguf_hf_weights_map(model, processor)
     kwargs = {"tensor_key_mapping": mapping, "parsed_parameters": parsed}
-
     incoming: dict[str, Incoming] = {}
     unmapped: list[str] = []
     users = _linear_users(model)
     no_kernel: list[str] = []
     params = dict(model.named_parameters(remove_duplicate=False))
-    for t in read_gguf(path, dtype=dtype, layout=layout, plain=True):
+    def one(t: Any) -> None:  # one file tensor -> incoming (or unmapped)
         value = t.value
         if isinstance(value, PlainForm):
             try:
                 name, order = _row_order(processor, t.name, value.shape[0], kwargs)
             except ValueError as e:
                 warnings.warn(f"GGUF tensor {t.name!r} ({t.kind}): {e}; imported dequantized to float",
-                              GGUFDequantizedWarning, stacklevel=2)
+                              GGUFDequantizedWarning, stacklevel=4)
                 value = value.dequantize(torch.float32)
             else:
                 if name not in mapping:
                     unmapped.append(t.name)
-                    continue
+                    return
                 plain = value if order is None else value.rows(order)
                 q = AffineQuantizedTensor.from_plain(plain, dtype, layout=layout, label=mapping[name])
                 linears = users.get(id(model.get_parameter(mapping[name])), []) if mapping[name] in params else []
@@ -149,31 +267,40 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
                 elif linears and without_kernel == "float" and not _has_kernel(q, dtype):
                     warnings.warn(f"GGUF tensor {t.name!r} ({t.kind}): no torchq linear kernel runs {plain.spec.describe()} "
                                   f"on this device for {linears}; imported dequantized to float (without_kernel='keep' "
-                                  f"keeps it quantized)", GGUFDequantizedWarning, stacklevel=2)
+                                  f"keeps it quantized)", GGUFDequantizedWarning, stacklevel=4)
                     f = q.dequantize(dtype)
                     incoming[mapping[name]] = Incoming(mapping[name], tuple(f.shape), False, f"{t.kind} as float",
                                                        lambda device, f=f: f if device is None else f.to(device))
-                    continue
+                    return
                 incoming[mapping[name]] = Incoming(mapping[name], tuple(q.shape), True, f"{t.kind} as {plain.spec.describe()}",
                                                    lambda device, q=q: q if device is None else q.to(device))
-                continue
+                return
         result = processor.process(weights=np.asarray(value.numpy()), name=t.name, **kwargs)
         if result.name not in mapping:
             unmapped.append(t.name)
-            continue
-        f = torch.from_numpy(np.array(result.weights)).to(dtype)
+            return
+        f = torch.from_numpy(np.array(result.weights))
+        if f.is_floating_point():  # integer tensors keep their type: loading checks it against the parameter's
+            f = f.to(dtype)
         incoming[mapping[result.name]] = Incoming(mapping[result.name], tuple(f.shape), False, f"{t.kind} as float",
                                                   lambda device, f=f: f if device is None else f.to(device))
+
+    for t in read_tensors(file, dtype=dtype, layout=layout, plain=True):
+        try:
+            one(t)
+        except CheckpointError:
+            raise
+        except Exception as e:  # transformers' processor or a shape the model cannot take: the tensor named
+            raise CheckpointError(f"{path}: tensor {t.name!r} ({t.kind} {list(t.shape)}): cannot be imported "
+                                  f"({type(e).__name__}: {e})") from e
     if no_kernel:
         from ..dispatch import FallbackWarning
 
         warnings.warn(f"from_gguf: {len(no_kernel)} linear weight(s) have no torchq kernel on this device and run "
                       f"dequantize + F.linear on every call (slow): {', '.join(no_kernel[:6])}"
                       f"{' ...' if len(no_kernel) > 6 else ''}; without_kernel='float' imports them in float",
-                      FallbackWarning, stacklevel=2)
+                      FallbackWarning, stacklevel=3)
     if unmapped and strict:
-        from ..checkpoint.codec import CheckpointError
-
         raise CheckpointError(f"{path}: GGUF tensors with no parameter in {type(model).__name__}: {unmapped[:8]}")
     install_checkpoint(model, incoming, {}, device=torch.device("cpu"), strict=strict, source=str(path), init_buffers="auto")
     return attach(model)
