@@ -22,7 +22,8 @@ from torch import nn
 from ..tensor import AffineQuantizedTensor
 from .codec import CheckpointError
 
-__all__ = ["Slot", "model_slots", "dedupe", "Incoming", "install_checkpoint", "LoadWarning", "install_load_state_dict_guard",
+__all__ = ["Slot", "model_slots", "dedupe", "Incoming", "install_checkpoint", "check_compatible", "check_against_model",
+           "check_entry_dtype", "LoadWarning", "install_load_state_dict_guard",
            "init_meta_buffers", "meta_buffers"]
 
 
@@ -165,6 +166,7 @@ class Incoming:
     describe: str
     load: Callable[[torch.device], torch.Tensor]
     record: Any = None  # a quantized entry's validated record (codec.ParsedRecord)
+    dtype: torch.dtype | None = None  # a float entry's stored dtype, where the file states it
 
 
 class _MallInfo2(ctypes.Structure):
@@ -260,6 +262,36 @@ def _final_value(slot: Slot, value: torch.Tensor, inc: Incoming, source: str) ->
     return nn.Parameter(value, requires_grad=old.requires_grad), False
 
 
+def check_compatible(slot: Slot, inc: Incoming, source: str) -> None:
+    """CheckpointError (before any data is read) unless the entry ``inc`` can fill ``slot``: the same
+    shape, not a float tensor for a quantized weight, and a stored dtype :func:`check_entry_dtype` accepts."""
+    if tuple(slot.tensor.shape) != tuple(inc.shape):
+        raise CheckpointError(
+            f"{source}: {slot.name!r} has shape {list(slot.tensor.shape)} in the model but "
+            f"{list(inc.shape)} in the checkpoint ({inc.describe}); is it a checkpoint of another model? "
+            f"The model was not changed"
+        )
+    if isinstance(slot.tensor, AffineQuantizedTensor):
+        if not inc.quantized:
+            raise CheckpointError(
+                f"{source}: {slot.name!r} is quantized in the model ({slot.tensor.spec.describe()}) but a float "
+                f"tensor in the checkpoint; load into a float or meta model, or quantize_ the model the "
+                f"checkpoint came from. The model was not changed"
+            )
+    elif not inc.quantized and inc.dtype is not None:
+        check_entry_dtype(slot.name, slot.tensor.dtype, inc.dtype, source, "buffer" if slot.is_buffer else "parameter",
+                          slot.tensor.requires_grad and not slot.is_buffer)
+
+
+def check_against_model(model: nn.Module, incoming: Mapping[str, Incoming], source: str) -> None:
+    """:func:`check_compatible` for every incoming entry whose name the model has (others are a
+    loader's business: renamed, or missing)."""
+    slots = model_slots(model)
+    for name, inc in incoming.items():
+        if name in slots:
+            check_compatible(slots[name], inc, source)
+
+
 def install_checkpoint(
     model: nn.Module,
     incoming: Mapping[str, Incoming],
@@ -314,20 +346,8 @@ def install_checkpoint(
         plan.append((sources.pop(), group))
 
     for src, group in plan:  # check compatibility before reading any data
-        inc = incoming[src]
         for slot in group:
-            if tuple(slot.tensor.shape) != tuple(inc.shape):
-                raise CheckpointError(
-                    f"{source}: {slot.name!r} has shape {list(slot.tensor.shape)} in the model but "
-                    f"{list(inc.shape)} in the checkpoint ({inc.describe}); is it a checkpoint of another model? "
-                    f"The model was not changed"
-                )
-            if isinstance(slot.tensor, AffineQuantizedTensor) and not inc.quantized:
-                raise CheckpointError(
-                    f"{source}: {slot.name!r} is quantized in the model ({slot.tensor.spec.describe()}) but a float "
-                    f"tensor in the checkpoint; load into a float or meta model, or quantize_ the model the "
-                    f"checkpoint came from. The model was not changed"
-                )
+            check_compatible(slot, incoming[src], source)
 
     # Stage: read, check and build every final object (Parameters included); only then commit,
     # and the commit is copies into checked same-shape tensors and dict assignments, which cannot fail.

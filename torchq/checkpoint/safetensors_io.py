@@ -391,6 +391,11 @@ class _Whole:
         return f.get(f.stored[key])
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 def _float_incoming(f: _File | _Whole, name: str, part: Any, verify: bool) -> Incoming:
     where = f"{f.path}: tensor {name!r}"
     if f.plain:
@@ -399,7 +404,8 @@ def _float_incoming(f: _File | _Whole, name: str, part: Any, verify: bool) -> In
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{where}: cannot read its header entry ({e})") from None
-        return Incoming(name, shape, False, f"float {dtype}", lambda device: f.get(name).to(device))
+        stored = _SAFETENSORS_DTYPES.get(dtype)
+        return Incoming(name, shape, False, f"float {dtype}", lambda device: f.get(name).to(device), dtype=stored)
     if not isinstance(part, dict) or set(part) != {"dtype", "shape", "crc32"} or not isinstance(part["shape"], list):
         raise CheckpointError(f"{where}: header entry must have dtype, shape and crc32, got {part!r}")
     dtype = codec.dtype_from_name(part["dtype"], where)
@@ -416,7 +422,7 @@ def _float_incoming(f: _File | _Whole, name: str, part: Any, verify: bool) -> In
             raise CheckpointError(f"{where}: data is corrupted (crc32 mismatch)")
         return t.to(device)
 
-    return Incoming(name, shape, False, f"float {dtype}", load)
+    return Incoming(name, shape, False, f"float {dtype}", load, dtype=dtype)
 
 
 def _quantized_incoming(f: _File | _Whole, name: str, record: Any, layout: codec.LayoutPolicy, verify: bool) -> Incoming:

@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..checkpoint.codec import check_version
 from ..checkpoint.safetensors_io import FILE_FORMAT, FILE_VERSION
 from ..configs import QuantConfig, config_from_json, config_from_name
 from ..layouts import Layout, layout_from_json
@@ -135,6 +136,7 @@ class TorchqConfig(QuantizationConfigMixin):
         self.calibrate_options = dict(calibrate_options or {})
         if format != FILE_FORMAT:
             raise ValueError(f"format: expected {FILE_FORMAT!r}, got {format!r}")
+        check_version(version, FILE_VERSION, "quantization_config: torchq checkpoint format")
         self.format = format
         self.version = version
         self.torchq_version = torchq_version or __version__

@@ -34,7 +34,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from ..algorithms.statistics import CALIBRATED
 from ..checkpoint.codec import CheckpointError, ParsedRecord, decode
-from ..checkpoint.model_state import release_free_memory
+from ..checkpoint.model_state import check_against_model, release_free_memory
 from ..checkpoint.safetensors_io import INDEX_NAME, open_checkpoint
 from ..configs import LayerNotSupported, QuantConfig
 from ..quantize import QuantizationError, SkippedLayerWarning, _resolver, _skip, default_filter, is_conv1d, quantize_in_row_chunks
@@ -120,6 +120,7 @@ class TorchqHfQuantizer(HfQuantizer):
         self.calibrated: dict[str, QuantConfig] = {}  # module -> GPTQ / AWQ config, calibrated after loading
         self.records: dict[str, ParsedRecord] = {}  # weight name -> record (a folder with torchq weights)
         self.failures: dict[str, str] = {}
+        self.source = "from_pretrained"  # the checkpoint's path, once known
         self.done: set[str] = set()
         self.skipped: set[str] = set()  # layers the config cannot take (warned as they loaded)
 
@@ -157,9 +158,19 @@ class TorchqHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: list[str] | None = None,
                                              **kwargs: Any) -> nn.Module:
         if self.pre_quantized:
-            with contextlib.ExitStack() as stack:  # header, records and shard map checked here, before any tensor
-                incoming, _ = open_checkpoint(_checkpoint_path(checkpoint_files), stack, "saved")
+            path = _checkpoint_path(checkpoint_files)
+            # the checks load_quantized makes, before transformers reads a tensor: header, records and shard
+            # map; every entry's shape and dtype against the model's; the float entries' CRC-32 (transformers
+            # reads those itself, unchecked: each is read and checked here once, one at a time)
+            with contextlib.ExitStack() as stack:
+                incoming, _ = open_checkpoint(path, stack, "saved")
+                check_against_model(model, incoming, str(path))
+                for inc in incoming.values():
+                    if not inc.quantized:
+                        inc.load(torch.device("cpu"))
+                        release_free_memory()
             self.records = {n: inc.record for n, inc in incoming.items() if inc.quantized}
+            self.source = str(path)
             return model
         cfg = self.quantization_config
         keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
@@ -204,7 +215,7 @@ class TorchqHfQuantizer(HfQuantizer):
         if self.failures:
             lines = "; ".join(f"{k}: {v}" for k, v in list(self.failures.items())[:4])
             kind = CheckpointError if self.pre_quantized else QuantizationError
-            raise kind(f"from_pretrained: {len(self.failures)} weight(s) could not be "
+            raise kind(f"{self.source if self.pre_quantized else 'from_pretrained'}: {len(self.failures)} weight(s) could not be "
                        f"{'loaded' if self.pre_quantized else 'quantized'}: {lines}")
         if self.pre_quantized:
             self._check_loaded(model)
@@ -257,8 +268,10 @@ class TorchqHfQuantizer(HfQuantizer):
             device = next(iter(parts.values())).device
             q = decode(rec, parts, name=name, device=device, layout=self.quantization_config.layout, verify=True)
         except Exception as e:
+            # kept for the end of loading, where it is raised as torchq's own error: raised here, transformers
+            # would turn it into a RuntimeError that points at a log line
             self.failures[name] = f"{type(e).__name__}: {e}"
-            raise
+            return {}
         module = model.get_submodule(name.rpartition(".")[0])
         module._is_hf_initialized = True
         self.done.add(name)
