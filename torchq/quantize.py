@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from torch.nn.utils import parametrize
 from . import dispatch
 from .canonical import PlainForm
 from .configs import ROW_CHUNK_BYTES, LayerNotSupported, QuantConfig
+from .patterns import PatternError, SafePattern, compile_pattern
 from .tensor import AffineQuantizedTensor
 
 __all__ = ["quantize_", "QuantizationError", "SkippedLayerWarning", "TiedWeightWarning", "default_filter", "is_conv1d"]
@@ -75,7 +75,7 @@ def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], object]:
             f"names / 're:<regex>' / '_default' to configs, got {type(config).__name__}"
         )
     exact: dict[str, QuantConfig | None] = {}
-    patterns: list[tuple[str, re.Pattern, QuantConfig | None]] = []
+    patterns: list[tuple[str, SafePattern, QuantConfig | None]] = []
     default: object = _UNSET
     for key, cfg in config.items():
         if cfg is not None and not isinstance(cfg, QuantConfig):
@@ -85,10 +85,10 @@ def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], object]:
         if key == "_default":
             default = cfg
         elif key.startswith("re:"):
-            try:
-                patterns.append((key, re.compile(key[3:]), cfg))
-            except re.error as e:
-                raise ValueError(f"config[{key!r}]: invalid regular expression: {e}") from None
+            try:  # plans may come from files: a linear-time matcher, not re's backtracking one
+                patterns.append((key, compile_pattern(key[3:], where=f"config[{key!r}]"), cfg))
+            except PatternError as e:
+                raise PatternError(e.where, e.pattern, e.reason, f"config[{key!r}]: invalid regular expression: {e.reason}") from None
         else:
             exact[key] = cfg
     missing = [k for k in exact if k not in names]
@@ -198,7 +198,8 @@ def quantize_(
     """Quantize the weights of the selected modules of ``model`` in place; returns ``model``.
 
     ``config``: one config for every selected module, or a mapping from module names (exact),
-    ``"re:<regex>"`` (full match, first match wins) and ``"_default"`` to a config or None
+    ``"re:<regex>"`` (full match, first match wins; matched in linear time by :mod:`torchq.patterns`,
+    which refuses backreferences and lookaround) and ``"_default"`` to a config or None
     (leave in float). ``filter_fn(module, fqn)`` gets every module and its fully qualified name
     (as in ``model.named_modules()``) and returns True to select it (default:
     :func:`default_filter`, float ``nn.Linear`` and transformers ``Conv1D``, whose ``[in, out]``

@@ -3,7 +3,8 @@
 A compressed-tensors checkpoint is a safetensors state dict plus ``config.json``'s
 ``quantization_config`` (``quant_method: "compressed-tensors"``). Its ``config_groups`` map names
 to schemes ``{targets, weights, input_activations, output_activations, format}``; a module is
-quantized by the scheme whose targets match its name (``"re:<regex>"`` with ``re.match``, or the
+quantized by the scheme whose targets match its name (``"re:<regex>"`` as ``re.match`` would, by
+:mod:`torchq.patterns`' linear-time matcher, which refuses backreferences and lookaround; or the
 exact name) or its class (``"Linear"``), unless ``ignore`` matches it. ``weights`` holds
 ``num_bits``, ``type`` (``"int"`` here), ``symmetric``, ``strategy`` (``tensor`` / ``channel`` /
 ``group`` / ``block``), ``group_size``, ``block_structure`` and ``actorder``.
@@ -60,10 +61,9 @@ import contextlib
 import json
 import math
 import os
-import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ from torch import nn
 from ..canonical import PlainForm, QuantSpec
 from ..checkpoint.codec import CheckpointError
 from ..checkpoint.model_state import BufferInit, Incoming, install_checkpoint
+from ..patterns import SafePattern, compile_pattern
 from ..primitives import ZeroPointDomain
 from ..tensor import AffineQuantizedTensor
 
@@ -215,6 +216,7 @@ class ParsedConfig:
     schemes: tuple[Scheme, ...]
     ignore: tuple[str, ...]
     kv_cache: bool
+    patterns: Mapping[str, SafePattern] = field(default_factory=dict, compare=False, repr=False)  # "re:<regex>" -> matcher
 
 
 def _is_int(v: Any) -> bool:
@@ -296,6 +298,7 @@ def parse_quantization_config(config: Any) -> ParsedConfig:
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"quantization_config.config_groups: expected a non-empty object, got {groups!r}")
     schemes = []
+    patterns: dict[str, SafePattern] = {}
     for name, d in groups.items():
         where = f"quantization_config.config_groups[{name!r}]"
         if isinstance(d, list):
@@ -306,6 +309,7 @@ def parse_quantization_config(config: Any) -> ParsedConfig:
         targets = d.get("targets")
         if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
             raise ValueError(f"{where}.targets: expected a non-empty list of strings, got {targets!r}")
+        _compile_targets(targets, f"{where}.targets", patterns)
         weights = None if d.get("weights") is None else _weight_args(d["weights"], f"{where}.weights")
         act_in, act_out = d.get("input_activations"), d.get("output_activations")
         fmt = d.get("format") or (top if top != "mixed-precision" else _infer_format(weights, act_in))
@@ -315,12 +319,22 @@ def parse_quantization_config(config: Any) -> ParsedConfig:
     ignore = config.get("ignore") or []
     if not (isinstance(ignore, list) and all(isinstance(t, str) for t in ignore)):
         raise ValueError(f"quantization_config.ignore: expected a list of strings, got {ignore!r}")
-    return ParsedConfig(tuple(schemes), tuple(ignore), config.get("kv_cache_scheme") is not None)
+    _compile_targets(ignore, "quantization_config.ignore", patterns)
+    return ParsedConfig(tuple(schemes), tuple(ignore), config.get("kv_cache_scheme") is not None, patterns)
 
 
-def _match_name(name: str, target: str) -> bool:
+def _compile_targets(targets: list[str], where: str, patterns: dict[str, SafePattern]) -> None:
+    """Compile the ``"re:<regex>"`` entries (regexes from a file: a PatternError, a ValueError naming
+    ``where`` and the pattern, refuses what the linear-time matcher cannot take)."""
+    for t in targets:
+        if t.startswith("re:") and t not in patterns:
+            patterns[t] = compile_pattern(t[3:], where=where)
+
+
+def _match_name(name: str, target: str, patterns: Mapping[str, SafePattern]) -> bool:
     if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
+        pat = patterns.get(target) or compile_pattern(target[3:], where="compressed-tensors target")
+        return pat.match(name)  # re.match: anchored at the start only
     return target == name
 
 
@@ -337,14 +351,14 @@ def _scheme_for(name: str, cfg: ParsedConfig, classes: tuple[str, ...] | None) -
     ``name`` and the target that chose it: exact-name targets first, then regexes, then classes; a
     target listed by several schemes belongs to the last one; None when nothing matches or
     ``ignore`` does."""
-    if any(_match_name(name, t) or _is_class_target(t, classes) for t in cfg.ignore):
+    if any(_match_name(name, t, cfg.patterns) or _is_class_target(t, classes) for t in cfg.ignore):
         return None, None
     target_to_scheme: OrderedDict[str, Scheme] = OrderedDict()
     for s in cfg.schemes:
         for t in s.targets:
             target_to_scheme[t] = s
     ordered = sorted(target_to_scheme, key=lambda t: ("re:" in t, t))
-    matched = [t for t in ordered if _match_name(name, t)] + [t for t in ordered if _is_class_target(t, classes)]
+    matched = [t for t in ordered if _match_name(name, t, cfg.patterns)] + [t for t in ordered if _is_class_target(t, classes)]
     return (target_to_scheme[matched[0]], matched[0]) if matched else (None, None)
 
 
