@@ -707,21 +707,47 @@ def load_compressed_tensors(
                 meta[name] = (_ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
 
         def read(name: str) -> torch.Tensor:
-            return handles[name].get_tensor(name)
+            try:
+                return handles[name].get_tensor(name)
+            except Exception as e:  # safetensors' own errors on a damaged file
+                raise CheckpointError(f"{path}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
 
-        layout = _plan(meta, quantization_config, read, activations, _module_classes(model))
+        def named(fn: Callable[[], torch.Tensor], name: str) -> torch.Tensor:
+            """``fn()``, its ValueError raised as a CheckpointError naming the checkpoint and the tensor."""
+            try:
+                return fn()
+            except CheckpointError:
+                raise
+            except ValueError as e:
+                raise CheckpointError(f"{path}: tensor {name!r}: {e}") from None
+
+        def read_float(name: str, dev: torch.device, parameter: bool) -> torch.Tensor:
+            t = read(name)
+            if parameter and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; a model's weights must be finite")
+            return t.to(dev)
+
+        try:
+            layout = _plan(meta, quantization_config, read, activations, _module_classes(model))
+        except CheckpointError:
+            raise
+        except ValueError as e:  # the config or a tensor's header entry: the checkpoint named with the field
+            raise CheckpointError(f"{path}: {e}") from None
         incoming: dict[str, Incoming] = {}
         for plan in layout.plans:
             name = _key(plan.module, "weight")
             w = plan.scheme.weights
             incoming[name] = Incoming(
                 name, plan.shape, True, f"compressed-tensors {plan.scheme.format} {w.num_bits}-bit {w.strategy}",  # type: ignore[union-attr]
-                (lambda dev, plan=plan: _decode(plan, read, dtype).to(dev)))
+                (lambda dev, plan=plan, name=name: named(lambda: _decode(plan, read, dtype), name).to(dev)))
         planned = {_key(p.module, "weight") for p in layout.plans}
+        parameters = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         for name, (dt, shape) in meta.items():
             if name in layout.dropped or name in planned:
                 continue
-            incoming[name] = Incoming(name, shape, False, f"{dt} tensor", (lambda dev, name=name: read(name).to(dev)))
+            incoming[name] = Incoming(name, shape, False, f"{dt} tensor",
+                                      (lambda dev, name=name: read_float(name, dev, name in parameters)),
+                                      dtype=dt if isinstance(dt, torch.dtype) else None)
         install_checkpoint(model, incoming, {}, device=None if device is None else torch.device(device), strict=strict,
                            source=str(path), init_buffers=init_buffers)
     from .transformers import prepare_attach
