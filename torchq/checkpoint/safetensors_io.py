@@ -443,12 +443,18 @@ def _quantized_incoming(f: _File | _Whole, name: str, record: Any, layout: codec
 
 
 def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.LayoutPolicy = "saved",
-                    verify: bool = True) -> tuple[dict[str, Incoming], dict[str, str]]:
+                    verify: bool = True, require_header: str | None = None) -> tuple[dict[str, Incoming], dict[str, str]]:
     """The checkpoint at ``path`` (a file, a folder or a sharded index; torchq's or a plain float
     safetensors checkpoint), its files opened in ``stack``: ``(incoming, aliases)``, each
-    :class:`Incoming` reading, checking and decoding its tensor only when loaded."""
+    :class:`Incoming` reading, checking and decoding its tensor only when loaded. ``require_header``:
+    a file without a torchq header is an error, the reason given (a damaged ``"torchq"`` metadata key
+    would otherwise make a torchq file read as a plain float one)."""
     files, weight_map = _checkpoint_files(path)
     opened: list[_File | _Whole] = [_File(f, stack) for f in files]
+    for f in opened:
+        if require_header and f.plain:
+            raise CheckpointError(f"{f.path}: has no torchq header (no 'torchq' entry in its safetensors metadata), but "
+                                  f"{require_header}")
     if weight_map is not None:
         for f in opened:
             if {k for k, v in weight_map.items() if v == f.path.name} != f.keys:

@@ -22,7 +22,6 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..checkpoint.codec import check_version
 from ..checkpoint.safetensors_io import FILE_FORMAT, FILE_VERSION
 from ..configs import QuantConfig, config_from_json, config_from_name
 from ..layouts import Layout, layout_from_json
@@ -120,6 +119,7 @@ class TorchqConfig(QuantizationConfigMixin):
         from .. import __version__
 
         self.quant_method = QUANT_METHOD
+        self.load_error: str | None = None  # see from_dict
         self.quant = quant
         self.resolved = resolve_spec(quant)  # checked now: a bad name fails here, not mid-load
         if modules_to_not_convert is not None and not (
@@ -136,13 +136,25 @@ class TorchqConfig(QuantizationConfigMixin):
         self.calibrate_options = dict(calibrate_options or {})
         if format != FILE_FORMAT:
             raise ValueError(f"format: expected {FILE_FORMAT!r}, got {format!r}")
-        check_version(version, FILE_VERSION, "quantization_config: torchq checkpoint format")
         self.format = format
         self.version = version
         self.torchq_version = torchq_version or __version__
         unknown = sorted(set(kwargs) - {"quant_method", "load_with"})  # load_with: written by torchq 0.1's attach
         if unknown:
             raise TypeError(f"TorchqConfig: unknown arguments {unknown}")
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any) -> Any:
+        """The config a checkpoint's ``config.json`` holds. transformers builds it before anything says
+        which folder it came from, so a field torchq cannot read (an unknown format, layout or quant) is
+        kept in :attr:`load_error` and raised as a :class:`torchq.CheckpointError` naming the folder's
+        ``config.json`` when loading starts, instead of a ValueError here that names no file."""
+        try:
+            return super().from_dict(config_dict, return_unused_kwargs, **kwargs)
+        except (ValueError, TypeError) as e:
+            config = cls()
+            config.load_error = f"quantization_config: {e}"
+            return (config, kwargs) if return_unused_kwargs else config
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -33,9 +33,9 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from ..algorithms.statistics import CALIBRATED
-from ..checkpoint.codec import CheckpointError, ParsedRecord, decode
+from ..checkpoint.codec import CheckpointError, ParsedRecord, check_version, decode
 from ..checkpoint.model_state import check_against_model, release_free_memory
-from ..checkpoint.safetensors_io import INDEX_NAME, open_checkpoint
+from ..checkpoint.safetensors_io import FILE_VERSION, INDEX_NAME, open_checkpoint
 from ..configs import LayerNotSupported, QuantConfig
 from ..quantize import QuantizationError, SkippedLayerWarning, _resolver, _skip, default_filter, is_conv1d, quantize_in_row_chunks
 from ..tensor import AffineQuantizedTensor
@@ -128,6 +128,8 @@ class TorchqHfQuantizer(HfQuantizer):
     def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ValueError("device_map: torchq weights cannot be offloaded to disk; map every module to a device")
+        if self.quantization_config.load_error and not self.pre_quantized:
+            raise ValueError(self.quantization_config.load_error)
         if self.pre_quantized:
             return
         cfg = self.quantization_config
@@ -159,11 +161,15 @@ class TorchqHfQuantizer(HfQuantizer):
                                              **kwargs: Any) -> nn.Module:
         if self.pre_quantized:
             path = _checkpoint_path(checkpoint_files)
+            config = (path if path.is_dir() else path.parent) / "config.json"
+            if self.quantization_config.load_error:
+                raise CheckpointError(f"{config}: {self.quantization_config.load_error}")
+            check_version(self.quantization_config.version, FILE_VERSION, f"{config}: quantization_config: torchq checkpoint format")
             # the checks load_quantized makes, before transformers reads a tensor: header, records and shard
             # map; every entry's shape and dtype against the model's; the float entries' CRC-32 (transformers
             # reads those itself, unchecked: each is read and checked here once, one at a time)
             with contextlib.ExitStack() as stack:
-                incoming, _ = open_checkpoint(path, stack, "saved")
+                incoming, _ = open_checkpoint(path, stack, "saved", require_header=f"{config} says its weights are torchq's")
                 check_against_model(model, incoming, str(path))
                 for inc in incoming.values():
                     if not inc.quantized:

@@ -716,22 +716,23 @@ def load_compressed_tensors(
             """``fn()``, its ValueError raised as a CheckpointError naming the checkpoint and the tensor."""
             try:
                 return fn()
-            except CheckpointError:
-                raise
             except ValueError as e:
+                if str(e).startswith(str(path)):
+                    raise
                 raise CheckpointError(f"{path}: tensor {name!r}: {e}") from None
 
         def read_float(name: str, dev: torch.device, parameter: bool) -> torch.Tensor:
             t = read(name)
-            if parameter and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            wide = t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float8: refused by its dtype
+            if parameter and wide and not bool(torch.isfinite(t).all()):
                 raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; a model's weights must be finite")
             return t.to(dev)
 
         try:
             layout = _plan(meta, quantization_config, read, activations, _module_classes(model))
-        except CheckpointError:
-            raise
         except ValueError as e:  # the config or a tensor's header entry: the checkpoint named with the field
+            if str(e).startswith(str(path)):
+                raise
             raise CheckpointError(f"{path}: {e}") from None
         incoming: dict[str, Incoming] = {}
         for plan in layout.plans:

@@ -20,7 +20,7 @@ a file whose header claims more than it holds, so a few hundred hostile bytes co
 :class:`GGUFFile` instead refuses, with a :class:`~torchq.CheckpointError` naming the file and
 the field or tensor, any file where: a count, string or array does not fit in the bytes left;
 a key or tensor name repeats, is empty, or is not UTF-8 (names: under 64 bytes, llama.cpp's
-limit); a value type or ggml type is unknown; a tensor has 0 or more than 4 dimensions, a row
+limit); a value type or ggml type is unknown; a tensor has 0 or more than 4 dimensions or an empty one, a row
 that is not whole blocks, an offset that is not aligned, data outside the data section, or data
 overlapping another tensor's (llama.cpp refuses the same); ``general.alignment`` is not a power
 of two; ``<arch>.block_count`` differs from the ``blk.N`` tensors present. Numeric arrays are
@@ -285,6 +285,8 @@ class GGUFFile:
         if not 1 <= n_dims <= MAX_DIMS:
             raise c.fail(f"tensor {name!r} has {n_dims} dimensions (expected 1 to {MAX_DIMS})")
         ne = tuple(c.u64(f"tensor {name!r}'s dimension {d}") for d in range(n_dims))
+        if 0 in ne:
+            raise c.fail(f"tensor {name!r} has an empty dimension ({list(reversed(ne))}): no elements")
         type_id = c.u32(f"tensor {name!r}'s type")
         if type_id not in GGML_TYPES:
             raise c.fail(f"tensor {name!r} has ggml type {type_id}, which is not a known type")
@@ -326,7 +328,7 @@ class GGUFFile:
         present = {int(m.group(1)) for t in self.tensors if (m := _BLOCK_INDEX.match(t.name))}
         if len(present) != count or (present and max(present) != count - 1):  # distinct, so exactly 0..count-1
             missing = sorted(set(range(min(count, max(present, default=0) + 2))) - present)[:4]
-            extra = sorted(present - set(range(count)))[:4]
+            extra = sorted(i for i in present if i >= count)[:4]
             raise c.fail(f"key {field.name!r} says {count} blocks, but the file's blk.N tensors are for "
                          f"{len(present)} (missing blocks {missing}, blocks beyond the count {extra})")
 
