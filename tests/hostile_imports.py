@@ -551,6 +551,34 @@ def torchq_door(examples: int, folder: Path) -> None:
     case()
 
 
+def hostile_file(case: str, folder: str) -> str:
+    """The file of one of issue 34's cases (benchmarks/bench_hostile_files.py), written into ``folder``."""
+    path = Path(folder) / (case.replace(" ", "_").replace("^", "").replace("(", "").replace(")", "") + ".gguf")
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+    arch = struct.pack("<Q", 20) + b"general.architecture" + struct.pack("<IQ", 8, 5) + b"llama"
+    key = struct.pack("<Q", 21) + b"tokenizer.ggml.scores"
+    if case.startswith("u8 array of"):
+        count = 1 << 60 if case.endswith("2^60") else 10**6
+        raw = head + arch + key + struct.pack("<IIQ", 9, 0, count)
+        path.write_bytes(raw + b"\0" * (288 - len(raw)))
+    elif case == "block_count 20000":
+        write_gguf(path, block_count=20000)
+    elif case.startswith("NaN scale"):
+        write_gguf(path, nan="blk.0.attn_q.weight")
+    elif case == "overlapping tensor data":
+        write_gguf(path)
+        raw = bytearray(path.read_bytes())
+        at = _after(raw, b"blk.0.attn_k.weight") + 4 + 16 + 4
+        first = _after(raw, b"blk.0.attn_q.weight") + 4 + 16 + 4
+        raw[at:at + 8] = raw[first:first + 8]  # k's data offset = q's
+        path.write_bytes(bytes(raw))
+    elif case == "truncated file":
+        write_gguf(path)
+        raw = path.read_bytes()
+        path.write_bytes(raw[: len(raw) // 2])
+    return str(path)
+
+
 DOORS = {"gguf": gguf_door, "compressed-tensors": ct_door, "torchq": torchq_door}
 
 

@@ -199,6 +199,14 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
     warned)."""
     if without_kernel not in ("float", "keep"):
         raise ValueError(f"without_kernel: expected 'float' or 'keep', got {without_kernel!r}")
+    path = Path(path)
+    with open_gguf(path) as file:  # the whole header checked before transformers or gguf-py sees the file
+        _check_model_size(file)
+        return _from_checked_gguf(path, file, model_class, dtype, layout, strict, without_kernel)
+
+
+def _from_checked_gguf(path: Path, file: GGUFFile, model_class: Any, dtype: torch.dtype, layout: Any, strict: bool,
+                       without_kernel: str) -> Any:
     import transformers
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -210,27 +218,24 @@ def from_gguf(path: str | os.PathLike, model_class: Any = None, *, dtype: torch.
     cls = model_class or transformers.AutoModelForCausalLM
     if not (hasattr(cls, "from_config") or hasattr(cls, "_from_config")):
         raise ValueError(f"model_class: expected a transformers auto class or PreTrainedModel subclass, got {cls!r}")
-    path = Path(path)
-    with open_gguf(path) as file:  # the whole header checked before transformers or gguf-py sees the file
-        _check_model_size(file)
-        try:
-            with _bounded_gguf_py(file), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-                warnings.simplefilter("ignore")
-                parsed = load_gguf_checkpoint(str(path))  # config and tokenizer metadata, no tensors
-                config = transformers.AutoConfig.for_model(**parsed["config"])
-                with torch.device("meta"):
-                    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # auto class / model class
-                    model = build(config, dtype=dtype)
-                model.eval()
-                arch = file.get("general.architecture", "")
-                processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
-                mapping = get_gguf_hf_weights_map(model, processor)
-        except (ImportError, CheckpointError):
-            raise
-        except Exception as e:  # transformers' own errors on a malformed config: the file named, the cause kept
-            raise CheckpointError(f"{path}: transformers cannot build a model from this GGUF file's metadata "
-                                  f"({type(e).__name__}: {e})") from e
-        return _install(path, file, model, processor, mapping, parsed, dtype, layout, strict, without_kernel)
+    try:
+        with _bounded_gguf_py(file), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            parsed = load_gguf_checkpoint(str(path))  # config and tokenizer metadata, no tensors
+            config = transformers.AutoConfig.for_model(**parsed["config"])
+            with torch.device("meta"):
+                build = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # auto class / model class
+                model = build(config, dtype=dtype)
+            model.eval()
+            arch = file.get("general.architecture", "")
+            processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+            mapping = get_gguf_hf_weights_map(model, processor)
+    except (ImportError, CheckpointError):
+        raise
+    except Exception as e:  # transformers' own errors on a malformed config: the file named, the cause kept
+        raise CheckpointError(f"{path}: transformers cannot build a model from this GGUF file's metadata "
+                              f"({type(e).__name__}: {e})") from e
+    return _install(path, file, model, processor, mapping, parsed, dtype, layout, strict, without_kernel)
 
 
 def _install(path: Path, file: GGUFFile, model: nn.Module, processor: Any, mapping: dict, parsed: dict, dtype: torch.dtype,
