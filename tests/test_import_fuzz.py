@@ -17,9 +17,9 @@ WORKER = Path(__file__).with_name("hostile_imports.py")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("door, examples, needs", [
-    ("gguf", 120, ("gguf", "transformers")),
-    ("compressed-tensors", 120, ("compressed_tensors",)),
-    ("torchq", 80, ("transformers",)),
+    ("gguf", 300, ("gguf", "transformers")),
+    ("compressed-tensors", 300, ("compressed_tensors",)),
+    ("torchq", 200, ("transformers",)),
 ])
 def test_fuzz(door, examples, needs):
     for module in needs:

@@ -28,6 +28,20 @@ def test_bench_linear_quick_runs_and_writes_json(tmp_path, capsys):
     assert "int4_native" in out or "int4_cpu" in out
 
 
+def test_bench_hostile_files_runs_and_writes_json(tmp_path, capsys):
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_hostile_files", ROOT / "benchmarks" / "bench_hostile_files.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "out.json"
+    assert mod.main(["--limit", "2", "--cases", "u8 array of 2^60,regex (.|.)*Z", "--json", str(path)]) == 0
+    rows = {r["case"]: r for r in json.loads(path.read_text())}
+    assert rows["u8 array of 2^60"]["torchq"]["outcome"] == "refused" and rows["u8 array of 2^60"]["torchq"]["size"] == 288
+    assert rows["regex (.|.)*Z"]["torchq"]["outcome"] == "finished" and rows["regex (.|.)*Z"]["peer"]["outcome"] == "timeout"
+    assert "peer" in capsys.readouterr().out
+
+
 def test_bench_serialization_quick_runs_and_writes_json(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("bench_serialization", ROOT / "benchmarks" / "bench_serialization.py")
     mod = importlib.util.module_from_spec(spec)
