@@ -124,10 +124,11 @@ GGUF_TENSORS = {"attn_q": ("Q4_0", 64, 64), "attn_k": ("Q8_0", 32, 64), "attn_v"
 
 
 def write_gguf(path: Path, *, block_count: int = 2, head_count: int = 2, alignment: int | None = None,
-               embedding: int = 64, nan: str | None = None) -> None:
+               embedding: int = 64, nan: str | None = None, bf16: bool = False, extra: dict | None = None) -> None:
     """A 2-block Llama GGUF (hidden 64, 2 heads, 1 KV head, vocab 32, tied F32 embedding, a 32-token
     tokenizer list) with Q4_0 / Q8_0 / Q4_1 / Q5_0 / F16 projections; ``nan``: put a NaN into the
-    first block scale of tensor ``nan`` (or its first value for a float tensor)."""
+    first block scale of tensor ``nan`` (or its first value for a float tensor); ``bf16``: the F16
+    projections as BF16; ``extra``: more u32 keys."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -145,7 +146,9 @@ def write_gguf(path: Path, *, block_count: int = 2, head_count: int = 2, alignme
     w.add_token_scores([0.0] * 32)
     w.add_token_types([1] * 32)
     if alignment is not None:
-        w.add_uint32("general.alignment", alignment)  # not add_custom_alignment: it refuses the hostile values
+        w.add_uint32("general.alignment", alignment)
+    for key, value in (extra or {}).items():
+        w.add_uint32(key, value)  # not add_custom_alignment: it refuses the hostile values
 
     def add(name: str, kind: str, n: int, k: int) -> None:
         x = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
@@ -158,6 +161,9 @@ def write_gguf(path: Path, *, block_count: int = 2, head_count: int = 2, alignme
                 flat[0] = np.nan
             else:  # the first block's d: two fp16 bytes at its start
                 flat[0:2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+        if bf16 and kind == "F16":  # BF16: the high halves of the fp32 values, as bytes
+            data = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+            qt, kind = gguf.GGMLQuantizationType.BF16, "BF16"
         w.add_tensor(name, data, raw_dtype=None if kind in ("F16", "F32") else qt)
 
     add("token_embd.weight", "F32", 32, 64)

@@ -75,7 +75,7 @@ def test_a_block_count_the_tensors_do_not_back_is_refused(tmp_path):
     write_gguf(path, block_count=20000)
     for read in every_reader(path):
         with pytest.raises(CheckpointError, match=r"blocks.gguf: key 'llama.block_count' says 20000 blocks, but the file's blk.N "
-                                                  r"tensors are for 2 \(missing blocks \[2\], blocks beyond the count \[\]\)"):
+                                                  r"tensors are for 2 \(missing blocks \[2, 3, 4, 5\], blocks beyond the count \[\]\)"):
             read()
 
 
@@ -112,13 +112,15 @@ def test_non_finite_block_scales_are_refused(kind, field, at, size, bad):
         from_gguf_blocks(raw, kind, (2, k))
 
 
-@pytest.mark.parametrize("tensor, kind", [("blk.0.attn_q.weight", "Q4_0"), ("blk.0.attn_v.weight", "Q4_1"),
-                                          ("blk.1.attn_output.weight", "F16"), ("token_embd.weight", "F32")])
-def test_a_nan_in_a_file_names_the_tensor(tmp_path, tensor, kind):
+@pytest.mark.parametrize("tensor, kind, what", [("blk.0.attn_q.weight", "Q4_0", "Q4_0 block 0 of row 0 has d = nan"),
+                                                ("blk.0.attn_v.weight", "Q4_1", "Q4_1 block 0 of row 0 has d = nan"),
+                                                ("blk.1.attn_output.weight", "F16", "its element 0 is nan"),
+                                                ("token_embd.weight", "F32", "its element 0 is nan")])
+def test_a_nan_in_a_file_names_the_tensor(tmp_path, tensor, kind, what):
     path = tmp_path / "nan.gguf"
     write_gguf(path, nan=tensor)
     for read in every_reader(path)[1:]:
-        with pytest.raises(CheckpointError, match=rf"nan.gguf: tensor '{tensor}' \({kind} .*(nan|NaN)"):
+        with pytest.raises(CheckpointError, match=rf"nan.gguf: tensor '{tensor}' \({kind} \[\d+(, \d+)?\]\): {what}"):
             read()
 
 
@@ -211,7 +213,7 @@ def _ct_folder(tmp_path, **swap):
     ("norm.weight:float64", r"'norm.weight' is a trainable torch.float32 parameter in the model but torch.float64 .*converts only"),
     ("norm.weight:float8", r"'norm.weight' is a trainable torch.float32 parameter in the model but torch.float8_e4m3fn"),
     ("norm.weight:nan", r"tensor 'norm.weight' holds NaN or infinite values"),
-    ("layer.weight_scale:inf", r"layer"),
+    ("layer.weight_scale:inf", r"tensor 'layer.weight': .*weight_scale.*(NaN|inf|finite)"),
 ])
 def test_compressed_tensors_float_entries_are_checked_against_the_model(tmp_path, swap, message):
     from hostile_imports import CTModel
@@ -279,7 +281,7 @@ def _copy(src, tmp_path):
     ("record shape", r"model.safetensors: '.*' has shape \[\d+, \d+\] in the model but \[\d+, \d+\] in the checkpoint"),
     ("float int64", r"model.safetensors: '.*' is a (trainable )?torch.float32 parameter in the model but torch.int64"),
     ("float dtype", r"model.safetensors: '.*' is a (trainable )?torch.float32 parameter in the model but torch.float64"),
-    ("part dtype", r"model.safetensors: .*scale"),
+    ("part dtype", r"model.safetensors: quantized tensor '.*': scale must be floating point, got torch.int64"),
     ("scale nan", r"model.safetensors: .*(finite|NaN|nan)"),
 ])
 def test_from_pretrained_makes_load_quantized_checks(torchq_folder, tmp_path, edit, message):
@@ -321,3 +323,159 @@ def test_from_pretrained_checks_float_crcs_and_the_config(torchq_folder, tmp_pat
     with pytest.raises(CheckpointError, match=r"case/model.safetensors: has no torchq header .* but .*case/config.json says its "
                                               r"weights are torchq's"):
         transformers.AutoModelForCausalLM.from_pretrained(case)
+
+
+# -- what a review found ------------------------------------------------------------------------------
+def _writer(path, arch="llama"):
+    return gguf.GGUFWriter(str(path), arch)
+
+
+def _close(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_huge_block_index_does_not_allocate(tmp_path):
+    path = tmp_path / "index.gguf"
+    w = _writer(path)
+    w.add_block_count((1 << 32) - 1)
+    w.add_tensor(f"blk.{(1 << 32) - 2}.attn_norm.weight", np.ones(8, np.float32))
+    _close(w)
+    with pytest.raises(CheckpointError, match=r"index.gguf: key 'llama.block_count' says 4294967295 blocks, but the file's blk.N "
+                                              r"tensors are for 1 \(missing blocks \[0, 1, 2, 3\]"):
+        gguf_metadata(path)
+
+
+def test_block_counts_under_any_architecture_key_or_config_name_are_bounded(tmp_path):
+    path = tmp_path / "other.gguf"
+    write_gguf(path, extra={"mistral.block_count": 100000})  # transformers reads any architecture's keys
+    with pytest.raises(CheckpointError, match=r"other.gguf: key 'mistral.block_count' asks for 100000, but the file's \d+ bytes"):
+        from_gguf(path)
+    array_arch = gstr("general.architecture") + struct.pack("<IIQ", 9, 8, 1) + gstr("llama")
+    path.write_bytes(gguf_bytes([array_arch, gstr("llama.block_count") + struct.pack("<II", 4, 100000)]))
+    with pytest.raises(CheckpointError, match=r"other.gguf: key 'general.architecture' must be a string, got \['llama'\]"):
+        from_gguf(path)
+    path.write_bytes(gguf_bytes([gstr("general.architecture") + struct.pack("<I", 8) + gstr("llama"),
+                                 gstr("llama.block_count") + struct.pack("<II", 4, 100)], pad=1 << 20))
+    with pytest.raises(CheckpointError, match=r"other.gguf: key 'llama.block_count' asks for 100, but the file's 0 bytes of tensor"):
+        from_gguf(path)  # a megabyte of padding backs no block
+    path.write_bytes(gguf_bytes([gstr(f"k{i}") + struct.pack("<II", 4, i) for i in range(5000)]))
+    with pytest.raises(CheckpointError, match=r"other.gguf: 5000 metadata keys; torchq hands transformers at most 4096"):
+        from_gguf(path)
+
+
+def test_t5_and_split_files_keep_their_block_counts(tmp_path):
+    path = tmp_path / "t5.gguf"
+    w = _writer(path, "t5")
+    w.add_block_count(2)
+    for family in ("enc.blk", "dec.blk"):
+        for i in range(2):
+            w.add_tensor(f"{family}.{i}.attn_norm.weight", np.ones(8, np.float32))
+    _close(w)
+    assert len(GGUFFile(path).tensors) == 4
+    w = _writer(path, "t5")
+    w.add_block_count(2)
+    w.add_tensor("enc.blk.0.attn_norm.weight", np.ones(8, np.float32))
+    w.add_tensor("enc.blk.1.attn_norm.weight", np.ones(8, np.float32))
+    w.add_tensor("dec.blk.0.attn_norm.weight", np.ones(8, np.float32))
+    _close(w)
+    with pytest.raises(CheckpointError, match=r"t5.gguf: .* dec.blk.N tensors are for 1 \(missing blocks \[1\]"):
+        GGUFFile(path)
+    w = _writer(path)
+    w.add_block_count(4)
+    w.add_uint16("split.count", 2)  # the first file of a split model holds blocks 0 and 1 only
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(8, np.float32))
+    w.add_tensor("blk.1.attn_norm.weight", np.ones(8, np.float32))
+    _close(w)
+    assert len(GGUFFile(path).tensors) == 2
+
+
+def test_not_utf8_strings_keep_their_bytes(tmp_path):
+    path = tmp_path / "bytes.gguf"
+    token = b"\xff\xfe"
+    arr = gstr("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + gstr("a") + struct.pack("<Q", 2) + token
+    path.write_bytes(gguf_bytes([arr]))
+    assert gguf_metadata(path)["tokenizer.ggml.tokens"][1].encode("utf-8", "surrogateescape") == token
+    path.write_bytes(gguf_bytes([struct.pack("<Q", 2) + token + struct.pack("<I", 4) + b"\0\0\0\0"]))
+    with pytest.raises(CheckpointError, match=r"bytes.gguf: key/value 0's key is not UTF-8"):
+        gguf_metadata(path)
+
+
+def _patch_data(path, tensor: str, at: int, data: bytes) -> None:
+    with GGUFFile(path) as f:
+        start = next(t.offset for t in f.tensors if t.name == tensor)
+    raw = bytearray(path.read_bytes())
+    raw[start + at:start + at + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+def test_values_that_overflow_the_import_dtype_are_refused(tmp_path):
+    path = tmp_path / "big.gguf"
+    write_gguf(path)
+    _patch_data(path, "token_embd.weight", 0, np.float32(1e5).tobytes())
+    with pytest.raises(CheckpointError, match=r"big.gguf: tensor 'token_embd.weight' \(F32\): values overflow torch.float16"):
+        from_gguf(path, dtype=torch.float16)
+    write_gguf(path)
+    _patch_data(path, "blk.0.attn_k.weight", 0, np.float16(60000).tobytes())  # Q8_0: finite d, 127·d beyond fp16
+    with pytest.raises(CheckpointError, match=r"big.gguf: tensor 'blk.0.attn_k.weight' \(Q8_0\): block scales up to 60000.0"):
+        from_gguf(path, dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = from_gguf(path, dtype=torch.bfloat16)  # bfloat16 holds it
+    assert bool(torch.isfinite(m.model.layers[0].self_attn.k_proj.weight.dequantize()).all())
+
+
+def test_integer_and_float_entries_must_fit_the_model_dtype(tmp_path):
+    src = nn.Module()
+    src.register_buffer("idx", torch.tensor([1, 200], dtype=torch.uint8))
+    src.register_buffer("w", torch.tensor([1.0, 1e5]))
+    torchq.save_quantized(src, tmp_path / "m.safetensors")
+    dst = nn.Module()
+    dst.register_buffer("idx", torch.zeros(2, dtype=torch.int8))
+    dst.register_buffer("w", torch.zeros(2, dtype=torch.float16))
+    with pytest.raises(CheckpointError, match=r"m.safetensors: 'idx' holds torch.uint8 values from 1 to 200, beyond the model's "
+                                              r"torch.int8"):
+        torchq.load_quantized(dst, tmp_path / "m.safetensors")
+    dst.register_buffer("idx", torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(CheckpointError, match=r"'w' holds torch.float32 values from 1.0 to 100000.0, beyond the model's torch.float16"):
+        torchq.load_quantized(dst, tmp_path / "m.safetensors")
+    dst.register_buffer("w", torch.zeros(2, dtype=torch.bfloat16))
+    torchq.load_quantized(dst, tmp_path / "m.safetensors")  # in range: cast as load_state_dict would
+    assert dst.idx.tolist() == [1, 200] and dst.w.dtype == torch.bfloat16
+
+
+def test_bf16_gguf_tensors_import(tmp_path):
+    path = tmp_path / "bf16.gguf"
+    write_gguf(path, bf16=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = from_gguf(path)
+    tensors = {t.name: t for t in read_gguf(path)}
+    expected = tensors["blk.1.attn_output.weight"].value
+    assert expected.dtype == torch.bfloat16
+    assert torch.equal(m.model.layers[1].self_attn.o_proj.weight, expected.float())
+
+
+def test_other_threads_get_gguf_pys_own_reader(tmp_path):
+    import threading
+
+    from torchq.interop.gguf_transformers import _bounded_gguf_py, _ReaderView
+
+    path = tmp_path / "ok.gguf"
+    write_gguf(path)
+    real = gguf.GGUFReader
+    seen = {}
+    with GGUFFile(path) as f, _bounded_gguf_py(f):
+        seen["here"] = gguf.GGUFReader(str(path))
+        thread = threading.Thread(target=lambda: seen.update(there=gguf.GGUFReader(str(path))))
+        thread.start()
+        thread.join()
+    assert isinstance(seen["here"], _ReaderView)
+    assert isinstance(seen["there"], real) and len(seen["there"].tensors) == len(seen["here"].tensors)
+    assert gguf.GGUFReader is real
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError):
+        from_gguf(path)
+    assert gguf.GGUFReader is real

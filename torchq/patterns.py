@@ -33,10 +33,12 @@ except ImportError:  # pragma: no cover - older Pythons
     import sre_constants as _sre_c  # type: ignore[no-redef]
     import sre_parse as _sre_parse  # type: ignore[no-redef]
 
-__all__ = ["PatternError", "SafePattern", "compile_pattern", "MAX_PATTERN_LENGTH", "MAX_STATES", "MAX_NESTING"]
+__all__ = ["PatternError", "SafePattern", "compile_pattern", "check_total_states", "MAX_PATTERN_LENGTH", "MAX_STATES",
+           "MAX_TOTAL_STATES", "MAX_NESTING"]
 
 MAX_PATTERN_LENGTH = 4096
-MAX_STATES = 10_000
+MAX_STATES = 1_000  # per pattern: real module-name patterns use under 100
+MAX_TOTAL_STATES = 2_000  # per file or plan: each module name is matched against every pattern
 MAX_NESTING = 100
 _CACHE_BUDGET = 50_000  # NFA states held by one pattern's memo of transitions (then it starts afresh)
 
@@ -368,3 +370,13 @@ def compile_pattern(pattern: str, *, where: str) -> SafePattern:
         return _compile(pattern)
     except _Refused as e:
         raise PatternError(where, pattern, str(e)) from None
+
+
+def check_total_states(patterns: list[SafePattern], *, where: str) -> None:
+    """PatternError unless ``patterns`` (all matched against every name of a model) hold at most
+    :data:`MAX_TOTAL_STATES` states together: matching is linear in each, but a file listing many
+    large patterns would still multiply the work by their number."""
+    total = sum(p.num_states for p in patterns)
+    if total > MAX_TOTAL_STATES:
+        raise PatternError(where, "", "too many states", f"{where}: its patterns hold {total} automaton states together, "
+                           f"more than {MAX_TOTAL_STATES}; use fewer or simpler patterns")

@@ -14,7 +14,7 @@ from torch.nn.utils import parametrize
 from . import dispatch
 from .canonical import PlainForm
 from .configs import ROW_CHUNK_BYTES, LayerNotSupported, QuantConfig
-from .patterns import PatternError, SafePattern, compile_pattern
+from .patterns import PatternError, SafePattern, check_total_states, compile_pattern
 from .tensor import AffineQuantizedTensor
 
 __all__ = ["quantize_", "QuantizationError", "SkippedLayerWarning", "TiedWeightWarning", "default_filter", "is_conv1d"]
@@ -91,6 +91,7 @@ def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], object]:
                 raise PatternError(e.where, e.pattern, e.reason, f"config[{key!r}]: invalid regular expression: {e.reason}") from None
         else:
             exact[key] = cfg
+    check_total_states([pat for _, pat, _ in patterns], where="config ('re:' keys)")
     missing = [k for k in exact if k not in names]
     if missing:
         hints = {k: difflib.get_close_matches(k, names, n=3) for k in missing}

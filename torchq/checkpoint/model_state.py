@@ -248,9 +248,12 @@ def _final_value(slot: Slot, value: torch.Tensor, inc: Incoming, source: str) ->
     if not isinstance(value, AffineQuantizedTensor) and not isinstance(old, AffineQuantizedTensor):
         check_entry_dtype(slot.name, old.dtype, value.dtype, source, "buffer" if slot.is_buffer else "parameter",
                           old.requires_grad and not slot.is_buffer)
-        if _kind(value.dtype) == "integer" and value.dtype != old.dtype and not torch.equal(value.to(old.dtype).to(value.dtype), value):
-            raise CheckpointError(f"{source}: {slot.name!r} holds {value.dtype} values that do not fit the model's {old.dtype}; "
-                                  f"the model was not changed")
+        if value.dtype != old.dtype and value.numel() and _kind(value.dtype) in ("integer", "floating-point"):
+            info = torch.iinfo(old.dtype) if _kind(old.dtype) == "integer" else torch.finfo(old.dtype)
+            lo, hi = value.min(), value.max()  # NaN propagates: refused below only where the value was finite
+            if bool(lo < info.min) or bool(hi > info.max):
+                raise CheckpointError(f"{source}: {slot.name!r} holds {value.dtype} values from {lo.item()!r} to {hi.item()!r}, "
+                                      f"beyond the model's {old.dtype}; the model was not changed")
     in_place = (
         not inc.quantized and not isinstance(old, AffineQuantizedTensor) and not _is_meta(old)
         and old.device == value.device and type(old) in (torch.Tensor, nn.Parameter) and not old.is_inference()

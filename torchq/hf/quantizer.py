@@ -103,7 +103,8 @@ class TorchqDeserialize(_SharedOp):
         for pattern, tensors in input_dict.items():
             tensors = tensors if isinstance(tensors, list) else [tensors]
             if len(tensors) != 1:
-                raise CheckpointError(f"{full_layer_name}: part {self.patterns.get(pattern, pattern)!r} stored {len(tensors)} times")
+                raise CheckpointError(f"{self.hf_quantizer.source}: {full_layer_name}: part {self.patterns.get(pattern, pattern)!r} "
+                                      f"stored {len(tensors)} times")
             parts[self.patterns.get(pattern, pattern)] = tensors[0]
         return self.hf_quantizer.decode_weight(model, full_layer_name, parts)
 
@@ -288,7 +289,7 @@ class TorchqHfQuantizer(HfQuantizer):
         state.update(model.named_buffers(remove_duplicate=False))
         wrong = sorted(n for n in self.records if not isinstance(state.get(n), AffineQuantizedTensor))
         if wrong:
-            raise CheckpointError(f"from_pretrained: the torchq header lists {len(wrong)} quantized weight(s) that did not load "
+            raise CheckpointError(f"{self.source}: the torchq header lists {len(wrong)} quantized weight(s) that did not load "
                                   f"quantized: {_fmt(wrong)} (a name the model does not have, or a part missing)")
 
     def _finish_quantization(self, model: nn.Module) -> None:

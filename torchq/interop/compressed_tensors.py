@@ -73,7 +73,7 @@ from torch import nn
 from ..canonical import PlainForm, QuantSpec
 from ..checkpoint.codec import CheckpointError
 from ..checkpoint.model_state import BufferInit, Incoming, install_checkpoint
-from ..patterns import SafePattern, compile_pattern
+from ..patterns import SafePattern, check_total_states, compile_pattern
 from ..primitives import ZeroPointDomain
 from ..tensor import AffineQuantizedTensor
 
@@ -320,6 +320,7 @@ def parse_quantization_config(config: Any) -> ParsedConfig:
     if not (isinstance(ignore, list) and all(isinstance(t, str) for t in ignore)):
         raise ValueError(f"quantization_config.ignore: expected a list of strings, got {ignore!r}")
     _compile_targets(ignore, "quantization_config.ignore", patterns)
+    check_total_states(list(patterns.values()), where="quantization_config (targets and ignore)")
     return ParsedConfig(tuple(schemes), tuple(ignore), config.get("kv_cache_scheme") is not None, patterns)
 
 
@@ -642,7 +643,7 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], Path | None]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted({path / f for f in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
         if any(f.parent != path or not f.is_file() for f in files):
             raise CheckpointError(f"{index}: lists files that are not in {path}")
@@ -687,7 +688,7 @@ def load_compressed_tensors(
             raise CheckpointError(f"{path}: no config.json next to the weights; pass quantization_config=")
         try:
             quantization_config = json.loads(config_file.read_text()).get("quantization_config")
-        except (ValueError, AttributeError) as e:
+        except (ValueError, AttributeError, RecursionError) as e:
             raise CheckpointError(f"{config_file}: not a JSON object ({e})") from None
         if quantization_config is None:
             raise CheckpointError(f"{config_file}: has no quantization_config (not a compressed-tensors checkpoint)")

@@ -571,10 +571,15 @@ def read_tensors(f: Any, *, dtype: torch.dtype = torch.float32, layout=None, pla
             raw = torch.from_numpy(f.tensor_bytes(t))
             try:
                 form = _plain(path, t, raw, shape)
+            except CheckpointError:  # a non-finite scale: no form at all
+                raise
             except ValueError as e:  # a float zero point that is not exact: gguf-py's values in float
                 yield GGUFTensor(t.name, kind, shape, _dequantized(path, f, t, str(e)), exact=False)
                 continue
-            value = form if plain else AffineQuantizedTensor.from_plain(form, dtype, layout=layout, label=t.name)
+            try:
+                value = form if plain else AffineQuantizedTensor.from_plain(form, dtype, layout=layout, label=t.name)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: tensor {t.name!r} ({kind} {list(shape)}): {e}") from None
             yield GGUFTensor(t.name, kind, shape, value)  # type: ignore[arg-type]
         elif kind in ("F32", "F16", "BF16"):
             raw = torch.from_numpy(f.tensor_bytes(t))

@@ -20,10 +20,10 @@ a file whose header claims more than it holds, so a few hundred hostile bytes co
 :class:`GGUFFile` instead refuses, with a :class:`~torchq.CheckpointError` naming the file and
 the field or tensor, any file where: a count, string or array does not fit in the bytes left;
 a key or tensor name repeats, is empty, or is not UTF-8 (names: under 64 bytes, llama.cpp's
-limit); a value type or ggml type is unknown; a tensor has 0 or more than 4 dimensions or an empty one, a row
+limit; string values that are not UTF-8 keep their bytes as surrogate escapes); a value type or ggml type is unknown; a tensor has 0 or more than 4 dimensions or an empty one, a row
 that is not whole blocks, an offset that is not aligned, data outside the data section, or data
 overlapping another tensor's (llama.cpp refuses the same); ``general.alignment`` is not a power
-of two; ``<arch>.block_count`` differs from the ``blk.N`` tensors present. Numeric arrays are
+of two; ``<arch>.block_count`` differs from the ``blk.N`` tensors present (see ``_check_block_count``). Numeric arrays are
 kept as one numpy array each and strings as Python strings, so memory stays proportional to
 the file. Tensor bytes are read only on request (:meth:`GGUFFile.tensor_bytes`), from a
 read-only memory map.
@@ -54,7 +54,7 @@ _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4)
             7: ("<B", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 STRING, ARRAY, BOOL = 8, 9, 7
-_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
+_BLOCK_INDEX = re.compile(r"((?:enc\.|dec\.)?blk)\.(\d+)\.")
 
 
 def _ggml_types() -> dict[int, tuple[str, int, int]]:
@@ -140,7 +140,7 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.scalar("<Q", 8, what)
 
-    def string(self, what: str, limit: int | None = None) -> str:
+    def string(self, what: str, limit: int | None = None, strict: bool = True) -> str:
         n = self.u64(f"{what}'s length")
         if limit is not None and n >= limit:
             raise self.fail(f"{what} is {n} bytes long; GGUF names are under {limit} bytes")
@@ -148,7 +148,7 @@ class _Cursor:
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         try:
-            return raw.decode("utf-8")
+            return raw.decode("utf-8", "strict" if strict else "surrogateescape")
         except UnicodeDecodeError as e:
             raise self.fail(f"{what} is not UTF-8 ({e})") from None
 
@@ -239,7 +239,7 @@ class GGUFFile:
     def _value(self, c: _Cursor, key: str) -> GGUFField:
         vtype = c.u32(f"key {key!r}'s value type")
         if vtype == STRING:
-            return GGUFField(key, vtype, c.string(f"key {key!r}'s value"))
+            return GGUFField(key, vtype, c.string(f"key {key!r}'s value", strict=False))
         if vtype in _SCALARS:
             v = c.scalar(*_SCALARS[vtype], f"key {key!r}'s value")
             return GGUFField(key, vtype, self._bool(c, key, v) if vtype == BOOL else v)
@@ -250,7 +250,7 @@ class GGUFFile:
         if etype == STRING:
             if count * 8 > c.size - c.pos:  # each string has at least its 8-byte length
                 raise c.fail(f"key {key!r}: an array of {count} strings cannot fit in the {c.size - c.pos} bytes left")
-            return GGUFField(key, vtype, [c.string(f"key {key!r}'s element {j}") for j in range(count)], etype)
+            return GGUFField(key, vtype, [c.string(f"key {key!r}'s element {j}", strict=False) for j in range(count)], etype)
         if etype not in _SCALARS:
             what = "arrays of arrays are not supported" if etype == ARRAY else f"element type {etype} is not a GGUF type"
             raise c.fail(f"key {key!r}: {what}")
@@ -316,6 +316,9 @@ class GGUFFile:
                              f"{start - self.data_start}..{end - self.data_start})")
 
     def _check_block_count(self, c: _Cursor) -> None:
+        """``<arch>.block_count`` against the block indices of the ``blk.N`` (and T5's ``enc.blk.N`` /
+        ``dec.blk.N``) tensors: none may be beyond the count, and each family present must hold every
+        block 0..count-1 (but in a file of a split model, which holds some blocks only)."""
         arch = self.fields.get("general.architecture")
         if arch is None or arch.type != STRING or not self.tensors:
             return
@@ -323,14 +326,22 @@ class GGUFFile:
         if field is None:
             return
         count = field.value
-        if field.type not in (0, 2, 4, 10, 1, 3, 5, 11) or count < 0:
+        if field.type not in (0, 1, 2, 3, 4, 5, 10, 11) or count < 0:
             raise c.fail(f"key {field.name!r} must be a non-negative integer, got {count!r}")
-        present = {int(m.group(1)) for t in self.tensors if (m := _BLOCK_INDEX.match(t.name))}
-        if len(present) != count or (present and max(present) != count - 1):  # distinct, so exactly 0..count-1
-            missing = sorted(set(range(min(count, max(present, default=0) + 2))) - present)[:4]
-            extra = sorted(i for i in present if i >= count)[:4]
-            raise c.fail(f"key {field.name!r} says {count} blocks, but the file's blk.N tensors are for "
-                         f"{len(present)} (missing blocks {missing}, blocks beyond the count {extra})")
+        families: dict[str, set[int]] = {}
+        for t in self.tensors:
+            if m := _BLOCK_INDEX.match(t.name):
+                families.setdefault(m.group(1), set()).add(int(m.group(2)))
+        split = self.fields.get("split.count")
+        whole = split is None or split.value in (0, 1)
+        for family, present in families.items():
+            beyond = sorted(i for i in present if i >= count)[:4]
+            missing: list[int] = []
+            if whole and len(present) != count:  # distinct, in 0..count-1 unless beyond: some block lacks tensors
+                missing = [i for i in range(min(count, len(present) + 4)) if i not in present][:4]
+            if beyond or missing:
+                raise c.fail(f"key {field.name!r} says {count} blocks, but the file's {family}.N tensors are for {len(present)} "
+                             f"(missing blocks {missing}, blocks beyond the count {beyond})")
 
     # -- values ------------------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:

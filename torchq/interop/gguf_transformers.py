@@ -27,6 +27,7 @@ import contextlib
 import functools
 import io
 import os
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -60,8 +61,8 @@ class _Elements:
 
         f = self.field
         if f.type == ARRAY:
-            return f.value[i].encode() if f.element_type == STRING else f.value[i:i + 1]
-        return f.value.encode() if f.type == STRING else np.array([f.value])
+            return f.value[i].encode("utf-8", "surrogateescape") if f.element_type == STRING else f.value[i:i + 1]
+        return f.value.encode("utf-8", "surrogateescape") if f.type == STRING else np.array([f.value])
 
 
 class _FieldView:
@@ -113,43 +114,82 @@ _GGUF_PY_LOCK = threading.Lock()
 MODULE_BYTES = 4096  # tensor bytes a file must hold per block / expert beyond the first 64
 
 
+MAX_KEYS = 4096  # metadata keys from_gguf hands transformers (its parser is quadratic in them; real files: ~40)
+_SIZED = re.compile(r"(layers?|experts)$")  # config values transformers builds that many modules for
+
+
+def _allowance(file: GGUFFile) -> tuple[int, int]:
+    """(tensor bytes, the most blocks / experts they can back): 64, or one per :data:`MODULE_BYTES`."""
+    data = sum(t.nbytes for t in file.tensors)
+    return data, max(64, data // MODULE_BYTES)
+
+
 def _check_model_size(file: GGUFFile) -> None:
     """CheckpointError when the metadata asks for more blocks or experts than the file's tensor data
     can fill: transformers builds each block as Python modules (~0.4 MB each, even on ``meta``) before
     any tensor is read, so a few bytes claiming 20000 blocks would cost gigabytes. Up to 64 are always
-    allowed, beyond that one per :data:`MODULE_BYTES` bytes of tensor data (real files hold megabytes per block)."""
-    arch = file.get("general.architecture")
-    if not isinstance(arch, str):
-        return
-    data = max(0, file.size - file.data_start)
-    limit = max(64, data // MODULE_BYTES)
-    for key in (f"{arch}.block_count", f"{arch}.expert_count"):
-        count = file.get(key)
-        if isinstance(count, int) and count > limit:
-            raise CheckpointError(f"{file.path}: key {key!r} asks for {count}, but the file's {data} bytes of tensor data can "
-                                  f"fill at most {limit} (transformers builds every one before reading a tensor)")
+    allowed, beyond that one per :data:`MODULE_BYTES` bytes of tensor data (real files hold megabytes
+    per block). Also refuses more than :data:`MAX_KEYS` keys and an architecture that is not a string.
+    :func:`_check_config_size` checks what transformers parsed (any architecture's keys count there)."""
+    arch = file.fields.get("general.architecture")
+    if arch is not None and not isinstance(arch.value, str):
+        raise CheckpointError(f"{file.path}: key 'general.architecture' must be a string, got {arch.contents()!r}")
+    if len(file.fields) > MAX_KEYS:
+        raise CheckpointError(f"{file.path}: {len(file.fields)} metadata keys; torchq hands transformers at most {MAX_KEYS}")
+    data, limit = _allowance(file)
+    for key, field in file.fields.items():
+        if key.endswith((".block_count", ".expert_count")) and isinstance(field.value, int) and field.value > limit:
+            raise CheckpointError(f"{file.path}: key {key!r} asks for {field.value}, but the file's {data} bytes of tensor "
+                                  f"data can fill at most {limit} (transformers builds every one before reading a tensor)")
+
+
+def _check_config_size(file: GGUFFile, config: dict) -> None:
+    """:func:`_check_model_size` on the config transformers parsed from ``file`` (layer and expert counts)."""
+    data, limit = _allowance(file)
+    for key, value in config.items():
+        if _SIZED.search(key) and isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise CheckpointError(f"{file.path}: transformers' config {key} = {value}, but the file's {data} bytes of tensor "
+                                  f"data can fill at most {limit}")
+
+
+class _Dispatch(threading.local):
+    view: tuple[str, GGUFFile] | None = None  # (real path, checked file) while this thread runs from_gguf
+
+
+_DISPATCH = _Dispatch()
 
 
 @contextlib.contextmanager
 def _bounded_gguf_py(file: GGUFFile):
-    """While transformers reads ``file``: gguf-py's ``GGUFReader`` of that path is the bounded
-    reader's view (gguf-py's own allocates a numpy object per array element and reads past a short
-    file's end), and ``get_tensor_name_map`` is cached (transformers builds the whole name map once
-    per module of the model: quadratic in the block count). Other paths get gguf-py's reader; both
-    names are restored on exit."""
+    """While this thread's transformers reads ``file``: gguf-py's ``GGUFReader`` of that path is the
+    bounded reader's view (gguf-py's own allocates a numpy object per array element and reads past a
+    short file's end), and ``get_tensor_name_map`` is cached (transformers builds the whole name map
+    once per module of the model: quadratic in the block count). ``gguf.GGUFReader`` is a subclass of
+    gguf-py's for that time: other threads, and other paths, construct gguf-py's own reader, and get
+    gguf-py's name map; both names are restored on exit."""
     import gguf
 
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    target = os.path.realpath(file.path)
-
-    def reader(path: Any, mode: str = "r") -> Any:
-        return _ReaderView(file) if os.path.realpath(os.fspath(path)) == target else real_reader(path, mode)
-
     with _GGUF_PY_LOCK:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=4)(real_map)
+        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        cached = functools.lru_cache(maxsize=4)(real_map)
+
+        class GGUFReader(real_reader):  # type: ignore[misc, valid-type]
+            def __new__(cls, path: Any, *args: Any, **kwargs: Any) -> Any:
+                view = _DISPATCH.view
+                if view is not None and os.path.realpath(os.fspath(path)) == view[0]:
+                    return _ReaderView(view[1])
+                return super().__new__(cls)
+
+        def get_tensor_name_map(*args: Any) -> Any:
+            return cached(*args) if _DISPATCH.view is not None else real_map(*args)
+
+        GGUFReader.__qualname__ = real_reader.__qualname__
+        gguf.GGUFReader, gguf.get_tensor_name_map = GGUFReader, get_tensor_name_map
+        _DISPATCH.view = (os.path.realpath(file.path), file)
         try:
             yield
         finally:
+            _DISPATCH.view = None
             gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
@@ -165,6 +205,20 @@ def _row_order(processor: Any, name: str, n: int, kwargs: dict) -> tuple[Any, to
         raise ValueError("the transformers tensor processor changes more than the order of its rows")
     order = out[:, 0].astype(np.int64)
     return result.name, None if np.array_equal(order, probe[:, 0].astype(np.int64)) else torch.from_numpy(order)
+
+
+def _check_range(plain: PlainForm, dtype: torch.dtype, path: Path, t: Any) -> None:
+    """CheckpointError when a quantized weight's values may overflow ``dtype`` (float16: finite block
+    scales as large as 65504 times codes up to 127 do): a bound from the scales and zero points, no
+    dequantized copy."""
+    if dtype != torch.float16:  # float32 / bfloat16 hold any fp16 scale times any code
+        return
+    spec = plain.spec
+    span = float(plain.scale.abs().max()) * (spec.quant_max - spec.quant_min) if plain.scale.numel() else 0.0
+    zero = float(plain.zero_point.abs().max()) if plain.zero_point is not None and plain.zero_point.numel() else 0.0
+    if span + zero > torch.finfo(dtype).max:
+        raise CheckpointError(f"{path}: tensor {t.name!r} ({t.kind}): block scales up to {float(plain.scale.abs().max())!r} "
+                              f"can give values beyond float16's range; import it with dtype=torch.float32 or bfloat16")
 
 
 def _linear_users(model: nn.Module) -> dict[int, list[str]]:
@@ -222,6 +276,7 @@ def _from_checked_gguf(path: Path, file: GGUFFile, model_class: Any, dtype: torc
         with _bounded_gguf_py(file), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             parsed = load_gguf_checkpoint(str(path))  # config and tokenizer metadata, no tensors
+            _check_config_size(file, parsed["config"])
             config = transformers.AutoConfig.for_model(**parsed["config"])
             with torch.device("meta"):
                 build = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # auto class / model class
@@ -265,6 +320,7 @@ def _install(path: Path, file: GGUFFile, model: nn.Module, processor: Any, mappi
                     unmapped.append(t.name)
                     return
                 plain = value if order is None else value.rows(order)
+                _check_range(plain, dtype, path, t)
                 q = AffineQuantizedTensor.from_plain(plain, dtype, layout=layout, label=mapping[name])
                 linears = users.get(id(model.get_parameter(mapping[name])), []) if mapping[name] in params else []
                 if linears and not _has_kernel(q, dtype) and without_kernel == "keep":
@@ -280,13 +336,17 @@ def _install(path: Path, file: GGUFFile, model: nn.Module, processor: Any, mappi
                 incoming[mapping[name]] = Incoming(mapping[name], tuple(q.shape), True, f"{t.kind} as {plain.spec.describe()}",
                                                    lambda device, q=q: q if device is None else q.to(device))
                 return
-        result = processor.process(weights=np.asarray(value.numpy()), name=t.name, **kwargs)
+        numbers = value.float() if value.dtype == torch.bfloat16 else value  # numpy has no bfloat16
+        result = processor.process(weights=np.asarray(numbers.numpy()), name=t.name, **kwargs)
         if result.name not in mapping:
             unmapped.append(t.name)
             return
         f = torch.from_numpy(np.array(result.weights))
         if f.is_floating_point():  # integer tensors keep their type: loading checks it against the parameter's
             f = f.to(dtype)
+            if not bool(torch.isfinite(f).all()):
+                raise CheckpointError(f"{path}: tensor {t.name!r} ({t.kind}): values overflow {dtype} (up to "
+                                      f"{float(value.double().abs().max())!r}); import it with a wider dtype=")
         incoming[mapping[result.name]] = Incoming(mapping[result.name], tuple(f.shape), False, f"{t.kind} as float",
                                                   lambda device, f=f: f if device is None else f.to(device))
 
