@@ -217,11 +217,8 @@ def mutate_gguf(base: bytes, header_end: int, m, folder: Path) -> Path:
     what, a, b, c = m
     path = folder / "case.gguf"
     raw = bytearray(base)
-    if what == "flip":  # mostly the header: that is where sizes live
-        pos = a % (header_end if c else len(raw))
-        raw[pos] = b if raw[pos] != b else b ^ 0xFF
-    elif what == "truncate":
-        raw = raw[:int(a * (len(raw) - 1))]
+    if what in ("flip", "truncate"):  # flips mostly in the header: that is where sizes live
+        raw = _damage(raw, m, header_end)
     elif what == "field":
         if a == "tensor_count":
             _u64_at(raw, 8, b)
@@ -386,15 +383,7 @@ def ct_door(examples: int, folder: Path) -> None:
             t = _swap(t, a)
         path = _write_ct(case_dir, t, conf)
         if what in ("flip", "truncate"):
-            f = case_dir / "model.safetensors"
-            raw = bytearray(f.read_bytes())
-            if what == "flip":
-                header = 8 + struct.unpack("<Q", bytes(raw[:8]))[0]
-                pos = a % (header if c else len(raw))
-                raw[pos] = b if raw[pos] != b else b ^ 0xFF
-            else:
-                raw = raw[:int(a * (len(raw) - 1))]
-            f.write_bytes(bytes(raw))
+            _damage_safetensors(case_dir / "model.safetensors", m)
         model = CTModel()
         model.train(False)
 
@@ -411,6 +400,21 @@ def ct_door(examples: int, folder: Path) -> None:
         run_case("compressed-tensors", path, lambda: load_compressed_tensors(model, path, dtype=torch.float32), check, state)
 
     case()
+
+
+def _damage(raw: bytearray, m, header_end: int) -> bytearray:
+    """A flip (``("flip", position, byte, in the header?)``) or a truncation (``("truncate", fraction, ...)``) of ``raw``."""
+    what, a, b, c = m
+    if what == "truncate":
+        return raw[:int(a * (len(raw) - 1))]
+    pos = a % (header_end if c else len(raw))
+    raw[pos] = b if raw[pos] != b else b ^ 0xFF
+    return raw
+
+
+def _damage_safetensors(f: Path, m) -> None:
+    raw = bytearray(f.read_bytes())
+    f.write_bytes(bytes(_damage(raw, m, 8 + struct.unpack("<Q", bytes(raw[:8]))[0])))
 
 
 def _write_ct(folder: Path, tensors: dict, cfg: dict) -> Path:
@@ -537,14 +541,7 @@ def torchq_door(examples: int, folder: Path) -> None:
         shutil.copytree(base, case_dir)
         f = case_dir / "model.safetensors"
         if what in ("flip", "truncate"):
-            raw = bytearray(f.read_bytes())
-            if what == "flip":
-                header = 8 + struct.unpack("<Q", bytes(raw[:8]))[0]
-                pos = a % (header if c else len(raw))
-                raw[pos] = b if raw[pos] != b else b ^ 0xFF
-            else:
-                raw = raw[:int(a * (len(raw) - 1))]
-            f.write_bytes(bytes(raw))
+            _damage_safetensors(f, m)
         elif what == "config":
             key, value = a
             conf = json.loads((case_dir / "config.json").read_text())

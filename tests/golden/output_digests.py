@@ -4,8 +4,10 @@ Issue 15 reshaped the kernel layer under the rule "outputs must not change by a 
 ``record()`` computes the SHA-256 of every output (and of the quantized bytes' dequantization)
 for a fixed grid of cases; ``tests/test_output_digests.py`` recomputes them and compares with
 the digests stored in ``output_digests.json.gz`` for the same machine fingerprint (the native ISA,
-the tile dtype, torch's CPU capability and thread count, the CPU model: float sums are ordered
-differently elsewhere, so digests are only comparable on a matching machine).
+the tile dtype, torch's CPU capability and thread count, the CPU model and the CPU flags that select
+kernels inside torch's libraries: float sums are ordered differently elsewhere, so digests are only
+comparable on a matching machine; digests stored before the flags were part of the fingerprint
+are found under the fingerprint without them).
 
     python tests/golden/output_digests.py            # print the digests of this machine
     python tests/golden/output_digests.py --update   # store them under this machine's fingerprint
@@ -72,6 +74,45 @@ def fingerprint() -> str:
         pass
     return (f"torch {torch.__version__}; aten {torch.backends.cpu.get_cpu_capability()}; threads {torch.get_num_threads()}; "
             f"native {st.isa if st.available else 'off'}; bf16 tiles {FAST_BF16_MATMUL}; cpu {cpu}")
+
+
+# CPU features that select kernels inside torch's own libraries (oneDNN's int8 and bf16 GEMMs, FBGEMM)
+# whatever torch's capability says: two "AMD EPYC" machines with AVX2 ATen gave different int8
+# dynamic / LLM.int8 outputs for bf16 weights (one without any VNNI or AVX-512)
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+                "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> str:
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    present = set(line.split(":", 1)[1].split())
+    return " ".join(f for f in KERNEL_FLAGS if f in present)
+
+
+def fingerprints() -> tuple[str, str]:
+    """(this machine's fingerprint with its kernel-selecting CPU flags, the fingerprint without them,
+    under which digests recorded before the flags were part of it are stored)."""
+    legacy = fingerprint()
+    return f"{legacy}; flags {cpu_flags()}", legacy
+
+
+def record_as_recorded() -> dict[str, dict[str, str]]:
+    """The digests ``--update`` stores: as tests/test_output_digests.py compares them (the native lut4
+    decode / GEMM paths off; the cases of kernels that computed in bf16 before issue 15 computed with
+    ``compute_dtype=torch.bfloat16``), for the native and the reference mode."""
+    from torchq.backends.native_cpu.library import lut4_paths
+
+    out = {}
+    for mode in ("native", "reference"):
+        kernels: dict[str, str] = {}
+        with lut4_paths(decode=False, gemm=False):
+            now = record(native_enabled=mode == "native", kernels=kernels)
+            in_bf16 = record(native_enabled=mode == "native", compute_dtype=torch.bfloat16)
+        out[mode] = {k: in_bf16[k] if computed_in_bf16_before(k, kernels.get(k, "")) else v for k, v in now.items()}
+    return out
 
 
 def _weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -172,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--update", action="store_true", help="store this machine's digests under its fingerprint")
     args = p.parse_args(argv)
-    fp = fingerprint()
-    result = {"native": record(True), "reference": record(False)}
+    fp = fingerprints()[0]
+    result = record_as_recorded()
     print(fp)
     for mode, digests in result.items():
         print(f"{mode}: {len(digests)} cases, {sum(v.startswith(('rejected', 'raises')) for v in digests.values())} rejected/raising")
