@@ -38,6 +38,8 @@ from ...blockwise.codebooks import codebook, dynamic_map
 from ...blockwise.nested import NESTED_BLOCKSIZE
 from ...ops.blockwise import check_blockwise_4bit_linear_args
 from ...ops.int4 import check_int4_groupwise_linear_args
+from .rounding import ROUND_KINDS, round_to
+from .stream_gemv import stream_gemv, stream_gemv_fits, sum_slices_kernel
 
 __all__ = ["int4_groupwise_linear", "blockwise_4bit_linear", "dequant_linear", "GEMV_MAX_M"]
 
@@ -45,21 +47,10 @@ AFFINE, CODEBOOK = 0, 1
 # The GEMV reads the weight once per row: at M=4 it took 1312 us against 515 us for dequantize + cuBLAS
 # at M=16 (8192x28672 bf16, H100), so only single rows take it.
 GEMV_MAX_M = 1
-ROUND_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # rounding kinds of round_to
-
-
-@triton.jit
-def round_to(v, KIND: tl.constexpr):
-    """fp32 ``v`` rounded to nearest even bf16 (KIND 1) or fp16 (KIND 2), back in fp32 (KIND 0:
-    unchanged). The bf16 rounding is done on the bits (what ``cvt.rn.bf16.f32`` and torch do,
-    overflow to inf and NaN kept), since triton's interpreter truncates instead."""
-    if KIND == 1:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-    elif KIND == 2:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
+# Up to DOT_MAX_M rows the tensor-core kernel reads the weight once for all rows; above it the
+# weight is dequantized once and multiplied by cuBLAS. Launch parameters of the tensor-core kernel:
+DOT_MAX_M = 64
+DOT_TUNING = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=4)
 
 
 @triton.jit
@@ -138,6 +129,46 @@ def _gemv_kernel(x_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, k_per_split,
 
 
 @triton.jit
+def _dot_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, k_per_split,
+                packed_ptr, stride_pn, stride_gn, w0, w1, w2, w3, w4, w5, code_base,
+                FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, ROUND_MUL: tl.constexpr,
+                ROUND_ADD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+                X_KIND: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Program (m block, n block, K slice): ``x[m block, slice] @ W[n block, slice].T`` on tensor
+    cores, each weight tile formed bit for bit as the reference forms it and cast to x's dtype
+    (fp32 x: an fp32 dot, no TF32), products summed in fp32; the K slices' partial sums to
+    ``part [SPLIT, M, N]``, or with ``DIRECT`` (one slice) the rounded result to ``out``.
+    ``DOT_F32``: both operands widened to fp32 first (the same exact products): triton's CPU
+    interpreter multiplies bf16 operands wrongly (triton 3.9)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + m_idx[:, None] * stride_xm + k_idx[None, :], mask=(m_idx[:, None] < M) & (k_idx[None, :] < K),
+                     other=0.0)
+        w = _weight_tile(n_idx, k0, N, K, packed_ptr, stride_pn, stride_gn, w0, w1, w2, w3, w4, w5, code_base,
+                         FMT, OPT_A, OPT_B, ROUND_MUL, ROUND_ADD, GROUP, BLOCK_N, BLOCK_K)
+        wt = tl.trans(round_to(w, X_KIND).to(xt.dtype))
+        if X_KIND == 0 or DOT_F32:
+            acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, wt)
+    mask = (m_idx[:, None] < M) & (n_idx[None, :] < N)
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
+
+
+@triton.jit
 def _dequant_kernel(out_ptr, N, K, packed_ptr, stride_pn, stride_gn, w0, w1, w2, w3, w4, w5, code_base,
                     FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, ROUND_MUL: tl.constexpr,
                     ROUND_ADD: tl.constexpr, GROUP: tl.constexpr, X_KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -151,21 +182,6 @@ def _dequant_kernel(out_ptr, N, K, packed_ptr, stride_pn, stride_gn, w0, w1, w2,
                      FMT, OPT_A, OPT_B, ROUND_MUL, ROUND_ADD, GROUP, BLOCK_N, BLOCK_K)
     mask = (n_idx[:, None] < N) & (k_idx[None, :] < K)
     tl.store(out_ptr + n_idx[:, None] * K + k_idx[None, :], round_to(w, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, bias_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       X_KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = round(sum_s part[s] (+ bias))``: the split-K partial sums (fp32 ``[SPLIT, M, N]``)
-    added in slice order (deterministic), the bias added in fp32, one rounding to out's dtype."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < MN
-    acc = tl.load(part_ptr + i, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i, round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -200,7 +216,7 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
     weight = (packed, stride_pn, stride_gn, *ws, float(code_base))
     flags = dict(FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), ROUND_MUL=round_mul, ROUND_ADD=round_add, GROUP=group)
     bias = None if bias is None else bias.reshape(-1).to(x.dtype).contiguous()  # the reference adds bias in x's dtype
-    if m > GEMV_MAX_M:  # the weight in x's dtype once, then the float GEMM (the reference's own two steps)
+    if m > DOT_MAX_M:  # the weight in x's dtype once, then the float GEMM (the reference's own two steps)
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
         block_n, block_k = 32, 128
         grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
@@ -208,6 +224,12 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
                 (fmt, opt_a, opt_b, x.dtype, x.device))
         return F.linear(x2, w, bias).reshape(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    rows = packed.reshape(n, stride_pn)
+    if stream_gemv_fits(rows, m, group):
+        stream_gemv(x2, out, n, k, rows, stride_gn, group, ws, code_base, fmt, opt_a, opt_b, bias, _sm_count(x.device))
+        return out.reshape(*x.shape[:-1], n)
+    if m > GEMV_MAX_M:  # tensor cores
+        return _dot_linear(x2, out, n, k, weight, flags, bias).reshape(*x.shape[:-1], n)
     block_n, block_k = 32, 128
     split = _split_k(triton.cdiv(n, block_n) * m, k, block_k, x.device)
     # slices are whole K blocks; the last one may run past K (masked)
@@ -220,9 +242,34 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
                 BLOCK_K=block_k, num_warps=4)
     _launch(_gemv_kernel, (triton.cdiv(n, block_n), split, m), args, meta, (fmt, opt_a, opt_b, x.dtype, x.device))
     if split > 1:  # one launch: each host-side torch op costs ~25 us of CPU on an H100 host, more than the sum
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](target, out, b, m * n, n, SPLIT=split, HAS_BIAS=bias is not None,
+        sum_slices_kernel[(triton.cdiv(m * n, 1024),)](target, out, b, m * n, n, split, HAS_BIAS=bias is not None,
                                                          X_KIND=ROUND_KINDS[x.dtype], BLOCK=1024)
     return out.reshape(*x.shape[:-1], n)
+
+
+def _dot_linear(x2, out, n: int, k: int, weight: tuple, flags: dict, bias) -> torch.Tensor:
+    """``out = x2 @ W.T (+ bias)`` by :func:`_dot_kernel`, split over K until the grid fills the device."""
+    m = x2.shape[0]
+    t = DOT_TUNING
+    block_m = max(16, min(t["block_m"], triton.next_power_of_2(m)))
+    block_n, block_k = t["block_n"], t["block_k"]
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = max(1, min(steps, triton.cdiv(t["programs_per_sm"] * _sm_count(x2.device), tiles)))
+    k_per_split = triton.cdiv(steps, split) * block_k
+    split = triton.cdiv(k, k_per_split)
+    part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
+    b = weight[0] if bias is None else bias
+    x_kind = ROUND_KINDS[x2.dtype]
+    args = (x2, part, out, b, m, n, k, x2.stride(0), k_per_split, *weight)
+    meta = dict(flags, HAS_BIAS=bias is not None, DIRECT=split == 1, X_KIND=x_kind, DOT_F32=x2.device.type != "cuda", BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k, num_warps=t["num_warps"], num_stages=t["num_stages"])
+    _launch(_dot_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split), args, meta,
+            (flags["FMT"], flags["OPT_A"], flags["OPT_B"], x2.dtype, x2.device))
+    if split > 1:
+        sum_slices_kernel[(triton.cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
+                                                         X_KIND=x_kind, BLOCK=1024)
+    return out
 
 
 _STAGES: dict[tuple, int] = {}  # (kernel, format, options, dtype, device, blocks) -> pipeline stages that fit

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ...ops.int8 import check_int8_dynamic_linear_args
-from .dequant_linear import ROUND_KINDS, round_to
+from .rounding import ROUND_KINDS, round_to
 
 __all__ = ["int8_dynamic_linear", "quantize_rows"]
 
