@@ -26,12 +26,13 @@ import torchq
 from torchq.layouts import Int4NativeLayout
 
 STREAM_CANDIDATES = [  # block_n, block_kw, num_warps
-    (32, 16, 4), (64, 16, 4), (128, 16, 4), (64, 32, 4), (128, 32, 8), (256, 8, 4), (64, 8, 4), (128, 16, 8), (256, 16, 8),
+    (128, 16, 4), (256, 16, 4), (128, 32, 4), (64, 16, 4), (256, 8, 4), (128, 16, 2),
 ]
 STREAM_PPS = (8, 32)
-DOT_CANDIDATES = [  # block_m, block_n, block_k, num_warps, num_stages
-    (16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 3), (64, 64, 128, 4, 3),
-    (64, 128, 64, 4, 3), (16, 128, 64, 4, 4),
+STREAM_DECODES = (0, 1, 2)  # int4 only (NF4 looks its codes up)
+DOT_CANDIDATES = [  # block_m, block_n, block_kw, num_warps, num_stages
+    (16, 64, 16, 4, 3), (16, 128, 16, 4, 3), (16, 64, 32, 4, 3), (32, 64, 16, 4, 3), (64, 64, 16, 4, 3),
+    (64, 128, 16, 8, 3), (16, 128, 32, 8, 2),
 ]
 DOT_PPS = (2, 8)
 PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8}
@@ -117,6 +118,7 @@ def run(args) -> list[dict]:
         name = torch.cuda.get_device_name(device)
         hbm = next((v for key, v in PEAK_HBM_TBS.items() if key in name), None)
     rows = []
+    default_stream, default_dot = sg.DEFAULT_TUNING, sg.DOT_TUNING
     stream_c = STREAM_CANDIDATES[:2] if args.quick else STREAM_CANDIDATES
     dot_c = DOT_CANDIDATES[:2] if args.quick else DOT_CANDIDATES
     for shape in args.shapes.split(","):
@@ -136,25 +138,25 @@ def run(args) -> list[dict]:
                 if m <= sg.STREAM_MAX_M:
                     for bn, bkw, nw in stream_c:
                         for pps in STREAM_PPS:
-                            sg.DEFAULT_TUNING.block_n, sg.DEFAULT_TUNING.block_kw = bn, bkw
-                            sg.DEFAULT_TUNING.num_warps, sg.DEFAULT_TUNING.programs_per_sm = nw, pps
-                            record("stream", fmt, f"n{bn} kw{bkw} w{nw} pps{pps}", lambda c=call, x=x: c(x))
-                    sg.DEFAULT_TUNING.__init__()
+                            for dec in (STREAM_DECODES if fmt.startswith("int4") and not args.quick else (0,)):
+                                tuning = sg.StreamTuning(block_n=bn, block_kw=bkw, num_warps=nw, programs_per_sm=pps, decode=dec)
+                                sg.DEFAULT_TUNING = tuning
+                                record("stream", fmt, f"n{bn} kw{bkw} w{nw} pps{pps} d{dec}", lambda c=call, x=x: c(x))
+                    sg.DEFAULT_TUNING = default_stream
                     if m == 1:  # the one-row split-K GEMV this replaces
-                        fits = dl.stream_gemv_fits
-                        dl.stream_gemv_fits = lambda *a: False
+                        saved = dl.stream_gemv_fits, dl.words_fit
+                        dl.stream_gemv_fits = dl.words_fit = lambda *a: False
                         try:
                             record("old-gemv", fmt, "n32 k128", lambda c=call, x=x: c(x))
                         finally:
-                            dl.stream_gemv_fits = fits
+                            dl.stream_gemv_fits, dl.words_fit = saved
                 if sg.STREAM_MAX_M < m <= 64 or (args.quick and m > 1):
-                    saved = dict(dl.DOT_TUNING)
-                    for bm, bn, bk, nw, ns in dot_c:
+                    for bm, bn, bkw, nw, ns in dot_c:
                         for pps in DOT_PPS:
-                            dl.DOT_TUNING.update(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps)
-                            record("dot", fmt, f"m{bm} n{bn} k{bk} w{nw} s{ns} pps{pps}", lambda c=call, x=x: c(x))
-                    dl.DOT_TUNING.clear()
-                    dl.DOT_TUNING.update(saved)
+                            sg.DOT_TUNING = sg.DotTuning(block_m=bm, block_n=bn, block_kw=bkw, num_warps=nw, num_stages=ns,
+                                                         programs_per_sm=pps)
+                            record("dot", fmt, f"m{bm} n{bn} kw{bkw} w{nw} s{ns} pps{pps}", lambda c=call, x=x: c(x))
+                    sg.DOT_TUNING = default_dot
                 if m > sg.STREAM_MAX_M:  # dequantize + cuBLAS, the path above DOT_MAX_M
                     saved_max = dl.DOT_MAX_M
                     dl.DOT_MAX_M = 0

@@ -39,7 +39,7 @@ from ...blockwise.nested import NESTED_BLOCKSIZE
 from ...ops.blockwise import check_blockwise_4bit_linear_args
 from ...ops.int4 import check_int4_groupwise_linear_args
 from .rounding import ROUND_KINDS, round_to
-from .stream_gemv import stream_gemv, stream_gemv_fits, sum_slices_kernel
+from .stream_gemv import dot_words, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
 
 __all__ = ["int4_groupwise_linear", "blockwise_4bit_linear", "dequant_linear", "GEMV_MAX_M"]
 
@@ -228,7 +228,10 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
     if stream_gemv_fits(rows, m, group):
         stream_gemv(x2, out, n, k, rows, stride_gn, group, ws, code_base, fmt, opt_a, opt_b, bias, _sm_count(x.device))
         return out.reshape(*x.shape[:-1], n)
-    if m > GEMV_MAX_M:  # tensor cores
+    if words_fit(rows, group):  # tensor cores on the int32 words
+        dot_words(x2, out, n, k, rows, stride_gn, group, ws, code_base, fmt, opt_a, opt_b, round_mul, round_add, bias, _sm_count(x.device))
+        return out.reshape(*x.shape[:-1], n)
+    if m > GEMV_MAX_M:  # tensor cores on the bytes
         return _dot_linear(x2, out, n, k, weight, flags, bias).reshape(*x.shape[:-1], n)
     block_n, block_k = 32, 128
     split = _split_k(triton.cdiv(n, block_n) * m, k, block_k, x.device)

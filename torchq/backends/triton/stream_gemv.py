@@ -33,7 +33,8 @@ import triton.language as tl
 
 from .rounding import ROUND_KINDS, round_to
 
-__all__ = ["STREAM_MAX_M", "stream_gemv", "stream_gemv_fits", "StreamTuning", "sum_slices_kernel"]
+__all__ = ["STREAM_MAX_M", "stream_gemv", "stream_gemv_fits", "words_fit", "StreamTuning", "DotTuning", "DOT_TUNING", "dot_words",
+           "sum_slices_kernel"]
 
 AFFINE, CODEBOOK = 0, 1
 STREAM_MAX_M = 4  # rows decoded once and multiplied per program; above it the tensor-core kernel
@@ -43,17 +44,57 @@ class StreamTuning:
     """Launch parameters: ``block_n`` rows x ``block_kw`` words (8 codes each) per step, a grid of
     about ``programs_per_sm`` programs per multiprocessor, ``num_warps`` warps each."""
 
-    __slots__ = ("block_n", "block_kw", "programs_per_sm", "num_warps")
+    __slots__ = ("block_n", "block_kw", "programs_per_sm", "num_warps", "decode")
 
-    def __init__(self, block_n: int = 64, block_kw: int = 16, programs_per_sm: int = 16, num_warps: int = 4):
+    def __init__(self, block_n: int = 128, block_kw: int = 16, programs_per_sm: int = 8, num_warps: int = 4, decode: int = 0):
         self.block_n, self.block_kw, self.programs_per_sm, self.num_warps = block_n, block_kw, programs_per_sm, num_warps
+        self.decode = decode
 
     def __repr__(self) -> str:
         return (f"StreamTuning(block_n={self.block_n}, block_kw={self.block_kw}, programs_per_sm={self.programs_per_sm}, "
-                f"num_warps={self.num_warps})")
+                f"num_warps={self.num_warps}, decode={self.decode})")
 
 
 DEFAULT_TUNING = StreamTuning()
+
+
+@triton.jit
+def _code(words, e: tl.constexpr, DECODE: tl.constexpr):
+    """Code ``e`` (0..7) of each int32 word as an exact fp32 value: element ``e`` sits in byte
+    ``e // 2``, the high nibble for even ``e``. DECODE 0: shift, then mask and OR into the
+    mantissa of 2^23 (one LOP3) and subtract 2^23; 1: shift, mask and convert; 2: mask in place
+    and OR into the mantissa of 2^(23 - p) (no shift for the low three bytes)."""
+    p: tl.constexpr = 8 * (e // 2) + 4 * (1 - e % 2)
+    if DECODE == 1:
+        return ((words >> p) & 15).to(tl.float32)
+    if DECODE == 2 and p <= 16:
+        magic: tl.constexpr = (150 - p) << 23
+        return ((words & (15 << p)) | magic).to(tl.float32, bitcast=True) - tl.full((), magic, tl.int32).to(tl.float32, bitcast=True)
+    return (((words >> p) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _row_sum(words, scale, offset, zero, w0, x_row, k_base, K, FMT: tl.constexpr, OPT_B: tl.constexpr, DECODE: tl.constexpr):
+    """``Σ_k x[k] · W[n, k]`` over one step's words (``[BN, BKW]``) for one row of x, per output
+    ``n`` (``[BN]``): codes times x per word, the word's group scale (and zero) applied per word."""
+    ux = tl.zeros(words.shape, dtype=tl.float32)
+    xs = tl.zeros((words.shape[1],), dtype=tl.float32)
+    for e in tl.static_range(8):
+        k = k_base + e
+        xe = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        if FMT == 0:
+            ux += _code(words, e, DECODE) * xe[None, :]
+            xs += xe
+        else:
+            p: tl.constexpr = 8 * (e // 2) + 4 * (1 - e % 2)
+            ux += tl.load(w0 + ((words >> p) & 15)) * xe[None, :]
+    if FMT == 0:
+        part = scale * (ux + offset * xs[None, :])
+        if OPT_B:
+            part += zero * xs[None, :]
+    else:
+        part = scale * ux
+    return tl.sum(part, axis=1)
 
 
 @triton.jit
@@ -61,41 +102,32 @@ def _stream_gemv_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, 
                         packed_ptr, w0, w1, w2, w3, w4, w5, code_base,
                         FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, GROUP: tl.constexpr,
                         HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, X_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, DECODE: tl.constexpr):
     """``part[pid_k, m, n] = Σ_{k in slice} x[m, k] · W[n, k]`` (fp32), or with ``DIRECT`` (one
     slice) ``out[m, n] = round(that + bias[n])``; ``ROWS`` = M (compiled per row count), ``BLOCK_M``
-    the power of two above it. ``w0..w5``: see :mod:`.dequant_linear`."""
+    the power of two above it. ``w0..w5``: see :mod:`.dequant_linear`. Every tensor is 2-D
+    ``[BLOCK_N, BLOCK_KW]`` in the words' own layout: the 8 codes of a word are taken one at a
+    time, each against the x values at its 8 K positions."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n_idx < N
-    # code j of a word (0..7): bits 4*(j % 4) of the low (j < 4) or high half-word; its element
-    # index within the word's 8 (the high nibble of each byte comes first)
-    j = tl.arange(0, 8)
-    pos = (j % 4) * 4
-    nib_mask = 15 << pos
-    magic = (150 - pos) << 23  # the float 2^(23 - pos): ulp 2^-pos
-    magic_f = magic.to(tl.float32, bitcast=True)
-    elem = (j // 4) * 4 + ((j % 4) // 2) * 2 + 1 - (j % 2)
-    high_half = (j >= 4)[None, None, :]
     WPG: tl.constexpr = GROUP // 8  # words per group
-    GPT: tl.constexpr = BLOCK_KW // WPG if WPG < BLOCK_KW else 1  # groups per step
     m_idx = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_start = pid_k * words_per_split
     for w_lo in range(w_start, w_start + words_per_split, BLOCK_KW):
         kw = w_lo + tl.arange(0, BLOCK_KW)
-        words = tl.load(packed_ptr + n_idx[:, None] * words_per_row + kw[None, :],
-                        mask=n_ok[:, None] & (kw[None, :] < words_per_row), other=0)
-        src = tl.where(high_half, (words >> 16)[:, :, None], words[:, :, None])  # [BN, BKW, 8]
-        if FMT == 0:
-            q = ((src & nib_mask[None, None, :]) | magic[None, None, :]).to(tl.float32, bitcast=True) - magic_f[None, None, :]
-        else:
-            q = tl.load(w0 + ((src >> pos[None, None, :]) & 15))
-        q = tl.reshape(q, (BLOCK_N, GPT, BLOCK_KW // GPT * 8))
-        gi = w_lo // WPG + tl.arange(0, GPT)
-        gmask = n_ok[:, None] & (gi[None, :] < groups_per_row)
-        g = n_idx[:, None] * groups_per_row + gi[None, :]
+        wmask = n_ok[:, None] & (kw[None, :] < words_per_row)
+        words = tl.load(packed_ptr + n_idx[:, None] * words_per_row + kw[None, :], mask=wmask, other=0)
+        if WPG >= BLOCK_KW:  # one group per step: one scale per row
+            g = (n_idx * groups_per_row + w_lo // WPG)[:, None]
+            gmask = n_ok[:, None]
+        else:  # a scale per word, gathered (cached)
+            g = n_idx[:, None] * groups_per_row + (kw // WPG)[None, :]
+            gmask = wmask
+        zero = 0.0
+        offset = 0.0
         if FMT == 0:
             scale = tl.load(w0 + g, mask=gmask, other=0.0)
             offset = code_base
@@ -109,19 +141,10 @@ def _stream_gemv_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, 
                 scale = tl.load(w4 + c) * tl.load(w3 + g // 256, mask=gmask, other=0.0) + tl.load(w5)
             else:
                 scale = tl.load(w1 + g, mask=gmask, other=0.0)
-        k_idx = kw[:, None] * 8 + elem[None, :]  # [BKW, 8]
+        k_base = kw * 8
         for mi in tl.static_range(ROWS):
-            xv = tl.load(x_ptr + mi * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
-            xg = tl.reshape(xv, (GPT, BLOCK_KW // GPT * 8))
-            qx = tl.sum(q * xg[None, :, :], axis=2)  # [BN, GPT]
-            if FMT == 0:
-                xs = tl.sum(xg, axis=1)[None, :]  # [1, GPT]
-                part = scale * (qx + offset * xs)
-                if OPT_B:
-                    part += zero * xs
-            else:
-                part = scale * qx
-            acc = tl.where(m_idx[:, None] == mi, acc + tl.sum(part, axis=1)[None, :], acc)
+            row = _row_sum(words, scale, offset, zero, w0, x_ptr + mi * stride_xm, k_base, K, FMT, OPT_B, DECODE)
+            acc = tl.where(m_idx[:, None] == mi, acc + row[None, :], acc)
     mn_mask = (m_idx[:, None] < M) & n_ok[None, :]
     if DIRECT:
         if HAS_BIAS:
@@ -129,6 +152,81 @@ def _stream_gemv_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, 
         tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mn_mask)
     else:
         tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mn_mask)
+
+
+@triton.jit
+def _dot_words_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, words_per_row, groups_per_row, words_per_split,
+                      packed_ptr, w0, w1, w2, w3, w4, w5, code_base,
+                      FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, ROUND_MUL: tl.constexpr,
+                      ROUND_ADD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+                      X_KIND: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_KW: tl.constexpr, DECODE: tl.constexpr):
+    """Program (m block, n block, K slice): ``x[m block] @ W[n block].T`` over its slice on tensor
+    cores. Each step loads ``[BLOCK_N, BLOCK_KW]`` int32 words; code ``e`` of every word forms
+    the weights at K positions ``8·word + e`` exactly as the reference forms them (the same fp32
+    operations and roundings, cast to x's dtype), multiplied by the x columns at those positions:
+    8 dots of depth ``BLOCK_KW`` per step (a dot's sum does not depend on the order of K). fp32 x:
+    fp32 dots (no TF32); ``DOT_F32``: operands widened to fp32 (triton's CPU interpreter multiplies
+    bf16 operands wrongly, triton 3.9). Partial sums to ``part [SPLIT, M, N]``, or with ``DIRECT``
+    the rounded result (+ bias) to ``out``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < N
+    m_ok = m_idx < M
+    WPG: tl.constexpr = GROUP // 8
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_start = pid_k * words_per_split
+    for w_lo in range(w_start, w_start + words_per_split, BLOCK_KW):
+        kw = w_lo + tl.arange(0, BLOCK_KW)
+        wmask = n_ok[:, None] & (kw[None, :] < words_per_row)
+        words = tl.load(packed_ptr + n_idx[:, None] * words_per_row + kw[None, :], mask=wmask, other=0)
+        if WPG >= BLOCK_KW:
+            g = (n_idx * groups_per_row + w_lo // WPG)[:, None]
+            gmask = n_ok[:, None]
+        else:
+            g = n_idx[:, None] * groups_per_row + (kw // WPG)[None, :]
+            gmask = wmask
+        if FMT == 0:
+            scale = tl.load(w0 + g, mask=gmask, other=0.0)
+            if OPT_A:
+                shift = tl.load(w1 + g, mask=gmask, other=0.0)
+            if OPT_B:
+                zero = tl.load(w2 + g, mask=gmask, other=0.0)
+        else:
+            if OPT_A:
+                c = tl.load(w2 + g, mask=gmask, other=0).to(tl.int32)
+                scale = tl.load(w4 + c) * tl.load(w3 + g // 256, mask=gmask, other=0.0) + tl.load(w5)
+            else:
+                scale = tl.load(w1 + g, mask=gmask, other=0.0)
+        for e in tl.static_range(8):
+            k = kw * 8 + e
+            xe = tl.load(x_ptr + m_idx[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
+            if FMT == 0:
+                v = _code(words, e, DECODE) + code_base
+                if OPT_A:
+                    v = v + shift
+                v = round_to(v * scale, ROUND_MUL)
+                if OPT_B:
+                    v = round_to(v + zero, ROUND_ADD)
+            else:
+                p: tl.constexpr = 8 * (e // 2) + 4 * (1 - e % 2)
+                v = tl.load(w0 + ((words >> p) & 15)) * scale
+            v = tl.where(k[None, :] < K, v, 0.0)
+            wt = tl.trans(round_to(v, X_KIND).to(xe.dtype))
+            if X_KIND == 0 or DOT_F32:
+                acc += tl.dot(xe.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xe, wt)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -145,11 +243,16 @@ def sum_slices_kernel(part_ptr, out_ptr, bias_ptr, MN, N, SPLIT, HAS_BIAS: tl.co
     tl.store(out_ptr + i, round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def stream_gemv_fits(packed, m: int, group: int) -> bool:
+def words_fit(packed, group: int) -> bool:
     """Whether the weight bytes can be read as int32 words: rows whole words long, 4-byte aligned
     (true of every layout's own tensors; a view that starts mid-word is not)."""
-    return (0 < m <= STREAM_MAX_M and packed.dim() == 2 and packed.stride(1) == 1 and packed.shape[1] % 4 == 0
+    return (packed.dim() == 2 and packed.stride(1) == 1 and packed.shape[1] % 4 == 0
             and packed.stride(0) % 4 == 0 and packed.data_ptr() % 4 == 0 and group % 8 == 0)
+
+
+def stream_gemv_fits(packed, m: int, group: int) -> bool:
+    """Whether :func:`stream_gemv` takes ``m`` rows on these bytes (:func:`words_fit`)."""
+    return 0 < m <= STREAM_MAX_M and words_fit(packed, group)
 
 
 def _next_pow2(v: int) -> int:
@@ -157,12 +260,13 @@ def _next_pow2(v: int) -> int:
 
 
 def stream_gemv(x2, out, n: int, k: int, packed, groups_per_row: int, group: int, tensors: tuple, code_base: float, fmt: int,
-                opt_a: bool, opt_b: bool, bias, sm_count: int, tuning: StreamTuning = DEFAULT_TUNING, part=None):
+                opt_a: bool, opt_b: bool, bias, sm_count: int, tuning: StreamTuning | None = None, part=None):
     """``out [M, N] = x2 [M, K] @ W.T (+ bias)``; ``x2`` rows contiguous, ``M <= STREAM_MAX_M``;
     ``packed`` passes :func:`stream_gemv_fits`; ``tensors`` ``w0..w5`` (any tensor for unused ones).
     Returns ``out``."""
     import torch
 
+    tuning = DEFAULT_TUNING if tuning is None else tuning
     m = x2.shape[0]
     words = packed.view(torch.int32)
     words_per_row = words.stride(0)
@@ -182,8 +286,57 @@ def stream_gemv(x2, out, n: int, k: int, packed, groups_per_row: int, group: int
         x2, part if not direct else out, out, b, m, n, k, x2.stride(0), words_per_row, groups_per_row, steps_per_split * block_kw,
         words, *tensors, float(code_base), FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), GROUP=group,
         HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind, ROWS=m, BLOCK_M=_next_pow2(m), BLOCK_N=block_n, BLOCK_KW=block_kw,
-        num_warps=tuning.num_warps)
+        DECODE=tuning.decode, num_warps=tuning.num_warps)
     if not direct:
         sum_slices_kernel[(triton.cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
                                                          X_KIND=x_kind, BLOCK=1024)
+    return out
+
+
+class DotTuning:
+    """Launch parameters of the tensor-core kernel: ``block_m x block_n`` outputs per program,
+    ``block_kw`` words (8 codes each) per step, at least 16 (the depth of each of its 8 dots),
+    about ``programs_per_sm`` programs per multiprocessor; ``decode`` as :class:`StreamTuning`'s."""
+
+    __slots__ = ("block_m", "block_n", "block_kw", "num_warps", "num_stages", "programs_per_sm", "decode")
+
+    def __init__(self, block_m: int = 64, block_n: int = 64, block_kw: int = 16, num_warps: int = 4, num_stages: int = 3,
+                 programs_per_sm: int = 4, decode: int = 0):
+        self.block_m, self.block_n, self.block_kw, self.num_warps = block_m, block_n, block_kw, num_warps
+        self.num_stages, self.programs_per_sm, self.decode = num_stages, programs_per_sm, decode
+
+
+DOT_TUNING = DotTuning()
+
+
+def dot_words(x2, out, n: int, k: int, packed, groups_per_row: int, group: int, tensors: tuple, code_base: float, fmt: int,
+              opt_a: bool, opt_b: bool, round_mul: int, round_add: int, bias, sm_count: int, tuning: DotTuning | None = None):
+    """``out [M, N] = x2 [M, K] @ W.T (+ bias)`` by :func:`_dot_words_kernel`, split over K until
+    the grid fills the device; ``packed`` passes :func:`stream_gemv_fits` (any M). Returns ``out``."""
+    import torch
+
+    t = DOT_TUNING if tuning is None else tuning
+    m = x2.shape[0]
+    words = packed.view(torch.int32)
+    words_per_row = words.stride(0)
+    block_m = max(16, min(t.block_m, _next_pow2(m)))
+    block_n, block_kw = t.block_n, max(16, t.block_kw)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    steps = triton.cdiv(words.shape[1], block_kw)
+    split = max(1, min(steps, triton.cdiv(t.programs_per_sm * sm_count, tiles)))
+    steps_per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, steps_per_split)
+    direct = split == 1
+    part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
+    b = words if bias is None else bias
+    x_kind = ROUND_KINDS[x2.dtype]
+    _dot_words_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+        x2, part, out, b, m, n, k, x2.stride(0), words_per_row, groups_per_row, steps_per_split * block_kw,
+        words, *tensors, float(code_base), FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), ROUND_MUL=round_mul,
+        ROUND_ADD=round_add, GROUP=group, HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind,
+        DOT_F32=x2.device.type != "cuda", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, DECODE=t.decode,
+        num_warps=t.num_warps, num_stages=t.num_stages, enable_fp_fusion=False)
+    if not direct:
+        sum_slices_kernel[(triton.cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
+                                                        X_KIND=x_kind, BLOCK=1024)
     return out
