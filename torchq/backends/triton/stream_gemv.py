@@ -42,11 +42,14 @@ STREAM_MAX_M = 4  # rows decoded once and multiplied per program; above it the t
 
 class StreamTuning:
     """Launch parameters: ``block_n`` rows x ``block_kw`` words (8 codes each) per step, a grid of
-    about ``programs_per_sm`` programs per multiprocessor, ``num_warps`` warps each."""
+    about ``programs_per_sm`` programs per multiprocessor (0: 32 for weights of 2^27 codes or more,
+    else 8), ``num_warps`` warps each, ``decode`` (see ``_code``). The defaults are the fastest of
+    ``benchmarks/tune_gpu_kernels.py``'s candidates on an H200 (int4 g128, M=1: 1.07-1.14x bf16 on
+    8192x8192, 8192x28672 and 28672x8192, 0.75x on 4096x4096)."""
 
     __slots__ = ("block_n", "block_kw", "programs_per_sm", "num_warps", "decode")
 
-    def __init__(self, block_n: int = 128, block_kw: int = 16, programs_per_sm: int = 8, num_warps: int = 4, decode: int = 0):
+    def __init__(self, block_n: int = 64, block_kw: int = 16, programs_per_sm: int = 0, num_warps: int = 4, decode: int = 2):
         self.block_n, self.block_kw, self.programs_per_sm, self.num_warps = block_n, block_kw, programs_per_sm, num_warps
         self.decode = decode
 
@@ -74,20 +77,15 @@ def _code(words, e: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _row_sum(words, scale, offset, zero, w0, x_row, k_base, K, FMT: tl.constexpr, OPT_B: tl.constexpr, DECODE: tl.constexpr):
-    """``Σ_k x[k] · W[n, k]`` over one step's words (``[BN, BKW]``) for one row of x, per output
-    ``n`` (``[BN]``): codes times x per word, the word's group scale (and zero) applied per word."""
-    ux = tl.zeros(words.shape, dtype=tl.float32)
-    xs = tl.zeros((words.shape[1],), dtype=tl.float32)
-    for e in tl.static_range(8):
-        k = k_base + e
-        xe = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        if FMT == 0:
-            ux += _code(words, e, DECODE) * xe[None, :]
-            xs += xe
-        else:
-            p: tl.constexpr = 8 * (e // 2) + 4 * (1 - e % 2)
-            ux += tl.load(w0 + ((words >> p) & 15)) * xe[None, :]
+def _nibble(words, e: tl.constexpr):
+    """Code ``e`` (0..7) of each int32 word as an int32 0..15."""
+    p: tl.constexpr = 8 * (e // 2) + 4 * (1 - e % 2)
+    return (words >> p) & 15
+
+
+@triton.jit
+def _row_part(ux, xs, scale, offset, zero, FMT: tl.constexpr, OPT_B: tl.constexpr):
+    """One row's sums over a step, per output (``[BN]``): the word's group scale (and zero) applied per word."""
     if FMT == 0:
         part = scale * (ux + offset * xs[None, :])
         if OPT_B:
@@ -95,6 +93,54 @@ def _row_sum(words, scale, offset, zero, w0, x_row, k_base, K, FMT: tl.constexpr
     else:
         part = scale * ux
     return tl.sum(part, axis=1)
+
+
+@triton.jit
+def _step_rows(words, scale, offset, zero, w0, x_ptr, stride_xm, k_base, K, FMT: tl.constexpr, OPT_B: tl.constexpr,
+               DECODE: tl.constexpr, ROWS: tl.constexpr):
+    """``Σ_k x[r, k] · W[n, k]`` over one step's words (``[BN, BKW]``) for rows ``r < ROWS`` (at
+    most 4; the others 0), per output ``n``: each code decoded once and multiplied by every row."""
+    ux0 = tl.zeros(words.shape, dtype=tl.float32)
+    ux1 = tl.zeros(words.shape, dtype=tl.float32)
+    ux2 = tl.zeros(words.shape, dtype=tl.float32)
+    ux3 = tl.zeros(words.shape, dtype=tl.float32)
+    xs0 = tl.zeros((words.shape[1],), dtype=tl.float32)
+    xs1 = tl.zeros((words.shape[1],), dtype=tl.float32)
+    xs2 = tl.zeros((words.shape[1],), dtype=tl.float32)
+    xs3 = tl.zeros((words.shape[1],), dtype=tl.float32)
+    for e in tl.static_range(8):
+        k = k_base + e
+        kmask = k < K
+        if FMT == 0:
+            v = _code(words, e, DECODE)
+        else:
+            v = tl.load(w0 + _nibble(words, e))
+        x0 = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        ux0 += v * x0[None, :]
+        xs0 += x0
+        if ROWS > 1:
+            x1 = tl.load(x_ptr + stride_xm + k, mask=kmask, other=0.0).to(tl.float32)
+            ux1 += v * x1[None, :]
+            xs1 += x1
+        if ROWS > 2:
+            x2 = tl.load(x_ptr + 2 * stride_xm + k, mask=kmask, other=0.0).to(tl.float32)
+            ux2 += v * x2[None, :]
+            xs2 += x2
+        if ROWS > 3:
+            x3 = tl.load(x_ptr + 3 * stride_xm + k, mask=kmask, other=0.0).to(tl.float32)
+            ux3 += v * x3[None, :]
+            xs3 += x3
+    r0 = _row_part(ux0, xs0, scale, offset, zero, FMT, OPT_B)
+    r1 = r0 * 0.0
+    r2 = r0 * 0.0
+    r3 = r0 * 0.0
+    if ROWS > 1:
+        r1 = _row_part(ux1, xs1, scale, offset, zero, FMT, OPT_B)
+    if ROWS > 2:
+        r2 = _row_part(ux2, xs2, scale, offset, zero, FMT, OPT_B)
+    if ROWS > 3:
+        r3 = _row_part(ux3, xs3, scale, offset, zero, FMT, OPT_B)
+    return r0, r1, r2, r3
 
 
 @triton.jit
@@ -141,10 +187,14 @@ def _stream_gemv_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, 
                 scale = tl.load(w4 + c) * tl.load(w3 + g // 256, mask=gmask, other=0.0) + tl.load(w5)
             else:
                 scale = tl.load(w1 + g, mask=gmask, other=0.0)
-        k_base = kw * 8
-        for mi in tl.static_range(ROWS):
-            row = _row_sum(words, scale, offset, zero, w0, x_ptr + mi * stride_xm, k_base, K, FMT, OPT_B, DECODE)
-            acc = tl.where(m_idx[:, None] == mi, acc + row[None, :], acc)
+        r0, r1, r2, r3 = _step_rows(words, scale, offset, zero, w0, x_ptr, stride_xm, kw * 8, K, FMT, OPT_B, DECODE, ROWS)
+        acc += tl.where(m_idx[:, None] == 0, r0[None, :], 0.0)
+        if ROWS > 1:
+            acc += tl.where(m_idx[:, None] == 1, r1[None, :], 0.0)
+        if ROWS > 2:
+            acc += tl.where(m_idx[:, None] == 2, r2[None, :], 0.0)
+        if ROWS > 3:
+            acc += tl.where(m_idx[:, None] == 3, r3[None, :], 0.0)
     mn_mask = (m_idx[:, None] < M) & n_ok[None, :]
     if DIRECT:
         if HAS_BIAS:
@@ -212,8 +262,7 @@ def _dot_words_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, wo
                 if OPT_B:
                     v = round_to(v + zero, ROUND_ADD)
             else:
-                p: tl.constexpr = 8 * (e // 2) + 4 * (1 - e % 2)
-                v = tl.load(w0 + ((words >> p) & 15)) * scale
+                v = tl.load(w0 + _nibble(words, e)) * scale
             v = tl.where(k[None, :] < K, v, 0.0)
             wt = tl.trans(round_to(v, X_KIND).to(xe.dtype))
             if X_KIND == 0 or DOT_F32:
@@ -274,7 +323,8 @@ def stream_gemv(x2, out, n: int, k: int, packed, groups_per_row: int, group: int
     block_kw = min(block_kw, _next_pow2(words.shape[1]))
     n_blocks = triton.cdiv(n, block_n)
     steps = triton.cdiv(words.shape[1], block_kw)
-    split = max(1, min(steps, triton.cdiv(tuning.programs_per_sm * sm_count, n_blocks)))
+    pps = tuning.programs_per_sm or (32 if n * k >= 1 << 27 else 8)
+    split = max(1, min(steps, triton.cdiv(pps * sm_count, n_blocks)))
     steps_per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, steps_per_split)
     direct = split == 1
