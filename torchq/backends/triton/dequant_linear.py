@@ -10,15 +10,19 @@ high nibble of byte ``j``, and one scale per row group:
 * ``CODEBOOK`` (NF4 / FP4, bitsandbytes bytes): ``v = codebook[u] · absmax`` with fp32 absmax per
   block, or double-quantized ``absmax = dyn[c] · absmax2[b // 256] + offset``.
 
-Each weight is then cast once to the activation dtype and multiplied:
+Kernels by the number of rows ``M`` (measured on an H200, ``benchmarks/tune_gpu_kernels.py``):
 
-* ``M <= GEMV_MAX_M`` (1): a split-K GEMV (one program per ``BLOCK_N`` outputs and K slice),
-  fp32 products summed in fp32; the K slices' partial sums go to an fp32 buffer summed in a
-  fixed order (deterministic, no atomics);
-* larger ``M``: the weight is written once in x's dtype (``_dequant_kernel``, bit for bit the
-  reference's) and multiplied by PyTorch's float GEMM (cuBLAS): the reference's own two steps.
-  The fused Triton GEMM this replaced (a weight tile dequantized per K step, per-element scale
-  gathers) measured 8-70x slower than the bf16 layer on an H100 at M = 16..1024.
+* ``M <= STREAM_MAX_M`` (4), bytes readable as int32 words (every layout's own tensors):
+  :mod:`.stream_gemv`'s streaming GEMV, which factors the scales out of each group (its numeric
+  contract is stated there: within the reference's per-weight roundings, not bit for bit);
+* ``M <= DOT_MAX_M`` (16), affine formats: :func:`.stream_gemv.dot_words`, tensor cores on the
+  reference's own weights (bit for bit; sums in fp32);
+* otherwise (and for codebook formats above 4 rows, whose per-code lookups measured 4x slower
+  in the tensor-core kernel) the weight is written once in x's dtype (``_dequant_kernel``, bit
+  for bit the reference's) and multiplied by PyTorch's float GEMM (cuBLAS);
+* bytes that are not whole aligned words (a view starting mid-word): the one-row split-K GEMV
+  (``_gemv_kernel``) and the byte-tile tensor-core kernel (``_dot_kernel``), both on the reference's
+  weights.
 
 Kernels are launched with ``enable_fp_fusion=False`` so that no multiply-add of the dequantization
 is contracted into an FMA: the weights are bit for bit the reference's.
@@ -39,7 +43,7 @@ from ...blockwise.nested import NESTED_BLOCKSIZE
 from ...ops.blockwise import check_blockwise_4bit_linear_args
 from ...ops.int4 import check_int4_groupwise_linear_args
 from .rounding import ROUND_KINDS, round_to
-from .stream_gemv import dot_words, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
+from .stream_gemv import STREAM_MAX_M, dot_words, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
 
 __all__ = ["int4_groupwise_linear", "blockwise_4bit_linear", "dequant_linear", "GEMV_MAX_M"]
 
@@ -216,7 +220,7 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
     weight = (packed, stride_pn, stride_gn, *ws, float(code_base))
     flags = dict(FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), ROUND_MUL=round_mul, ROUND_ADD=round_add, GROUP=group)
     bias = None if bias is None else bias.reshape(-1).to(x.dtype).contiguous()  # the reference adds bias in x's dtype
-    if m > DOT_MAX_M:  # the weight in x's dtype once, then the float GEMM (the reference's own two steps)
+    if m > DOT_MAX_M or (fmt == CODEBOOK and m > STREAM_MAX_M):  # the weight in x's dtype once, then the float GEMM (the reference's own two steps)
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
         block_n, block_k = 32, 128
         grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))

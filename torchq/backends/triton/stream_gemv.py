@@ -279,6 +279,83 @@ def _dot_words_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, wo
 
 
 @triton.jit
+def _stream_gemv_lut_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, words_per_row, groups_per_row, words_per_split,
+                        packed_ptr, w0, w1, w2, w3, w4, w5, code_base,
+                        FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, GROUP: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, X_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """:func:`_stream_gemv_kernel` for the codebook formats, on ``[BLOCK_N, BLOCK_KW, 8]`` tiles
+    (codes looked up for a whole step at once, then reshaped by group): on an H200 this measured
+    118 us against 273 us for the 2-D kernel's per-code lookups (NF4, 8192x28672, M=1). Its
+    ``FMT == 0`` branch (the mantissa decode on 3-D tiles) measured 3.5x slower than the 2-D
+    kernel's and is not launched."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < N
+    # code j of a word (0..7): bits 4*(j % 4) of the low (j < 4) or high half-word; its element
+    # index within the word's 8 (the high nibble of each byte comes first)
+    j = tl.arange(0, 8)
+    pos = (j % 4) * 4
+    nib_mask = 15 << pos
+    magic = (150 - pos) << 23  # the float 2^(23 - pos): ulp 2^-pos
+    magic_f = magic.to(tl.float32, bitcast=True)
+    elem = (j // 4) * 4 + ((j % 4) // 2) * 2 + 1 - (j % 2)
+    high_half = (j >= 4)[None, None, :]
+    WPG: tl.constexpr = GROUP // 8  # words per group
+    GPT: tl.constexpr = BLOCK_KW // WPG if WPG < BLOCK_KW else 1  # groups per step
+    m_idx = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_start = pid_k * words_per_split
+    for w_lo in range(w_start, w_start + words_per_split, BLOCK_KW):
+        kw = w_lo + tl.arange(0, BLOCK_KW)
+        words = tl.load(packed_ptr + n_idx[:, None] * words_per_row + kw[None, :],
+                        mask=n_ok[:, None] & (kw[None, :] < words_per_row), other=0)
+        src = tl.where(high_half, (words >> 16)[:, :, None], words[:, :, None])  # [BN, BKW, 8]
+        if FMT == 0:
+            q = ((src & nib_mask[None, None, :]) | magic[None, None, :]).to(tl.float32, bitcast=True) - magic_f[None, None, :]
+        else:
+            q = tl.load(w0 + ((src >> pos[None, None, :]) & 15))
+        q = tl.reshape(q, (BLOCK_N, GPT, BLOCK_KW // GPT * 8))
+        gi = w_lo // WPG + tl.arange(0, GPT)
+        gmask = n_ok[:, None] & (gi[None, :] < groups_per_row)
+        g = n_idx[:, None] * groups_per_row + gi[None, :]
+        if FMT == 0:
+            scale = tl.load(w0 + g, mask=gmask, other=0.0)
+            offset = code_base
+            if OPT_A:
+                offset = offset + tl.load(w1 + g, mask=gmask, other=0.0)
+            if OPT_B:
+                zero = tl.load(w2 + g, mask=gmask, other=0.0)
+        else:
+            if OPT_A:
+                c = tl.load(w2 + g, mask=gmask, other=0).to(tl.int32)
+                scale = tl.load(w4 + c) * tl.load(w3 + g // 256, mask=gmask, other=0.0) + tl.load(w5)
+            else:
+                scale = tl.load(w1 + g, mask=gmask, other=0.0)
+        k_idx = kw[:, None] * 8 + elem[None, :]  # [BKW, 8]
+        for mi in tl.static_range(ROWS):
+            xv = tl.load(x_ptr + mi * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
+            xg = tl.reshape(xv, (GPT, BLOCK_KW // GPT * 8))
+            qx = tl.sum(q * xg[None, :, :], axis=2)  # [BN, GPT]
+            if FMT == 0:
+                xs = tl.sum(xg, axis=1)[None, :]  # [1, GPT]
+                part = scale * (qx + offset * xs)
+                if OPT_B:
+                    part += zero * xs
+            else:
+                part = scale * qx
+            acc = tl.where(m_idx[:, None] == mi, acc + tl.sum(part, axis=1)[None, :], acc)
+    mn_mask = (m_idx[:, None] < M) & n_ok[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mn_mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mn_mask)
+
+
+@triton.jit
 def sum_slices_kernel(part_ptr, out_ptr, bias_ptr, MN, N, SPLIT, HAS_BIAS: tl.constexpr, X_KIND: tl.constexpr,
                        BLOCK: tl.constexpr):
     """``out = round(Σ_s part[s] (+ bias))`` over fp32 ``[SPLIT, M, N]`` partial sums, in slice order."""
@@ -332,11 +409,14 @@ def stream_gemv(x2, out, n: int, k: int, packed, groups_per_row: int, group: int
         part = torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
     b = words if bias is None else bias
     x_kind = ROUND_KINDS[x2.dtype]
-    _stream_gemv_kernel[(n_blocks, split)](
-        x2, part if not direct else out, out, b, m, n, k, x2.stride(0), words_per_row, groups_per_row, steps_per_split * block_kw,
-        words, *tensors, float(code_base), FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), GROUP=group,
-        HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind, ROWS=m, BLOCK_M=_next_pow2(m), BLOCK_N=block_n, BLOCK_KW=block_kw,
-        DECODE=tuning.decode, num_warps=tuning.num_warps)
+    args = (x2, part if not direct else out, out, b, m, n, k, x2.stride(0), words_per_row, groups_per_row, steps_per_split * block_kw,
+            words, *tensors, float(code_base))
+    meta = dict(FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), GROUP=group, HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind,
+                ROWS=m, BLOCK_M=_next_pow2(m), BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=tuning.num_warps)
+    if fmt == AFFINE:
+        _stream_gemv_kernel[(n_blocks, split)](*args, **meta, DECODE=tuning.decode)
+    else:
+        _stream_gemv_lut_kernel[(n_blocks, split)](*args, **meta)
     if not direct:
         sum_slices_kernel[(triton.cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
                                                          X_KIND=x_kind, BLOCK=1024)
