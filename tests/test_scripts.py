@@ -154,6 +154,65 @@ def test_bench_gpu_runs_and_writes_json(tmp_path, capsys):
     assert "vs_bf16" in capsys.readouterr().out
 
 
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tune_gpu_kernels_runs_and_writes_json(tmp_path, capsys):
+    """The tuning sweep on a small shape: in the interpreter without a GPU (every candidate's
+    output checked by its SQNR), and a clear exit code for --device cuda."""
+    import json
+
+    import torch
+
+    pytest.importorskip("triton")
+    mod = _script("tune_gpu_kernels")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        assert mod.main(["--device", "cuda"]) == 2
+    path = tmp_path / "tune.json"
+    assert mod.main(["--device", device, "--shapes", "128x96", "--m", "1,16", "--quick", "--reps", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["kernel"], r["M"]) for r in rows} >= {("stream", 1), ("old-gemv", 1), ("dot", 16), ("deq+mm", 16)}
+    assert all("error" not in r and r["sqnr"] > 25 for r in rows)
+    assert "# best per shape" in capsys.readouterr().out
+
+
+def test_bench_e2e_gpu_and_summary_run_and_write_json(tmp_path, capsys):
+    """The end-to-end GPU benchmark on a tiny Llama (on the CPU without a GPU: the script, not the
+    kernels), and the suite's summary of its JSON and of a kernel table and a test report."""
+    import json
+
+    import torch
+
+    pytest.importorskip("transformers")
+    mod = _script("bench_e2e_gpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        assert mod.main(["--device", "cuda"]) == 2
+    assert mod.main(["--device", device, "--configs", "nope"]) == 2
+    path = tmp_path / "e2e_gpu.json"
+    assert mod.main(["--device", device, "--tiny", "--layers", "1", "--new-tokens", "2", "--prefill-tokens", "16", "--rounds", "1",
+                     "--configs", "int4-g128,int8dq", "--peers", "none", "--json", str(path)]) == 0
+    rows = {r["config"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"bf16", "int4-g128", "int8dq"}
+    assert all(r["decode b1"] > 0 and r["decode b16"] > 0 and r["prefill"] > 0 for r in rows.values())
+    (tmp_path / "bench_gpu.json").write_text(json.dumps({"device": "test", "rows": [
+        {"shape": "64x64", "M": 1, "config": "bf16", "gpu_vs_bf16": 1.0},
+        {"shape": "64x64", "M": 1, "config": "triton-int4", "gpu_vs_bf16": 1.5}]}))
+    (tmp_path / "pytest.xml").write_text('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+                                         '<testcase classname="t" name="ok"/><testcase classname="t" name="bad"><failure/></testcase>'
+                                         '</testsuite></testsuites>')
+    capsys.readouterr()
+    assert _script("gpu_summary").main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tests: 1 passed, 1 failed" in out and "FAILED t::bad" in out
+    assert "1.50x" in out and "int4-g128" in out and "x bf16" in out
+
+
 def test_bench_real_models_runs_and_writes_json(tmp_path, capsys):
     import json
 
