@@ -26,8 +26,15 @@ from torchq.layouts import Int4NativeLayout
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from torchq.backends.triton import cuda_rejects, dequant_linear, int8_linear, stream_gemv  # noqa: E402
-from torchq.ops.int4 import unpack_nibbles  # noqa: E402
+from torchq.backends.triton import (  # noqa: E402
+    cuda_rejects,
+    dequant_linear,
+    int8_linear,
+    stream_gemv,
+    tiled_dequant,  # noqa: E402
+)
+from torchq.layouts.tensor_core_tiled import TensorCoreTiledLayout, pack_tiled  # noqa: E402
+from torchq.ops.int4 import tinygemm_dequantize, unpack_nibbles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -247,6 +254,39 @@ def test_int4_op_arguments_are_checked():
     impl = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout()).quantize_weight(torch.randn(8, 64)).tensor_impl
     with pytest.raises(ValueError, match="last dimension K=64"):
         dequant_linear.int4_groupwise_linear(*int4_args(impl, torch.zeros(2, 63)))
+
+
+
+# -- tinygemm's tiled weights written out (the CUDA op from TINYGEMM_MAX_M rows) ----------------------
+@settings(**SETTINGS)
+@given(t=st.sampled_from([2, 4, 8]), g=st.sampled_from([32, 64, 128, 256]), domain=st.sampled_from([Z.FLOAT, Z.INT, Z.NONE]),
+       n=st.integers(1, 40), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_tiled_dequantize_is_tinygemms_weights_bit_for_bit(t, g, domain, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen) * 3)).to(torch.bfloat16)
+    aq = torchq.Int4WeightOnlyConfig(group_size=g, layout=TensorCoreTiledLayout(t), zero_point_domain=domain).quantize_weight(w)
+    want = tinygemm_dequantize(aq.packed, aq.scales_and_zeros, g, aq.tensor_impl.padded_shape)
+    got = tiled_dequant.tiled_dequantize(aq.packed.to(DEVICE), aq.scales_and_zeros.to(DEVICE), g).cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_tiled_dequantize_rounds_once_where_fp32_would_round_twice():
+    """``(q - 8)·s`` exactly on a bf16 tie plus a zero far below fp32's last bit: the exact sum lies
+    off the tie, so the one correct rounding differs from rounding to fp32 and then to bf16."""
+    s = torch.tensor(1.0078125, dtype=torch.bfloat16)  # 3 * s = 3.0234375: halfway between bf16 neighbours
+    codes = torch.full((8, 32), 8, dtype=torch.uint8)
+    codes[0, 0] = codes[1, 0] = 11  # q - 8 = 3
+    codes[2, 0] = codes[3, 0] = 5  # q - 8 = -3
+    sz = torch.zeros(1, 8, 2, dtype=torch.bfloat16)
+    sz[0, :, 0] = s
+    sz[0, :, 1] = torch.tensor([2.0**-30, -(2.0**-30), 2.0**-30, -(2.0**-30), 0, 0, 0, 0], dtype=torch.bfloat16)
+    packed = pack_tiled(codes, 2)
+    got = tiled_dequant.tiled_dequantize(packed.to(DEVICE), sz.to(DEVICE), 32).cpu()
+    want = tinygemm_dequantize(packed, sz, 32, (8, 32))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got[0, 0].item() == 3.03125 and got[1, 0].item() == 3.015625  # the neighbours on each side of the tie
+    naive = (3 * s.float() + sz[0, 0, 1].float()).to(torch.bfloat16)  # fp32 sum, then bf16: back on the tie
+    assert naive.item() != got[0, 0].item() or (3 * s.float() - sz[0, 1, 1].float()).to(torch.bfloat16).item() != got[1, 0].item()
 
 
 # -- exact weights: NF4 / FP4 ----------------------------------------------------------------------

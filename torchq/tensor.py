@@ -484,6 +484,15 @@ def _clone(func, args, kwargs):
                          input_perm=None if p is None else p.clone())
 
 
+def _layout_left_open(w: AQT) -> bool:
+    """Whether ``w``'s layout was left to automatic choice: a weight-only config without a
+    layout, and ``w`` in the layout automatic choice gives on its device (a config whose mode picks
+    its own layout, such as int8 activations, or a layout named later, keeps its layout)."""
+    config = w.config
+    return (config is not None and getattr(config, "layout", False) is None and w.act_quant is None
+            and w.tensor_impl.automatic_layout())
+
+
 @_implements(aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     self: AQT = args[0]
@@ -495,7 +504,8 @@ def _to_copy(func, args, kwargs):
             f"expected a floating dtype, got {dtype}"
         )
     impl = self.tensor_impl
-    moved = impl.to_device(torch.device(device))
+    device = torch.device(device)
+    moved = impl.to_device(device, automatic=device.type != impl.device.type and _layout_left_open(self))
     if moved is impl:
         moved = impl.map(torch.clone)
     s, p = self.input_scale, self.input_perm

@@ -409,13 +409,20 @@ class TensorImpl:
     def nbytes(self) -> int:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.tensor_names())
 
-    def to_device(self, device: torch.device) -> TensorImpl:
+    def to_device(self, device: torch.device, *, automatic: bool = False) -> TensorImpl:
         """Move without re-quantizing: copy the bytes, or repack through the plain form when the
         layout is device-specific (choosing the target device's best layout unless this one
-        belongs there: see :func:`placement_reason`)."""
+        belongs there: see :func:`placement_reason`). ``automatic``: the layout was left to
+        automatic choice, so a move to another device type takes that device's choice (a weight
+        quantized on the CPU gets CUDA's layout on CUDA, and back)."""
         device = torch.device(device)
         if device == self.device:
             return self
+        if automatic and device.type != self.device.type and "meta" not in (device.type, self.device.type):
+            plain = self.to_plain()
+            target = choose_layout(plain.spec, plain.shape, plain.scale.dtype, device)
+            if target != self.layout:
+                return target.pack(plain.map(lambda t: t.to(device)))
         if not self.layout.device_specific:
             return self.map(lambda t: t.to(device))
         plain = self.to_plain().map(lambda t: t.to(device))
@@ -423,6 +430,14 @@ class TensorImpl:
         if placement_reason(layout, plain.spec, plain.shape, plain.scale.dtype, device) is not None:
             layout = choose_layout(plain.spec, plain.shape, plain.scale.dtype, device)
         return layout.pack(plain)
+
+    def automatic_layout(self) -> bool:
+        """Whether this impl's layout is the one automatic choice gives on its own device."""
+        plain_scale_dtype = self.to_plain().scale.dtype
+        try:
+            return choose_layout(self.spec, self.shape, plain_scale_dtype, self.device) == self.layout
+        except ValueError:
+            return False
 
     # -- per-layout hooks --------------------------------------------------------------------
     @classmethod

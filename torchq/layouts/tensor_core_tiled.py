@@ -81,6 +81,8 @@ def _cuda_pack_verified(device_index: int, inner_k_tiles: int) -> bool:
 
 
 def _pack(q8: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    if q8.numel() == 0:  # an empty shard (FSDP2 pads the row count): the aten op would launch an empty grid
+        return pack_tiled(q8, inner_k_tiles)
     if q8.device.type == "cuda":
         if not _cuda_pack_verified(q8.device.index or 0, inner_k_tiles):
             raise RuntimeError(

@@ -173,6 +173,8 @@ def unpack_tiled(packed: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
     """uint8 codes ``[Np, Kp]`` of tinygemm's tiled int32 words ``[Np/8, Kp/(16·t), 32, t/2]``
     (:mod:`torchq.layouts.tensor_core_tiled` describes the order; traceable, any device)."""
     t = packed.shape[-1] * 2
+    if packed.numel() == 0:
+        return torch.zeros(np_, kp, dtype=torch.uint8, device=packed.device)
     shifts = 4 * torch.arange(8, dtype=torch.int32, device=packed.device)
     nib = ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [nt, kt, 32, t/2, 8]
     nib = nib.reshape(np_ // TILE_ROWS, kp // (16 * t), TILE_ROWS, 4, t // 2, 2, 2, 2)  # nt, kt, row, c, j, e, tile, half
@@ -184,13 +186,28 @@ def tinygemm_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, gr
     ``(q' - 8)·s + zero`` (a single rounding, unlike the plain form's multiply then add).
 
     The exact value is formed in fp64 (the product is exact; the sum is exact unless the zero is
-    below ~2^-40 of the product, where only a tie could round differently)."""
+    below ~2^-40 of the product) and rounded once to bf16: to fp32 rounding to odd, then to bf16
+    (PyTorch's fp64 -> bf16 cast goes through a rounding to fp32 first, which can land on a bf16 tie
+    the exact value is not on)."""
     n, k = shape
     np_, kp = scales_and_zeros.shape[1], scales_and_zeros.shape[0] * group_size
     q = unpack_tiled(packed, np_, kp).to(torch.float64) - 8
     sz = scales_and_zeros.to(torch.float64).repeat_interleave(group_size, dim=0)  # [Kp, Np, 2]
     w = q * sz[..., 0].t() + sz[..., 1].t()
-    return w.to(torch.bfloat16)[:n, :k]
+    return round_once_to_bf16(w)[:n, :k]
+
+
+def round_once_to_bf16(w: torch.Tensor) -> torch.Tensor:
+    """fp64 ``w`` rounded to nearest even bf16 in one step (fp32 rounded to odd in between: it
+    keeps the information a tie needs; values beyond fp32's range as PyTorch casts them)."""
+    f = w.to(torch.float32)
+    bits = f.view(torch.int32)
+    err = w - f.to(torch.float64)
+    toward = torch.where((err > 0) == (f > 0), 1, -1).to(torch.int32)
+    odd = torch.where((err != 0) & ((bits & 1) == 0) & torch.isfinite(f), bits + toward, bits)
+    tiniest = torch.where(err > 0, 1, -(2**31) + 1).to(torch.int32)  # +-2^-149: below fp32's range, toward the value
+    odd = torch.where((f == 0) & (err != 0), tiniest, odd)
+    return odd.view(torch.float32).to(torch.bfloat16)
 
 
 @torch.library.custom_op("torchq::int4_tensor_core_mm", mutates_args=())
