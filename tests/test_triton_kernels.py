@@ -30,6 +30,7 @@ from torchq.backends.triton import (  # noqa: E402
     cuda_rejects,
     dequant_linear,
     int8_linear,
+    int8_weight,
     stream_gemv,
     tiled_dequant,  # noqa: E402
 )
@@ -343,6 +344,77 @@ def test_int8_dynamic_is_the_reference_bit_for_bit(x_dtype, m, n, k, qrange, bia
     assert y.dtype == x_dtype
     assert torch.equal(y.cpu(), ref) or (torch.isnan(ref).any() and torch.equal(y.cpu().isnan(), ref.isnan())
                                          and torch.equal(y.cpu().nan_to_num(), ref.nan_to_num()))
+
+
+
+# -- int8 weight-only ---------------------------------------------------------------------------------
+@settings(**SETTINGS)
+@given(x_dtype=st.sampled_from(FLOATS), m=st.sampled_from([1, 2, 3, 4, 5, 16, 40, 70]), n=st.integers(1, 50),
+       k=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**31 - 1),
+       edge=st.sampled_from(["none", "zero_row", "extreme_codes", "tiny", "huge"]))
+def test_int8_weight_only_kernels(x_dtype, m, n, k, bias, seed, edge):
+    """The GEMV and tensor-core paths within their bound of the exact product; the dequantize path
+    (above 64 rows, or codes that are not whole words) bit for bit the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    if edge == "extreme_codes":
+        codes[0] = -128
+        codes[-1] = 127
+    scale = torch.rand(n, generator=gen) * 0.05
+    x = torch.randn(m, k, generator=gen)
+    if edge == "zero_row":
+        x[0] = 0
+    elif edge == "tiny":
+        x *= 1e-30 if x_dtype != torch.float16 else 1e-3
+    elif edge == "huge":
+        x *= 1e30 if x_dtype != torch.float16 else 10
+    x = x.to(x_dtype)
+    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    y = int8_weight.int8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), on(DEVICE, b)).cpu()
+    assert y.dtype == x_dtype and y.shape == (m, n)
+    ref = reference(torch.ops.torchq.int8_weight_linear, x, codes, scale, b)
+    assume(bool(torch.isfinite(ref).all()))
+    if m > int8_weight.DOT_MAX_M or k % 4:
+        assert torch.equal(y, ref) or DEVICE == "cuda"
+        return
+    w = codes.double() * scale.double()[:, None]
+    assert_within_stream_bound(y, x, w, w, b, UNIT[x_dtype])
+
+
+
+# -- 4-bit weights x per-block int8 activations ------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 3, 9, 40])
+@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+def test_a8_ops_on_triton_match_the_reference(m, fmt):
+    """The activations fake-quantized per 32-block, then the 4-bit kernels in fp32: within fp32
+    summation of the reference (which multiplies the same fake-quantized values by exact weights)."""
+    from torchq.backends.triton import a8_linear
+
+    torch.manual_seed(m)
+    n, k = 40, 256
+    w = torch.randn(n, k)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    if fmt == "int4":
+        impl = torchq.Int4WeightOnlyConfig(group_size=64, layout=Int4NativeLayout(), scale_dtype=torch.float32).quantize_weight(w).tensor_impl
+        args = (impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base)
+        y = a8_linear.int4_groupwise_linear_a8(x.to(DEVICE), *(on(DEVICE, a) if isinstance(a, torch.Tensor) else a for a in args),
+                                               bias.to(DEVICE))
+        ref = reference(torch.ops.torchq.int4_groupwise_linear_a8, x, *args, bias)
+        w32 = exact_int4_weight(impl)
+    else:
+        impl = torchq.nf4_weight_only(block_size=64).quantize_weight(w).tensor_impl
+        args = (impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k], 64, "nf4")
+        y = a8_linear.blockwise_4bit_linear_a8(x.to(DEVICE), *(on(DEVICE, a) if isinstance(a, torch.Tensor) else a for a in args),
+                                               bias.to(DEVICE))
+        ref = reference(torch.ops.torchq.blockwise_4bit_linear_a8, x, *args, bias)
+        w32 = impl.dequantize(torch.float32).double()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    xq = torchq.PerBlockInt8().fake_quantize(x.float()).double()
+    exact = F.linear(xq, w32, bias.double())
+    mag = F.linear(xq.abs(), w32.abs()) + bias.double().abs()
+    assert ((y.cpu().double() - exact).abs() <= (2.0**-8 + (k + 2) * 2.0**-24) * mag).all()  # one bf16 rounding, fp32 sums
+    assert ((ref.double() - exact).abs() <= (2.0**-8 + (k + 2) * 2.0**-24) * mag).all()
 
 
 def test_quantize_rows_matches_per_token_int8():

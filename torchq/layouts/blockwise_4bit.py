@@ -171,7 +171,7 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _check_int8_activations(x: torch.Tensor, w, bias) -> str | None:
-    return int8_activation_rejects(x, w.act_quant)
+    return int8_activation_rejects(x, w.act_quant, triton_backend.cuda_rejects)
 
 
 def _int8_activation_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -181,8 +181,9 @@ def _int8_activation_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> to
         if weight is not None:  # the layout's own tensors, checked when cached
             return native_library.run_linear(weight.int8_activations(), x, bias)
     spec = impl.spec
-    return blockwise_4bit_linear_a8(x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset,
-                                    list(impl.shape), spec.block_size[1], spec.codebook, bias)
+    op = triton_backend.blockwise_4bit_linear_a8_cuda if triton_backend.eager_cuda(x) else blockwise_4bit_linear_a8
+    return op(x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, list(impl.shape),
+              spec.block_size[1], spec.codebook, bias)
 
 
 KERNELS = (
@@ -199,7 +200,7 @@ KERNELS = (
         _check_int8_activations,
         _int8_activation_linear,
         description="torchq::blockwise_4bit_linear_a8: activations quantized per 32-block to int8, the codebook as int8, "
-        "integer dot products (native CPU)",
+        "integer dot products (native CPU); CUDA: the Triton 4-bit kernels on the fake-quantized activations in fp32",
         bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _cached_native_weight, int8_activations=True),
     ),
 )

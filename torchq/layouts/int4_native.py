@@ -230,7 +230,7 @@ def _int4_native_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.
 
 
 def _check_int8_activations(x: torch.Tensor, w, bias) -> str | None:
-    reason = int8_activation_rejects(x, w.act_quant)
+    reason = int8_activation_rejects(x, w.act_quant, triton_backend.cuda_rejects)
     if reason is not None:
         return reason
     if w.tensor_impl.round_kinds != (0, 0):
@@ -245,7 +245,8 @@ def _int8_activation_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> to
         weight = native_library.weight_args(impl, _cached_native_weight)
         if weight is not None:  # the layout's own tensors, checked when cached
             return native_library.run_linear(weight.int8_activations(), x, bias)
-    return int4_groupwise_linear_a8(x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base, bias)
+    op = triton_backend.int4_groupwise_linear_a8_cuda if triton_backend.eager_cuda(x) else int4_groupwise_linear_a8
+    return op(x, impl.packed, impl.scale, impl.shift, impl.zero, [n, k], impl.group_size, impl.code_base, bias)
 
 
 KERNELS = (
@@ -262,7 +263,7 @@ KERNELS = (
         _check_int8_activations,
         _int8_activation_linear,
         description="torchq::int4_groupwise_linear_a8: activations quantized per 32-block to int8, integer dot products "
-        "(native CPU; vpmaddubsw on AVX2 / AVX-512)",
+        "(native CPU; vpmaddubsw on AVX2 / AVX-512); CUDA: the Triton 4-bit kernels on the fake-quantized activations in fp32",
         bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _cached_native_weight, int8_activations=True),
     ),
 )

@@ -167,6 +167,16 @@ def _check_triton_dynamic(x: torch.Tensor, w, bias) -> str | None:
     return _cpu_plain_int8_check(x, w, want_act=True, device_type="cuda") or triton_backend.cuda_rejects(x)
 
 
+def _check_triton_weight_only(x: torch.Tensor, w, bias) -> str | None:
+    return _cpu_plain_int8_check(x, w, want_act=False, device_type="cuda") or triton_backend.cuda_rejects(x)
+
+
+def _int8_weight_only_op(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl = w.tensor_impl
+    op = triton_backend.int8_weight_linear_cuda if triton_backend.eager_cuda(x) else int8_weight_linear
+    return op(x, impl.codes, impl.scale, bias)
+
+
 def _int8_dynamic_op(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     act = w.act_quant
     impl = w.tensor_impl
@@ -242,6 +252,13 @@ KERNELS = (
         lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=True),
         _int8_dynamic,
         description="per-token int8 input x int8 weight via torch._int_mm, fp32 rescale",
+    ),
+    LinearKernel(
+        "int8_weight_only_triton",
+        _check_triton_weight_only,
+        _int8_weight_only_op,
+        description="torchq::int8_weight_linear on CUDA: Triton streaming GEMV (M <= 4), int8-weight tensor-core GEMM "
+        "(M <= 64), dequantize + cuBLAS above",
     ),
     LinearKernel(
         "int8_dynamic_triton",

@@ -261,14 +261,17 @@ def int4_groupwise_linear_a8_cpu(x, packed, scale, shift, zero, shape, group_siz
     return int4_a8_cpu(x, packed, scale, shift, zero, shape[0], shape[1], group_size, code_base, bias)
 
 
-def int8_activation_rejects(x: torch.Tensor, act_quant) -> str | None:
-    """Why the int8-activation CPU kernels cannot take input ``x`` for a weight whose dynamic
-    activation quantization is ``act_quant`` (None when they can): a layout's kernel condition."""
+def int8_activation_rejects(x: torch.Tensor, act_quant, cuda_rejects=None) -> str | None:
+    """Why the int8-activation kernels cannot take input ``x`` for a weight whose dynamic
+    activation quantization is ``act_quant`` (None when they can): a layout's kernel condition.
+    ``cuda_rejects``: the CUDA kernels' own condition (None: CPU only)."""
     if not isinstance(act_quant, PerBlockInt8):
         act = "no activation quantization" if act_quant is None else act_quant.describe()
         return f"int8-activation kernel (per-32-block int8 activations), weight has {act}"
+    if x.device.type == "cuda" and cuda_rejects is not None:
+        return cuda_rejects(x)
     if x.device.type != "cpu":
-        return f"CPU kernel, input is on {x.device}"
+        return f"CPU or CUDA kernel, input is on {x.device}"
     return None
 
 

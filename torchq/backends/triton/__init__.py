@@ -4,11 +4,17 @@ objects of :mod:`torchq.ops` when this module is imported.
 * ``torchq::int4_groupwise_linear`` (:class:`~torchq.layouts.Int4NativeLayout`):
   :mod:`.dequant_linear`, format ``AFFINE``;
 * ``torchq::blockwise_4bit_linear`` (NF4 / FP4): :mod:`.dequant_linear`, format ``CODEBOOK``;
-* ``torchq::int8_dynamic_linear`` (per-token int8 activations x int8 weights): :mod:`.int8_linear`.
+* ``torchq::int8_dynamic_linear`` (per-token int8 activations x int8 weights): :mod:`.int8_linear`;
+* ``torchq::int8_weight_linear`` (int8 weight-only, per-row scales): :mod:`.int8_weight`;
+* ``torchq::int4_groupwise_linear_a8`` / ``torchq::blockwise_4bit_linear_a8`` (4-bit weights x
+  per-block int8 activations): :mod:`.a8_linear`;
+* ``torchq::int4_tensor_core_mm`` from 32 rows (tinygemm's weight written out, then cuBLAS):
+  :mod:`.tiled_dequant`, called by :mod:`torchq.backends.aten`.
 
-Every weight is formed exactly as the op's pure-PyTorch reference forms it (same fp32 operations
-in the same order, no FMA contraction, one rounding to the activation dtype), so the results
-differ from the reference only by the order of the fp32 sums (int8: bit for bit).
+Each module states its numeric contract: the tensor-core and dequantize paths form every weight
+exactly as the op's pure-PyTorch reference does (results differ by the order of fp32 sums; int8
+dynamic bit for bit); the streaming GEMVs factor the scales out of the sums (within the reference's
+per-weight roundings).
 
 Triton is imported on the first CUDA call, not with torchq: CPU users never pay for it. Without
 triton the dispatch conditions reject CUDA inputs with the reason (see :func:`cuda_rejects`), so
@@ -25,11 +31,13 @@ import torch
 
 from ...ops.blockwise import blockwise_4bit_linear
 from ...ops.int4 import int4_groupwise_linear
-from ...ops.int8 import int8_dynamic_linear
+from ...ops.int8 import int8_dynamic_linear, int8_weight_linear
+from ...ops.int8act import blockwise_4bit_linear_a8, int4_groupwise_linear_a8
 from ...tracing import traced
 
 __all__ = ["available", "unavailable_reason", "cuda_rejects", "interpreting", "eager_cuda", "int4_groupwise_linear_cuda",
-           "blockwise_4bit_linear_cuda", "int8_dynamic_linear_cuda"]
+           "blockwise_4bit_linear_cuda", "int8_dynamic_linear_cuda", "int8_weight_linear_cuda", "int4_groupwise_linear_a8_cuda",
+           "blockwise_4bit_linear_a8_cuda"]
 
 
 @functools.cache
@@ -85,9 +93,15 @@ def _lazy_kernel(module: str, fn: str):
 int4_groupwise_linear_cuda = _lazy_kernel("dequant_linear", "int4_groupwise_linear")
 blockwise_4bit_linear_cuda = _lazy_kernel("dequant_linear", "blockwise_4bit_linear")
 int8_dynamic_linear_cuda = _lazy_kernel("int8_linear", "int8_dynamic_linear")
+int8_weight_linear_cuda = _lazy_kernel("int8_weight", "int8_weight_linear")
+int4_groupwise_linear_a8_cuda = _lazy_kernel("a8_linear", "int4_groupwise_linear_a8")
+blockwise_4bit_linear_a8_cuda = _lazy_kernel("a8_linear", "blockwise_4bit_linear_a8")
 int4_groupwise_linear.register_kernel("cuda")(int4_groupwise_linear_cuda)
 blockwise_4bit_linear.register_kernel("cuda")(blockwise_4bit_linear_cuda)
 int8_dynamic_linear.register_kernel("cuda")(int8_dynamic_linear_cuda)
+int8_weight_linear.register_kernel("cuda")(int8_weight_linear_cuda)
+int4_groupwise_linear_a8.register_kernel("cuda")(int4_groupwise_linear_a8_cuda)
+blockwise_4bit_linear_a8.register_kernel("cuda")(blockwise_4bit_linear_a8_cuda)
 
 
 def eager_cuda(x: torch.Tensor) -> bool:
