@@ -53,7 +53,7 @@ from .layouts import Layout, TensorImpl, choose_layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain
 from .quantize import QuantizationError, SkippedLayerWarning, TiedWeightWarning, quantize_
 from .tensor import AffineQuantizedTensor
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 from .interop.transformers import install_registration_hook as _install_registration_hook  # noqa: E402
 

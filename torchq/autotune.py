@@ -218,7 +218,7 @@ class _TimingCache:
 
 
 def _context(device: torch.device) -> str:
-    from . import __version__
+    from ._version import __version__
 
     isa = native.status().isa if device.type == "cpu" else ""
     return f"{device.type}|{_device_model(device)}|torch {torch.__version__}|torchq {__version__}|{isa}"

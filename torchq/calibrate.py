@@ -40,7 +40,7 @@ from torch import nn
 
 from .algorithms.statistics import CALIBRATED, LayerStatistics, calibration_scope
 from .configs import QuantConfig
-from .quantize import _UNSET, ConfigSpec, _resolver, default_filter, quantize_
+from .quantize import UNSET, ConfigSpec, config_resolver, default_filter, quantize_
 from .tensor import AffineQuantizedTensor
 
 __all__ = ["calibrate", "CalibrationResult", "CalibratedLayer"]
@@ -298,11 +298,11 @@ def calibrate(
                "awq": {"grid": grid, "clip": bool(clip)}}
     filter_fn = filter_fn or default_filter
     selected = [name for name, mod in model.named_modules() if filter_fn(mod, name)]
-    resolve = _resolver(config, selected)
+    resolve = config_resolver(config, selected)
     plan: dict[str, QuantConfig | None] = {}
     for name in selected:
         cfg = resolve(name)
-        if cfg is _UNSET:
+        if cfg is UNSET:
             continue
         plan[name] = _with_algorithm(cfg, algorithm, name)  # type: ignore[arg-type]
     if not any(cfg is not None for cfg in plan.values()):

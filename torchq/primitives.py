@@ -194,7 +194,8 @@ def _block_min_max(x: torch.Tensor, block_size: tuple[int, ...]) -> tuple[torch.
     return torch.amin(xb, dim=dims), torch.amax(xb, dim=dims)
 
 
-def _mid(qmin: int, qmax: int) -> int:
+def mid_code(qmin: int, qmax: int) -> int:
+    """The code at the middle of ``[qmin, qmax]`` (the symmetric zero point, rounded up)."""
     return (qmax + qmin + 1) // 2
 
 
@@ -237,7 +238,7 @@ def choose_qparams_affine(
     eps = torch.finfo(scale_dtype).eps if eps is None else float(eps)
     if not eps > 0:
         raise ValueError(f"eps: expected > 0, got {eps}")
-    mid = _mid(qmin, qmax)
+    mid = mid_code(qmin, qmax)
     if zero_point_domain is ZeroPointDomain.FLOAT and mapping_type is not MappingType.ASYMMETRIC:
         raise ValueError(
             f"zero_point_domain: FLOAT needs mapping_type ASYMMETRIC, got {mapping_type.name}"
@@ -308,7 +309,7 @@ def quantize_affine(
     _check_grid("zero_point", zero_point, grid, zero_point_domain is not ZeroPointDomain.NONE)
     scale = scale.reshape(grid)
     zero_point = None if zero_point is None else zero_point.reshape(grid)
-    mid = _mid(qmin, qmax)
+    mid = mid_code(qmin, qmax)
 
     def fn(xb: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
         if zero_point_domain is ZeroPointDomain.FLOAT:
@@ -346,7 +347,7 @@ def dequantize_affine(
     _check_grid("zero_point", zero_point, grid, zero_point_domain is not ZeroPointDomain.NONE)
     scale = scale.reshape(grid)
     zero_point = None if zero_point is None else zero_point.reshape(grid)
-    mid = _mid(qmin, qmax)
+    mid = mid_code(qmin, qmax)
 
     def fn(qb: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
         q = qb.to(torch.int32)

@@ -17,7 +17,8 @@ from .configs import ROW_CHUNK_BYTES, LayerNotSupported, QuantConfig
 from .patterns import PatternError, SafePattern, check_total_states, compile_pattern
 from .tensor import AffineQuantizedTensor
 
-__all__ = ["quantize_", "QuantizationError", "SkippedLayerWarning", "TiedWeightWarning", "default_filter", "is_conv1d"]
+__all__ = ["quantize_", "QuantizationError", "SkippedLayerWarning", "TiedWeightWarning", "default_filter", "is_conv1d",
+           "config_resolver", "warn_skipped", "UNSET"]
 
 ConfigSpec = QuantConfig | Mapping[str, QuantConfig | None]
 
@@ -63,10 +64,13 @@ def default_filter(module: nn.Module, name: str) -> bool:
     return isinstance(w, torch.Tensor) and not isinstance(w, AffineQuantizedTensor) and w.is_floating_point()
 
 
-_UNSET = object()  # a mapping config that names no rule for a module (as opposed to an explicit None)
+UNSET = object()  # a mapping config that names no rule for a module (as opposed to an explicit None)
 
 
-def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], object]:
+def config_resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], object]:
+    """``name -> config`` for the modules ``names`` under ``config`` (one config, or a mapping of
+    names / patterns to configs): a config, None (explicitly left in float) or :data:`UNSET` (no
+    rule names the module). Shared by ``quantize_``, ``calibrate`` and the transformers quantizer."""
     if isinstance(config, QuantConfig):
         return lambda name: config
     if not isinstance(config, Mapping):
@@ -76,7 +80,7 @@ def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], object]:
         )
     exact: dict[str, QuantConfig | None] = {}
     patterns: list[tuple[str, SafePattern, QuantConfig | None]] = []
-    default: object = _UNSET
+    default: object = UNSET
     for key, cfg in config.items():
         if cfg is not None and not isinstance(cfg, QuantConfig):
             raise TypeError(f"config[{key!r}]: expected a torchq config or None, got {type(cfg).__name__}")
@@ -103,7 +107,7 @@ def _resolver(config: ConfigSpec, names: list[str]) -> Callable[[str], object]:
         if not any(pat.fullmatch(n) for n in names):
             warnings.warn(f"quantize_: pattern {key!r} matches no quantizable module", SkippedLayerWarning, stacklevel=3)
 
-    def resolve(name: str) -> object:  # a config, None (explicitly float) or _UNSET
+    def resolve(name: str) -> object:  # a config, None (explicitly float) or UNSET
         if name in exact:
             return exact[name]
         for _, pat, cfg in patterns:
@@ -179,7 +183,8 @@ def _move_others(mod: nn.Module, weight: torch.Tensor, device: torch.device | No
             moved[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v
 
 
-def _skip(msg: str, stacklevel: int = 3) -> None:
+def warn_skipped(msg: str, stacklevel: int = 3) -> None:
+    """A skipped layer: a ``SkippedLayerWarning``, or a ``QuantizationError`` under strict mode."""
     if dispatch.is_strict():
         raise QuantizationError(msg + " (strict mode); nothing was changed")
     warnings.warn(msg, SkippedLayerWarning, stacklevel=stacklevel)
@@ -238,10 +243,10 @@ def quantize_(
             already.append(name)
         elif picked:
             selected.append((name, mod))
-    resolve = _resolver(config, [n for n, _ in selected] + already)
-    already = [n for n in already if resolve(n) not in (None, _UNSET)]
+    resolve = config_resolver(config, [n for n, _ in selected] + already)
+    already = [n for n in already if resolve(n) not in (None, UNSET)]
     if already:
-        _skip(
+        warn_skipped(
             f"quantize_: skipped {len(already)} layer(s) that are already quantized (re-quantizing needs "
             f"the float weights): {_fmt(already)}"
         )
@@ -256,12 +261,12 @@ def quantize_(
         weight = mod._parameters.get("weight")
         if weight is None:
             weight = mod._buffers.get("weight")
-        if cfg is None or cfg is _UNSET:
+        if cfg is None or cfg is UNSET:
             if cfg is None and weight is not None:
                 left_float.setdefault(id(weight), name)
             continue
         if parametrize.is_parametrized(mod, "weight"):
-            _skip(
+            warn_skipped(
                 f"quantize_: skipped layer {name!r} ({type(mod).__name__}): its weight is computed by a "
                 f"torch.nn.utils.parametrize parametrization; call "
                 f"torch.nn.utils.parametrize.remove_parametrizations(module, 'weight') first to quantize it"
@@ -273,7 +278,7 @@ def quantize_(
                 raise QuantizationError(
                     f"quantize_: module {name!r} ({type(mod).__name__}) has no weight tensor; nothing was changed"
                 )
-            _skip(
+            warn_skipped(
                 f"quantize_: skipped layer {name!r} ({type(mod).__name__}): its weight is not a registered "
                 f"parameter or buffer (a property or a plain attribute), so quantize_ cannot replace it"
             )
@@ -300,7 +305,7 @@ def quantize_(
         try:
             q = quantize_in_row_chunks(cfg, w, label=name)
         except LayerNotSupported as e:
-            _skip(f"quantize_: skipped layer {name!r} ({type(mod).__name__}, weight {tuple(weight.shape)}): {e}")
+            warn_skipped(f"quantize_: skipped layer {name!r} ({type(mod).__name__}, weight {tuple(weight.shape)}): {e}")
             continue
         except Exception as e:
             raise QuantizationError(

@@ -31,7 +31,9 @@ aten = torch.ops.aten
 _OPS: dict[Any, Any] = {}
 
 
-def _implements(*ops):
+def implements(*ops):
+    """Register the decorated function as the handler of aten ``ops`` on quantized weights (the
+    extension point :mod:`torchq.distributed.shard_ops` adds FSDP2's ops through)."""
     def deco(fn):
         for op in ops:
             _OPS[op] = fn
@@ -470,13 +472,13 @@ def _dequant_op_fallback(what: str, w: AQT) -> None:
 
 
 # -- metadata-only and copying ops ---------------------------------------------------------------
-@_implements(aten.detach.default, aten.alias.default)
+@implements(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
     self = args[0]
     return return_and_correct_aliasing(func, args, kwargs, self._replace(self.tensor_impl.map(func)))
 
 
-@_implements(aten.clone.default)
+@implements(aten.clone.default)
 def _clone(func, args, kwargs):
     self = args[0]
     s, p = self.input_scale, self.input_perm
@@ -493,7 +495,7 @@ def _layout_left_open(w: AQT) -> bool:
             and w.tensor_impl.automatic_layout())
 
 
-@_implements(aten._to_copy.default)
+@implements(aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     self: AQT = args[0]
     dtype = kwargs.get("dtype") or self.dtype
@@ -513,7 +515,7 @@ def _to_copy(func, args, kwargs):
                          input_perm=None if p is None else p.to(moved.device, copy=True))
 
 
-@_implements(aten.t.default, aten.transpose.int, aten.permute.default)
+@implements(aten.t.default, aten.transpose.int, aten.permute.default)
 def _transpose(func, args, kwargs):
     self: AQT = args[0]
     if func is aten.permute.default and [d % 2 for d in args[1]] != [1, 0]:
@@ -524,7 +526,7 @@ def _transpose(func, args, kwargs):
 
 
 # -- linear ops -----------------------------------------------------------------------------------
-@_implements(aten.linear.default)
+@implements(aten.linear.default)
 def _linear(func, args, kwargs):
     x, w = args[0], args[1]
     b = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -533,7 +535,7 @@ def _linear(func, args, kwargs):
     return dispatch.quantized_linear(x, w, b)
 
 
-@_implements(aten.mm.default)
+@implements(aten.mm.default)
 def _mm(func, args, kwargs):
     a, b = args
     if isinstance(b, AQT) and b.transposed and not isinstance(a, AQT):
@@ -541,7 +543,7 @@ def _mm(func, args, kwargs):
     return _matmul_on_dequantized("mm", func, args, kwargs)
 
 
-@_implements(aten.addmm.default)
+@implements(aten.addmm.default)
 def _addmm(func, args, kwargs):
     bias, a, b = args[:3]
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
@@ -571,8 +573,8 @@ def _norm_range(size: int, start, end) -> tuple[int, int]:
     return start, max(start, end)
 
 
-@_implements(aten.slice.Tensor)
-def _slice(func, args, kwargs):
+@implements(aten.slice.Tensor)
+def slice_weight(func, args, kwargs):
     self: AQT = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     start = args[2] if len(args) > 2 else kwargs.get("start")
@@ -641,7 +643,7 @@ def _copy_impl_tensors(dst: TensorImpl, src: TensorImpl) -> None:
         getattr(dst, n).copy_(getattr(src, n))
 
 
-@_implements(aten.copy_.default)
+@implements(aten.copy_.default)
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, AQT):
@@ -695,7 +697,7 @@ def _copy_(func, args, kwargs):
 
 
 # -- row access (embedding-style use) -------------------------------------------------------------
-@_implements(aten.select.int)
+@implements(aten.select.int)
 def _select(func, args, kwargs):
     self: AQT = args[0]
     dim, index = args[1] % 2, int(args[2])
@@ -708,7 +710,7 @@ def _select(func, args, kwargs):
     return _in_input_order(self, self.to_plain().rows(idx).dequantize, self.dtype)[0]
 
 
-@_implements(aten.index.Tensor)
+@implements(aten.index.Tensor)
 def _index(func, args, kwargs):
     self: AQT = args[0]
     indices = args[1]
@@ -730,7 +732,7 @@ def _index(func, args, kwargs):
     return rows.reshape(*idx.shape, self.shape[1])
 
 
-@_implements(aten.embedding.default)
+@implements(aten.embedding.default)
 def _embedding(func, args, kwargs):
     weight, indices = args[0], args[1]
     return _index(aten.index.Tensor, (weight, [indices]), {})

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..primitives import ZeroPointDomain, _mid, dequantize_affine, quantize_affine
+from ..primitives import ZeroPointDomain, dequantize_affine, mid_code, quantize_affine
 
 __all__ = ["HQQ_DEFAULTS", "hqq_zero_points", "lp_error"]
 
@@ -102,7 +102,7 @@ def hqq_zero_points(
     w = weight.detach().float()
     groups = w.reshape(-1, g)  # [rows * cols / g, g], rows of groups in order
     s = scale.detach().float().reshape(-1, 1)
-    mid = _mid(quant_min, quant_max) if domain is ZeroPointDomain.FLOAT else 0
+    mid = mid_code(quant_min, quant_max) if domain is ZeroPointDomain.FLOAT else 0
     code_dtype = torch.uint8 if quant_min >= 0 and quant_max <= 255 else torch.int32
 
     def format_error(zero: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,8 @@ from . import codec
 from .codec import CheckpointError
 from .model_state import BufferInit, Incoming, dedupe, install_checkpoint, model_slots
 
-__all__ = ["save_quantized", "load_quantized", "flatten_model", "FILE_FORMAT", "FILE_VERSION", "INDEX_NAME", "SINGLE_NAME"]
+__all__ = ["save_quantized", "load_quantized", "flatten_model", "FILE_FORMAT", "FILE_VERSION", "INDEX_NAME", "SINGLE_NAME",
+           "part_key", "checkpoint_files", "CheckpointFile", "WholeCheckpoint"]
 
 FILE_FORMAT = "torchq.checkpoint"
 FILE_VERSION = 1
@@ -58,7 +59,8 @@ _PART_SEP = ":"
 _RESERVED_META = ("format", "torchq", "torchq_crc32")
 
 
-def _part_key(name: str, part: str) -> str:
+def part_key(name: str, part: str) -> str:
+    """The file key of part ``part`` of the quantized weight ``name``."""
     return f"{name}{_PART_SEP}{part}"
 
 
@@ -109,7 +111,7 @@ def _entries(named: dict[str, torch.Tensor]):
             raise ValueError(f"save_quantized: {name!r} is on the meta device and has no values to save")
         if isinstance(t, AffineQuantizedTensor):
             record, parts = codec.encode(t)
-            tensors = {_part_key(name, p): v.cpu() for p, v in parts.items()}
+            tensors = {part_key(name, p): v.cpu() for p, v in parts.items()}
             out.append((name, record, tensors, None))
         elif type(t) in (torch.Tensor, nn.Parameter):
             v = codec.own_storage(t.detach().cpu())
@@ -120,7 +122,7 @@ def _entries(named: dict[str, torch.Tensor]):
 
 
 def _header(entries: list, aliases: dict[str, str], shard: list[int] | str, user: dict[str, str]) -> dict:
-    from .. import __version__
+    from .._version import __version__
 
     return {
         "format": FILE_FORMAT, "version": FILE_VERSION, "torchq_version": __version__,
@@ -263,7 +265,7 @@ def _remove(paths: set[Path]) -> None:
 
 
 # -- loading -------------------------------------------------------------------------------------
-def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files of a checkpoint and, for a sharded one, its weight map."""
     if path.is_dir():
         if (path / INDEX_NAME).is_file():
@@ -303,7 +305,7 @@ def _read_text(path: Path) -> str:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
 
 
-class _File:
+class CheckpointFile:
     """One open safetensors file and its checked torchq header."""
 
     def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
@@ -346,7 +348,7 @@ class _File:
             parts = rec.get("parts") if isinstance(rec, dict) else None
             if not isinstance(parts, dict):
                 raise CheckpointError(f"{path}: quantized tensor {name!r}: record has no parts")
-            expected |= {_part_key(name, p) for p in parts}
+            expected |= {part_key(name, p) for p in parts}
         if expected != self.keys and not (self.whole and set(self.stored) <= expected):
             missing, extra = sorted(expected - self.keys), sorted(self.keys - expected)
             raise CheckpointError(
@@ -363,18 +365,18 @@ class _File:
             raise CheckpointError(f"{self.path}: cannot read tensor {key!r} ({e})") from None
 
 
-class _Whole:
+class WholeCheckpoint:
     """The files of a checkpoint whose header (``"shard": "all"``, the same in every file)
     describes all of them, read as one: each key from the file that holds it."""
 
-    def __init__(self, path: Path, files: list[_File]) -> None:
+    def __init__(self, path: Path, files: list[CheckpointFile]) -> None:
         first = next(f for f in files if f.whole)
         for bad in (f for f in files if not f.whole):
             what = "has no torchq header" if bad.plain else "has a torchq header that describes only itself"
             raise CheckpointError(f"{bad.path}: {what}, but {first.path}'s describes the whole checkpoint")
         self.path, self.plain, self.header = path, False, first.header
         self.keys = {k for f in files for k in f.keys}  # as stored
-        self.where: dict[str, _File] = {}
+        self.where: dict[str, CheckpointFile] = {}
         for f in files:
             if f.text != first.text:
                 raise CheckpointError(f"{f.path}: its torchq header differs from {first.path}'s (files of different checkpoints)")
@@ -396,7 +398,7 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _float_incoming(f: _File | _Whole, name: str, part: Any, verify: bool) -> Incoming:
+def _float_incoming(f: CheckpointFile | WholeCheckpoint, name: str, part: Any, verify: bool) -> Incoming:
     where = f"{f.path}: tensor {name!r}"
     if f.plain:
         try:
@@ -425,7 +427,7 @@ def _float_incoming(f: _File | _Whole, name: str, part: Any, verify: bool) -> In
     return Incoming(name, shape, False, f"float {dtype}", load, dtype=dtype)
 
 
-def _quantized_incoming(f: _File | _Whole, name: str, record: Any, layout: codec.LayoutPolicy, verify: bool) -> Incoming:
+def _quantized_incoming(f: CheckpointFile | WholeCheckpoint, name: str, record: Any, layout: codec.LayoutPolicy, verify: bool) -> Incoming:
     where = f"{f.path}"
     try:
         rec = codec.parse_record(record, name)
@@ -433,7 +435,7 @@ def _quantized_incoming(f: _File | _Whole, name: str, record: Any, layout: codec
         raise CheckpointError(f"{where}: {e}") from None
 
     def load(device: torch.device) -> torch.Tensor:
-        parts = {p: f.get(_part_key(name, p)) for p in rec.parts}
+        parts = {p: f.get(part_key(name, p)) for p in rec.parts}
         try:
             return codec.decode(rec, parts, name=name, device=device, layout=layout, verify=verify)
         except CheckpointError as e:
@@ -449,8 +451,8 @@ def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.Layou
     :class:`Incoming` reading, checking and decoding its tensor only when loaded. ``require_header``:
     a file without a torchq header is an error, the reason given (a damaged ``"torchq"`` metadata key
     would otherwise make a torchq file read as a plain float one)."""
-    files, weight_map = _checkpoint_files(path)
-    opened: list[_File | _Whole] = [_File(f, stack) for f in files]
+    files, weight_map = checkpoint_files(path)
+    opened: list[CheckpointFile | WholeCheckpoint] = [CheckpointFile(f, stack) for f in files]
     for f in opened:
         if require_header and f.plain:
             raise CheckpointError(f"{f.path}: has no torchq header (no 'torchq' entry in its safetensors metadata), but "
@@ -460,13 +462,13 @@ def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.Layou
             if {k for k, v in weight_map.items() if v == f.path.name} != f.keys:
                 raise CheckpointError(f"{f.path}: its tensors do not match the index's weight_map for this shard")
     if any(f.whole for f in opened):
-        opened = [_Whole(path, opened)]
+        opened = [WholeCheckpoint(path, opened)]
     incoming: dict[str, Incoming] = {}
     aliases: dict[str, str] = {}
     owner: dict[str, Path] = {}
     for f in opened:
         h = f.header
-        if weight_map is not None and isinstance(f, _File):
+        if weight_map is not None and isinstance(f, CheckpointFile):
             if not f.plain and h.get("shard") != [files.index(f.path) + 1, len(files)]:
                 raise CheckpointError(f"{f.path}: header says shard {h.get('shard')!r}, index lists {len(files)} shards")
         for name, rec in h["quantized"].items():

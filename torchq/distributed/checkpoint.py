@@ -40,36 +40,12 @@ import torch.nn as nn
 from ..canonical import QuantSpec
 from ..checkpoint.codec import CheckpointError, dtype_from_name, dtype_name
 from ..tensor import AQT, check_input_perm, check_input_scale, is_permutation
+from .placement import dtensor_types, local_and_placement, set_weight, shard_width
 from .rows import RowFormat, from_row_parts, pack_in, row_format, to_row_parts
 
 __all__ = ["state_dict", "load_state_dict", "load_quantized_sharded", "PART_TAG"]
 
 PART_TAG = ".torchq."
-
-
-def _dtensor_types():
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    return DTensor, Replicate, Shard
-
-
-def _local_and_placement(value: Any) -> tuple[AQT | None, Any, Any]:
-    """``(local quantized weight, mesh, placement)``: placement None for a whole (non-DTensor)
-    weight; ``(None, None, None)`` for anything that is not a quantized weight."""
-    if isinstance(value, AQT):
-        return value, None, None
-    DTensor, Replicate, Shard = _dtensor_types()
-    if isinstance(value, DTensor) and isinstance(value._local_tensor, AQT):
-        if len(value.placements) != 1:
-            raise NotImplementedError(
-                f"torchq: quantized weight on a {len(value.placements)}-D device mesh ({value.placements}): distributed "
-                f"checkpoints of quantized weights support 1-D meshes (FSDP2 or tensor parallelism)"
-            )
-        placement = value.placements[0]
-        if not isinstance(placement, (Shard, Replicate)):
-            raise NotImplementedError(f"torchq: quantized weight with placement {placement}: expected Shard or Replicate")
-        return value._local_tensor, value.device_mesh, placement
-    return None, None, None
 
 
 def _format_tensor(fmt: RowFormat, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -93,14 +69,6 @@ def _format_from_tensor(t: torch.Tensor, name: str) -> tuple[RowFormat, tuple[in
     return fmt, (n, k), dtype
 
 
-def _shard_width(total: int, mesh: Any) -> tuple[int, int]:
-    """``(offset, length)`` of this rank's ``torch.chunk`` piece of ``total`` (DTensor's rule)."""
-    world, rank = mesh.size(), mesh.get_local_rank()
-    chunk = -(-total // world) if total else 0
-    start = min(total, rank * chunk)
-    return start, min(total, start + chunk) - start
-
-
 def _global_format(name: str, local: AQT, shape: tuple[int, ...]) -> tuple[RowFormat, tuple[int, int]]:
     """The row format and ``[N, K]`` of the whole weight whose piece ``local`` is (``shape``: the
     whole weight's, a DTensor's global shape)."""
@@ -115,10 +83,10 @@ def state_dict(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
     its row parts and format tensor (see the module doc), ready for ``dcp.save`` or as the
     template ``dcp.load`` fills (each rank lists its own pieces; no collective)."""
     sd = model.state_dict() if isinstance(model, nn.Module) else dict(model)
-    DTensor, Replicate, Shard = _dtensor_types()
+    DTensor, Replicate, Shard = dtensor_types()
     out: dict[str, Any] = {}
     for name, value in sd.items():
-        local, mesh, placement = _local_and_placement(value)
+        local, mesh, placement = local_and_placement(value)
         if local is None:
             out[name] = value
             continue
@@ -137,7 +105,7 @@ def state_dict(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
             dim = placement.dim % 2
             gshape = (shape[0], width)
             if dim == 1:
-                start, length = _shard_width(width, mesh)
+                start, length = shard_width(width, mesh)
                 if part.shape[1] != length:
                     raise ValueError(
                         f"torchq: quantized weight {name!r} is sharded along its {shape[1]} input features into pieces whose "
@@ -167,7 +135,7 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
     current = model.state_dict()
     staged: list[tuple[str, Any, AQT]] = []
     for name, value in current.items():
-        local, mesh, placement = _local_and_placement(value)
+        local, mesh, placement = local_and_placement(value)
         if local is None:
             continue
         fkey = f"{name}{PART_TAG}format"
@@ -196,7 +164,7 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
         staged.append((name, value, new))
     for name, value, new in staged:
         if isinstance(value, AQT):
-            _set_weight(model, name, new)
+            set_weight(model, name, new)
         else:
             value._local_tensor.copy_(new)
     rest = {k: v for k, v in state_dict.items() if PART_TAG not in k and k in current}
@@ -221,16 +189,6 @@ def _check_values(name: str, plain, input_scale: torch.Tensor | None, input_perm
         check_input_perm(input_perm, plain.shape[1], input_perm.device)
         if not is_permutation(input_perm):
             raise CheckpointError(f"{where}: input_perm must be a permutation of 0..{plain.shape[1] - 1}")
-
-
-def _set_weight(model: nn.Module, name: str, w: AQT) -> None:
-    owner_name, _, attr = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    old = getattr(owner, attr)
-    if isinstance(old, nn.Parameter):
-        owner.register_parameter(attr, nn.Parameter(w, requires_grad=False))
-    else:
-        setattr(owner, attr, w)
 
 
 def load_quantized_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bool = True,

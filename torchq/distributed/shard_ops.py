@@ -19,13 +19,13 @@ import sys
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from ..tensor import AQT, _implements, _slice
+from ..tensor import AQT, implements, slice_weight
 from .rows import pack_in, zero_plain
 
 aten = torch.ops.aten
 
 
-@_implements(aten.split.Tensor)
+@implements(aten.split.Tensor)
 def _split(func, args, kwargs):
     self: AQT = args[0]
     size = args[1] if len(args) > 1 else kwargs["split_size"]
@@ -35,7 +35,7 @@ def _split(func, args, kwargs):
     return _split_sizes(self, sizes or [0], dim)
 
 
-@_implements(aten.split_with_sizes.default)
+@implements(aten.split_with_sizes.default)
 def _split_with_sizes(func, args, kwargs):
     self: AQT = args[0]
     sizes = list(args[1] if len(args) > 1 else kwargs["split_sizes"])
@@ -48,12 +48,12 @@ def _split_with_sizes(func, args, kwargs):
 def _split_sizes(self: AQT, sizes: list[int], dim: int) -> list[AQT]:
     out, start = [], 0
     for s in sizes:
-        out.append(_slice(aten.slice.Tensor, (self, dim, start, start + s), {}))
+        out.append(slice_weight(aten.slice.Tensor, (self, dim, start, start + s), {}))
         start += s
     return out
 
 
-@_implements(aten.new_zeros.default)
+@implements(aten.new_zeros.default)
 def _new_zeros(func, args, kwargs):
     self: AQT = args[0]
     size = tuple(int(s) for s in args[1])
@@ -76,7 +76,7 @@ def _new_zeros(func, args, kwargs):
                          input_perm=None if p is None else p.to(device, copy=True))
 
 
-@_implements(aten.new_empty.default)
+@implements(aten.new_empty.default)
 def _new_empty(func, args, kwargs):
     """As ``new_zeros`` (a quantized weight has no uninitialised form); an empty size of another
     rank (FSDP2's ``new_empty(0)`` for a rank without rows) is a weight of no rows."""
@@ -87,14 +87,14 @@ def _new_empty(func, args, kwargs):
     return _new_zeros(aten.new_zeros.default, (self, size), kwargs)
 
 
-@_implements(aten.empty_like.default, aten.zeros_like.default)
+@implements(aten.empty_like.default, aten.zeros_like.default)
 def _zeros_like(func, args, kwargs):
     self: AQT = args[0]
     kw = {k: kwargs[k] for k in ("dtype", "device") if kwargs.get(k) is not None}
     return _new_zeros(aten.new_zeros.default, (self, tuple(self.shape)), kw)
 
 
-@_implements(aten.view.default)
+@implements(aten.view.default)
 def _view(func, args, kwargs):
     self: AQT = args[0]
     size = list(args[1])
@@ -119,7 +119,7 @@ def _called_by_fsdp(depth: int = 12) -> bool:
     return False
 
 
-@_implements(aten.as_strided.default)
+@implements(aten.as_strided.default)
 def _as_strided(func, args, kwargs):
     self: AQT = args[0]
     size, stride = list(args[1]), list(args[2])
@@ -132,13 +132,13 @@ def _as_strided(func, args, kwargs):
     )
 
 
-@_implements(aten.is_pinned.default)
+@implements(aten.is_pinned.default)
 def _is_pinned(func, args, kwargs):
     self: AQT = args[0]
     return all(getattr(self.tensor_impl, n).is_pinned() for n in self.tensor_impl.tensor_names())
 
 
-@_implements(aten._pin_memory.default)
+@implements(aten._pin_memory.default)
 def _pin_memory(func, args, kwargs):
     self: AQT = args[0]
     s, p = self.input_scale, self.input_perm

@@ -16,10 +16,10 @@ from ..blockwise.nested import NESTED_BLOCKSIZE, double_dequantize
 from ..canonical import PlainForm
 from ..checkpoint import codec
 from ..checkpoint.codec import CheckpointError
-from ..checkpoint.safetensors_io import _checkpoint_files, _File, _part_key, _Whole
+from ..checkpoint.safetensors_io import CheckpointFile, WholeCheckpoint, checkpoint_files, part_key
 from ..layouts.base import choose_layout
 from ..primitives import scale_shape
-from .checkpoint import _dtensor_types, _local_and_placement, _set_weight, _shard_width
+from .placement import dtensor_types, local_and_placement, set_weight, shard_width
 from .rows import pack_in
 
 CRC_CHUNK_BYTES = 4 << 20
@@ -28,12 +28,12 @@ CRC_CHUNK_BYTES = 4 << 20
 class _Reader:
     """Slices of the stored tensors of one checkpoint (one file, or the files of a whole one)."""
 
-    def __init__(self, opened: _File | _Whole) -> None:
+    def __init__(self, opened: CheckpointFile | WholeCheckpoint) -> None:
         self.opened = opened
 
     def _slice(self, key: str):
         f = self.opened
-        if isinstance(f, _Whole):
+        if isinstance(f, WholeCheckpoint):
             f = f.where[key]
         return f.handle.get_slice(f.stored[key])
 
@@ -75,10 +75,10 @@ def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bo
     path = Path(path)
     device = torch.device("cpu" if device is None else device)
     with contextlib.ExitStack() as stack:
-        files, weight_map = _checkpoint_files(path)
-        opened: list[_File | _Whole] = [_File(f, stack) for f in files]
+        files, weight_map = checkpoint_files(path)
+        opened: list[CheckpointFile | WholeCheckpoint] = [CheckpointFile(f, stack) for f in files]
         if any(f.whole for f in opened):
-            opened = [_Whole(path, opened)]
+            opened = [WholeCheckpoint(path, opened)]
         sources: dict[str, tuple[_Reader, Any, bool]] = {}
         for f in opened:
             if f.plain:
@@ -106,7 +106,7 @@ def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bo
                 staged.append((name, value, _load_quantized(reader, name, rec, value, verify, path, device)))
             else:
                 staged.append((name, value, _load_float(reader, name, rec, value, verify, path, device)))
-    DTensor, _, _ = _dtensor_types()
+    DTensor, _, _ = dtensor_types()
     assign: dict[str, Any] = {}
     for name, value, new in staged:
         if isinstance(value, DTensor):
@@ -116,7 +116,7 @@ def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bo
             else:
                 value._local_tensor.copy_(new)
         elif isinstance(new, torch.Tensor) and type(new) is not torch.Tensor:
-            _set_weight(model, name, new)
+            set_weight(model, name, new)
         elif value.is_meta:
             assign[name] = new
         else:
@@ -127,7 +127,7 @@ def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bo
 
 def _piece(value: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """This rank's row and column ranges of a tensor of global ``shape`` held as ``value``."""
-    DTensor, Replicate, Shard = _dtensor_types()
+    DTensor, Replicate, Shard = dtensor_types()
     if not isinstance(value, DTensor):
         return None, None
     if len(value.placements) != 1:
@@ -138,7 +138,7 @@ def _piece(value: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, in
     if not isinstance(p, Shard):
         raise NotImplementedError(f"torchq: {name!r} with placement {p}")
     dim = p.dim % len(shape)
-    start, length = _shard_width(shape[dim], value.device_mesh)
+    start, length = shard_width(shape[dim], value.device_mesh)
     rng = (start, start + length)
     return (rng, None) if dim == 0 else (None, rng)
 
@@ -163,7 +163,7 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
         rec = codec.parse_record(record, name)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    local, mesh, placement = _local_and_placement(value)
+    local, mesh, placement = local_and_placement(value)
     if local is None:
         raise CheckpointError(
             f"{where}: the model's {name!r} is a float {type(value).__name__}; quantize the model (the meta device "
@@ -183,33 +183,33 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
         raise CheckpointError(f"{where}: this rank's input features [{c0}, {c1}) cut a group of {g} or a byte of packed codes")
     if verify:
         for p, (_, _, crc) in rec.parts.items():
-            if reader.crc32(_part_key(name, p)) != crc:
+            if reader.crc32(part_key(name, p)) != crc:
                 raise CheckpointError(f"{where}: part {p!r} is corrupted (crc32 mismatch)")
     bits = spec.bits
     if rec.encoding == "bitstream":
         byte_cols = (c0 * bits // 8, -(-c1 // 8) * bits) if cols is not None else None
     else:
         byte_cols = cols
-    stored_codes = reader.read(_part_key(name, "codes"), (r0, r1), byte_cols)
+    stored_codes = reader.read(part_key(name, "codes"), (r0, r1), byte_cols)
     codes = codec.decode_codes(stored_codes, spec, c1 - c0, rec.encoding, where)
     grid = scale_shape((n, k), spec.block_size)
     gcols = (c0 // g, -(-c1 // g))
     if spec.double_quant:  # the rows' scale codes and the nested blocks they fall in
-        sc = reader.read(_part_key(name, "scale_codes"), (r0, r1))
+        sc = reader.read(part_key(name, "scale_codes"), (r0, r1))
         first, last = r0 * grid[1], r1 * grid[1]
         b0, b1 = first // NESTED_BLOCKSIZE, -(-last // NESTED_BLOCKSIZE)
-        absmax = reader.read(_part_key(name, "scale_absmax"), (b0, b1))
-        offset = reader.read(_part_key(name, "scale_offset"))
+        absmax = reader.read(part_key(name, "scale_absmax"), (b0, b1))
+        offset = reader.read(part_key(name, "scale_offset"))
         lead = first - b0 * NESTED_BLOCKSIZE
         flat = torch.cat([torch.zeros(lead, dtype=torch.uint8), sc.reshape(-1)])
         scale = double_dequantize(flat, absmax, offset)[lead:].reshape(r1 - r0, grid[1])[:, gcols[0]:gcols[1]].contiguous()
         spec = type(spec)(spec.block_size, spec.quant_min, spec.quant_max, spec.zero_point_domain, spec.codebook, False)
     else:
-        scale = reader.read(_part_key(name, "scale"), (r0, r1), gcols)
-    zero = reader.read(_part_key(name, "zero_point"), (r0, r1), gcols) if "zero_point" in rec.parts else None
+        scale = reader.read(part_key(name, "scale"), (r0, r1), gcols)
+    zero = reader.read(part_key(name, "zero_point"), (r0, r1), gcols) if "zero_point" in rec.parts else None
     if not bool(torch.isfinite(scale).all()) or (zero is not None and zero.is_floating_point() and not bool(torch.isfinite(zero).all())):
         raise CheckpointError(f"{where}: scales or zero points contain NaN/inf")
-    extras = {e: reader.read(_part_key(name, e)) for e in ("input_scale", "input_perm") if e in rec.parts}
+    extras = {e: reader.read(part_key(name, e)) for e in ("input_scale", "input_perm") if e in rec.parts}
     if cols is not None and extras:
         raise NotImplementedError(f"{where}: input_scale/input_perm with the input features sharded")
     try:
@@ -230,4 +230,4 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
 def _nested_of(reader: _Reader, name: str):
     from ..canonical import NestedScale
 
-    return NestedScale(*(reader.read(_part_key(name, f"scale_{p}")) for p in ("codes", "absmax", "offset")))
+    return NestedScale(*(reader.read(part_key(name, f"scale_{p}")) for p in ("codes", "absmax", "offset")))

@@ -116,7 +116,7 @@ class TorchqConfig(QuantizationConfigMixin):
         torchq_version: str | None = None,
         **kwargs: Any,
     ) -> None:
-        from .. import __version__
+        from .._version import __version__
 
         self.quant_method = QUANT_METHOD
         self.load_error: str | None = None  # see from_dict

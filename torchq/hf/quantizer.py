@@ -37,7 +37,15 @@ from ..checkpoint.codec import CheckpointError, ParsedRecord, check_version, dec
 from ..checkpoint.model_state import check_against_model, release_free_memory
 from ..checkpoint.safetensors_io import FILE_VERSION, INDEX_NAME, open_checkpoint
 from ..configs import LayerNotSupported, QuantConfig
-from ..quantize import QuantizationError, SkippedLayerWarning, _resolver, _skip, default_filter, is_conv1d, quantize_in_row_chunks
+from ..quantize import (
+    QuantizationError,
+    SkippedLayerWarning,
+    config_resolver,
+    default_filter,
+    is_conv1d,
+    quantize_in_row_chunks,
+    warn_skipped,
+)
 from ..tensor import AffineQuantizedTensor
 from .config import TorchqConfig
 
@@ -186,7 +194,7 @@ class TorchqHfQuantizer(HfQuantizer):
         else:
             skip = list(cfg.modules_to_not_convert) + keep_fp32
         names = [n for n, m in model.named_modules() if default_filter(m, n)]
-        resolve = _resolver(cfg.resolved, names)
+        resolve = config_resolver(cfg.resolved, names)
         for name in names:
             chosen = resolve(name)
             if not isinstance(chosen, QuantConfig) or not should_convert_module(name, skip):
@@ -248,7 +256,7 @@ class TorchqHfQuantizer(HfQuantizer):
             q = quantize_in_row_chunks(cfg, w, label=module_name)
         except LayerNotSupported as e:
             try:
-                _skip(f"from_pretrained: skipped layer {module_name!r} ({type(module).__name__}, weight "
+                warn_skipped(f"from_pretrained: skipped layer {module_name!r} ({type(module).__name__}, weight "
                       f"{tuple(value.shape)}): {e}", stacklevel=2)
             except QuantizationError as strict_error:
                 self.failures[name] = str(strict_error)

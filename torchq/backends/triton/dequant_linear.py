@@ -30,8 +30,6 @@ is contracted into an FMA: the weights are bit for bit the reference's.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -42,6 +40,7 @@ from ...blockwise.codebooks import codebook, dynamic_map
 from ...blockwise.nested import NESTED_BLOCKSIZE
 from ...ops.blockwise import check_blockwise_4bit_linear_args
 from ...ops.int4 import check_int4_groupwise_linear_args
+from .device import sm_count as _sm_count
 from .rounding import ROUND_KINDS, round_to
 from .stream_gemv import STREAM_MAX_M, dot_words, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
 
@@ -186,17 +185,6 @@ def _dequant_kernel(out_ptr, N, K, packed_ptr, stride_pn, stride_gn, w0, w1, w2,
                      FMT, OPT_A, OPT_B, ROUND_MUL, ROUND_ADD, GROUP, BLOCK_N, BLOCK_K)
     mask = (n_idx[:, None] < N) & (k_idx[None, :] < K)
     tl.store(out_ptr + n_idx[:, None] * K + k_idx[None, :], round_to(w, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: a few slices, to exercise the split path
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count  # ~25 us a call: once per device
 
 
 def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> int:

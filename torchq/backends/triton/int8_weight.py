@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...ops.int8 import check_int8_weight_args
+from .device import sm_count as _sm_count
 from .rounding import ROUND_KINDS, round_to
 from .stream_gemv import sum_slices_kernel
 
@@ -147,12 +148,6 @@ def _int8_dequant_kernel(codes_ptr, scale_ptr, out_ptr, N, K, stride_cn, X_KIND:
     q = tl.load(codes_ptr + n * stride_cn + k, mask=mask, other=0).to(tl.float32)
     w = round_to(q * tl.load(scale_ptr + n, mask=n < N, other=0.0), X_KIND)
     tl.store(out_ptr + n * K + k, w.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _sm_count(device: torch.device) -> int:
-    from .dequant_linear import _sm_count as count
-
-    return count(device)
 
 
 def _words(codes: torch.Tensor) -> torch.Tensor | None:

@@ -20,7 +20,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .text import plain_text
 
 __all__ = ["main"]
 
@@ -37,15 +38,6 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 class CLIError(Exception):
     """A user error: printed as one line, exit status 1."""
-
-
-_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
-
-
-def plain_text(text: str) -> str:
-    """Docstring text without reStructuredText markup, for ``--help``: ``:func:`x``` and
-    double-backquoted literals become plain ``x``."""
-    return _ROLE.sub(r"\1", text).replace("``", "")
 
 
 # -- shared helpers ----------------------------------------------------------------------------------
@@ -187,7 +179,7 @@ def config_label(config: dict | None) -> str:
 
 
 def _describe_spec(spec: dict) -> str:
-    from .canonical import QuantSpec
+    from ..canonical import QuantSpec
 
     try:
         return QuantSpec.from_json(spec).describe()
@@ -336,7 +328,7 @@ def cmd_quantize(args) -> int:
 
 def _calibrated_layers(spec) -> str | None:
     """The calibrated algorithm(s) a config or plan asks for ("gptq", "awq", "gptq/awq"), or None."""
-    from .algorithms import CALIBRATED
+    from ..algorithms import CALIBRATED
 
     configs = spec.values() if isinstance(spec, dict) else [spec]
     found = sorted({getattr(c, "algorithm", None) for c in configs if c is not None} & set(CALIBRATED))
@@ -406,9 +398,9 @@ def cmd_explain(args) -> int:
 
 # -- bench ---------------------------------------------------------------------------------------------
 def cmd_bench(argv: list[str]) -> int:
-    from . import bench_linear
+    from . import bench_table
 
-    return bench_linear.main(argv, prog="torchq bench")
+    return bench_table.main(argv, prog="torchq bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
