@@ -13,8 +13,8 @@ from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .calibrate import CalibrationResult, calibrate
 from .canonical import PlainForm, QuantSpec
 from .checkpoint import CheckpointError, LoadWarning, init_meta_buffers, load_quantized, save_quantized
-from .checkpoint.pickling import _rebuild_object as _rebuild_object  # pinned pickle path
-from .checkpoint.pickling import _rebuild_quantized_tensor as _rebuild_quantized_tensor  # pinned pickle path
+from .serialization import _rebuild_object as _rebuild_object  # pinned pickle path
+from .serialization import _rebuild_quantized_tensor as _rebuild_quantized_tensor  # pinned pickle path
 from .configs import (
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,

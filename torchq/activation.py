@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine
+from .serialization import reduce_object, register_kind
 
 __all__ = ["PerTokenInt8", "OutlierInt8", "PerBlockInt8", "activation_from_json"]
 
@@ -48,8 +49,6 @@ class PerTokenInt8:
         )
 
     def __reduce__(self):
-        from .checkpoint.pickling import reduce_object
-
         return reduce_object("act_quant", self)
 
     def to_json(self) -> dict:
@@ -89,8 +88,6 @@ class OutlierInt8:
         return torch.where(outlier.any(dim=0, keepdim=True), rows, deq).reshape(x.shape)
 
     def __reduce__(self):
-        from .checkpoint.pickling import reduce_object
-
         return reduce_object("act_quant", self)
 
     def to_json(self) -> dict:
@@ -148,8 +145,6 @@ class PerBlockInt8:
         return deq.reshape(codes.shape)[..., : x.shape[-1]].to(x.dtype)
 
     def __reduce__(self):
-        from .checkpoint.pickling import reduce_object
-
         return reduce_object("act_quant", self)
 
     def to_json(self) -> dict:
@@ -183,3 +178,6 @@ def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBloc
     if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0):
         raise ValueError(f"activation quantization JSON: eps must be a positive number, got {eps!r}")
     return PerTokenInt8(qmin, qmax, float(eps))
+
+
+register_kind("act_quant", activation_from_json)

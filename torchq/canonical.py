@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .bitpack import pack_bits, unpack_bits
 from .blockwise.codebooks import QUANT_TYPES as CODEBOOKS
 from .blockwise.codebooks import codebook as codebook_values
 from .primitives import ZeroPointDomain, dequantize_affine, expand_grid, scale_shape
+from .serialization import CheckpointError, reduce_object, register_kind
 from .tracing import traced
 
-__all__ = ["QuantSpec", "PlainForm", "NestedScale", "code_dtype_for"]
+__all__ = ["QuantSpec", "PlainForm", "NestedScale", "code_dtype_for", "encode_codes", "decode_codes", "has_data"]
 
 
 def code_dtype_for(quant_min: int, quant_max: int) -> torch.dtype:
@@ -49,8 +51,6 @@ class QuantSpec:
     double_quant: bool = False
 
     def __reduce__(self):
-        from .checkpoint.pickling import reduce_object
-
         return reduce_object("spec", self)
 
     def __post_init__(self) -> None:
@@ -138,6 +138,9 @@ class QuantSpec:
         if "codebook" in d and (not isinstance(codebook, str) or not isinstance(double_quant, bool)):
             raise ValueError(f"spec JSON: codebook must be a string and double_quant a bool, got {codebook!r}, {double_quant!r}")
         return cls(tuple(block), d["quant_min"], d["quant_max"], ZeroPointDomain(d["zero_point_domain"]), codebook, double_quant)
+
+
+register_kind("spec", QuantSpec.from_json)
 
 
 @dataclass(frozen=True, eq=False)
@@ -356,3 +359,33 @@ class PlainForm:
         z = None if self.zero_point is None else self.zero_point[gi]
         spec = dataclasses.replace(self.spec, block_size=(1,) + self.spec.block_size[1:], double_quant=False)
         return PlainForm(self.codes[index], self.scale[gi], z, spec)
+
+
+# -- codes as checkpoints and row shards store them ------------------------------------------------------
+def has_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values to check (not a meta or fake tensor)."""
+    return t.device.type != "meta" and not isinstance(t, torch._subclasses.FakeTensor)
+
+
+def encode_codes(codes: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, str]:
+    """``(stored codes, encoding)`` of plain ``[N, K]`` codes: ``bitstream`` (uint8
+    ``[N, ceil(K/8)*b]`` of ``q - quant_min``) for ``b <= 7`` bits, else ``bytes`` (the codes)."""
+    if spec.bits <= 7:  # uint8 wrap-around: q - quant_min
+        return pack_bits(codes.view(torch.uint8) - spec.quant_min % 256, spec.bits), "bitstream"
+    return codes, "bytes"
+
+
+def decode_codes(stored: torch.Tensor, spec: QuantSpec, k: int, encoding: str, where: str) -> torch.Tensor:
+    """Plain ``[N, k]`` codes from :func:`encode_codes`' form; a :class:`CheckpointError` naming
+    ``where`` for a code outside the spec's range (checked where the tensor holds data)."""
+    real = has_data(stored)
+    if encoding == "bitstream":
+        u = unpack_bits(stored, spec.bits, k)
+        if real and spec.quant_max - spec.quant_min + 1 < 2**spec.bits and bool((u > spec.quant_max - spec.quant_min).any()):
+            raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
+        codes = u.contiguous()
+        codes += spec.quant_min % 256  # uint8 wrap-around: two's complement of the int8 code
+        return codes.view(torch.int8) if spec.code_dtype == torch.int8 else codes
+    if real and bool(((stored < spec.quant_min) | (stored > spec.quant_max)).any()):
+        raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
+    return stored

@@ -25,6 +25,7 @@ from .algorithms.statistics import CALIBRATED, statistics_for
 from .canonical import QuantSpec
 from .layouts.base import Layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain, code_range
+from .serialization import reduce_object, register_kind
 from .tensor import AffineQuantizedTensor, check_compute_dtype
 
 __all__ = [
@@ -89,8 +90,6 @@ class QuantConfig:
         _CONFIGS[cls.__name__] = cls
 
     def __reduce__(self):
-        from .checkpoint.pickling import reduce_object
-
         return reduce_object("config", self)
 
     def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
@@ -218,6 +217,9 @@ def config_from_json(data: dict | str) -> QuantConfig:
             v = ZeroPointDomain(v)
         kwargs[k] = v
     return cls(**kwargs)
+
+
+register_kind("config", config_from_json)
 
 
 @dataclass(frozen=True)

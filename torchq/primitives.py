@@ -36,6 +36,8 @@ from enum import StrEnum
 
 import torch
 
+from .serialization import reduce_enum, register_kind
+
 __all__ = [
     "MappingType",
     "ZeroPointDomain",
@@ -60,8 +62,6 @@ class MappingType(StrEnum):
         return f"{type(self).__name__}.{self.name}"
 
     def __reduce_ex__(self, proto):
-        from .checkpoint.pickling import reduce_enum
-
         return reduce_enum("mapping_type", self.value)
 
 
@@ -76,10 +76,11 @@ class ZeroPointDomain(StrEnum):
         return f"{type(self).__name__}.{self.name}"
 
     def __reduce_ex__(self, proto):
-        from .checkpoint.pickling import reduce_enum
-
         return reduce_enum("zero_point_domain", self.value)
 
+
+register_kind("mapping_type", MappingType)
+register_kind("zero_point_domain", ZeroPointDomain)
 
 _INTEGER_CODE_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 

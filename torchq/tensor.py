@@ -23,6 +23,7 @@ from . import dispatch
 from .canonical import PlainForm, QuantSpec, code_dtype_for
 from .layouts.base import Layout, TensorImpl, choose_layout
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
+from .serialization import reduce_quantized_tensor
 from .tracing import traced
 
 __all__ = ["AffineQuantizedTensor"]
@@ -121,8 +122,6 @@ class AffineQuantizedTensor(torch.Tensor):
 
     def __reduce_ex__(self, proto):  # type: ignore[override]
         """Pickles as its device-independent checkpoint record (see :mod:`torchq.checkpoint.pickling`)."""
-        from .checkpoint.pickling import reduce_quantized_tensor
-
         return reduce_quantized_tensor(self)
 
     def requires_grad_(self, requires_grad: bool = True) -> AffineQuantizedTensor:  # type: ignore[override]

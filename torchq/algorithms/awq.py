@@ -30,8 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import GroupFormat
-from .gptq import proxy_error
+from .formats import GroupFormat, proxy_error
 
 __all__ = ["AWQ_DEFAULTS", "AWQResult", "awq_quantize"]
 

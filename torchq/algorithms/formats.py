@@ -28,7 +28,7 @@ from ..blockwise.codebooks import codebook as codebook_values
 from ..canonical import NestedScale, PlainForm, QuantSpec
 from ..primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, expand_grid, quantize_affine
 
-__all__ = ["GroupFormat", "AffineGroupFormat", "CodebookGroupFormat"]
+__all__ = ["GroupFormat", "AffineGroupFormat", "CodebookGroupFormat", "proxy_error"]
 
 
 class GroupFormat:
@@ -158,3 +158,9 @@ class CodebookGroupFormat(GroupFormat):
         spec = QuantSpec((1, self.group_size), 0, 15, ZeroPointDomain.NONE, codebook=self.quant_type,
                          double_quant=self.double_quant)
         return PlainForm(codes, scale, None, spec, nested)
+
+
+def proxy_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``tr((W - A) H (W - A)^T)``: the output error of ``approx`` on inputs whose second moment is ``H``."""
+    d = (weight.to(hessian.dtype) - approx.to(hessian.dtype))
+    return float(((d @ hessian) * d).sum())

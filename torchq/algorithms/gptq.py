@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import GroupFormat
+from .formats import GroupFormat, proxy_error
 
 __all__ = ["GPTQ_DEFAULTS", "GPTQResult", "gptq_quantize", "proxy_error"]
 
@@ -48,12 +48,6 @@ class GPTQResult:
     error: float
     rtn_error: float
     used: str
-
-
-def proxy_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
-    """``tr((W - A) H (W - A)^T)``: the output error of ``approx`` on inputs whose second moment is ``H``."""
-    d = (weight.to(hessian.dtype) - approx.to(hessian.dtype))
-    return float(((d @ hessian) * d).sum())
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:

@@ -45,7 +45,6 @@ allocated in proportion to the weight; so memory use is bounded by the bytes act
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import zlib
 from typing import Any
@@ -53,11 +52,12 @@ from typing import Any
 import torch
 
 from ..activation import activation_from_json
-from ..bitpack import pack_bits, packed_width, unpack_bits
-from ..canonical import NestedScale, PlainForm, QuantSpec
+from ..bitpack import packed_width
+from ..canonical import NestedScale, PlainForm, QuantSpec, decode_codes, encode_codes, has_data
 from ..configs import config_from_json
 from ..layouts.base import Layout, choose_layout, layout_from_json, placement_reason, registered_layouts
 from ..primitives import ZeroPointDomain, scale_shape
+from ..serialization import CheckpointError, check_version, dumps, is_int, loads
 from ..tensor import AffineQuantizedTensor, is_permutation
 
 __all__ = [
@@ -72,6 +72,10 @@ __all__ = [
     "dtype_from_name",
     "resolve_layout",
     "LayoutPolicy",
+    "dumps",
+    "loads",
+    "check_version",
+    "is_int",
 ]
 
 FORMAT = "torchq.aqt"
@@ -79,11 +83,6 @@ FORMAT_VERSION = 1
 LayoutPolicy = str | Layout  # "saved", "auto", or a Layout instance
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MAX_NUMEL = 2**48  # a weight claiming more elements is refused before any arithmetic on it
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is unreadable, inconsistent, corrupted or does not fit the model; the
-    message names the tensor (and file) and the problem. Loading left the model unchanged."""
 
 
 # -- small helpers -------------------------------------------------------------------------------
@@ -98,13 +97,9 @@ def dtype_from_name(name: Any, what: str) -> torch.dtype:
     return d
 
 
-def _has_data(t: torch.Tensor) -> bool:
-    return t.device.type != "meta" and not isinstance(t, torch._subclasses.FakeTensor)
-
-
 def tensor_crc32(t: torch.Tensor) -> int | None:
     """zlib CRC-32 of a tensor's bytes in row-major order (None for meta/fake tensors)."""
-    if not _has_data(t):
+    if not has_data(t):
         return None
     t = t.detach()
     if t.device.type != "cpu":
@@ -119,7 +114,7 @@ def tensor_crc32(t: torch.Tensor) -> int | None:
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor whose storage holds exactly its bytes (savers write whole storages)."""
     t = t.detach().contiguous()
-    if _has_data(t) and (t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+    if has_data(t) and (t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         t = t.clone()
     return t
 
@@ -145,30 +140,6 @@ def part_record(t: torch.Tensor, checksum: bool) -> dict:
 
 
 # -- encoding ------------------------------------------------------------------------------------
-def encode_codes(codes: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, str]:
-    """``(stored codes, encoding)`` of plain ``[N, K]`` codes: ``bitstream`` (uint8
-    ``[N, ceil(K/8)*b]`` of ``q - quant_min``) for ``b <= 7`` bits, else ``bytes`` (the codes)."""
-    if spec.bits <= 7:  # uint8 wrap-around: q - quant_min
-        return pack_bits(codes.view(torch.uint8) - spec.quant_min % 256, spec.bits), "bitstream"
-    return codes, "bytes"
-
-
-def decode_codes(stored: torch.Tensor, spec: QuantSpec, k: int, encoding: str, where: str) -> torch.Tensor:
-    """Plain ``[N, k]`` codes from :func:`encode_codes`' form; a :class:`CheckpointError` naming
-    ``where`` for a code outside the spec's range (checked where the tensor holds data)."""
-    real = _has_data(stored)
-    if encoding == "bitstream":
-        u = unpack_bits(stored, spec.bits, k)
-        if real and spec.quant_max - spec.quant_min + 1 < 2**spec.bits and bool((u > spec.quant_max - spec.quant_min).any()):
-            raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
-        codes = u.contiguous()
-        codes += spec.quant_min % 256  # uint8 wrap-around: two's complement of the int8 code
-        return codes.view(torch.int8) if spec.code_dtype == torch.int8 else codes
-    if real and bool(((stored < spec.quant_min) | (stored > spec.quant_max)).any()):
-        raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
-    return stored
-
-
 def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(record, tensors)`` for one quantized weight; tensors stay on the weight's device."""
     if not isinstance(w, AffineQuantizedTensor):
@@ -314,18 +285,6 @@ class ParsedRecord:
         return out
 
 
-def check_version(version: Any, supported: int, what: str) -> None:
-    """A format version must be an int from 1 to ``supported``; a newer one asks for an upgrade."""
-    if not is_int(version) or version < 1:
-        raise CheckpointError(f"{what}: invalid version {version!r}")
-    if version > supported:
-        raise CheckpointError(f"{what} version {version} is newer than this torchq reads (up to {supported}); upgrade torchq")
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_pos_int(v: Any) -> bool:
     return is_int(v) and v > 0
 
@@ -387,9 +346,9 @@ def check_part(rec: ParsedRecord, pname: str, t: Any, name: str, verify: bool) -
             f"{where}: part {pname!r} is {t.dtype} {list(t.shape)}, but its record says {dtype} {list(shape)}"
         )
     check_own_storage(t, f"{where}: part {pname!r}")
-    if crc is None and _has_data(t):
+    if crc is None and has_data(t):
         raise CheckpointError(f"{where}: part {pname!r} has no crc32 in its record; torchq requires one")
-    if verify and crc is not None and _has_data(t):
+    if verify and crc is not None and has_data(t):
         actual = tensor_crc32(t)
         if actual != crc:
             raise CheckpointError(
@@ -418,7 +377,7 @@ def decode(
     if device is not None:
         parts = {p: t.to(device) for p, t in parts.items()}
     spec = rec.spec
-    real = _has_data(parts["codes"])
+    real = has_data(parts["codes"])
     codes = decode_codes(parts["codes"], spec, rec.shape[1], rec.encoding, where)
     nested = None
     if spec.double_quant:
@@ -434,10 +393,10 @@ def decode(
     if real and zero is not None and zero.is_floating_point() and not bool(torch.isfinite(zero).all()):
         raise CheckpointError(f"{where}: zero_point contains NaN/inf")
     in_scale = parts.get("input_scale")
-    if in_scale is not None and _has_data(in_scale) and not bool((torch.isfinite(in_scale) & (in_scale > 0)).all()):
+    if in_scale is not None and has_data(in_scale) and not bool((torch.isfinite(in_scale) & (in_scale > 0)).all()):
         raise CheckpointError(f"{where}: input_scale must be finite and positive")
     in_perm = parts.get("input_perm")
-    if in_perm is not None and _has_data(in_perm) and not is_permutation(in_perm):
+    if in_perm is not None and has_data(in_perm) and not is_permutation(in_perm):
         raise CheckpointError(f"{where}: input_perm must be a permutation of 0..{rec.shape[1] - 1} (each index once)")
     try:
         plain = PlainForm(codes.contiguous(), scale, zero, spec, nested)
@@ -459,21 +418,4 @@ def logical_shape(rec: ParsedRecord) -> tuple[int, int]:
     n, k = rec.shape
     return (k, n) if rec.transposed else (n, k)
 
-
-def dumps(obj: Any) -> str:
-    """Canonical JSON (sorted keys, no NaN) used for every record and header torchq writes."""
-    return json.dumps(obj, sort_keys=True, allow_nan=False, separators=(",", ":"))
-
-
-def loads(text: Any, what: str) -> Any:
-    if not isinstance(text, str):
-        raise CheckpointError(f"{what}: expected JSON text, got {type(text).__name__}")
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{what}: not valid JSON ({e})") from None
-
-
-def _reject_constant(c: str) -> Any:
-    raise ValueError(f"{c} is not allowed")
 

@@ -4,7 +4,7 @@ Every layout converts to the canonical plain form; the row parts are that form w
 codes bit-packed along each row, so that cutting the parts at any row cuts the weight there and
 nothing else. For an ``[N, K]`` weight of ``b``-bit codes in groups of ``g`` along K:
 
-* ``codes``  as checkpoints store them (:func:`torchq.checkpoint.codec.encode_codes`): uint8
+* ``codes``  as checkpoints store them (:func:`torchq.canonical.encode_codes`): uint8
   ``[N, ceil(K/8)*b]``, one bit stream of ``code - quant_min`` per row, for ``b < 8``; the 8-bit
   codes themselves (int8 or uint8) ``[N, K]`` for ``b = 8``;
 * ``scale``  ``[N, ceil(K/g)]`` in the scales' dtype;
@@ -28,8 +28,7 @@ import dataclasses
 import torch
 
 from ..bitpack import packed_width
-from ..canonical import PlainForm, QuantSpec
-from ..checkpoint.codec import decode_codes, encode_codes
+from ..canonical import PlainForm, QuantSpec, decode_codes, encode_codes
 from ..layouts.base import Layout, choose_layout
 from ..primitives import ZeroPointDomain, scale_shape
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..blockwise.nested import NESTED_BLOCKSIZE, double_dequantize
-from ..canonical import PlainForm
+from ..canonical import PlainForm, decode_codes
 from ..checkpoint import codec
 from ..checkpoint.codec import CheckpointError
 from ..checkpoint.safetensors_io import CheckpointFile, WholeCheckpoint, checkpoint_files, part_key
@@ -191,7 +191,7 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
     else:
         byte_cols = cols
     stored_codes = reader.read(part_key(name, "codes"), (r0, r1), byte_cols)
-    codes = codec.decode_codes(stored_codes, spec, c1 - c0, rec.encoding, where)
+    codes = decode_codes(stored_codes, spec, c1 - c0, rec.encoding, where)
     grid = scale_shape((n, k), spec.block_size)
     gcols = (c0 // g, -(-c1 // g))
     if spec.double_quant:  # the rows' scale codes and the nested blocks they fall in

@@ -19,6 +19,7 @@ import torch
 from ..canonical import PlainForm, QuantSpec
 from ..identity_cache import IdentityCache
 from ..primitives import ZeroPointDomain, scale_shape
+from ..serialization import reduce_object, register_kind
 
 __all__ = [
     "Layout", "LayoutExample", "Fit", "TensorImpl", "Buffer", "FLOATING", "INTEGER", "layout_from_json", "registered_layouts", "choose_layout",
@@ -115,8 +116,6 @@ class Layout:
         return ()
 
     def __reduce__(self):
-        from ..checkpoint.pickling import reduce_object
-
         return reduce_object("layout", self)
 
     def fit(self, spec: QuantSpec, shape: tuple[int, ...] | None = None, scale_dtype: torch.dtype | None = None,
@@ -158,6 +157,9 @@ def layout_from_json(d: dict) -> Layout:
         return cls(**fields)
     except TypeError as e:
         raise ValueError(f"layout JSON for {d['type']!r}: {e}") from None
+
+
+register_kind("layout", layout_from_json)
 
 
 def registered_layouts() -> dict[str, type[Layout]]:
