@@ -14,6 +14,7 @@ from torch.nn.utils import parametrize
 from . import dispatch
 from .canonical import PlainForm
 from .configs import ROW_CHUNK_BYTES, LayerNotSupported, QuantConfig
+from .hooks import prepare_weights_installed
 from .patterns import PatternError, SafePattern, check_total_states, compile_pattern
 from .tensor import AffineQuantizedTensor
 
@@ -338,9 +339,7 @@ def quantize_(
             TiedWeightWarning, stacklevel=2,
         )
 
-    from .interop.transformers import prepare_attach  # transformers' save_pretrained (never imports it)
-
-    attach = prepare_attach(model) if staged else None
+    attach = prepare_weights_installed(model) if staged else None  # e.g. transformers' save_pretrained
     # commit: plain dict assignments, which cannot fail
     replace = {key: s.new for key, s in staged.items()}
     replace.update(moved)

@@ -42,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..hooks import prepare_weights_installed
 from ..tensor import AffineQuantizedTensor
 from . import codec
 from .codec import CheckpointError
@@ -526,9 +527,7 @@ def load_quantized(
         incoming, aliases = open_checkpoint(path, stack, layout, verify)
         install_checkpoint(model, incoming, aliases, device=device, strict=strict, source=str(path),
                            init_buffers=init_buffers)
-    from ..interop.transformers import prepare_attach
-
-    attach = prepare_attach(model, needs_weights=True)  # so that save_pretrained writes the torchq weights
+    attach = prepare_weights_installed(model, needs_weights=True)  # so that save_pretrained writes the torchq weights
     if attach is not None:
         attach()
     return model

@@ -222,7 +222,7 @@ class TorchqHfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[dict | None, dict[str, str]]:
         if getattr(model, "_hf_peft_config_loaded", False):
             return None, {}  # save_pretrained writes only the (float) adapter weights
-        from ..interop.transformers import state_dict_and_metadata
+        from ..interop.hf_state import state_dict_and_metadata
 
         return state_dict_and_metadata(model)
 

@@ -73,6 +73,7 @@ from torch import nn
 from ..canonical import PlainForm, QuantSpec
 from ..checkpoint.codec import CheckpointError
 from ..checkpoint.model_state import BufferInit, Incoming, install_checkpoint
+from ..hooks import prepare_weights_installed
 from ..patterns import SafePattern, check_total_states, compile_pattern
 from ..primitives import ZeroPointDomain
 from ..tensor import AffineQuantizedTensor
@@ -752,9 +753,7 @@ def load_compressed_tensors(
                                       dtype=dt if isinstance(dt, torch.dtype) else None)
         install_checkpoint(model, incoming, {}, device=None if device is None else torch.device(device), strict=strict,
                            source=str(path), init_buffers=init_buffers)
-    from .transformers import prepare_attach
-
-    attach = prepare_attach(model, needs_weights=True)
+    attach = prepare_weights_installed(model, needs_weights=True)
     if attach is not None:
         attach()
     return model
