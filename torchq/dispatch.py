@@ -24,8 +24,8 @@ quantization) and input signature (dtype, device, shape, subclass; the bias's dt
 shape), so a decode loop asks the conditions once per shape, not once per call. Conditions must
 therefore depend only on that signature, the weight's own metadata and global state that is part
 of the cache key: the registrations (any change clears the cache) and the providers added with
-:func:`add_selection_state` (``torchq.native`` adds whether the native library is enabled in the
-calling thread). Call :func:`clear_kernel_cache` after changing anything else a condition reads.
+:func:`add_selection_state` (one is added here: whether the native library is enabled in the calling
+thread, :func:`torchq.native.available`). Call :func:`clear_kernel_cache` after changing anything else a condition reads.
 A cached choice also keeps its kernel's bound per-call form (:attr:`LinearKernel.bind`), which later
 calls of the same signature run when no gradient is needed: for the native CPU kernels, the decode
 path with the weight's checked pointers, checking only x and the bias per call.
@@ -36,8 +36,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
-import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,7 +45,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .identity_cache import IdentityCache
+from .ops.devices import check_op_devices
 from .tracing import traced
 
 __all__ = [
@@ -210,6 +210,9 @@ def add_selection_state(provider: Callable[[], Any]) -> None:
         raise TypeError(f"provider: expected a callable returning a hashable value, got {provider!r}")
     _STATE_PROVIDERS.append(provider)
     clear_kernel_cache()
+
+
+add_selection_state(native.available)  # kernel conditions read whether the native library is enabled
 
 
 def _layout_class(layout: Any, arg: str = "layout") -> type:
@@ -461,39 +464,6 @@ def _validate_bias(name: str, x: torch.Tensor, n: int, bias: Any) -> None:
         raise TypeError(f"layer {name!r}: bias: expected dtype {x.dtype} (the input's), got {bias.dtype}")
     if tuple(bias.shape) != (n,):
         raise ValueError(f"layer {name!r}: bias must have shape ({n},), got {tuple(bias.shape)}")
-
-
-def check_op_devices(op: str, x: torch.Tensor, **tensors: torch.Tensor | None) -> None:
-    """For a custom op's fake kernel: raise unless every tensor argument is on ``x``'s device.
-    An eager call with a meta argument among CPU ones (a meta bias, say) dispatches to the fake
-    kernel, whose uninitialized output would otherwise come back as the result."""
-    for name, t in tensors.items():
-        if t is not None and t.device != x.device:
-            raise ValueError(f"torchq::{op}: {name}: expected device {x.device} (x's), got {t.device}")
-
-
-def one_device_fake(op: str):
-    """Decorator for a custom op's fake kernel whose tensor arguments must share one device: an
-    eager call mixing a meta tensor with CPU ones dispatches to the fake kernel, and its
-    uninitialized output would come back as the result (see :func:`check_op_devices`)."""
-
-    def deco(fake):
-        signature = inspect.signature(fake)
-
-        @functools.wraps(fake)
-        def checked(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs).arguments
-            tensors = [(k, v) for k, v in bound.items() if isinstance(v, torch.Tensor)]
-            if tensors:
-                first = tensors[0][1].device
-                for name, t in tensors[1:]:
-                    if t.device != first:
-                        raise ValueError(f"torchq::{op}: {name}: expected device {first} (the first tensor's), got {t.device}")
-            return fake(*args, **kwargs)
-
-        return checked
-
-    return deco
 
 
 def dequantized_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import dispatch
 from .backends.native_cpu.library import DISABLED, ISA_NAMES, library, load_error, loaded, threads
 
 __all__ = ["NativeMissingWarning", "NativeStatus", "available", "disabled", "reset_warnings", "set_isa", "status", "threads",
@@ -55,10 +54,6 @@ _WARNED: set[str] = set()
 
 def available() -> bool:
     return library() is not None
-
-
-# Kernel conditions read available(): make it part of the dispatch cache key.
-dispatch.add_selection_state(available)
 
 
 def status() -> NativeStatus:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import one_device_fake
 from ..primitives import choose_qparams_affine, dequantize_affine, quantize_affine, scale_shape
+from .devices import one_device_fake
 
 __all__: list[str] = []  # the ops are used as torch.ops.torchq.*
 

@@ -38,7 +38,7 @@ import torch
 
 from ..blockwise.codebooks import FP4_MAGNITUDES, NF4, codebook
 from ..blockwise.nested import NESTED_BLOCKSIZE, double_dequantize
-from ..dispatch import check_op_devices, one_device_fake
+from .devices import check_op_devices, one_device_fake
 from .out_overloads import define_out_overload
 
 __all__ = [

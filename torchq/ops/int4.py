@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import check_op_devices
+from .devices import check_op_devices
 
 __all__ = [
     "INT4_GROUPWISE_GROUP_SIZES", "ROUND_KIND", "int4_groupwise_linear", "check_int4_groupwise_linear_args",

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..activation import PerTokenInt8
-from ..dispatch import check_op_devices
+from .devices import check_op_devices
 
 __all__ = [
     "int8_weight_linear", "int8_dynamic_linear", "int8_weight_only_mm", "check_int8_weight_args",

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..activation import PerBlockInt8
-from ..dispatch import check_op_devices
 from .blockwise import blockwise_4bit_weight, check_blockwise_4bit_linear_args
+from .devices import check_op_devices
 from .int4 import check_int4_groupwise_linear_args, dequantize_int4_groupwise
 
 __all__ = ["int4_groupwise_linear_a8", "blockwise_4bit_linear_a8", "int4_a8_reference", "blockwise_4bit_a8_reference",

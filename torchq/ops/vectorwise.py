@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import one_device_fake
+from .devices import one_device_fake
 from .out_overloads import define_out_overload
 
 __all__ = ["int8_vectorwise_quant", "int8_vectorwise_dequant", "int8_linear_matmul", "int8_mm_dequant", "int8_scaled_mm",
