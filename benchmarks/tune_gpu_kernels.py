@@ -18,12 +18,17 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import torchq
 from torchq.layouts import Int4NativeLayout
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling bench_gpu, also when loaded by path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import graph_time  # noqa: E402
 
 STREAM_CANDIDATES = [  # block_n, block_kw, num_warps
     (128, 16, 4), (256, 16, 4), (128, 32, 4), (64, 16, 4), (256, 8, 4), (128, 16, 2),
@@ -39,29 +44,17 @@ PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8}
 
 
 def device_time_us(fn, device: torch.device, reps: int) -> float:
+    """Device time per call (``bench_gpu.graph_time``: captured in a CUDA graph, best of 3 x ``reps``
+    replays); on the CPU (interpreter smoke runs) one call's wall time."""
     if device.type != "cuda":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6
     fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
+    us = graph_time(fn, reps)
+    if us is None:
+        raise RuntimeError("the call could not be captured in a CUDA graph")
+    return us
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:

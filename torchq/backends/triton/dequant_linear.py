@@ -42,7 +42,7 @@ from ...ops.blockwise import check_blockwise_4bit_linear_args
 from ...ops.int4 import check_int4_groupwise_linear_args
 from .device import sm_count as _sm_count
 from .rounding import ROUND_KINDS, round_to
-from .stream_gemv import STREAM_MAX_M, dot_words, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
+from .stream_gemv import STREAM_MAX_M, dot_words, store_result, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
 
 __all__ = ["int4_groupwise_linear", "blockwise_4bit_linear", "dequant_linear", "GEMV_MAX_M"]
 
@@ -162,13 +162,7 @@ def _dot_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, k_per_sp
             acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(xt, wt)
-    mask = (m_idx[:, None] < M) & (n_idx[None, :] < N)
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
+    store_result(acc, m_idx, n_idx, (m_idx[:, None] < M) & (n_idx[None, :] < N), out_ptr, part_ptr, bias_ptr, pid_k, M, N, HAS_BIAS, DIRECT, X_KIND)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton.language as tl
 from ...ops.int8 import check_int8_weight_args
 from .device import sm_count as _sm_count
 from .rounding import ROUND_KINDS, round_to
-from .stream_gemv import sum_slices_kernel
+from .stream_gemv import add_rows, store_result, sum_slices_kernel
 
 __all__ = ["int8_weight_linear", "STREAM_MAX_M", "DOT_MAX_M"]
 
@@ -83,21 +83,9 @@ def _int8_stream_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, scale_ptr, M, N, K, 
             acc2 += tl.sum(u2, axis=1)
         if ROWS > 3:
             acc3 += tl.sum(u3, axis=1)
-    acc = tl.where(m_idx[:, None] == 0, acc0[None, :], 0.0)
-    if ROWS > 1:
-        acc += tl.where(m_idx[:, None] == 1, acc1[None, :], 0.0)
-    if ROWS > 2:
-        acc += tl.where(m_idx[:, None] == 2, acc2[None, :], 0.0)
-    if ROWS > 3:
-        acc += tl.where(m_idx[:, None] == 3, acc3[None, :], 0.0)
+    acc = add_rows(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), m_idx, acc0, acc1, acc2, acc3, ROWS)
     acc = acc * tl.load(scale_ptr + n_idx, mask=n_ok, other=0.0)[None, :]
-    mask = (m_idx[:, None] < M) & n_ok[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
+    store_result(acc, m_idx, n_idx, (m_idx[:, None] < M) & n_ok[None, :], out_ptr, part_ptr, bias_ptr, pid_k, M, N, HAS_BIAS, DIRECT, X_KIND)
 
 
 @triton.jit
@@ -129,13 +117,7 @@ def _int8_dot_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, scale_ptr, M, N, K, str
             else:
                 acc += tl.dot(xb, qt.to(xb.dtype))
     acc = acc * tl.load(scale_ptr + n_idx, mask=n_ok, other=0.0)[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
+    store_result(acc, m_idx, n_idx, m_ok[:, None] & n_ok[None, :], out_ptr, part_ptr, bias_ptr, pid_k, M, N, HAS_BIAS, DIRECT, X_KIND)
 
 
 @triton.jit

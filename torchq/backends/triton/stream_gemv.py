@@ -34,7 +34,7 @@ import triton.language as tl
 from .rounding import ROUND_KINDS, round_to
 
 __all__ = ["STREAM_MAX_M", "stream_gemv", "stream_gemv_fits", "words_fit", "StreamTuning", "DotTuning", "DOT_TUNING", "dot_words",
-           "sum_slices_kernel"]
+           "sum_slices_kernel", "store_result", "group_params", "add_rows"]
 
 AFFINE, CODEBOOK = 0, 1
 STREAM_MAX_M = 4  # rows decoded once and multiplied per program; above it the tensor-core kernel
@@ -59,6 +59,55 @@ class StreamTuning:
 
 
 DEFAULT_TUNING = StreamTuning()
+
+
+@triton.jit
+def store_result(acc, m_idx, n_idx, mask, out_ptr, part_ptr, bias_ptr, pid_k, M, N, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+                 X_KIND: tl.constexpr):
+    """A program's fp32 sums ``acc [BLOCK_M, BLOCK_N]``: with ``DIRECT`` (one K slice) ``round(acc +
+    bias)`` to ``out [M, N]``, else to its slice of ``part [SPLIT, M, N]`` (:func:`sum_slices_kernel`)."""
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
+
+
+@triton.jit
+def group_params(g, gmask, code_base, w0, w1, w2, w3, w4, w5, FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr):
+    """``(scale, offset, zero)`` of the groups ``g`` (fp32): AFFINE ``scale``, ``offset = code_base
+    (+ shift)``, ``zero`` (0 without OPT_B); CODEBOOK the block's absmax (double-quantized with
+    OPT_A) as ``scale``, offset and zero 0. ``w0..w5``: see :mod:`.dequant_linear`."""
+    zero = 0.0
+    offset = 0.0
+    if FMT == 0:
+        scale = tl.load(w0 + g, mask=gmask, other=0.0)
+        offset = code_base
+        if OPT_A:
+            offset = offset + tl.load(w1 + g, mask=gmask, other=0.0)
+        if OPT_B:
+            zero = tl.load(w2 + g, mask=gmask, other=0.0)
+    else:
+        if OPT_A:
+            c = tl.load(w2 + g, mask=gmask, other=0).to(tl.int32)
+            scale = tl.load(w4 + c) * tl.load(w3 + g // 256, mask=gmask, other=0.0) + tl.load(w5)
+        else:
+            scale = tl.load(w1 + g, mask=gmask, other=0.0)
+    return scale, offset, zero
+
+
+@triton.jit
+def add_rows(acc, m_idx, r0, r1, r2, r3, ROWS: tl.constexpr):
+    """``acc [BLOCK_M, BLOCK_N]`` plus the per-output sums ``r0..r3`` of rows 0..ROWS-1 (at most 4)."""
+    acc += tl.where(m_idx[:, None] == 0, r0[None, :], 0.0)
+    if ROWS > 1:
+        acc += tl.where(m_idx[:, None] == 1, r1[None, :], 0.0)
+    if ROWS > 2:
+        acc += tl.where(m_idx[:, None] == 2, r2[None, :], 0.0)
+    if ROWS > 3:
+        acc += tl.where(m_idx[:, None] == 3, r3[None, :], 0.0)
+    return acc
 
 
 @triton.jit
@@ -172,36 +221,10 @@ def _stream_gemv_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, 
         else:  # a scale per word, gathered (cached)
             g = n_idx[:, None] * groups_per_row + (kw // WPG)[None, :]
             gmask = wmask
-        zero = 0.0
-        offset = 0.0
-        if FMT == 0:
-            scale = tl.load(w0 + g, mask=gmask, other=0.0)
-            offset = code_base
-            if OPT_A:
-                offset = offset + tl.load(w1 + g, mask=gmask, other=0.0)
-            if OPT_B:
-                zero = tl.load(w2 + g, mask=gmask, other=0.0)
-        else:
-            if OPT_A:
-                c = tl.load(w2 + g, mask=gmask, other=0).to(tl.int32)
-                scale = tl.load(w4 + c) * tl.load(w3 + g // 256, mask=gmask, other=0.0) + tl.load(w5)
-            else:
-                scale = tl.load(w1 + g, mask=gmask, other=0.0)
+        scale, offset, zero = group_params(g, gmask, code_base, w0, w1, w2, w3, w4, w5, FMT, OPT_A, OPT_B)
         r0, r1, r2, r3 = _step_rows(words, scale, offset, zero, w0, x_ptr, stride_xm, kw * 8, K, FMT, OPT_B, DECODE, ROWS)
-        acc += tl.where(m_idx[:, None] == 0, r0[None, :], 0.0)
-        if ROWS > 1:
-            acc += tl.where(m_idx[:, None] == 1, r1[None, :], 0.0)
-        if ROWS > 2:
-            acc += tl.where(m_idx[:, None] == 2, r2[None, :], 0.0)
-        if ROWS > 3:
-            acc += tl.where(m_idx[:, None] == 3, r3[None, :], 0.0)
-    mn_mask = (m_idx[:, None] < M) & n_ok[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mn_mask)
-    else:
-        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mn_mask)
+        acc = add_rows(acc, m_idx, r0, r1, r2, r3, ROWS)
+    store_result(acc, m_idx, n_idx, (m_idx[:, None] < M) & n_ok[None, :], out_ptr, part_ptr, bias_ptr, pid_k, M, N, HAS_BIAS, DIRECT, X_KIND)
 
 
 @triton.jit
@@ -239,26 +262,13 @@ def _dot_words_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, wo
         else:
             g = n_idx[:, None] * groups_per_row + (kw // WPG)[None, :]
             gmask = wmask
-        if FMT == 0:
-            scale = tl.load(w0 + g, mask=gmask, other=0.0)
-            if OPT_A:
-                shift = tl.load(w1 + g, mask=gmask, other=0.0)
-            if OPT_B:
-                zero = tl.load(w2 + g, mask=gmask, other=0.0)
-        else:
-            if OPT_A:
-                c = tl.load(w2 + g, mask=gmask, other=0).to(tl.int32)
-                scale = tl.load(w4 + c) * tl.load(w3 + g // 256, mask=gmask, other=0.0) + tl.load(w5)
-            else:
-                scale = tl.load(w1 + g, mask=gmask, other=0.0)
+        # offset = code_base + shift: integers, so u + offset is the reference's (u + code_base) + shift exactly
+        scale, offset, zero = group_params(g, gmask, code_base, w0, w1, w2, w3, w4, w5, FMT, OPT_A, OPT_B)
         for e in tl.static_range(8):
             k = kw * 8 + e
             xe = tl.load(x_ptr + m_idx[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
             if FMT == 0:
-                v = _code(words, e, DECODE) + code_base
-                if OPT_A:
-                    v = v + shift
-                v = round_to(v * scale, ROUND_MUL)
+                v = round_to((_code(words, e, DECODE) + offset) * scale, ROUND_MUL)
                 if OPT_B:
                     v = round_to(v + zero, ROUND_ADD)
             else:
@@ -269,26 +279,19 @@ def _dot_words_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, wo
                 acc += tl.dot(xe.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(xe, wt)
-    mask = m_ok[:, None] & n_ok[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mask)
+    store_result(acc, m_idx, n_idx, m_ok[:, None] & n_ok[None, :], out_ptr, part_ptr, bias_ptr, pid_k, M, N, HAS_BIAS, DIRECT, X_KIND)
 
 
 @triton.jit
 def _stream_gemv_lut_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_xm, words_per_row, groups_per_row, words_per_split,
-                        packed_ptr, w0, w1, w2, w3, w4, w5, code_base,
-                        FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, GROUP: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, X_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
-    """:func:`_stream_gemv_kernel` for the codebook formats, on ``[BLOCK_N, BLOCK_KW, 8]`` tiles
-    (codes looked up for a whole step at once, then reshaped by group): on an H200 this measured
-    118 us against 273 us for the 2-D kernel's per-code lookups (NF4, 8192x28672, M=1). Its
-    ``FMT == 0`` branch (the mantissa decode on 3-D tiles) measured 3.5x slower than the 2-D
-    kernel's and is not launched."""
+                            packed_ptr, w0, w1, w2, w3, w4, w5, code_base,
+                            FMT: tl.constexpr, OPT_A: tl.constexpr, OPT_B: tl.constexpr, GROUP: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, X_KIND: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """:func:`_stream_gemv_kernel` for the codebook formats (``FMT`` 1), on ``[BLOCK_N, BLOCK_KW, 8]``
+    tiles: the codes of a whole step looked up at once, then reshaped by group. On an H200 this
+    measured 118 us against 273 us for the 2-D kernel's per-code lookups (NF4, 8192x28672, M=1); the
+    mantissa decode of the affine formats measured 3.5x slower on such 3-D tiles than in the 2-D kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,9 +300,6 @@ def _stream_gemv_lut_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_
     # index within the word's 8 (the high nibble of each byte comes first)
     j = tl.arange(0, 8)
     pos = (j % 4) * 4
-    nib_mask = 15 << pos
-    magic = (150 - pos) << 23  # the float 2^(23 - pos): ulp 2^-pos
-    magic_f = magic.to(tl.float32, bitcast=True)
     elem = (j // 4) * 4 + ((j % 4) // 2) * 2 + 1 - (j % 2)
     high_half = (j >= 4)[None, None, :]
     WPG: tl.constexpr = GROUP // 8  # words per group
@@ -312,47 +312,16 @@ def _stream_gemv_lut_kernel(x_ptr, part_ptr, out_ptr, bias_ptr, M, N, K, stride_
         words = tl.load(packed_ptr + n_idx[:, None] * words_per_row + kw[None, :],
                         mask=n_ok[:, None] & (kw[None, :] < words_per_row), other=0)
         src = tl.where(high_half, (words >> 16)[:, :, None], words[:, :, None])  # [BN, BKW, 8]
-        if FMT == 0:
-            q = ((src & nib_mask[None, None, :]) | magic[None, None, :]).to(tl.float32, bitcast=True) - magic_f[None, None, :]
-        else:
-            q = tl.load(w0 + ((src >> pos[None, None, :]) & 15))
-        q = tl.reshape(q, (BLOCK_N, GPT, BLOCK_KW // GPT * 8))
+        q = tl.reshape(tl.load(w0 + ((src >> pos[None, None, :]) & 15)), (BLOCK_N, GPT, BLOCK_KW // GPT * 8))
         gi = w_lo // WPG + tl.arange(0, GPT)
-        gmask = n_ok[:, None] & (gi[None, :] < groups_per_row)
-        g = n_idx[:, None] * groups_per_row + gi[None, :]
-        if FMT == 0:
-            scale = tl.load(w0 + g, mask=gmask, other=0.0)
-            offset = code_base
-            if OPT_A:
-                offset = offset + tl.load(w1 + g, mask=gmask, other=0.0)
-            if OPT_B:
-                zero = tl.load(w2 + g, mask=gmask, other=0.0)
-        else:
-            if OPT_A:
-                c = tl.load(w2 + g, mask=gmask, other=0).to(tl.int32)
-                scale = tl.load(w4 + c) * tl.load(w3 + g // 256, mask=gmask, other=0.0) + tl.load(w5)
-            else:
-                scale = tl.load(w1 + g, mask=gmask, other=0.0)
+        scale, _, _ = group_params(n_idx[:, None] * groups_per_row + gi[None, :], n_ok[:, None] & (gi[None, :] < groups_per_row),
+                                   code_base, w0, w1, w2, w3, w4, w5, FMT, OPT_A, OPT_B)
         k_idx = kw[:, None] * 8 + elem[None, :]  # [BKW, 8]
         for mi in tl.static_range(ROWS):
             xv = tl.load(x_ptr + mi * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
-            xg = tl.reshape(xv, (GPT, BLOCK_KW // GPT * 8))
-            qx = tl.sum(q * xg[None, :, :], axis=2)  # [BN, GPT]
-            if FMT == 0:
-                xs = tl.sum(xg, axis=1)[None, :]  # [1, GPT]
-                part = scale * (qx + offset * xs)
-                if OPT_B:
-                    part += zero * xs
-            else:
-                part = scale * qx
-            acc = tl.where(m_idx[:, None] == mi, acc + tl.sum(part, axis=1)[None, :], acc)
-    mn_mask = (m_idx[:, None] < M) & n_ok[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty), mask=mn_mask)
-    else:
-        tl.store(part_ptr + (pid_k * M + m_idx[:, None]) * N + n_idx[None, :], acc, mask=mn_mask)
+            qx = tl.sum(q * tl.reshape(xv, (GPT, BLOCK_KW // GPT * 8))[None, :, :], axis=2)  # [BN, GPT]
+            acc = tl.where(m_idx[:, None] == mi, acc + tl.sum(scale * qx, axis=1)[None, :], acc)
+    store_result(acc, m_idx, n_idx, (m_idx[:, None] < M) & n_ok[None, :], out_ptr, part_ptr, bias_ptr, pid_k, M, N, HAS_BIAS, DIRECT, X_KIND)
 
 
 @triton.jit
