@@ -250,7 +250,8 @@ KERNELS = (
         "tensor_core_tiled",
         _check,
         _linear,
-        description="aten._weight_int4pack_mm (tinygemm, CUDA sm80+): bf16 input, tiled int4 weight",
+        description="aten._weight_int4pack_mm (tinygemm, CUDA sm80+) below 32 rows, the tiled weight written once by "
+        "Triton + cuBLAS from 32 (torchq::int4_tensor_core_mm): bf16 input, tiled int4 weight",
         dtypes=(torch.bfloat16,),
     ),
 )

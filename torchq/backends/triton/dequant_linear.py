@@ -40,6 +40,7 @@ from ...blockwise.codebooks import codebook, dynamic_map
 from ...blockwise.nested import NESTED_BLOCKSIZE
 from ...ops.blockwise import check_blockwise_4bit_linear_args
 from ...ops.int4 import check_int4_groupwise_linear_args
+from .device import cdiv, next_pow2
 from .device import sm_count as _sm_count
 from .rounding import ROUND_KINDS, round_to
 from .stream_gemv import STREAM_MAX_M, dot_words, store_result, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
@@ -205,7 +206,7 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
     if m > DOT_MAX_M or (fmt == CODEBOOK and m > STREAM_MAX_M):  # the weight in x's dtype once, then the float GEMM (the reference's own two steps)
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
         block_n, block_k = 32, 128
-        grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+        grid = (cdiv(n, block_n), cdiv(k, block_k))
         _launch(_dequant_kernel, grid, (w, n, k, *weight), dict(flags, X_KIND=ROUND_KINDS[x.dtype], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4),
                 (fmt, opt_a, opt_b, x.dtype, x.device))
         return F.linear(x2, w, bias).reshape(*x.shape[:-1], n)
@@ -220,18 +221,18 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
     if m > GEMV_MAX_M:  # tensor cores on the bytes
         return _dot_linear(x2, out, n, k, weight, flags, bias).reshape(*x.shape[:-1], n)
     block_n, block_k = 32, 128
-    split = _split_k(triton.cdiv(n, block_n) * m, k, block_k, x.device)
+    split = _split_k(cdiv(n, block_n) * m, k, block_k, x.device)
     # slices are whole K blocks; the last one may run past K (masked)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, split), block_k) * block_k
+    split = cdiv(k, k_per_split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     b = packed if bias is None else bias
     args = (x2, target, b, m, n, k, x2.stride(0), k_per_split, *weight)
     meta = dict(flags, HAS_BIAS=bias is not None, X_KIND=ROUND_KINDS[x.dtype], SPLIT_K=split, BLOCK_N=block_n,
                 BLOCK_K=block_k, num_warps=4)
-    _launch(_gemv_kernel, (triton.cdiv(n, block_n), split, m), args, meta, (fmt, opt_a, opt_b, x.dtype, x.device))
+    _launch(_gemv_kernel, (cdiv(n, block_n), split, m), args, meta, (fmt, opt_a, opt_b, x.dtype, x.device))
     if split > 1:  # one launch: each host-side torch op costs ~25 us of CPU on an H100 host, more than the sum
-        sum_slices_kernel[(triton.cdiv(m * n, 1024),)](target, out, b, m * n, n, split, HAS_BIAS=bias is not None,
+        sum_slices_kernel[(cdiv(m * n, 1024),)](target, out, b, m * n, n, split, HAS_BIAS=bias is not None,
                                                          X_KIND=ROUND_KINDS[x.dtype], BLOCK=1024)
     return out.reshape(*x.shape[:-1], n)
 
@@ -240,23 +241,23 @@ def _dot_linear(x2, out, n: int, k: int, weight: tuple, flags: dict, bias) -> to
     """``out = x2 @ W.T (+ bias)`` by :func:`_dot_kernel`, split over K until the grid fills the device."""
     m = x2.shape[0]
     t = DOT_TUNING
-    block_m = max(16, min(t["block_m"], triton.next_power_of_2(m)))
+    block_m = max(16, min(t["block_m"], next_pow2(m)))
     block_n, block_k = t["block_n"], t["block_k"]
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    steps = triton.cdiv(k, block_k)
-    split = max(1, min(steps, triton.cdiv(t["programs_per_sm"] * _sm_count(x2.device), tiles)))
-    k_per_split = triton.cdiv(steps, split) * block_k
-    split = triton.cdiv(k, k_per_split)
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    steps = cdiv(k, block_k)
+    split = max(1, min(steps, cdiv(t["programs_per_sm"] * _sm_count(x2.device), tiles)))
+    k_per_split = cdiv(steps, split) * block_k
+    split = cdiv(k, k_per_split)
     part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
     b = weight[0] if bias is None else bias
     x_kind = ROUND_KINDS[x2.dtype]
     args = (x2, part, out, b, m, n, k, x2.stride(0), k_per_split, *weight)
     meta = dict(flags, HAS_BIAS=bias is not None, DIRECT=split == 1, X_KIND=x_kind, DOT_F32=x2.device.type != "cuda", BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_K=block_k, num_warps=t["num_warps"], num_stages=t["num_stages"])
-    _launch(_dot_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split), args, meta,
+    _launch(_dot_kernel, (cdiv(m, block_m), cdiv(n, block_n), split), args, meta,
             (flags["FMT"], flags["OPT_A"], flags["OPT_B"], x2.dtype, x2.device))
     if split > 1:
-        sum_slices_kernel[(triton.cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
+        sum_slices_kernel[(cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
                                                          X_KIND=x_kind, BLOCK=1024)
     return out
 

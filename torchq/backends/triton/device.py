@@ -1,4 +1,6 @@
-"""The CUDA device facts the Triton launchers size their grids by, read once per device."""
+"""Host-side sizing for the Triton launchers: the device's multiprocessors (read once per device)
+and plain integer helpers (``triton.cdiv`` is a constexpr function in recent triton, ~12 us a host
+call)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import functools
 
 import torch
 
-__all__ = ["sm_count"]
+__all__ = ["sm_count", "cdiv", "next_pow2"]
 
 
 def sm_count(device: torch.device) -> int:
@@ -19,3 +21,13 @@ def sm_count(device: torch.device) -> int:
 @functools.cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count  # ~25 us a call: once per device
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints."""
+    return -(-a // b)
+
+
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= ``v`` (1 for ``v <= 1``)."""
+    return 1 if v <= 1 else 1 << (v - 1).bit_length()

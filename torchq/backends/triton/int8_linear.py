@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...ops.int8 import check_int8_dynamic_linear_args
+from .device import cdiv
 from .rounding import ROUND_KINDS, round_to
 
 __all__ = ["int8_dynamic_linear", "quantize_rows"]
@@ -102,7 +103,7 @@ def int8_dynamic_linear(x, codes, scale, quant_min, quant_max, eps, bias=None):
         b = None if bias is None else bias.reshape(-1).to(x.dtype).contiguous()
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
         block_n = 64 if m <= 64 else 128
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        grid = (cdiv(m, block_m), cdiv(n, block_n))
         _int8_gemm_kernel[grid](xq, codes, xs, ws, codes if b is None else b, out, m, n, k, xq.shape[1], HAS_BIAS=b is not None,
                                 X_KIND=ROUND_KINDS[x.dtype], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
                                 num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3, enable_fp_fusion=False)

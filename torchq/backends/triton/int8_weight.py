@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...ops.int8 import check_int8_weight_args
+from .device import cdiv, next_pow2
 from .device import sm_count as _sm_count
 from .rounding import ROUND_KINDS, round_to
 from .stream_gemv import add_rows, store_result, sum_slices_kernel
@@ -155,7 +156,7 @@ def int8_weight_linear(x, codes, scale, bias=None):
     x_kind = ROUND_KINDS[x.dtype]
     if words is None or m > DOT_MAX_M:
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
-        _int8_dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 128))](codes, scale, w, n, k, codes.stride(0), X_KIND=x_kind,
+        _int8_dequant_kernel[(cdiv(n, 32), cdiv(k, 128))](codes, scale, w, n, k, codes.stride(0), X_KIND=x_kind,
                                                                         BLOCK_N=32, BLOCK_K=128, num_warps=4)
         return F.linear(x2, w, bias).reshape(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -163,28 +164,28 @@ def int8_weight_linear(x, codes, scale, bias=None):
     per_row = words.stride(0)
     if m <= STREAM_MAX_M:
         block_n, block_kw = 64, 32
-        grid_n = triton.cdiv(n, block_n)
+        grid_n = cdiv(n, block_n)
         programs = 16 * _sm_count(x.device)
     else:
         block_m, block_n, block_kw = (16 if m <= 16 else 64), 64, 32
-        grid_n = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        grid_n = cdiv(m, block_m) * cdiv(n, block_n)
         programs = 4 * _sm_count(x.device)
-    steps = triton.cdiv(words.shape[1], block_kw)
-    split = max(1, min(steps, triton.cdiv(programs, grid_n)))
-    per_split = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, per_split)
+    steps = cdiv(words.shape[1], block_kw)
+    split = max(1, min(steps, cdiv(programs, grid_n)))
+    per_split = cdiv(steps, split)
+    split = cdiv(steps, per_split)
     direct = split == 1
     part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     args = (x2, part, out, b, scale, m, n, k, x2.stride(0), per_row, per_split * block_kw, words)
     if m <= STREAM_MAX_M:
-        _int8_stream_kernel[(triton.cdiv(n, block_n), split)](
-            *args, HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind, ROWS=m, BLOCK_M=triton.next_power_of_2(m),
+        _int8_stream_kernel[(cdiv(n, block_n), split)](
+            *args, HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind, ROWS=m, BLOCK_M=next_pow2(m),
             BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=4)
     else:
-        _int8_dot_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+        _int8_dot_kernel[(cdiv(m, block_m), cdiv(n, block_n), split)](
             *args, HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind, DOT_F32=x.device.type != "cuda", BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=4, num_stages=3)
     if not direct:
-        sum_slices_kernel[(triton.cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None, X_KIND=x_kind,
+        sum_slices_kernel[(cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None, X_KIND=x_kind,
                                                         BLOCK=1024)
     return out.reshape(*x.shape[:-1], n)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .device import cdiv, next_pow2
 from .rounding import ROUND_KINDS, round_to
 
 __all__ = ["STREAM_MAX_M", "stream_gemv", "stream_gemv_fits", "words_fit", "StreamTuning", "DotTuning", "DOT_TUNING", "dot_words",
@@ -350,9 +351,6 @@ def stream_gemv_fits(packed, m: int, group: int) -> bool:
     return 0 < m <= STREAM_MAX_M and words_fit(packed, group)
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
-
 
 def stream_gemv(x2, out, n: int, k: int, packed, groups_per_row: int, group: int, tensors: tuple, code_base: float, fmt: int,
                 opt_a: bool, opt_b: bool, bias, sm_count: int, tuning: StreamTuning | None = None, part=None):
@@ -366,13 +364,13 @@ def stream_gemv(x2, out, n: int, k: int, packed, groups_per_row: int, group: int
     words = packed.view(torch.int32)
     words_per_row = words.stride(0)
     block_n, block_kw = tuning.block_n, tuning.block_kw
-    block_kw = min(block_kw, _next_pow2(words.shape[1]))
-    n_blocks = triton.cdiv(n, block_n)
-    steps = triton.cdiv(words.shape[1], block_kw)
+    block_kw = min(block_kw, next_pow2(words.shape[1]))
+    n_blocks = cdiv(n, block_n)
+    steps = cdiv(words.shape[1], block_kw)
     pps = tuning.programs_per_sm or (32 if n * k >= 1 << 27 else 8)
-    split = max(1, min(steps, triton.cdiv(pps * sm_count, n_blocks)))
-    steps_per_split = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, steps_per_split)
+    split = max(1, min(steps, cdiv(pps * sm_count, n_blocks)))
+    steps_per_split = cdiv(steps, split)
+    split = cdiv(steps, steps_per_split)
     direct = split == 1
     if not direct and part is None:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
@@ -381,13 +379,13 @@ def stream_gemv(x2, out, n: int, k: int, packed, groups_per_row: int, group: int
     args = (x2, part if not direct else out, out, b, m, n, k, x2.stride(0), words_per_row, groups_per_row, steps_per_split * block_kw,
             words, *tensors, float(code_base))
     meta = dict(FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), GROUP=group, HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind,
-                ROWS=m, BLOCK_M=_next_pow2(m), BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=tuning.num_warps)
+                ROWS=m, BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=tuning.num_warps)
     if fmt == AFFINE:
         _stream_gemv_kernel[(n_blocks, split)](*args, **meta, DECODE=tuning.decode)
     else:
         _stream_gemv_lut_kernel[(n_blocks, split)](*args, **meta)
     if not direct:
-        sum_slices_kernel[(triton.cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
+        sum_slices_kernel[(cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
                                                          X_KIND=x_kind, BLOCK=1024)
     return out
 
@@ -418,24 +416,24 @@ def dot_words(x2, out, n: int, k: int, packed, groups_per_row: int, group: int, 
     m = x2.shape[0]
     words = packed.view(torch.int32)
     words_per_row = words.stride(0)
-    block_m = max(16, min(t.block_m, _next_pow2(m)))
+    block_m = max(16, min(t.block_m, next_pow2(m)))
     block_n, block_kw = t.block_n, max(16, t.block_kw)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    steps = triton.cdiv(words.shape[1], block_kw)
-    split = max(1, min(steps, triton.cdiv(t.programs_per_sm * sm_count, tiles)))
-    steps_per_split = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, steps_per_split)
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    steps = cdiv(words.shape[1], block_kw)
+    split = max(1, min(steps, cdiv(t.programs_per_sm * sm_count, tiles)))
+    steps_per_split = cdiv(steps, split)
+    split = cdiv(steps, steps_per_split)
     direct = split == 1
     part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
     b = words if bias is None else bias
     x_kind = ROUND_KINDS[x2.dtype]
-    _dot_words_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+    _dot_words_kernel[(cdiv(m, block_m), cdiv(n, block_n), split)](
         x2, part, out, b, m, n, k, x2.stride(0), words_per_row, groups_per_row, steps_per_split * block_kw,
         words, *tensors, float(code_base), FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), ROUND_MUL=round_mul,
         ROUND_ADD=round_add, GROUP=group, HAS_BIAS=bias is not None, DIRECT=direct, X_KIND=x_kind,
         DOT_F32=x2.device.type != "cuda", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, DECODE=t.decode,
         num_warps=t.num_warps, num_stages=t.num_stages, enable_fp_fusion=False)
     if not direct:
-        sum_slices_kernel[(triton.cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
+        sum_slices_kernel[(cdiv(m * n, 1024),)](part, out, b, m * n, n, split, HAS_BIAS=bias is not None,
                                                         X_KIND=x_kind, BLOCK=1024)
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .device import cdiv
 from .rounding import round_to
 
 __all__ = ["TINYGEMM_MAX_M", "tiled_dequantize"]
@@ -72,7 +73,7 @@ def tiled_dequantize(packed, scales_and_zeros, group_size: int):
     if out.numel() == 0:
         return out
     block_n, block_k = 32, 128
-    _tiled_dequant_kernel[(triton.cdiv(np_, block_n), triton.cdiv(kp, block_k))](
+    _tiled_dequant_kernel[(cdiv(np_, block_n), cdiv(kp, block_k))](
         packed.contiguous(), scales_and_zeros.contiguous(), out, np_, kp, kp // (16 * t), T=t, GROUP=group_size,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, enable_fp_fusion=False)
     return out
