@@ -14,16 +14,16 @@ op                         module      implementations
 choose_qparams_affine      affine      reference only
 quantize_affine            affine      reference only
 dequantize_affine          affine      reference only
-int8_weight_linear         int8        cpu: native_cpu
+int8_weight_linear         int8        cpu: native_cpu; cuda: triton
 int8_dynamic_linear        int8        cpu: native_cpu; cuda: triton
 int8_weight_only_mm        int8        aten (aten._weight_int8pack_mm)
 int4_groupwise_linear      int4        cpu: native_cpu; cuda: triton
 int4_cpu_mm                int4        aten (aten._weight_int4pack_mm_for_cpu)
-int4_tensor_core_mm        int4        cuda: aten
+int4_tensor_core_mm        int4        cuda: aten (triton from 32 rows)
 int4_xpu_mm                int4        xpu: aten
 blockwise_4bit_linear      blockwise   cpu: native_cpu; cuda: triton
-int4_groupwise_linear_a8   int8act     cpu: native_cpu
-blockwise_4bit_linear_a8   int8act     cpu: native_cpu
+int4_groupwise_linear_a8   int8act     cpu: native_cpu; cuda: triton
+blockwise_4bit_linear_a8   int8act     cpu: native_cpu; cuda: triton
 quantize_4bit              blockwise   reference only
 dequantize_4bit            blockwise   reference only
 dequantize_4bit.out        blockwise   reference only
