@@ -120,6 +120,19 @@ def exact_int4_weight(impl) -> torch.Tensor:
 UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff
 
 
+def edge_input(gen, m: int, k: int, x_dtype, edge: str, fp16_scales: tuple[float, float]) -> torch.Tensor:
+    """Random ``[m, k]`` activations in ``x_dtype`` with an edge case: a zero first row
+    (``zero_x`` / ``zero_row``), all tiny or all huge (1e-30 / 1e30, fp16: ``fp16_scales``)."""
+    x = torch.randn(m, k, generator=gen)
+    if edge in ("zero_x", "zero_row"):
+        x[0] = 0
+    elif edge == "tiny":
+        x *= 1e-30 if x_dtype != torch.float16 else fp16_scales[0]
+    elif edge == "huge":
+        x *= 1e30 if x_dtype != torch.float16 else fp16_scales[1]
+    return x.to(x_dtype)
+
+
 def assert_within_stream_bound(y, x, w_exact, w_ref, bias, arith_units):
     """``y`` (the kernel's) against the exact product on the exact weight: one rounding to x's dtype
     plus fp32 sums; against the reference's weights: the per-weight roundings on top."""
@@ -152,14 +165,7 @@ def test_stream_gemv_int4_is_within_its_bound(domain, x_dtype, scale_dtype, g, n
     except ValueError as e:  # weights a scale dtype cannot quantize are refused (tested elsewhere)
         assume("overflows" not in str(e))
         raise
-    x = torch.randn(m, k, generator=gen)
-    if edge == "zero_x":
-        x[0] = 0
-    elif edge == "tiny":
-        x *= 1e-30 if x_dtype != torch.float16 else 1e-4
-    elif edge == "huge":
-        x *= 1e30 if x_dtype != torch.float16 else 1e2
-    x = x.to(x_dtype)
+    x = edge_input(gen, m, k, x_dtype, edge, fp16_scales=(1e-4, 1e2))
     b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
     w_ref = impl.dequantize(x_dtype)
     assume(bool(torch.isfinite(w_ref).all()) and bool(torch.isfinite(F.linear(x.double(), w_ref.double()).to(x_dtype)).all()))
@@ -361,14 +367,7 @@ def test_int8_weight_only_kernels(x_dtype, m, n, k, bias, seed, edge):
         codes[0] = -128
         codes[-1] = 127
     scale = torch.rand(n, generator=gen) * 0.05
-    x = torch.randn(m, k, generator=gen)
-    if edge == "zero_row":
-        x[0] = 0
-    elif edge == "tiny":
-        x *= 1e-30 if x_dtype != torch.float16 else 1e-3
-    elif edge == "huge":
-        x *= 1e30 if x_dtype != torch.float16 else 10
-    x = x.to(x_dtype)
+    x = edge_input(gen, m, k, x_dtype, edge, fp16_scales=(1e-3, 10))
     b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
     y = int8_weight.int8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), on(DEVICE, b)).cpu()
     assert y.dtype == x_dtype and y.shape == (m, n)

@@ -40,7 +40,7 @@ from ...blockwise.codebooks import codebook, dynamic_map
 from ...blockwise.nested import NESTED_BLOCKSIZE
 from ...ops.blockwise import check_blockwise_4bit_linear_args
 from ...ops.int4 import check_int4_groupwise_linear_args
-from .device import cdiv, next_pow2
+from .device import as_rows, cdiv, next_pow2
 from .device import sm_count as _sm_count
 from .rounding import ROUND_KINDS, round_to
 from .stream_gemv import STREAM_MAX_M, dot_words, store_result, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
@@ -193,9 +193,7 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
                    bias: torch.Tensor | None) -> torch.Tensor:
     """``x [..., K] @ W.T (+ bias)`` in x's dtype for a weight in format ``fmt`` (see module doc);
     ``tensors`` are ``w0..w5`` (None for unused; any tensor stands in for them)."""
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k:
-        x2 = x2.contiguous()
+    x2 = as_rows(x, k)
     m = x2.shape[0]
     if m == 0 or n == 0:
         return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)

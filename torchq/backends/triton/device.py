@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-__all__ = ["sm_count", "cdiv", "next_pow2"]
+__all__ = ["sm_count", "cdiv", "next_pow2", "as_rows"]
 
 
 def sm_count(device: torch.device) -> int:
@@ -31,3 +31,9 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(v: int) -> int:
     """The smallest power of two >= ``v`` (1 for ``v <= 1``)."""
     return 1 if v <= 1 else 1 << (v - 1).bit_length()
+
+
+def as_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x [..., K]`` as ``[M, K]`` rows with unit stride and row stride ``K`` (a view when it is one)."""
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 and x2.stride(0) == k else x2.contiguous()

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ...ops.int8 import check_int8_weight_args
-from .device import cdiv, next_pow2
+from .device import as_rows, cdiv, next_pow2
 from .device import sm_count as _sm_count
 from .rounding import ROUND_KINDS, round_to
 from .stream_gemv import add_rows, store_result, sum_slices_kernel
@@ -144,9 +144,7 @@ def int8_weight_linear(x, codes, scale, bias=None):
     """``torchq::int8_weight_linear`` on Triton (see the module doc)."""
     check_int8_weight_args(x, codes, scale, bias)
     n, k = codes.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k:
-        x2 = x2.contiguous()
+    x2 = as_rows(x, k)
     m = x2.shape[0]
     if m == 0 or n == 0:
         return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
