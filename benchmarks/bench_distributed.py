@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from torchq.examples.lora import LoRALinear
-from torchq.examples.mlp import ResidualMLP
-from torchq.examples.processes import run_local
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
+from examples.lora import LoRALinear
+from examples.mlp import ResidualMLP
+from examples.processes import run_local
 
 
 def build_model(layers: int, d: int, hidden: int) -> ResidualMLP:

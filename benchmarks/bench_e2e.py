@@ -65,13 +65,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchq
-from torchq.examples import minilm, smollm
 from torchq.timing import Timing, noise_note
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling modules, also when loaded by path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
 import bench_real_models  # noqa: E402
 import isa_caps  # noqa: E402
+
+from examples import minilm, smollm  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "declaration.txt"
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper and the sea."}]

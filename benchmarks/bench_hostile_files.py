@@ -43,7 +43,7 @@ size = os.path.getsize(path) if os.path.isfile(path) else 0
 valid = os.path.join(folder, side + "-valid.gguf")
 write_gguf(valid)  # warm-up: imports and allocator pools a valid file costs too, so the columns are the case's own
 if side == "torchq":
-    from torchq.interop.gguf_transformers import from_gguf
+    from torchq.hf import from_gguf
     from_gguf(valid)
 else:
     import transformers
@@ -57,7 +57,7 @@ def run():
         import re
         return re.match("(.|.)*Z", name)
     if side == "torchq":
-        from torchq.interop.gguf_transformers import from_gguf
+        from torchq.hf import from_gguf
         return from_gguf(path)
     import transformers
     return transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -24,8 +24,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]  # the checkout, whose examples/ package the child imports
+sys.path.insert(0, str(REPO))
+
 CHILD = r"""
 import json, sys, threading, warnings, contextlib, io
+sys.path.insert(0, sys.argv[4])
 import torch, torchq
 
 def rss():
@@ -45,7 +49,7 @@ class Peak:
     def __exit__(self, *exc):
         self.stop.set(); self.t.join(); self.sample()
 
-from torchq.examples import hf_models
+from examples import hf_models
 model_name, config, lm_head = sys.argv[1], sys.argv[2], sys.argv[3]
 qc = None if config == "float" else torchq.hf.TorchqConfig(config, modules_to_not_convert=[] if lm_head == "same" else None)
 load = hf_models.load_smollm if model_name == "smollm" else hf_models.load_minilm
@@ -67,7 +71,7 @@ print(json.dumps({"anon": p.anon - p.start[0], "resident": p.total - sum(p.start
 
 
 def measure(model: str, config: str, lm_head: str = "float") -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, model, config, lm_head], capture_output=True, text=True, timeout=1800)
+    out = subprocess.run([sys.executable, "-c", CHILD, model, config, lm_head, str(REPO)], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{model} {config}: {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the output embedding stays float (default, transformers' convention) or takes the config too")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args(argv)
-    from torchq.examples import hf_models
+    from examples import hf_models
 
     if "smollm" in args.models:
         hf_models.smollm_folder()  # the one-time conversion, outside the measured processes

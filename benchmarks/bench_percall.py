@@ -33,7 +33,9 @@ import torch
 from torch import nn
 
 import torchq
-from torchq.examples import smollm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
+from examples import smollm
 
 CONFIGS: dict[str, Callable[[], object]] = {
     "int4": lambda: torchq.int4_weight_only(group_size=128),

@@ -4,14 +4,14 @@ config against the model's float self, in one run.
 The models are loaded as users load them (``--loader transformers``, default): transformers'
 ``from_pretrained(..., quantization_config=torchq.hf.TorchqConfig(config))``, which quantizes each
 weight as it loads (``load`` column: seconds). ``--loader torchq`` runs torchq's own plain-PyTorch
-copies instead (:mod:`torchq.examples`, no transformers needed), quantized with ``quantize_``.
+copies instead (:mod:`examples`, no transformers needed), quantized with ``quantize_``.
 
 * ``minilm``: all-MiniLM-L6-v2 sentence embeddings (transformers ``BertModel`` + mean pooling, or
-  :mod:`torchq.examples.minilm`). Quality: cosine similarity of each sentence's embedding with the
+  :mod:`examples.minilm`). Quality: cosine similarity of each sentence's embedding with the
   float model's (mean and worst over 16 fixed sentences). Speed: ms to embed the 16 sentences (one batch).
 * ``smollm``: SmolLM2-135M-Instruct, published as a GGUF Q4_1 file (transformers ``LlamaForCausalLM``
-  from a float folder converted from it once, :mod:`torchq.examples.hf_models`; or
-  :mod:`torchq.examples.smollm`). Quality: perplexity on a fixed public-domain text
+  from a float folder converted from it once, :mod:`examples.hf_models`; or
+  :mod:`examples.smollm`). Quality: perplexity on a fixed public-domain text
   (``benchmarks/data/declaration.txt``, 805 tokens; ``--ppl-tokens`` takes fewer). Speed: tokens/s of
   greedy decoding (batch 1, KV cache, ``--new-tokens`` tokens after a short chat prompt, the prompt
   included in the time). ``gguf-q4_1`` is the published int4 weights imported losslessly into torchq;
@@ -19,7 +19,7 @@ copies instead (:mod:`torchq.examples`, no transformers needed), quantized with 
   head (tied to the token embedding, Q8_0 in the file) stays float with either loader (torchq's
   copy has no head linear; transformers' quantizers keep ``lm_head`` float by default), so
   ``gguf-q4_1`` and ``int4-g32`` (which finds the same 32-weight grid again) score ppl +0.000 by
-  construction. With transformers, ``gguf-q4_1`` is :func:`torchq.interop.gguf_transformers.from_gguf`.
+  construction. With transformers, ``gguf-q4_1`` is :func:`torchq.hf.from_gguf`.
 
 Columns: ``weights`` = bytes of the linear layers' weights (what quantization changes) and their
 share of float's; ``speed`` = the median of ``--rounds`` interleaved rounds (every config once per
@@ -55,8 +55,10 @@ from torch import nn
 
 import torchq
 from torchq.cli import plain_text
-from torchq.examples import minilm, smollm
 from torchq.timing import noise_note, time_interleaved
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
+from examples import minilm, smollm
 
 TEXT = Path(__file__).resolve().parent / "data" / "declaration.txt"
 SENTENCES = [
@@ -131,7 +133,7 @@ def bench_minilm(configs: list[str], args, progress: Progress) -> list[dict]:
     tok = minilm.load_tokenizer()
     hf = args.loader == "transformers"
     if hf:
-        from torchq.examples import hf_models
+        from examples import hf_models
 
         base, encode = hf_models.load_minilm(), hf_models.encode
     else:
@@ -189,7 +191,7 @@ def bench_smollm(configs: list[str], args, progress: Progress) -> list[dict]:
     prompt = torch.tensor(tok.encode(PROMPT).ids)
     hf = args.loader == "transformers"
     if hf:
-        from torchq.examples import hf_models
+        from examples import hf_models
 
         progress("smollm: the transformers float folder (converted from the GGUF file once, then cached)")
         hf_models.smollm_folder()
@@ -206,7 +208,7 @@ def bench_smollm(configs: list[str], args, progress: Progress) -> list[dict]:
         load_s = None
         if name == "gguf-q4_1":
             if hf:
-                from torchq.interop.gguf_transformers import from_gguf
+                from torchq.hf import from_gguf
 
                 # the head is tied to the Q8_0 embedding, which has no linear kernel: float, as the torchq loader keeps it
                 model, load_s = _load_timed(from_gguf, smollm.gguf_path(), without_kernel="float")
@@ -294,7 +296,7 @@ def footnotes(rows: list[dict], args) -> str:
                          "lm_head (tied to the Q8_0 token embedding) takes each config too, so int4-g32 is not the file's grid")
         else:
             lines.append("# smollm float = the GGUF Q4_1 weights dequantized to fp32 (published in Q4_1 only); lm_head (tied to "
-                         "the token embedding) stays float, transformers' default, so gguf-q4_1 (torchq.interop.gguf_transformers."
+                         "the token embedding) stays float, transformers' default, so gguf-q4_1 (torchq.hf."
                          "from_gguf) and int4-g32 (the same grid found again) score ppl +0.000 by construction")
     for model in dict.fromkeys(r["model"] for r in rows):
         note = noise_note({r["config"]: r["timing"] for r in rows if r["model"] == model}, model)
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loader", choices=("transformers", "torchq"), default="transformers",
                    help="transformers (default): the models as users load them, from_pretrained(quantization_config="
                         "torchq.hf.TorchqConfig(config)), quantized while loading; torchq: torchq's own plain-PyTorch copies "
-                        "(torchq.examples), quantize_ on the float model (no transformers needed)")
+                        "(examples), quantize_ on the float model (no transformers needed)")
     p.add_argument("--lm-head", choices=("float", "same"), default="float",
                    help="transformers loader: SmolLM2's lm_head (tied to the token embedding) stays float (default, "
                         "transformers' convention) or takes the same config as the other linears")

@@ -1,7 +1,7 @@
 """Does torchq's private native thread pool fight PyTorch's intra-op pool on a real model?
 
 Greedy decoding (batch 1, KV cache) of SmolLM2-135M from its GGUF file with the int4 weights on
-torchq's native kernel (:mod:`torchq.examples.smollm`; a model interleaves 7 native linears per
+torchq's native kernel (:mod:`examples.smollm`; a model interleaves 7 native linears per
 layer with PyTorch's own ops: RMSNorm, RoPE, attention, SiLU, and the float LM head), under
 ``torch.set_num_threads(--threads)``, in these modes:
 
@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
+
 MODES = {
     "pool": ({}, "native pool (workers sleep after each call)"),
     "spin": ({"TORCHQ_NATIVE_SPIN_US": "50"}, "native workers spin 50 us"),
@@ -56,9 +58,9 @@ def run_child(mode: str, threads: int, tokens: int, segments: int, quick: bool) 
     import torch
 
     import torchq
+    from examples import smollm
     from torchq import native
     from torchq.backends.native_cpu import library as native_library
-    from torchq.examples import smollm
 
     torch.manual_seed(0)
     torch.set_num_threads(1 if mode in ("torch1", "float1") else threads)

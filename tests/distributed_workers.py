@@ -1,7 +1,7 @@
 """Process-group workers for tests/test_distributed.py (spawned, gloo on CPU; NCCL on CUDA).
 
 Each scenario is a function ``(rank, world, backend, tmp, *args) -> result``; :func:`spawn` runs
-it on one process per rank (:func:`torchq.examples.processes.run_local`) and returns every rank's
+it on one process per rank (:func:`examples.processes.run_local`) and returns every rank's
 result (a child's traceback becomes the error)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _scenario(rank: int, world: int, scenario: str, backend: str, tmp: str, args
 
 def spawn(scenario: str, world: int, tmp: Path, *args, backend: str = "gloo") -> list:
     """Run ``scenario`` on ``world`` processes; each rank's result, in rank order."""
-    from torchq.examples.processes import run_local
+    from examples.processes import run_local
 
     return run_local(_scenario, world, scenario, backend, str(tmp), args, backend=backend)
 
@@ -27,7 +27,7 @@ def spawn(scenario: str, world: int, tmp: Path, *args, backend: str = "gloo") ->
 # -- models -----------------------------------------------------------------------------------------
 def adapter(base: nn.Linear) -> nn.Module:
     """A rank-4 adapter, seeded by the layer's shape, with a non-zero B so A has gradients."""
-    from torchq.examples.lora import LoRALinear
+    from examples.lora import LoRALinear
 
     g = torch.Generator().manual_seed(base.in_features * 1000 + base.out_features)
     return LoRALinear(base, rank=4, b_std=0.05, generator=g)
@@ -36,7 +36,7 @@ def adapter(base: nn.Linear) -> nn.Module:
 def build_net() -> nn.Module:
     """Two residual MLP blocks (64 -> 128 -> 64, relu) and a 6-row head: over 4 ranks the head's
     rows go 2, 2, 2, 0 (one rank holds an empty shard: only padding in the all-gather)."""
-    from torchq.examples.mlp import ResidualMLP
+    from examples.mlp import ResidualMLP
 
     return ResidualMLP(64, 128, depth=2, classes=6, activation="relu")
 

@@ -118,7 +118,7 @@ EXTREME_U64 = st.sampled_from([0, 1, 2, 3, 4, 5, 7, 8, 9, 31, 32, 33, 255, 256, 
                                1 << 40, 1 << 60, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]) | st.integers(0, (1 << 64) - 1)
 
 
-# -- GGUF: torchq.interop.gguf_transformers.from_gguf (and read_gguf under it) --------------------
+# -- GGUF: torchq.hf.from_gguf (and read_gguf under it) --------------------
 GGUF_TENSORS = {"attn_q": ("Q4_0", 64, 64), "attn_k": ("Q8_0", 32, 64), "attn_v": ("Q4_1", 32, 64), "attn_output": ("F16", 64, 64),
                 "ffn_gate": ("Q4_0", 128, 64), "ffn_up": ("Q5_0", 128, 64), "ffn_down": ("Q4_0", 64, 128)}
 
@@ -252,7 +252,7 @@ def mutate_gguf(base: bytes, header_end: int, m, folder: Path) -> Path:
 
 
 def gguf_door(examples: int, folder: Path) -> None:
-    from torchq.interop.gguf_transformers import from_gguf
+    from torchq.hf import from_gguf
 
     write_gguf(folder / "base.gguf")
     base = (folder / "base.gguf").read_bytes()

@@ -115,7 +115,7 @@ def test_smollm_file_imports_losslessly():
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize
 
-    from torchq.examples import smollm
+    from examples import smollm
 
     try:
         path = smollm.gguf_path()
@@ -140,7 +140,7 @@ def test_smollm_file_imports_losslessly():
 def test_smollm_quantized_equals_its_float_self():
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
-    from torchq.examples import smollm
+    from examples import smollm
 
     try:
         smollm.gguf_path()
@@ -162,7 +162,7 @@ def test_smollm_quantized_equals_its_float_self():
 @pytest.mark.slow
 def test_minilm_matches_published_similarity():
     pytest.importorskip("tokenizers")
-    from torchq.examples import minilm
+    from examples import minilm
 
     try:
         minilm.model_dir()

@@ -333,7 +333,7 @@ def write_tiny_llama(path, seed=0):
 
 def test_from_gguf_tiny_llama_k_quants_equal_transformers_own_load(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from torchq.interop.gguf_transformers import from_gguf
+    from torchq.hf import from_gguf
 
     write_tiny_llama(tmp_path / "tiny.gguf")
     with warnings.catch_warnings(record=True) as seen:
@@ -381,7 +381,7 @@ def test_from_gguf_tiny_llama_k_quants_equal_transformers_own_load(tmp_path):
 
 def test_from_gguf_arguments_are_checked(tmp_path):
     pytest.importorskip("transformers")
-    from torchq.interop.gguf_transformers import from_gguf
+    from torchq.hf import from_gguf
 
     with pytest.raises(FileNotFoundError, match="path: no GGUF file"):
         from_gguf(tmp_path / "missing.gguf")
@@ -394,8 +394,8 @@ def test_from_gguf_smollm2_weights_equal_transformers_own_load(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from torchq.examples import smollm
-    from torchq.interop.gguf_transformers import from_gguf
+    from examples import smollm
+    from torchq.hf import from_gguf
 
     try:
         path = smollm.gguf_path()

@@ -25,9 +25,9 @@ transformers = pytest.importorskip("transformers")
 
 from hostile_imports import _after, _rewrite_header, torchq_base, write_gguf  # noqa: E402
 
+from torchq.hf import from_gguf  # noqa: E402
 from torchq.interop.gguf import NonFiniteScaleError, from_gguf_blocks, gguf_metadata, read_gguf  # noqa: E402
 from torchq.interop.gguf_file import GGUFFile  # noqa: E402
-from torchq.interop.gguf_transformers import from_gguf  # noqa: E402
 
 
 def gguf_bytes(kvs: list[bytes], tensors: list[bytes] = (), pad: int = 0) -> bytes:
@@ -461,7 +461,7 @@ def test_bf16_gguf_tensors_import(tmp_path):
 def test_other_threads_get_gguf_pys_own_reader(tmp_path):
     import threading
 
-    from torchq.interop.gguf_transformers import _bounded_gguf_py, _ReaderView
+    from torchq.hf.gguf import _bounded_gguf_py, _ReaderView
 
     path = tmp_path / "ok.gguf"
     write_gguf(path)

@@ -42,6 +42,19 @@ def _imports(module: str) -> list[tuple[str, str | None, int]]:
             else:
                 target = node.module or ""
             targets = [(f"{target}.{a.name}", None) if f"{target}.{a.name}" in MODULES else (target, a.name) for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            name = node.args[0].value  # importlib.import_module("torchq.x") or (".x", __name__)
+            if name.startswith("."):
+                anchor = node.args[1] if len(node.args) > 1 else None
+                if not (isinstance(anchor, ast.Name) and anchor.id == "__name__"):
+                    continue
+                dots = len(name) - len(name.lstrip("."))
+                base = module.split(".")
+                name = ".".join(base[: len(base) - (dots - 1)] + [name.lstrip(".")])
+            if name not in MODULES:  # a compiled module (torchq._native) or another package's
+                continue
+            targets = [(name, None)]
         else:
             continue
         for name, attr in targets:
@@ -53,6 +66,14 @@ def _imports(module: str) -> list[tuple[str, str | None, int]]:
 
 
 EDGES = {m: _imports(m) for m in MODULES}
+
+
+def _outside_imports(module: str) -> list[str]:
+    """Imports of the checkout's own folders that are not the package (they are not installed)."""
+    tree = ast.parse(MODULES[module].read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level and n.module]
+    return [f"{module} imports {n}" for n in names if n.split(".")[0] in ("examples", "tests", "benchmarks", "tutorials")]
 
 
 def _circles() -> list[frozenset[str]]:
@@ -115,10 +136,18 @@ def test_the_exceptions_are_still_needed():
     assert ALLOWED_PRIVATE <= {(m, t, name) for m, es in EDGES.items() for t, name, _ in es if name}
 
 
+def test_the_package_holds_the_library_only():
+    """Example models, multi-process helpers and benchmarks live outside ``torchq/`` (the checkout's
+    ``examples/`` and ``benchmarks/``), and the library never imports them."""
+    assert not (ROOT / "examples").exists()
+    assert [line for m in MODULES for line in _outside_imports(m)] == []
+
+
 @pytest.mark.parametrize("source,expect", [
     ("from . import dispatch\n", "torchq.dispatch"),
     ("from .checkpoint.codec import CheckpointError\n", "torchq.checkpoint.codec"),
     ("def f():\n    from .tensor import AQT\n", "torchq.tensor"),
+    ("import importlib\nimportlib.import_module('torchq.dispatch')\n", "torchq.dispatch"),
 ])
 def test_the_reader_sees_every_kind_of_import(tmp_path, monkeypatch, source, expect):
     """The analysis itself: relative, from-package and lazy (function-level) imports are found."""
@@ -127,3 +156,9 @@ def test_the_reader_sees_every_kind_of_import(tmp_path, monkeypatch, source, exp
     (tmp_path / "floors.py").write_text(source)
     assert expect in {t for t, _, _ in _imports("torchq.floors")}
     assert path.exists()
+
+
+def test_the_reader_resolves_import_module_relative_to_the_calling_module(tmp_path, monkeypatch):
+    monkeypatch.setitem(MODULES, "torchq.hf", tmp_path / "__init__.py")
+    (tmp_path / "__init__.py").write_text("import importlib\nimportlib.import_module('.registry', __name__)\n")
+    assert {t for t, _, _ in _imports("torchq.hf")} == {"torchq.hf.registry"}

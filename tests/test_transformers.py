@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402
 
-import torchq.interop.transformers  # noqa: E402  (after the skip: the module needs transformers)
+import torchq.hf  # noqa: E402  (after the skip: its names need transformers)
 
 
 def sqnr(ref, y):
@@ -143,7 +143,7 @@ def from_folder(build, folder, meta):
 @pytest.mark.parametrize("build", [llama, bert], ids=["llama", "bert"])
 def test_save_pretrained_writes_torchq_weights_that_load_quantized_reads_back(tmp_path, build, cfg, meta):
     m = quantized(build, SAVE_CONFIGS[cfg]())
-    assert isinstance(m.hf_quantizer, torchq.interop.transformers.TorchqHfQuantizer)
+    assert isinstance(m.hf_quantizer, torchq.hf.TorchqHfQuantizer)
     y = outputs(m)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no TypedStorage or other warning
@@ -228,12 +228,12 @@ def test_safetensors_of_torchq_weights_without_the_quantizer_raises_a_clear_erro
     fresh.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True), assign=True)
     fresh.tie_weights()  # assign=True wraps each entry in its own Parameter: tie the embeddings again
     assert getattr(fresh, "hf_quantizer", None) is None
-    with warnings.catch_warnings(record=True) as seen, pytest.raises(TypeError, match=r"interop\.transformers\.attach"):
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(TypeError, match=r"torchq\.hf\.attach\(model\)"):
         warnings.simplefilter("always")
         fresh.save_pretrained(tmp_path / "out")
     assert not [w for w in seen if "TypedStorage" in str(w.message)]
     assert not list((tmp_path / "out").glob("*.safetensors"))  # no half-written weights file
-    torchq.interop.transformers.attach(fresh).save_pretrained(tmp_path / "out")
+    torchq.hf.attach(fresh).save_pretrained(tmp_path / "out")
     loaded = from_folder(build, tmp_path / "out", True)
     torchq.load_quantized(loaded, tmp_path / "out", init_buffers="auto")
     assert torch.equal(outputs(loaded), outputs(m))
@@ -244,7 +244,7 @@ def test_attach_only_transformers_models_and_keep_them_copyable():
     torchq.quantize_(plain, torchq.int8_weight_only())
     assert not hasattr(plain, "hf_quantizer")
     with pytest.raises(TypeError, match="PreTrainedModel"):
-        torchq.interop.transformers.attach(plain)
+        torchq.hf.attach(plain)
     untouched = bert()
     torchq.quantize_(untouched, torchq.int8_weight_only(), filter_fn=lambda mod, name: False)
     assert getattr(untouched, "hf_quantizer", None) is None  # nothing quantized: nothing attached
@@ -294,3 +294,16 @@ def test_save_pretrained_of_a_model_loaded_from_legacy_key_names(tmp_path, origi
     fresh = from_folder(bert, tmp_path / "q", True)
     torchq.load_quantized(fresh, tmp_path / "q", init_buffers="auto")
     assert torch.equal(outputs(fresh), y)
+
+
+def test_the_old_import_paths_of_the_transformers_code_still_work_and_say_where_it_moved():
+    import importlib
+    import sys
+
+    for old, new, names in (("torchq.interop.transformers", "torchq.hf", ("attach", "prepare_attach", "TorchqConfig")),
+                            ("torchq.interop.gguf_transformers", "torchq.hf", ("from_gguf",))):
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to torchq.hf"):
+            module = importlib.import_module(old)
+        for name in names:
+            assert getattr(module, name) is getattr(importlib.import_module(new), name)

@@ -55,22 +55,17 @@ from .quantize import QuantizationError, SkippedLayerWarning, TiedWeightWarning,
 from .tensor import AffineQuantizedTensor
 from ._version import __version__ as __version__
 
-from .interop.transformers import install_registration_hook as _install_registration_hook  # noqa: E402
+from . import hf  # noqa: E402  (imports no transformers: its names do, on first use)
+from .hf import saving as _hf_saving  # noqa: E402,F401  (save_pretrained for models quantize_ / load_quantized fill)
+from .hf.hook import install_registration_hook as _install_registration_hook  # noqa: E402
 
 _install_registration_hook()  # quant_method "torchq" in transformers, once transformers loads models
-
-
-def __getattr__(name: str):
-    if name == "hf":  # imports transformers: only on use
-        import importlib
-
-        return importlib.import_module(".hf", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "ops",
     "backends",
+    "hf",
     "AffineQuantizedTensor",
     "AutoquantResult",
     "autoquant",

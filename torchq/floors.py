@@ -19,7 +19,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weight", ("torchq.tensor", "torchq.configs", "torchq.explain")),
     ("storage and parallelism", ("torchq.checkpoint", "torchq.distributed")),
     ("workflows", ("torchq.quantize", "torchq.calibrate", "torchq.autotune")),
-    ("integrations and entry points", ("torchq.interop", "torchq.hf", "torchq.cli", "torchq.examples", "torchq.demo",
+    ("integrations and entry points", ("torchq.interop", "torchq.hf", "torchq.cli", "torchq.demo",
                                        "torchq.bench_linear", "torchq.__main__", "torchq")),
 )
 

@@ -229,7 +229,7 @@ def quantize_(
 
     A transformers ``PreTrainedModel`` also gets torchq's ``hf_quantizer`` and
     ``quantization_config``, so that ``save_pretrained`` writes its torchq weights (see
-    :mod:`torchq.interop.transformers`).
+    :mod:`torchq.hf.saving`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")

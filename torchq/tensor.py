@@ -357,7 +357,7 @@ class AffineQuantizedTensor(torch.Tensor):
                 f"(safetensors.torch.save_file, or save_pretrained of a transformers model without torchq's "
                 f"quantizer) cannot write it. Save with torchq.save_quantized(model, folder) and load with "
                 f"torchq.load_quantized(model, folder), or use torch.save(model.state_dict()); for "
-                f"save_pretrained, call torchq.interop.transformers.attach(model) first (quantize_ and "
+                f"save_pretrained, call torchq.hf.attach(model) first (quantize_ and "
                 f"load_quantized do it for the model they are given)"
             )
         with torch._C.DisableTorchFunctionSubclass():

@@ -9,13 +9,16 @@ resulting plan is a JSON file you can review, edit and re-apply without timing a
 """
 
 import copy
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 import torchq
-from torchq.examples import minilm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
+from examples import minilm
 
 sentences = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
              "A man is riding a horse.", "A monkey is playing drums.", "Quantized models are smaller."]

@@ -7,11 +7,16 @@ stay frozen; gradients flow through torchq's NF4 linear to the input, so small t
 adapters (W + B @ A) learn the task.
 """
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
 import torchq
-from torchq.examples.lora import LoRALinear  # base(x) + x @ A^T @ B^T * alpha / rank, B = 0 at first
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
+from examples.lora import LoRALinear  # base(x) + x @ A^T @ B^T * alpha / rank, B = 0 at first
 
 torch.manual_seed(0)
 

@@ -15,6 +15,7 @@ so a shard keeps the fp32 scales they stand for (the same values): a rank holds 
 half of the weight's bytes.
 """
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,9 +24,11 @@ from torch import nn
 
 import torchq
 import torchq.distributed.checkpoint
-from torchq.examples.lora import LoRALinear  # the adapter of tutorial 4
-from torchq.examples.mlp import ResidualMLP  # blocks of x + down(gelu(up(x)))
-from torchq.examples.processes import run_local  # spawns the ranks, joins them in a gloo group
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
+from examples.lora import LoRALinear  # the adapter of tutorial 4
+from examples.mlp import ResidualMLP  # blocks of x + down(gelu(up(x)))
+from examples.processes import run_local  # spawns the ranks, joins them in a gloo group
 
 DIMS, HIDDEN, RANK, STEPS, BATCH = 256, 512, 8, 30, 64
 

@@ -18,15 +18,19 @@ read each rank's own piece of a torchq.save_quantized file, in the best layout f
 loads onto (device=, default the CPU).
 """
 
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import torchq
 import torchq.distributed.checkpoint
-from torchq.examples.mlp import ResidualMLP  # blocks of x + down(gelu(up(x)))
-from torchq.examples.processes import run_local  # spawns the ranks, joins them in a gloo group
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's examples/ package
+from examples.mlp import ResidualMLP  # blocks of x + down(gelu(up(x)))
+from examples.processes import run_local  # spawns the ranks, joins them in a gloo group
 
 DIMS, HIDDEN = 256, 1024
 CONFIG = torchq.int4_weight_only(group_size=128)

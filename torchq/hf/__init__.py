@@ -1,4 +1,4 @@
-"""torchq inside Hugging Face transformers: ``from_pretrained(..., quantization_config=TorchqConfig(...))``.
+"""torchq inside Hugging Face transformers: all of torchq's transformers code.
 
     import torchq, transformers
     cfg = torchq.hf.TorchqConfig("int4-g128")          # a config, its name, a plan, an autoquant plan
@@ -7,47 +7,50 @@
     again = transformers.AutoModelForCausalLM.from_pretrained("out")   # quantized, nothing re-quantized
     peft_model = peft.get_peft_model(again, peft.LoraConfig(...))       # QLoRA: train, save, load adapters
     merged = torchq.hf.merge_and_unload(peft_model)                     # dequantize, merge, requantize
+    smol = torchq.hf.from_gguf("model.gguf")            # a GGUF file, its quantized weights kept
 
-Importing this module imports transformers and registers ``quant_method = "torchq"`` through
-transformers' ``register_quantization_config`` / ``register_quantizer``. ``import torchq`` does it
-by itself as soon as transformers' model loading is imported (an import hook; torchq never imports
-transformers itself), so loading a saved folder needs only ``import torchq``.
+Modules: :mod:`.config` (``TorchqConfig``), :mod:`.quantizer` (``TorchqHfQuantizer``),
+:mod:`.registry` (registers both with transformers), :mod:`.peft` (merging adapters),
+:mod:`.gguf` (``from_gguf``); and, importing no transformers: :mod:`.hook` (registers on
+transformers' model loading), :mod:`.saving` (``save_pretrained`` for models quantized by
+``quantize_`` / ``load_quantized``), :mod:`.state` (what ``save_pretrained`` writes).
+
+Importing this package imports no transformers; its names do on first use, and the first one
+registers ``quant_method = "torchq"`` with transformers (so does ``import torchq`` as soon as
+transformers' model loading is imported, so loading a saved folder needs only ``import torchq``).
+transformers >= 5 is required (``pip install 'torchq[hf]'``).
 """
 
 from __future__ import annotations
 
-import transformers
+import importlib
+from typing import Any
 
-if int(transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(f"torchq.hf follows transformers v5's loading contract (conversion ops); transformers "
-                      f"{transformers.__version__} is installed: pip install 'torchq[hf]' (transformers>=5)")
+# public name -> the submodule defining it; those of the last three import no transformers
+_HOMES: dict[str, str] = {
+    "QUANT_METHOD": "config", "TorchqConfig": "config", "resolve_spec": "config",
+    "TorchqHfQuantizer": "quantizer", "TorchqQuantize": "quantizer", "TorchqDeserialize": "quantizer",
+    "register": "registry", "merge_and_unload": "peft", "requantize_like": "peft", "from_gguf": "gguf",
+    "attach": "saving", "prepare_attach": "saving", "install_registration_hook": "hook",
+}
+_WITHOUT_TRANSFORMERS = frozenset({"attach", "prepare_attach", "install_registration_hook"})
 
-from transformers.quantizers.auto import (  # noqa: E402
-    AUTO_QUANTIZATION_CONFIG_MAPPING,
-    AUTO_QUANTIZER_MAPPING,
-    register_quantization_config,
-    register_quantizer,
-)
-
-from .config import QUANT_METHOD, TorchqConfig, resolve_spec  # noqa: E402
-from .peft import merge_and_unload, requantize_like  # noqa: E402
-from .quantizer import TorchqDeserialize, TorchqHfQuantizer, TorchqQuantize  # noqa: E402
-
-__all__ = ["QUANT_METHOD", "TorchqConfig", "TorchqHfQuantizer", "TorchqQuantize", "TorchqDeserialize", "merge_and_unload",
-           "register", "requantize_like", "resolve_spec"]
+__all__ = [  # noqa: F822  (module __getattr__)
+    "QUANT_METHOD", "TorchqConfig", "TorchqDeserialize", "TorchqHfQuantizer", "TorchqQuantize", "attach", "from_gguf",
+    "install_registration_hook", "merge_and_unload", "prepare_attach", "register", "requantize_like", "resolve_spec",
+]
 
 
-def register() -> None:
-    """Register torchq's config and quantizer with transformers (idempotent). Raises ValueError if
-    another library registered ``quant_method = "torchq"`` first."""
-    for mapping, cls, reg in ((AUTO_QUANTIZATION_CONFIG_MAPPING, TorchqConfig, register_quantization_config),
-                              (AUTO_QUANTIZER_MAPPING, TorchqHfQuantizer, register_quantizer)):
-        current = mapping.get(QUANT_METHOD)
-        if current is cls:
-            continue
-        if current is not None:
-            raise ValueError(f"transformers already maps quant_method {QUANT_METHOD!r} to {current.__module__}.{current.__qualname__}")
-        reg(QUANT_METHOD)(cls)
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _WITHOUT_TRANSFORMERS:
+        importlib.import_module(".registry", __name__)  # transformers >= 5, quant_method "torchq" registered
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
 
 
-register()
+def __dir__() -> list[str]:  # the public names and the submodules imported so far
+    return sorted({*__all__, *(k for k, v in globals().items() if getattr(v, "__name__", "").startswith(f"{__name__}."))})

@@ -20,11 +20,17 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers.utils.quantization_config import QuantizationConfigMixin
+import transformers
 
-from ..checkpoint.safetensors_io import FILE_FORMAT, FILE_VERSION
-from ..configs import QuantConfig, config_from_json, config_from_name
-from ..layouts import Layout, layout_from_json
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"torchq.hf follows transformers v5's loading contract (conversion ops); transformers "
+                      f"{transformers.__version__} is installed: pip install 'torchq[hf]' (transformers>=5)")
+
+from transformers.utils.quantization_config import QuantizationConfigMixin  # noqa: E402
+
+from ..checkpoint.safetensors_io import FILE_FORMAT, FILE_VERSION  # noqa: E402
+from ..configs import QuantConfig, config_from_json, config_from_name  # noqa: E402
+from ..layouts import Layout, layout_from_json  # noqa: E402
 
 __all__ = ["QUANT_METHOD", "TorchqConfig", "resolve_spec"]
 

@@ -48,6 +48,7 @@ from ..quantize import (
 )
 from ..tensor import AffineQuantizedTensor
 from .config import TorchqConfig
+from .state import state_dict_and_metadata
 
 __all__ = ["TorchqHfQuantizer", "TorchqQuantize", "TorchqDeserialize", "PARTS"]
 
@@ -222,8 +223,6 @@ class TorchqHfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[dict | None, dict[str, str]]:
         if getattr(model, "_hf_peft_config_loaded", False):
             return None, {}  # save_pretrained writes only the (float) adapter weights
-        from ..interop.hf_state import state_dict_and_metadata
-
         return state_dict_and_metadata(model)
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:

@@ -1,166 +1,27 @@
-"""transformers' ``save_pretrained`` for models with torchq weights.
-
-``save_pretrained`` writes the weights of a model whose ``hf_quantizer`` is a serializable
-``transformers.quantizers.HfQuantizer`` as that quantizer flattens them. :func:`attach` gives a
-``PreTrainedModel`` torchq's: ``model.hf_quantizer`` (a :class:`TorchqHfQuantizer`) and
-``model.config.quantization_config`` (a :class:`TorchqConfig`, ``quant_method = "torchq"``,
-written into ``config.json``). ``quantize_`` and ``load_quantized`` attach it to a transformers
-model they leave with torchq weights. ``model.save_pretrained(folder)`` then writes the files of
-:func:`torchq.save_quantized` (the same device-independent records and parts, one torchq header
-for the whole checkpoint repeated in every shard), and :func:`torchq.load_quantized` reads the
-folder into a model built from its config (on ``meta`` or float), sharded or not.
-
-``from_pretrained`` loads such a folder quantized (:mod:`torchq.hf`, registered by ``import
-torchq`` once transformers' model loading is imported: see :func:`install_registration_hook`).
-
-Nothing here imports transformers until a transformers model is seen, so torchq imports
-without it.
-"""
+"""Moved to :mod:`torchq.hf` (``torchq.hf.attach``, ``torchq.hf.prepare_attach``,
+``torchq.hf.install_registration_hook``); this alias of the old path warns and will be removed."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.abc
-import importlib.util
-import sys
 import warnings
-from collections.abc import Callable
 from typing import Any
 
-from torch import nn
+from ..hf.hook import install_registration_hook
+from ..hf.saving import attach, prepare_attach
+from ..hf.state import is_pretrained_model, state_dict_and_metadata
 
-from ..hooks import on_weights_installed
-from .hf_state import is_pretrained_model, state_dict_and_metadata
-
-__all__ = [  # noqa: F822  (TorchqConfig and TorchqHfQuantizer come from torchq.hf on first use: module __getattr__)
+__all__ = [  # noqa: F822  (TorchqConfig and TorchqHfQuantizer: module __getattr__, they import transformers)
     "TorchqConfig", "TorchqHfQuantizer", "attach", "install_registration_hook", "is_pretrained_model", "prepare_attach",
     "state_dict_and_metadata",
 ]
 
-
-def _has_torchq_weights(model: nn.Module) -> bool:
-    from ..tensor import AffineQuantizedTensor
-
-    return any(isinstance(t, AffineQuantizedTensor) for t in [*model.parameters(), *model.buffers()])
-
-
-def _classes() -> tuple[type, type]:
-    """torchq's transformers config and quantizer classes (importing :mod:`torchq.hf` registers them)."""
-    from ..hf import TorchqConfig, TorchqHfQuantizer
-
-    return TorchqConfig, TorchqHfQuantizer
+warnings.warn("torchq.interop.transformers moved to torchq.hf (torchq.hf.attach, torchq.hf.TorchqConfig, ...)",
+              DeprecationWarning, stacklevel=2)
 
 
 def __getattr__(name: str) -> Any:
     if name in ("TorchqConfig", "TorchqHfQuantizer"):
-        config_cls, quantizer_cls = _classes()
-        return config_cls if name == "TorchqConfig" else quantizer_cls
+        from .. import hf
+
+        return getattr(hf, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# -- registration on import ------------------------------------------------------------------------
-# transformers finds a quantizer by ``quant_method`` in its registry; a folder whose config.json says
-# "torchq" must load after a bare ``import torchq``. torchq never imports transformers (seconds), so
-# it registers when transformers' model loading module has been imported: at once if it already is,
-# else from an import hook that fires after that module executes.
-_TRIGGER = "transformers.modeling_utils"
-
-
-def _register_quietly() -> None:
-    try:
-        _classes()
-    except Exception as e:  # an unexpected transformers version must not break transformers itself
-        warnings.warn(f"torchq: cannot register its transformers quantizer ({type(e).__name__}: {e}); "
-                      f"from_pretrained will not read torchq checkpoints", stacklevel=2)
-
-
-class _RegisteringLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        module.__loader__ = self._inner
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._inner
-        self._inner.exec_module(module)
-        _register_quietly()
-
-    def __getattr__(self, name: str) -> Any:  # get_data, get_resource_reader, ...
-        return getattr(self._inner, name)
-
-
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _TRIGGER:
-            return None
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)  # fires once
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _RegisteringLoader(spec.loader)
-        return spec
-
-
-def install_registration_hook() -> None:
-    """Register torchq with transformers now if its model loading is imported, else when it is."""
-    if _TRIGGER in sys.modules:
-        _register_quietly()
-    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
-
-
-def _committer(model: nn.Module) -> Callable[[], None]:
-    config_cls, quantizer_cls = _classes()
-    current = getattr(model, "hf_quantizer", None)
-    if current is not None and not isinstance(current, quantizer_cls):
-        method = getattr(getattr(current, "quantization_config", None), "quant_method", "?")
-        raise ValueError(
-            f"model: already has transformers quantizer {type(current).__name__} (quant_method "
-            f"{getattr(method, 'value', method)!r}); torchq cannot replace it"
-        )
-    if current is not None:  # torchq's already (from_pretrained's): keep it and its config
-        def keep() -> None:
-            model.config.quantization_config = current.quantization_config
-
-        return keep
-    config = config_cls()
-    quantizer = quantizer_cls(config, pre_quantized=True)
-
-    def commit() -> None:  # two attribute assignments
-        model.hf_quantizer = quantizer
-        model.config.quantization_config = config
-
-    return commit
-
-
-def attach(model: nn.Module) -> nn.Module:
-    """Give the transformers model ``model`` torchq's quantizer and ``quantization_config``, so
-    that ``model.save_pretrained(folder)`` writes its torchq weights; returns ``model``.
-    ``quantize_`` and ``load_quantized`` do this themselves."""
-    if not is_pretrained_model(model):
-        raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
-    _committer(model)()
-    return model
-
-
-def prepare_attach(model: nn.Module, *, needs_weights: bool = False) -> Callable[[], None] | None:
-    """For a transformers model, a function that attaches torchq's quantizer and cannot fail
-    (None for any other model, or one with another library's quantizer). Never raises: a
-    failure to prepare is a warning (only ``save_pretrained`` is affected). ``needs_weights``:
-    None unless the model already holds torchq weights."""
-    if not is_pretrained_model(model) or (needs_weights and not _has_torchq_weights(model)):
-        return None
-    try:
-        return _committer(model)
-    except ValueError:
-        return None  # another library's quantizer: its save path reports torchq weights itself
-    except Exception as e:  # an unexpected transformers version
-        warnings.warn(f"torchq: cannot attach its transformers quantizer ({e}); save_pretrained will not write "
-                      f"this model's torchq weights (use torchq.save_quantized)", stacklevel=3)
-        return None
-
-
-on_weights_installed(lambda model, needs_weights: prepare_attach(model, needs_weights=needs_weights))

@@ -128,7 +128,7 @@ class SmolLM(nn.Module):
 def load_model(path: str | Path | None = None, *, quantized: bool = True, dtype: torch.dtype = torch.float32) -> SmolLM:
     """The model from the GGUF file: its Q4_1 linears as lossless torchq int4 weights
     (``quantized``) or dequantized to ``dtype`` (the float self)."""
-    from ..interop.gguf import read_gguf
+    from torchq.interop.gguf import read_gguf
 
     model = SmolLM()
     modules = dict(model.named_modules())
@@ -157,7 +157,7 @@ def load_tokenizer(path: str | Path | None = None):
     """The GPT-2 byte-level BPE tokenizer embedded in the GGUF file."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from ..interop.gguf import gguf_metadata
+    from torchq.interop.gguf import gguf_metadata
 
     meta = gguf_metadata(path or gguf_path())
     tokens, merges, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"]

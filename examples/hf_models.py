@@ -105,7 +105,7 @@ def encode(model: nn.Module, tokenizer: Any, sentences: list[str]) -> torch.Tens
 
 
 def perplexity(model: nn.Module, ids: torch.Tensor, window: int = 512) -> float:
-    """:func:`torchq.examples.smollm.perplexity` (the same windows) of a transformers causal LM."""
+    """:func:`examples.smollm.perplexity` (the same windows) of a transformers causal LM."""
     return smollm.perplexity(model, ids, window, logits_of=lambda m, x: m(x, use_cache=False).logits)
 
 

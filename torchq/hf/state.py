@@ -1,5 +1,5 @@
 """What transformers' ``save_pretrained`` writes for a model with torchq weights (shared by
-:mod:`torchq.interop.transformers`, which attaches torchq's quantizer, and :mod:`torchq.hf.quantizer`,
+:mod:`torchq.hf.saving`, which attaches torchq's quantizer, and :mod:`torchq.hf.quantizer`,
 which flattens the weights when transformers saves). Never imports transformers at import time."""
 
 from __future__ import annotations
