@@ -416,6 +416,44 @@ def test_a8_ops_on_triton_match_the_reference(m, fmt):
     assert ((ref.double() - exact).abs() <= (2.0**-8 + (k + 2) * 2.0**-24) * mag).all()
 
 
+@settings(**SETTINGS)
+@given(domain=st.sampled_from([Z.FLOAT, Z.INT, Z.NONE]), x_dtype=st.sampled_from(FLOATS), g=st.sampled_from([32, 64, 128, 256]),
+       n=st.integers(1, 70), k=st.integers(2, 600).map(lambda v: v - v % 2), m=st.integers(5, 40), bias=st.booleans(),
+       edge=st.sampled_from(["none", "zero_row", "nan_block", "constant_w", "tiny", "huge"]), seed=st.integers(0, 2**31 - 1))
+def test_int4_a8_int8_dot_is_within_its_bound(domain, x_dtype, g, n, k, m, bias, edge, seed):
+    """More than 4 rows: the int8 tensor-core kernel. Its integer block sums are exact; against the
+    exact product of the reference's block-quantized activations and exact weights it is off by
+    fp32 roundings only (module doc's bound), plus the one rounding to x's dtype."""
+    from torchq.backends.triton import a8_linear
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
+    if edge == "constant_w":
+        w[0] = 0.75
+    impl = torchq.Int4WeightOnlyConfig(group_size=g, zero_point_domain=domain, scale_dtype=torch.float32,
+                                       layout=Int4NativeLayout()).quantize_weight(w).tensor_impl
+    x = edge_input(gen, m, k, x_dtype, "zero_row" if edge == "nan_block" else edge, fp16_scales=(1e-3, 10))
+    if edge == "nan_block":
+        x[1, k // 2] = float("nan")  # that block's scale is NaN: the row is NaN, as the reference's
+    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    args = (impl.packed, impl.scale, impl.shift, impl.zero, [n, k], g, impl.code_base)
+    y = a8_linear.int4_groupwise_linear_a8(x.to(DEVICE), *(on(DEVICE, a) if isinstance(a, torch.Tensor) else a for a in args),
+                                           on(DEVICE, b)).cpu()
+    ref = reference(torch.ops.torchq.int4_groupwise_linear_a8, x, *args, b)
+    assert y.dtype == x_dtype and y.shape == (m, n)
+    assert torch.equal(y.isnan(), ref.isnan())
+    finite = torch.isfinite(ref)
+    xq = torchq.PerBlockInt8().fake_quantize(x.float()).double().nan_to_num(0.0)
+    w64 = exact_int4_weight(impl)
+    bd = 0 if b is None else b.double()
+    exact = F.linear(xq, w64) + bd
+    mag = F.linear(xq.abs(), w64.abs()) + (0 if b is None else bd.abs())
+    bound = (k / 32 + 8) * 2.0**-23 * mag + UNIT[x_dtype] * exact.abs() + torch.finfo(x_dtype).tiny
+    assume(bool((exact.abs() < torch.finfo(x_dtype).max / 2)[finite].all()))
+    assert ((y.double() - exact).abs() <= bound)[finite].all()
+    assert ((ref.double() - exact).abs() <= bound + (k + 2) * 2.0**-24 * mag)[finite].all()
+
+
 def test_quantize_rows_matches_per_token_int8():
     x = torch.randn(5, 77, dtype=torch.bfloat16) * 3
     x[1] = 0
