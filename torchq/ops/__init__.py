@@ -42,11 +42,13 @@ int8_mm_dequant            vectorwise  reference only
 int8_scaled_mm             vectorwise  reference only
 int8_linear_dequant        vectorwise  reference only (alias of int8_scaled_mm)
 int8_mixed_scaled_mm       vectorwise  reference only
+float8_dynamic_linear      float8      reference only
+float8_weight_linear       float8      reference only
 =========================  ==========  ==========================================
 
 :mod:`.out_overloads` defines the ``.out`` overloads (kernel and fake run the functional op).
 """
 
-from . import affine, blockwise, int4, int8, int8act, vectorwise
+from . import affine, blockwise, float8, int4, int8, int8act, vectorwise
 
-__all__ = ["affine", "blockwise", "int4", "int8", "int8act", "vectorwise"]
+__all__ = ["affine", "blockwise", "float8", "int4", "int8", "int8act", "vectorwise"]
