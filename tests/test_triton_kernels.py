@@ -549,3 +549,22 @@ def test_launch_raises_when_one_stage_does_not_fit():
     with pytest.raises(triton.runtime.errors.OutOfResources):
         dequant_linear._launch(kernel, (1,), (), dict(BLOCK_N=32, num_stages=2), ("key",))
     assert kernel.tried == [2, 1]
+
+
+def test_the_lazy_cuda_entry_points_import_their_module_once(monkeypatch):
+    """Per call, an entry point goes straight to its kernel: no import machinery (issue 36, item 3)."""
+    import importlib
+
+    from torchq.backends import triton as triton_backend
+    from torchq.ops.int8 import check_int8_weight_args  # noqa: F401  (the op module is loaded before counting)
+
+    codes = torch.randint(-127, 128, (8, 32), dtype=torch.int8)
+    scale = torch.rand(8) + 0.5
+    x = torch.randn(2, 32)
+    entry = triton_backend._lazy_kernel("int8_weight", "int8_weight_linear")
+    first = entry(x, codes, scale)
+    calls = []
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert torch.equal(entry(x, codes, scale), first)
+    assert calls == []

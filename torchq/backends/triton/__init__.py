@@ -78,13 +78,17 @@ def cuda_rejects(x: torch.Tensor) -> str | None:
 
 
 def _lazy_kernel(module: str, fn: str):
-    """The CUDA kernel ``fn`` of ``module`` (a Triton module of this package), imported on its first call."""
+    """The CUDA kernel ``fn`` of ``module`` (a Triton module of this package), imported on its first
+    call and remembered: later calls go straight to it (no import machinery per call)."""
+    resolved: list = []
 
     def run(*args, **kwargs):
-        reason = unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(f"torchq: the CUDA kernel of {fn} is a Triton kernel: {reason}")
-        return getattr(importlib.import_module(f"{__name__}.{module}"), fn)(*args, **kwargs)
+        if not resolved:
+            reason = unavailable_reason()
+            if reason is not None:
+                raise RuntimeError(f"torchq: the CUDA kernel of {fn} is a Triton kernel: {reason}")
+            resolved.append(getattr(importlib.import_module(f"{__name__}.{module}"), fn))
+        return resolved[0](*args, **kwargs)
 
     run.__name__ = f"{fn}_cuda"
     return run
