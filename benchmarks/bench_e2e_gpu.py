@@ -50,6 +50,8 @@ CONFIGS: dict[str, Callable[[], torchq.QuantConfig]] = {
     "int8wo": torchq.int8_weight_only,
     "int8dq": torchq.int8_dynamic_activation_int8_weight,
     "int4a8": lambda: torchq.config_from_name("int4a8-g32"),
+    "fp8dq-row": lambda: torchq.config_from_name("fp8dq-row"),
+    "fp8wo": torchq.float8_weight_only,
 }
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                  max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)

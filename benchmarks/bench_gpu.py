@@ -17,7 +17,8 @@ configs of a row interleaved so clock drift hits them alike). Columns:
 
 Configs: ``bf16`` (cuBLAS), ``tinygemm`` (int4 g128, TensorCoreTiledLayout), ``triton-int4``
 (int4 g128, Int4NativeLayout on Triton), ``triton-nf4`` (NF4 block 64), ``triton-int8dq``
-(per-token int8 x int8). Target (issue 6): int4 at M=1 >= 3x faster than bf16 on 8192x8192 and
+(per-token int8 x int8), and any config name of :func:`torchq.config_from_name` (``int8wo``,
+``int4a8-g32``, ``fp8dq-row``, ``fp8dq-tensor``, ``fp8wo``...). Target (issue 6): int4 at M=1 >= 3x faster than bf16 on 8192x8192 and
 8192x28672, and no slower than bf16 at M=128.
 
     python benchmarks/bench_gpu.py                                   # default shapes, M in 1,16,128,1024
@@ -45,19 +46,20 @@ from torchq.layouts import Int4NativeLayout
 from torchq.layouts.tensor_core_tiled import TensorCoreTiledLayout
 
 DEFAULT_SHAPES = "4096x4096,4096x14336,8192x8192,8192x28672,28672x8192"  # KxN (Llama 3 8B / 70B projections)
-DEFAULT_CONFIGS = "bf16,tinygemm,triton-int4,triton-nf4,triton-int8dq"
+DEFAULT_CONFIGS = "bf16,tinygemm,triton-int4,triton-nf4,triton-int8dq,int8wo,fp8dq-row,fp8wo"
 PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}
 COLUMNS = [("shape", "<"), ("M", ">"), ("config", "<"), ("us", ">"), ("vs_bf16", ">"), ("vs_best", ">"), ("gpu_us", ">"),
            ("gpu_vs_bf16", ">"), ("hbm%", ">"), ("sqnr", ">"), ("kernel", "<")]
 
 
 def make_config(name: str):
-    return {
-        "tinygemm": torchq.Int4WeightOnlyConfig(group_size=128, layout=TensorCoreTiledLayout()),
-        "triton-int4": torchq.Int4WeightOnlyConfig(group_size=128, layout=Int4NativeLayout()),
-        "triton-nf4": torchq.nf4_weight_only(block_size=64),
-        "triton-int8dq": torchq.int8_dynamic_activation_int8_weight(),
-    }[name]
+    named = {
+        "tinygemm": lambda: torchq.Int4WeightOnlyConfig(group_size=128, layout=TensorCoreTiledLayout()),
+        "triton-int4": lambda: torchq.Int4WeightOnlyConfig(group_size=128, layout=Int4NativeLayout()),
+        "triton-nf4": lambda: torchq.nf4_weight_only(block_size=64),
+        "triton-int8dq": torchq.int8_dynamic_activation_int8_weight,
+    }
+    return named[name]() if name in named else torchq.config_from_name(name)
 
 
 def peak_hbm_tbs(device: torch.device, override: float | None) -> float | None:

@@ -208,3 +208,141 @@ def test_midpoints_round_to_the_even_byte():
     assert bool((codes.view(torch.uint8).reshape(-1)[1:] & 1 == 0).all())  # every tie went to an even mantissa
     codes_s, _ = quantize_float8_activations(torch.tensor([[1.0, 2.0]]), "row")
     assert torch.equal(codes_s.to(torch.float32), torch.tensor([[224.0, 448.0]]))
+
+
+# -- the configs, the layout, checkpoints -------------------------------------------------------------
+import copy  # noqa: E402
+import io  # noqa: E402
+import warnings  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+import torchq  # noqa: E402
+from torchq.backends.aten import float8_dynamic_linear_scaled_mm  # noqa: E402
+from torchq.canonical import PlainForm, QuantSpec, decode_codes  # noqa: E402
+from torchq.serialization import CheckpointError  # noqa: E402
+
+FP8_CONFIGS = {"fp8dq-row": torchq.float8_dynamic_activation_float8_weight("row"),
+               "fp8dq-tensor": torchq.float8_dynamic_activation_float8_weight("tensor"), "fp8wo": torchq.float8_weight_only()}
+
+
+def small_model(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 32, bias=False)).to(dtype)
+
+
+@pytest.mark.parametrize("name", sorted(FP8_CONFIGS))
+def test_configs_by_name_and_json(name):
+    cfg = torchq.config_from_name(name)
+    assert cfg == FP8_CONFIGS[name]
+    assert torchq.config_from_json(cfg.to_json_str()) == cfg
+    with pytest.raises(ValueError, match="granularity: expected 'row' or 'tensor', got 'channel'"):
+        torchq.float8_dynamic_activation_float8_weight("channel")
+
+
+@pytest.mark.parametrize("name", sorted(FP8_CONFIGS))
+def test_a_quantized_model_runs_the_ops_reference_on_the_cpu_with_one_warning(name):
+    model = small_model()
+    torchq.quantize_(model, FP8_CONFIGS[name])
+    w = model[0].weight
+    assert isinstance(w, torchq.AffineQuantizedTensor) and isinstance(w.tensor_impl.layout, torchq.Float8Layout)
+    assert w.tensor_impl.codes.dtype == torch.float8_e4m3fn
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    with pytest.warns(torchq.FallbackWarning, match="float8 on cpu has no fast kernel"):
+        y = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per layer
+        assert torch.equal(model(x), y)
+    h = model[0].requires_grad_(False)  # a bias that wants a gradient is added outside the kernel
+    impl = h.weight.tensor_impl
+    if name == "fp8wo":
+        want = torch.ops.torchq.float8_weight_linear(x, impl.codes, impl.scale, h.bias)
+    else:
+        want = torch.ops.torchq.float8_dynamic_linear(x, impl.codes, impl.scale, name.removeprefix("fp8dq-"), h.bias)
+    assert torch.equal(h(x), want)
+    with torchq.strict(), pytest.raises(torchq.NoKernelError, match="strict mode forbids the float8 reference path"):
+        model(x)
+    report = str(torchq.explain(model, x))
+    assert "float8_reference" in report and "float8_scaled_mm" in report
+
+
+def test_a_weight_with_nan_is_refused_and_the_model_is_unchanged():
+    model = small_model(torch.float32)
+    with torch.no_grad():
+        model[2].weight[7, 3] = float("nan")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(Exception, match="row 7 holds NaN or inf"):
+        torchq.quantize_(model, torchq.float8_weight_only())
+    after = model.state_dict()
+    assert all(type(after[k]) is torch.Tensor and torch.equal(after[k], v, ) or (after[k].isnan() == v.isnan()).all()
+               for k, v in before.items())
+    assert not any(isinstance(p, torchq.AffineQuantizedTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(FP8_CONFIGS))
+def test_torch_save_with_weights_only_and_safetensors_round_trip(name, tmp_path):
+    model = small_model()
+    torchq.quantize_(model, FP8_CONFIGS[name])
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torchq.FallbackWarning)
+        y = model(x)
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        buf.seek(0)
+        again = small_model()
+        again.load_state_dict(torch.load(buf, weights_only=True), assign=True)
+        assert torch.equal(again(x), y)
+        torchq.save_quantized(model, tmp_path / "m")
+        fresh = small_model()
+        torchq.load_quantized(fresh, tmp_path / "m")
+        assert torch.equal(fresh(x), y)
+    a, b = model[0].weight.tensor_impl, fresh[0].weight.tensor_impl
+    assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+
+
+@pytest.mark.parametrize("name", sorted(FP8_CONFIGS))
+def test_a_quantized_linear_compiles_fullgraph_to_the_same_bits(name):
+    """(One layer: inductor keeps bf16 intermediates such as a GELU's in fp32, which would change
+    the next layer's float8 activations.)"""
+    model = small_model()[:1]
+    torchq.quantize_(model, FP8_CONFIGS[name])
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torchq.FallbackWarning)
+        eager = model(x)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(model, fullgraph=True)(x), eager)
+
+
+def test_nan_codes_are_refused_in_the_plain_form_and_in_checkpoints():
+    spec = QuantSpec((1, 8), 0, 255, "none", codebook="e4m3fn")
+    codes = torch.zeros(2, 8, dtype=torch.uint8)
+    codes[1, 3] = 0xFF
+    with pytest.raises(ValueError, match="1 float8_e4m3fn code"):
+        PlainForm(codes, torch.ones(2, 1), None, spec)
+    with pytest.raises(CheckpointError, match="w.codes: float8_e4m3fn codes that are NaN"):
+        decode_codes(codes, spec, 8, "bytes", "w.codes")
+    with pytest.raises(ValueError, match="codebook 'e4m3fn': codes are float8_e4m3fn bytes"):
+        QuantSpec((1, 8), 0, 15, "none", codebook="e4m3fn")
+
+
+@settings(**SETTINGS)
+@given(m=st.integers(1, 9), n=st.integers(1, 20), k=st.integers(1, 80), dtype=st.sampled_from(FLOATS),
+       granularity=st.sampled_from(["row", "tensor"]), w_granularity=st.sampled_from(["row", "tensor"]), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_the_scaled_mm_implementation_keeps_the_ops_contract(m, n, k, dtype, granularity, w_granularity, bias, seed):
+    """``torch._scaled_mm`` (the CUDA implementation; it has a CPU kernel too): the same codes and
+    scales, fp32 summation order and scale order only."""
+    gen = torch.Generator().manual_seed(seed)
+    codes, scale = quantize_float8(torch.randn(n, k, generator=gen), w_granularity)
+    x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = float8_dynamic_linear_scaled_mm(x, codes, scale, granularity, b)
+    ref = torch.ops.torchq.float8_dynamic_linear(x, codes, scale, granularity, b)
+    assert y.dtype == ref.dtype == dtype and y.shape == ref.shape
+    xq, xs = quantize_float8_activations(x, granularity)
+    mag = (xq.double().abs() @ codes.double().abs().T) * xs.double() * scale.double().reshape(1, -1)
+    unit = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    bound = (k + 4) * 2.0**-23 * mag + 2 * unit * (ref.double().abs() + mag) + torch.finfo(dtype).tiny
+    assert ((y.double() - ref.double()).abs() <= bound).all()

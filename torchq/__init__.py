@@ -8,7 +8,7 @@
 from . import ops  # noqa: I001
 from . import backends  # noqa: I001
 from . import blockwise, distributed, interop, layouts, native, primitives
-from .activation import OutlierInt8, PerBlockInt8, PerTokenInt8
+from .activation import Float8Activations, OutlierInt8, PerBlockInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .calibrate import CalibrationResult, calibrate
 from .canonical import PlainForm, QuantSpec
@@ -35,6 +35,10 @@ from .configs import (
     Int8DynamicActivation4BitWeightConfig,
     int8_dynamic_activation_4bit_weight,
     nf4_weight_only,
+    Float8DynamicActivationFloat8WeightConfig,
+    Float8WeightOnlyConfig,
+    float8_dynamic_activation_float8_weight,
+    float8_weight_only,
 )
 from .dispatch import (
     ALL_LAYOUTS,
@@ -116,6 +120,11 @@ __all__ = [
     "int8_dynamic_activation_4bit_weight",
     "nf4_weight_only",
     "fp4_weight_only",
+    "Float8DynamicActivationFloat8WeightConfig",
+    "Float8WeightOnlyConfig",
+    "float8_dynamic_activation_float8_weight",
+    "float8_weight_only",
+    "Float8Activations",
     "is_strict",
     "layout_from_json",
     "blockwise",

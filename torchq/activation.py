@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .float8 import check_granularity, quantize_float8_activations
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine
 from .serialization import reduce_object, register_kind
 
-__all__ = ["PerTokenInt8", "OutlierInt8", "PerBlockInt8", "activation_from_json"]
+__all__ = ["PerTokenInt8", "OutlierInt8", "PerBlockInt8", "Float8Activations", "activation_from_json"]
 
 
 @dataclass(frozen=True)
@@ -154,10 +155,49 @@ class PerBlockInt8:
         return f"dynamic int8 activations per {self.block_size}-block"
 
 
-def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBlockInt8 | None:
+@dataclass(frozen=True)
+class Float8Activations:
+    """Dynamic float8_e4m3fn activations with fp32 scales, per row (token) or per tensor
+    (:func:`torchq.float8.quantize_float8_activations`: ``scale = max(amax / 448, 2^-126)``, codes
+    rounded to nearest even and saturated; a block with NaN or inf gets scale NaN).
+
+    Bytes per row of K: K float8_e4m3fn codes and one fp32 scale (per row), or one fp32 scale for
+    the whole input (per tensor)."""
+
+    granularity: str = "row"
+
+    def __post_init__(self) -> None:
+        check_granularity(self.granularity)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(float8_e4m3fn codes of x's shape, fp32 scales [..., 1] or [1, ..., 1])``."""
+        return quantize_float8_activations(x, self.granularity)
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """``codes · scale`` in fp32, in x's dtype."""
+        if x.numel() == 0:
+            return x
+        codes, scale = self.quantize(x)
+        return (codes.to(torch.float32) * scale).to(x.dtype)
+
+    def __reduce__(self):
+        return reduce_object("act_quant", self)
+
+    def to_json(self) -> dict:
+        return {"type": "float8_dynamic", "granularity": self.granularity}
+
+    def describe(self) -> str:
+        return f"dynamic float8_e4m3fn activations per {self.granularity}"
+
+
+def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBlockInt8 | Float8Activations | None:
     """Inverse of ``to_json`` of the activation schemes (None stays None)."""
     if d is None:
         return None
+    if isinstance(d, dict) and d.get("type") == "float8_dynamic":
+        if set(d) != {"type", "granularity"}:
+            raise ValueError(f"activation quantization JSON: float8_dynamic takes a granularity only, got {sorted(d)}")
+        return Float8Activations(d["granularity"])
     if isinstance(d, dict) and d.get("type") == "per_block_int8":
         if set(d) != {"type", "block_size"}:
             raise ValueError(f"activation quantization JSON: per_block_int8 takes a block_size only, got {sorted(d)}")
@@ -167,7 +207,7 @@ def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBloc
             raise ValueError(f"activation quantization JSON: outlier_int8 takes a threshold only, got {sorted(d)}")
         return OutlierInt8(d["threshold"])
     if not isinstance(d, dict) or d.get("type") != "per_token_int8":
-        raise ValueError(f"activation quantization JSON: expected {{'type': 'per_token_int8' | 'outlier_int8' | 'per_block_int8', ...}} "
+        raise ValueError(f"activation quantization JSON: expected {{'type': 'per_token_int8' | 'outlier_int8' | 'per_block_int8' | 'float8_dynamic', ...}} "
                          f"or null, got {d!r}")
     extra = set(d) - {"type", "quant_min", "quant_max", "eps"}
     if extra:

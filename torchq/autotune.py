@@ -40,6 +40,7 @@ from . import dispatch, native
 from .algorithms.statistics import CALIBRATED, LayerStatistics, calibration_scope
 from .configs import Int4WeightOnlyConfig, QuantConfig, config_from_json, config_from_name
 from .layouts import preference, registered_layouts
+from .layouts.float8 import SCALED_MM_CAPABILITY
 from .quantize import float_linear_filter as default_filter  # autoquant times nn.Linear layers only
 from .quantize import quantize_
 from .tensor import AffineQuantizedTensor
@@ -62,9 +63,13 @@ def default_candidates(device: torch.device | str = "cpu", dtype: torch.dtype | 
     (``"int4-g128-fp32"``: more accurate, and the form the AVX2 decode path takes at M <= 4). On a
     CPU with the native library, the int8-activation 4-bit mode too (``"int4a8-g32"``,
     ``"int4a8-g128"``, ``"nf4a8"``: integer dot products, the fastest 4-bit decode on AVX2) and int8
-    dynamic with 7-bit activations (``"int8dq-r7"``: the faster int8 GEMM on CPUs without VNNI)."""
+    dynamic with 7-bit activations (``"int8dq-r7"``: the faster int8 GEMM on CPUs without VNNI). On
+    CUDA devices with FP8 tensor cores (compute capability 8.9+), the float8 configs
+    (``"fp8dq-row"``, ``"fp8dq-tensor"``, ``"fp8wo"``); elsewhere they only run the reference."""
     names = ["int8wo", "int8dq", "int4-g128", "int4-g32", "nf4"]
     device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= SCALED_MM_CAPABILITY:
+        names += ["fp8dq-row", "fp8dq-tensor", "fp8wo"]
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         names += ["int4-g128-fp32", "int4-g32-fp32"]
     if device.type == "cpu" and native.available():

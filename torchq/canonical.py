@@ -9,6 +9,11 @@ A quantized 2-D weight ``[N, K]`` is fully described by:
                  ``FLOAT``) or None for ``NONE``;
 * ``spec``       a :class:`QuantSpec`: block size, code range and zero-point domain.
 
+Codebook formats hold indices into a fixed table as codes and no zero point: ``nf4`` / ``fp4``
+(nibbles 0..15, bitsandbytes' tables) and ``e4m3fn`` (bytes 0..255: each code is a
+``float8_e4m3fn`` value's own byte, the table the 254 finite values; the NaN bytes 0x7F and 0xFF
+are refused; see :mod:`torchq.float8`).
+
 ``PlainForm.dequantize`` is the reference meaning of every layout.
 """
 
@@ -21,13 +26,23 @@ from dataclasses import dataclass
 import torch
 
 from .bitpack import pack_bits, unpack_bits
-from .blockwise.codebooks import QUANT_TYPES as CODEBOOKS
+from .blockwise.codebooks import QUANT_TYPES as NIBBLE_CODEBOOKS
 from .blockwise.codebooks import codebook as codebook_values
+from .float8 import FLOAT8_DTYPE
 from .primitives import ZeroPointDomain, dequantize_affine, expand_grid, scale_shape
 from .serialization import CheckpointError, reduce_object, register_kind
 from .tracing import traced
 
-__all__ = ["QuantSpec", "PlainForm", "NestedScale", "code_dtype_for", "encode_codes", "decode_codes", "has_data"]
+__all__ = ["QuantSpec", "PlainForm", "NestedScale", "code_dtype_for", "encode_codes", "decode_codes", "has_data", "CODEBOOKS",
+           "FLOAT8_CODEBOOK", "nan_float8_codes"]
+
+FLOAT8_CODEBOOK = "e4m3fn"  # codes are float8_e4m3fn bytes
+CODEBOOKS = (*NIBBLE_CODEBOOKS, FLOAT8_CODEBOOK)
+
+
+def nan_float8_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Where ``float8_e4m3fn`` byte codes (uint8) are NaN (0x7F, 0xFF)."""
+    return (codes & 0x7F) == 0x7F
 
 
 def code_dtype_for(quant_min: int, quant_max: int) -> torch.dtype:
@@ -62,7 +77,14 @@ class QuantSpec:
         if self.codebook is not None:
             if self.codebook not in CODEBOOKS:
                 raise ValueError(f"codebook: expected one of {sorted(CODEBOOKS)} or None, got {self.codebook!r}")
-            if (self.quant_min, self.quant_max, self.zero_point_domain) != (0, 15, ZeroPointDomain.NONE):
+            if self.codebook == FLOAT8_CODEBOOK:
+                if (self.quant_min, self.quant_max, self.zero_point_domain) != (0, 255, ZeroPointDomain.NONE) or self.double_quant:
+                    raise ValueError(
+                        f"codebook {self.codebook!r}: codes are float8_e4m3fn bytes [0, 255] with no zero point and plain "
+                        f"fp32 scales; got [{self.quant_min}, {self.quant_max}] zero={self.zero_point_domain.value} "
+                        f"double_quant={self.double_quant}"
+                    )
+            elif (self.quant_min, self.quant_max, self.zero_point_domain) != (0, 15, ZeroPointDomain.NONE):
                 raise ValueError(
                     f"codebook {self.codebook!r}: codes are nibbles [0, 15] with no zero point; got "
                     f"[{self.quant_min}, {self.quant_max}] zero={self.zero_point_domain.value}"
@@ -176,7 +198,8 @@ class NestedScale:
 
 
 # the codebooks' fp32 values as Python floats (exact), for tensors built where they are used
-_CODEBOOK_VALUES = {name: tuple(codebook_values(name).tolist()) for name in CODEBOOKS}
+_CODEBOOK_VALUES = {name: tuple(codebook_values(name).tolist()) for name in NIBBLE_CODEBOOKS}
+_CODEBOOK_VALUES[FLOAT8_CODEBOOK] = tuple(torch.arange(256, dtype=torch.uint8).view(FLOAT8_DTYPE).to(torch.float32).tolist())
 
 # dtypes a floating zero point may have (float64 has no kernel: every forward would fail)
 _ZERO_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -216,6 +239,8 @@ class PlainForm:
         gen = torch.Generator().manual_seed(seed)
         grid = scale_shape(shape, spec.block_size)
         codes = torch.randint(spec.quant_min, spec.quant_max + 1, tuple(shape), generator=gen).to(spec.code_dtype)
+        if spec.codebook == FLOAT8_CODEBOOK:
+            codes = torch.where(nan_float8_codes(codes), codes - 1, codes)  # 0x7E / 0xFE: ±448
         magnitude = torch.rand(grid, generator=gen) * 0.02 + 0.002
         if spec.codebook is not None:
             if scale_dtype != torch.float32:
@@ -277,6 +302,10 @@ class PlainForm:
                 raise ValueError(f"{name}: expected device {self.codes.device} (the codes' device), got {t.device}")
         if spec.codebook is not None and self.scale.dtype != torch.float32:
             raise TypeError(f"scale: codebook formats keep fp32 absmax, got {self.scale.dtype}")
+        if spec.codebook == FLOAT8_CODEBOOK and has_data(self.codes) and not traced(self.codes):
+            nan = nan_float8_codes(self.codes)
+            if bool(nan.any()):
+                raise ValueError(f"codes: {int(nan.sum())} float8_e4m3fn code(s) are NaN (bytes 0x7F / 0xFF)")
         if spec.double_quant != (self.nested is not None):
             raise ValueError(f"nested: expected {'a NestedScale' if spec.double_quant else 'None'} for {spec.describe()}")
         if self.nested is not None:
@@ -388,4 +417,6 @@ def decode_codes(stored: torch.Tensor, spec: QuantSpec, k: int, encoding: str, w
         return codes.view(torch.int8) if spec.code_dtype == torch.int8 else codes
     if real and bool(((stored < spec.quant_min) | (stored > spec.quant_max)).any()):
         raise CheckpointError(f"{where}: codes outside [{spec.quant_min}, {spec.quant_max}]")
+    if real and spec.codebook == FLOAT8_CODEBOOK and bool(nan_float8_codes(stored).any()):
+        raise CheckpointError(f"{where}: float8_e4m3fn codes that are NaN (bytes 0x7F / 0xFF)")
     return stored

@@ -18,11 +18,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from .activation import OutlierInt8, PerTokenInt8
+from .activation import Float8Activations, OutlierInt8, PerTokenInt8
 from .algorithms import ALGORITHMS, hqq_zero_points
 from .algorithms.formats import AffineGroupFormat, CodebookGroupFormat, GroupFormat
 from .algorithms.statistics import CALIBRATED, statistics_for
-from .canonical import QuantSpec
+from .canonical import FLOAT8_CODEBOOK, PlainForm, QuantSpec
+from .float8 import FLOAT8_DTYPE, check_granularity, quantize_float8
 from .layouts.base import Layout, layout_from_json
 from .primitives import MappingType, ZeroPointDomain, code_range
 from .serialization import reduce_object, register_kind
@@ -46,6 +47,10 @@ __all__ = [
     "int8_dynamic_activation_4bit_weight",
     "nf4_weight_only",
     "fp4_weight_only",
+    "Float8DynamicActivationFloat8WeightConfig",
+    "Float8WeightOnlyConfig",
+    "float8_dynamic_activation_float8_weight",
+    "float8_weight_only",
     "config_from_json",
     "config_from_name",
     "registered_configs",
@@ -577,6 +582,78 @@ class LLMInt8Config(QuantConfig):
         return _int8_per_channel(weight, self, -127, 127, OutlierInt8(self.threshold), label)
 
 
+def _float8_weight(weight: torch.Tensor, cfg: QuantConfig, granularity: str, act_quant, label) -> AffineQuantizedTensor:
+    """float8_e4m3fn codes and fp32 scales (:func:`torchq.float8.quantize_float8`) in the plain form's
+    ``e4m3fn`` codebook (the codes' own bytes)."""
+    n, k = weight.shape
+    spec = QuantSpec((1, k) if granularity == "row" else (n, k), 0, 255, ZeroPointDomain.NONE, codebook=FLOAT8_CODEBOOK)
+    if weight.device.type == "meta":  # shapes only (a meta model built from its config)
+        codes = torch.empty(n, k, dtype=FLOAT8_DTYPE, device="meta")
+        scale = torch.empty((n, 1) if granularity == "row" else (1, 1), dtype=torch.float32, device="meta")
+    else:
+        try:
+            codes, scale = quantize_float8(weight.detach(), granularity)
+        except ValueError as e:
+            raise ValueError(f"weight: {str(e).removeprefix('w: ')}") from None
+    plain = PlainForm(codes.view(torch.uint8), scale, None, spec)
+    return AffineQuantizedTensor.from_plain(plain, weight.dtype, layout=cfg.layout, act_quant=act_quant, label=label,  # type: ignore[attr-defined]
+                                            config=cfg)
+
+
+@dataclass(frozen=True)
+class Float8DynamicActivationFloat8WeightConfig(QuantConfig):
+    """float8_e4m3fn weights with one fp32 scale per output row (``granularity="row"``) or per
+    tensor; activations quantized to float8_e4m3fn per call, per row (token) or per tensor
+    (:class:`~torchq.activation.Float8Activations`, the same granularity), the product through
+    ``torch._scaled_mm`` on CUDA 8.9+ (``torchq::float8_dynamic_linear``). Scales
+    ``max(amax / 448, 2^-126)`` in fp32; codes rounded to nearest even, saturated at ±448; a weight
+    row with NaN or inf is refused (:mod:`torchq.float8`)."""
+
+    granularity: str = "row"
+    layout: Layout | None = None
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        check_granularity(self.granularity)
+        self._check_common()
+
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        return self.granularity == "row"
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        self._check_weight(weight, label)
+        return _float8_weight(weight, self, self.granularity, Float8Activations(self.granularity), label)
+
+
+@dataclass(frozen=True)
+class Float8WeightOnlyConfig(QuantConfig):
+    """float8_e4m3fn weights with one fp32 scale per output row (as
+    :class:`Float8DynamicActivationFloat8WeightConfig`), activations as given
+    (``torchq::float8_weight_linear``)."""
+
+    layout: Layout | None = None
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        self._check_common()
+
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        return True
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        self._check_weight(weight, label)
+        return _float8_weight(weight, self, "row", None, label)
+
+
+def float8_dynamic_activation_float8_weight(granularity: str = "row", layout: Layout | None = None,
+                                            compute_dtype: torch.dtype | None = None) -> Float8DynamicActivationFloat8WeightConfig:
+    return Float8DynamicActivationFloat8WeightConfig(granularity=granularity, layout=layout, compute_dtype=compute_dtype)
+
+
+def float8_weight_only(layout: Layout | None = None, compute_dtype: torch.dtype | None = None) -> Float8WeightOnlyConfig:
+    return Float8WeightOnlyConfig(layout=layout, compute_dtype=compute_dtype)
+
+
 def int4_weight_only(group_size: int = 128, layout: Layout | None = None, **kwargs: Any) -> Int4WeightOnlyConfig:
     return Int4WeightOnlyConfig(group_size=group_size, layout=layout, **kwargs)
 
@@ -602,8 +679,9 @@ def config_from_name(name: str) -> QuantConfig:
     the AVX2 decode path factors), ``intx<B>-g<G>`` (e.g. ``intx3-g32``), either with ``-hqq`` at
     the end for HQQ zero points (``int4-g128-hqq``), ``nf4`` / ``fp4`` with an optional
     ``-b<block>`` (double-quantized scales), any of these with ``-gptq`` / ``-awq`` at the end for a
-    calibrated algorithm (``int4-g128-gptq``, ``nf4-awq``: :func:`torchq.calibrate`), or the int8-activation mode ``int4a8[-g<G>]``
-    (default 32) / ``nf4a8[-b<B>]`` / ``fp4a8[-b<B>]`` (default 64)."""
+    calibrated algorithm (``int4-g128-gptq``, ``nf4-awq``: :func:`torchq.calibrate`), the int8-activation mode ``int4a8[-g<G>]``
+    (default 32) / ``nf4a8[-b<B>]`` / ``fp4a8[-b<B>]`` (default 64), or float8: ``fp8dq-row`` / ``fp8dq-tensor``
+    (dynamic float8 activations) and ``fp8wo`` (weight-only)."""
     import re
 
     if name == "int8wo":
@@ -612,6 +690,10 @@ def config_from_name(name: str) -> QuantConfig:
         return int8_dynamic_activation_int8_weight()
     if name == "int8dq-r7":
         return int8_dynamic_activation_int8_weight(reduce_range=True)
+    if name in ("fp8dq-row", "fp8dq-tensor"):
+        return float8_dynamic_activation_float8_weight(name.removeprefix("fp8dq-"))
+    if name == "fp8wo":
+        return float8_weight_only()
     if m := re.fullmatch(r"(nf4|fp4)(-b(\d+))?(-gptq|-awq)?", name):
         return NF4WeightOnlyConfig(block_size=int(m[3] or 64), quant_type=m[1], algorithm=(m[4] or "-rtn")[1:])
     if m := re.fullmatch(r"int4-g(\d+)(-fp32)?(-hqq|-gptq|-awq)?", name):
@@ -623,7 +705,7 @@ def config_from_name(name: str) -> QuantConfig:
         return int8_dynamic_activation_4bit_weight(m[1], int(m[3] or (32 if m[1] == "int4" else 64)))
     raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int8dq-r7, int4-g<G>[-fp32][-hqq|-gptq|-awq], "
                      f"intx<B>-g<G>[-hqq|-gptq|-awq], nf4[-b<B>][-gptq|-awq], "
-                     f"fp4[-b<B>], int4a8[-g<G>], nf4a8[-b<B>] or fp4a8[-b<B>]")
+                     f"fp4[-b<B>], int4a8[-g<G>], nf4a8[-b<B>], fp4a8[-b<B>], fp8dq-row, fp8dq-tensor or fp8wo")
 
 
 def int8_dynamic_activation_4bit_weight(weight: str = "int4", group_size: int = 32, double_quant: bool = False,

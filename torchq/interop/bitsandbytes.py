@@ -149,7 +149,7 @@ def to_bitsandbytes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
         except ValueError as e:
             raise ValueError(f"to_bitsandbytes: {name!r}: {e}") from None
         spec = plain.spec
-        if spec.codebook is None or w.transposed or spec.block_size[0] != 1:
+        if spec.codebook not in ("nf4", "fp4") or w.transposed or spec.block_size[0] != 1:
             raise ValueError(f"to_bitsandbytes: {name!r} is {spec.describe()}; only NF4/FP4 weights have a bitsandbytes form")
         n, k = plain.shape
         c = plain.codes

@@ -113,7 +113,7 @@ class Blockwise4bitLayout(Layout):
         base = super().fit(spec, shape, scale_dtype, device)
         if not base.holds:
             return base
-        if spec.codebook is None:
+        if spec.codebook not in ("nf4", "fp4"):
             return Fit(f"holds nf4/fp4 codebook formats only, weight is {spec.describe()}")
         if shape is not None and len(shape) != 2:
             return Fit(f"needs a 2-D weight, got shape {shape}")

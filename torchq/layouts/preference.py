@@ -11,17 +11,17 @@ from __future__ import annotations
 
 __all__ = ["DEFAULT", "order", "prefer"]
 
-# Fastest first. NF4/FP4 weights only fit blockwise_4bit; groupwise int4 fits the device's int4
+# Fastest first. float8 weights only fit float8 (its kernels pick by device); NF4/FP4 weights only fit blockwise_4bit; groupwise int4 fits the device's int4
 # packing, then torchq's portable int4 bytes (native CPU kernel, Triton on CUDA), then PyTorch's
 # CPU packing (where the native library is missing); 1-7-bit codes fit packed_bits; everything
 # else stays plain.
 _ORDERS: dict[str, list[str]] = {
-    "cpu": ["blockwise_4bit", "int4_native", "int4_cpu", "packed_bits", "plain"],
-    "cuda": ["blockwise_4bit", "tensor_core_tiled", "int4_native", "packed_bits", "plain"],
-    "xpu": ["blockwise_4bit", "int4_xpu", "int4_native", "packed_bits", "plain"],
+    "cpu": ["float8", "blockwise_4bit", "int4_native", "int4_cpu", "packed_bits", "plain"],
+    "cuda": ["float8", "blockwise_4bit", "tensor_core_tiled", "int4_native", "packed_bits", "plain"],
+    "xpu": ["float8", "blockwise_4bit", "int4_xpu", "int4_native", "packed_bits", "plain"],
 }
 DEFAULT = "default"
-_ORDERS[DEFAULT] = ["blockwise_4bit", "tensor_core_tiled", "int4_xpu", "int4_native", "int4_cpu", "packed_bits", "plain"]
+_ORDERS[DEFAULT] = ["float8", "blockwise_4bit", "tensor_core_tiled", "int4_xpu", "int4_native", "int4_cpu", "packed_bits", "plain"]
 
 
 def order(device_type: str) -> tuple[str, ...]:
