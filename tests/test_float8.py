@@ -299,6 +299,12 @@ def test_torch_save_with_weights_only_and_safetensors_round_trip(name, tmp_path)
         assert torch.equal(fresh(x), y)
     a, b = model[0].weight.tensor_impl, fresh[0].weight.tensor_impl
     assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    from safetensors import safe_open
+
+    files = sorted((tmp_path / "m").glob("*.safetensors")) or [tmp_path / "m"]
+    with safe_open(str(files[0]), "pt") as f:  # the codes as F8_E4M3, readable by any safetensors tool
+        codes_keys = [key for key in f.keys() if key.endswith("codes")]
+        assert codes_keys and all(f.get_tensor(key).dtype == torch.float8_e4m3fn for key in codes_keys)
 
 
 @pytest.mark.parametrize("name", sorted(FP8_CONFIGS))

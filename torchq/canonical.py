@@ -405,8 +405,14 @@ def encode_codes(codes: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, st
 
 
 def decode_codes(stored: torch.Tensor, spec: QuantSpec, k: int, encoding: str, where: str) -> torch.Tensor:
-    """Plain ``[N, k]`` codes from :func:`encode_codes`' form; a :class:`CheckpointError` naming
-    ``where`` for a code outside the spec's range (checked where the tensor holds data)."""
+    """Plain ``[N, k]`` codes from :func:`encode_codes`' form (or ``float8``: float8_e4m3fn codes of
+    the ``e4m3fn`` codebook, as checkpoints store them); a :class:`CheckpointError` naming ``where``
+    for a code outside the spec's range (checked where the tensor holds data)."""
+    if encoding == "float8":
+        if spec.codebook != FLOAT8_CODEBOOK or stored.dtype != FLOAT8_DTYPE:
+            raise CheckpointError(f"{where}: float8 codes are float8_e4m3fn codes of the {FLOAT8_CODEBOOK} codebook, "
+                                  f"got {stored.dtype} for {spec.describe()}")
+        stored, encoding = stored.view(torch.uint8), "bytes"
     real = has_data(stored)
     if encoding == "bitstream":
         u = unpack_bits(stored, spec.bits, k)

@@ -16,7 +16,7 @@ The record is a JSON object::
     config      null | JSON     the config that produced it (informational)
     label       null | "name"   the layer name, used in messages
     compute_dtype "bfloat16"    optional: the dtype linears compute in (absent: the input's dtype)
-    codes_encoding "bitstream" | "bytes"
+    codes_encoding "bitstream" | "bytes" | "float8" (float8_e4m3fn codes: the e4m3fn codebook's bytes)
     parts       {"codes": P, "scale": P, "zero_point": P}   (no zero_point when the domain is NONE;
                 "input_scale": P, fp32 [K], only for a weight with an input scale: AWQ's;
                 "input_perm": P, int64/int32 [K], a permutation of 0..K-1, only for a weight with an
@@ -53,8 +53,9 @@ import torch
 
 from ..activation import activation_from_json
 from ..bitpack import packed_width
-from ..canonical import NestedScale, PlainForm, QuantSpec, decode_codes, encode_codes, has_data
+from ..canonical import FLOAT8_CODEBOOK, NestedScale, PlainForm, QuantSpec, decode_codes, encode_codes, has_data
 from ..configs import config_from_json
+from ..float8 import FLOAT8_DTYPE
 from ..layouts.base import Layout, choose_layout, layout_from_json, placement_reason, registered_layouts
 from ..primitives import ZeroPointDomain, scale_shape
 from ..serialization import CheckpointError, check_version, dumps, is_int, loads
@@ -147,6 +148,8 @@ def encode(w: AffineQuantizedTensor, *, checksum: bool = True) -> tuple[dict, di
     plain = w.to_plain()
     spec = plain.spec
     codes, encoding = encode_codes(plain.codes, spec)
+    if spec.codebook == FLOAT8_CODEBOOK:  # stored as float8_e4m3fn (safetensors F8_E4M3): what other tools read
+        codes, encoding = codes.view(FLOAT8_DTYPE), "float8"
     tensors = {"codes": own_storage(codes)}
     if plain.nested is None:
         tensors["scale"] = own_storage(plain.scale)
@@ -240,8 +243,12 @@ class ParsedRecord:
             codes = (torch.uint8, (n, packed_width(k, spec.bits)))
         elif self.encoding == "bytes":
             codes = (spec.code_dtype, (n, k))
+        elif self.encoding == "float8":
+            if spec.codebook != FLOAT8_CODEBOOK:
+                raise CheckpointError(f"{where}: codes_encoding 'float8' is for the {FLOAT8_CODEBOOK} codebook, spec is {spec.describe()}")
+            codes = (FLOAT8_DTYPE, (n, k))
         else:
-            raise CheckpointError(f"{where}: unknown codes_encoding {self.encoding!r} (expected 'bitstream' or 'bytes')")
+            raise CheckpointError(f"{where}: unknown codes_encoding {self.encoding!r} (expected 'bitstream', 'bytes' or 'float8')")
         grid = scale_shape((n, k), spec.block_size)
         if spec.double_quant:
             want = {"codes": codes, "scale_codes": (torch.uint8, grid),
