@@ -480,7 +480,7 @@ def test_symmetric_zero_points_must_be_zero() -> None:
 
 @pytest.mark.parametrize("edit, message", [
     ({"quant_method": "gptq"}, "quant_method: expected 'compressed-tensors'"),
-    ({"format": "float-quantized"}, "format: torchq imports"),
+    ({"format": "marlin-24"}, "format: torchq imports"),
     ({"format": "nvfp4-pack-quantized"}, "format: torchq imports"),
     ({"transform_config": {"config_groups": {"r": {}}}}, "transform_config"),
     ({"config_groups": {"W4A16": ["Linear"]}}, "preset scheme name"),
@@ -494,7 +494,9 @@ def test_bad_configs_are_refused(edit, message) -> None:
 
 
 @pytest.mark.parametrize("weights, message", [
-    ({"type": "float", "num_bits": 8}, r"type: torchq imports integer weights only"),
+    ({"type": "float", "num_bits": 8, "symmetric": True}, r"format: 'pack-quantized' does not store float weights"),
+    ({"type": "float", "num_bits": 4}, r"num_bits: torchq imports 8-bit float weights \(FP8 e4m3\); 4-bit float \(NVFP4/MXFP4\)"),
+    ({"type": "float", "num_bits": 8, "symmetric": False}, "symmetric: float weights have no zero point"),
     ({"num_bits": 16}, r"num_bits: expected an int in 1..8"),
     ({"strategy": "tensor_group"}, "strategy: expected tensor, channel, group or block"),
     ({"group_size": 0}, "group_size: strategy group needs a positive int"),
@@ -685,3 +687,107 @@ def test_load_into_float_model_and_errors(llama_checkpoint, tmp_path) -> None:
     assert fresh.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="activations='error'"):
         load_compressed_tensors(transformers.LlamaForCausalLM(cfg), folder, activations="error")
+
+
+# -- FP8 (float-quantized) ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "group"])
+@pytest.mark.parametrize("sdt", SCALE_DTYPES)
+@pytest.mark.parametrize("dynamic", ["token", "tensor", None])
+def test_fp8_weights_import_bit_for_bit(strategy, sdt, dynamic) -> None:
+    """llm-compressor's FP8 schemes as compressed-tensors' own compressor writes them: the float8
+    bytes and scales dequantize to the package's own decompression bit for bit; channel / tensor
+    weights land in Float8Layout, dynamic float8 activations are carried over."""
+    act = None if dynamic is None else QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=dynamic, dynamic=True)
+    fmt = "float-quantized" if act is not None else "naive-quantized"
+    extra = {"group_size": 16} if strategy == "group" else {}
+    tensors, cfg, ref = build(24, 64, fmt, sdt, 3, input_activations=act, num_bits=8, type="float", symmetric=True,
+                              strategy=strategy, **extra)
+    assert tensors["layer.weight"].dtype == torch.float8_e4m3fn
+    q = from_compressed_tensors(tensors, cfg)["layer.weight"]
+    assert isinstance(q, torchq.AffineQuantizedTensor) and q.dtype == sdt
+    assert torch.equal(q.dequantize(sdt), ref)
+    assert torch.equal(q.tensor_impl.to_plain().codes, tensors["layer.weight"].view(torch.uint8))
+    layout = type(q.tensor_impl.layout).__name__
+    assert layout == ("PlainLayout" if strategy == "group" else "Float8Layout")
+    assert q.act_quant == (None if dynamic is None else torchq.Float8Activations("row" if dynamic == "token" else "tensor"))
+    x = torch.randn(3, 64).to(sdt)
+    assert torch.isfinite(F.linear(x, q)).all()
+
+
+def test_fp8_static_activation_scales_follow_the_activations_option() -> None:
+    act = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+    tensors, cfg, ref = build(16, 32, "float-quantized", torch.bfloat16, 0, input_activations=act, num_bits=8, type="float",
+                              symmetric=True, strategy="channel")
+    tensors["layer.input_scale"] = torch.tensor([0.02])
+    out = from_compressed_tensors(tensors, cfg)
+    assert "layer.input_scale" not in out and out["layer.weight"].act_quant is None
+    assert torch.equal(out["layer.weight"].dequantize(torch.bfloat16), ref)
+    with pytest.raises(ValueError, match="activations='error'"):
+        from_compressed_tensors(tensors, cfg, activations="error")
+
+
+def test_a_format_that_does_not_store_the_weights_type_is_refused() -> None:
+    tensors, cfg = _valid()
+    cfg["config_groups"]["group_0"]["format"] = "float-quantized"
+    with pytest.raises(ValueError, match="format: 'float-quantized' does not store int weights"):
+        from_compressed_tensors(tensors, cfg)
+
+
+def test_fp8_nan_bytes_and_wrong_dtypes_are_refused() -> None:
+    tensors, cfg, _ = build(16, 32, "naive-quantized", torch.bfloat16, 0, num_bits=8, type="float", symmetric=True,
+                            strategy="channel")
+    bad = tensors["layer.weight"].view(torch.uint8).clone()
+    bad[2, 5] = 0x7F
+    with pytest.raises(CheckpointError, match="float8_e4m3fn code.*NaN"):
+        from_compressed_tensors({**tensors, "layer.weight": bad.view(torch.float8_e4m3fn)}, cfg)
+    with pytest.raises(CheckpointError, match="weight: expected dtype torch.float8_e4m3fn"):
+        from_compressed_tensors({**tensors, "layer.weight": tensors["layer.weight"].view(torch.int8)}, cfg)
+
+
+def test_fp8_dynamic_llama_end_to_end(tmp_path) -> None:
+    """llm-compressor's FP8_DYNAMIC scheme on a tiny Llama, compressed by ModelCompressor and saved
+    with save_pretrained: every weight equals the package's dequantizer's, the model runs with
+    torchq's float8 activations, and save_quantized / load_quantized keep it."""
+    transformers = pytest.importorskip("transformers")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config, preset_name_to_scheme
+    from safetensors.torch import load_file
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    qc = QuantizationConfig(config_groups={"fp8": preset_name_to_scheme("FP8_DYNAMIC", ["re:.*_proj$"])}, ignore=["lm_head"])
+    apply_quantization_config(model, qc, show_progress=False)
+    with torch.no_grad():
+        for _, m in model.named_modules():
+            scheme = getattr(m, "quantization_scheme", None)
+            if scheme is not None:
+                scale, _ = minmax_qparams(m.weight, scheme.weights)
+                m.weight_scale.copy_(scale)
+                m.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    folder = tmp_path / "fp8"
+    model.save_pretrained(folder)
+    compressor.update_config(str(folder))
+    reference = CompressedTensorsDequantizer(folder, dtype=torch.bfloat16).process(dict(load_file(folder / "model.safetensors")))
+    with torch.device("meta"):
+        loaded = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    load_compressed_tensors(loaded, folder, init_buffers="auto")
+    quantized = {n: p for n, p in loaded.named_parameters() if isinstance(p, torchq.AffineQuantizedTensor)}
+    assert len(quantized) == 14
+    for name, p in quantized.items():
+        assert isinstance(p.tensor_impl.layout, torchq.Float8Layout) and p.act_quant == torchq.Float8Activations("row")
+        assert torch.equal(p.dequantize(torch.bfloat16), reference[name]), name
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = loaded(ids).logits
+    assert torch.isfinite(logits).all()
+    torchq.save_quantized(loaded, tmp_path / "torchq")
+    with torch.device("meta"):
+        again = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    torchq.load_quantized(again, tmp_path / "torchq", init_buffers="auto")
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, logits)

@@ -47,7 +47,18 @@ Activation quantization (``input_activations``, ``output_activations``, ``kv_cac
 exactly and drops the static activation scales (linears then run on unquantized activations, as
 compressed-tensors' own dequantizing loader does); ``activations="error"`` refuses such configs.
 
-Not importable (a ValueError says so): float weights (FP8, NVFP4, MXFP4), ``tensor_group``,
+FP8 (``float-quantized``, llm-compressor's ``FP8`` / ``FP8_DYNAMIC`` / ``FP8_BLOCK`` schemes: ``type:
+"float"``, 8 bits): ``<m>.weight`` float8_e4m3fn ``[N, K]`` and ``<m>.weight_scale`` shaped as above
+(any float dtype). compressed-tensors dequantizes ``weight.to(s.dtype) * s``: a 4-bit significand
+times a bf16/fp16/fp32 scale is exact in fp32, so torchq's ``e4m3fn`` plain form (the weight's own
+bytes, the scale in fp32) dequantizes bit for bit to the same values. Per-channel and per-tensor
+weights load into :class:`~torchq.layouts.Float8Layout`; dynamic float8 activations per token or
+per tensor (``input_activations: {type: float, num_bits: 8, dynamic: true}``) are carried over
+as :class:`~torchq.activation.Float8Activations` (torchq's own scale rule at run time); static
+activation scales follow ``activations`` as for integer schemes. Block / group FP8 weights import
+into the plain layout (dequantized per call, warned).
+
+Not importable (a ValueError says so): FP4 weights (NVFP4, MXFP4), ``tensor_group``,
 transforms, sparsity, 3-D (fused MoE) weights, group sizes that do not divide ``in_features``.
 :func:`to_compressed_tensors` writes torchq weights whose zero point is an integer (symmetric, or
 ZeroPointDomain.INT) back; FLOAT zero points (torchq's default int4), codebooks (NF4) and AWQ's
@@ -70,9 +81,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..canonical import PlainForm, QuantSpec
+from ..activation import Float8Activations
+from ..canonical import FLOAT8_CODEBOOK, PlainForm, QuantSpec
 from ..checkpoint.codec import CheckpointError
 from ..checkpoint.model_state import BufferInit, Incoming, install_checkpoint
+from ..float8 import FLOAT8_DTYPE
 from ..hooks import prepare_weights_installed
 from ..patterns import SafePattern, check_total_states, compile_pattern
 from ..primitives import ZeroPointDomain
@@ -90,7 +103,8 @@ __all__ = [
 QUANT_METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
 UNPACKED = ("int-quantized", "naive-quantized")
-_READ_FORMATS = (PACKED, *UNPACKED)
+FLOAT_QUANTIZED = "float-quantized"
+_READ_FORMATS = (PACKED, *UNPACKED, FLOAT_QUANTIZED)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _ACT_PARTS = tuple(f"{base}_{suffix}" for base in ("input", "output") for suffix in ("scale", "zero_point", "global_scale"))
@@ -165,7 +179,7 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
 # -- the quantization_config ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WeightArgs:
-    """The weight half of a compressed-tensors scheme (integer weights)."""
+    """The weight half of a compressed-tensors scheme (integer weights, or 8-bit float: ``type``)."""
 
     num_bits: int
     symmetric: bool
@@ -173,6 +187,7 @@ class WeightArgs:
     group_size: int | None = None
     block_structure: tuple[int, int] | None = None
     actorder: str | None = None
+    type: str = "int"
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -193,7 +208,7 @@ class WeightArgs:
         return (-(-n // bn), -(-k // bk))
 
     def to_json(self) -> dict:
-        out: dict[str, Any] = {"num_bits": self.num_bits, "type": "int", "symmetric": self.symmetric,
+        out: dict[str, Any] = {"num_bits": self.num_bits, "type": self.type, "symmetric": self.symmetric,
                                "group_size": self.group_size if self.strategy == "group" else None,
                                "strategy": self.strategy, "dynamic": False}
         if self.strategy == "block":
@@ -208,8 +223,9 @@ class Scheme:
     name: str
     targets: tuple[str, ...]
     weights: WeightArgs | None
-    quantizes_activations: bool
+    quantizes_activations: bool  # activation quantization torchq drops (or refuses: activations='error')
     format: str
+    act_quant: Float8Activations | None = None  # dynamic float8 activations torchq carries over
 
 
 @dataclass(frozen=True)
@@ -228,14 +244,20 @@ def _weight_args(d: Any, where: str) -> WeightArgs:
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
     kind = d.get("type", "int")
-    if kind != "int":
-        raise ValueError(f"{where}.type: torchq imports integer weights only (int), got {kind!r} (FP8/FP4 formats are not supported)")
+    kind = getattr(kind, "value", kind)  # a QuantizationType from model_dump()
+    if kind not in ("int", "float"):
+        raise ValueError(f"{where}.type: expected 'int' or 'float', got {kind!r}")
     bits = d.get("num_bits", 8)
     if not _is_int(bits) or not 1 <= bits <= 8:
         raise ValueError(f"{where}.num_bits: expected an int in 1..8, got {bits!r}")
+    if kind == "float" and bits != 8:
+        raise ValueError(f"{where}.num_bits: torchq imports 8-bit float weights (FP8 e4m3); {bits}-bit float (NVFP4/MXFP4) "
+                         f"is not supported")
     symmetric = d.get("symmetric", True)
     if not isinstance(symmetric, bool):
         raise ValueError(f"{where}.symmetric: expected true/false, got {symmetric!r}")
+    if kind == "float" and not symmetric:
+        raise ValueError(f"{where}.symmetric: float weights have no zero point, got false")
     if d.get("dynamic", False) not in (False, None):
         raise ValueError(f"{where}.dynamic: weights must be static, got {d.get('dynamic')!r}")
     group_size, block = d.get("group_size"), d.get("block_structure")
@@ -243,7 +265,7 @@ def _weight_args(d: Any, where: str) -> WeightArgs:
     if strategy is None:  # compressed-tensors' inference
         strategy = "tensor" if group_size is None else "group" if _is_int(group_size) and group_size > 0 else "channel"
     if strategy not in ("tensor", "channel", "group", "block"):
-        raise ValueError(f"{where}.strategy: expected tensor, channel, group or block for integer weights, got {strategy!r}")
+        raise ValueError(f"{where}.strategy: expected tensor, channel, group or block, got {strategy!r}")
     if strategy == "group":
         if not _is_int(group_size) or group_size <= 0:
             raise ValueError(f"{where}.group_size: strategy group needs a positive int, got {group_size!r}")
@@ -265,14 +287,27 @@ def _weight_args(d: Any, where: str) -> WeightArgs:
     actorder = aliases.get(actorder, actorder)
     if actorder not in (None, "weight", "group"):
         raise ValueError(f"{where}.actorder: expected null, 'weight' or 'group', got {d.get('actorder')!r}")
-    return WeightArgs(bits, symmetric, strategy, group_size, block, actorder)
+    return WeightArgs(bits, symmetric, strategy, group_size, block, actorder, kind)
 
 
 def _infer_format(weights: WeightArgs | None, act: Any) -> str:
-    """compressed-tensors' ``infer_module_format`` for integer weights on a Linear."""
+    """compressed-tensors' ``infer_module_format`` for a Linear."""
+    if weights is not None and weights.type == "float":
+        return FLOAT_QUANTIZED if isinstance(act, dict) else "naive-quantized"
     if isinstance(act, dict) and act.get("type", "int") == "int":
         return "int-quantized"
     return PACKED
+
+
+def _float8_activations(weights: WeightArgs | None, act: Any) -> Float8Activations | None:
+    """The dynamic float8 activations a float8 weight's scheme asks for (per token or tensor), which
+    torchq runs itself; None for anything else (static scales, integer or absent activations)."""
+    if weights is None or weights.type != "float" or not isinstance(act, dict):
+        return None
+    if act.get("type") != "float" or act.get("num_bits", 8) != 8 or act.get("dynamic") is not True:
+        return None
+    strategy = act.get("strategy") or "token"
+    return Float8Activations({"token": "row", "tensor": "tensor"}[strategy]) if strategy in ("token", "tensor") else None
 
 
 def parse_quantization_config(config: Any) -> ParsedConfig:
@@ -316,7 +351,11 @@ def parse_quantization_config(config: Any) -> ParsedConfig:
         fmt = d.get("format") or (top if top != "mixed-precision" else _infer_format(weights, act_in))
         if weights is not None and fmt not in _READ_FORMATS:
             raise ValueError(f"{where}.format: torchq imports {', '.join(_READ_FORMATS)}, got {fmt!r}")
-        schemes.append(Scheme(str(name), tuple(targets), weights, act_in is not None or act_out is not None, fmt))
+        if weights is not None and (weights.type == "float") != (fmt == FLOAT_QUANTIZED) and fmt != "naive-quantized":
+            raise ValueError(f"{where}.format: {fmt!r} does not store {weights.type} weights")
+        act_quant = _float8_activations(weights, act_in)
+        drops = (act_in is not None and act_quant is None) or act_out is not None
+        schemes.append(Scheme(str(name), tuple(targets), weights, drops, fmt, act_quant))
     ignore = config.get("ignore") or []
     if not (isinstance(ignore, list) and all(isinstance(t, str) for t in ignore)):
         raise ValueError(f"quantization_config.ignore: expected a list of strings, got {ignore!r}")
@@ -404,8 +443,8 @@ def _plan_module(prefix: str, scheme: Scheme, meta: Meta, read: Callable[[str], 
     stored = PACKED if keys["weight_packed"] in meta else "int8 'weight'"
     if (scheme.format == PACKED) != (stored == PACKED) or (keys["weight_packed"] in meta and keys["weight"] in meta):
         found = " and ".join(repr(keys[p]) for p in ("weight_packed", "weight") if keys[p] in meta) or "no weight"
-        raise CheckpointError(f"{what}: expected {'weight_packed' if scheme.format == PACKED else 'an int8 weight'}, "
-                              f"found {found}")
+        want = "weight_packed" if scheme.format == PACKED else "a float8_e4m3fn weight" if w.type == "float" else "an int8 weight"
+        raise CheckpointError(f"{what}: expected {want}, found {found}")
     if scheme.format == PACKED:
         _expect(meta, keys["weight_packed"], (torch.int32,), None, what)
         _expect(meta, keys["weight_shape"], _INT_DTYPES, (2,), what)
@@ -421,7 +460,7 @@ def _plan_module(prefix: str, scheme: Scheme, meta: Meta, read: Callable[[str], 
                 f"({w.num_bits}-bit codes: expected [{packed_shape[0]}, K] with ceil(K * {w.num_bits} / 32) = {words})"
             )
     else:
-        _expect(meta, keys["weight"], (torch.int8,), None, what)
+        _expect(meta, keys["weight"], (FLOAT8_DTYPE,) if w.type == "float" else (torch.int8,), None, what)
         shape = tuple(meta[keys["weight"]][1])
         if len(shape) != 2:
             raise CheckpointError(f"{keys['weight']}: expected a 2-D [out_features, in_features] tensor, got shape {list(shape)}")
@@ -492,8 +531,10 @@ def _decode(plan: _Plan, read: Callable[[str], torch.Tensor], dtype: torch.dtype
     assert w is not None
     n, k = plan.shape
     where = f"compressed-tensors module {plan.module!r}"
-    qmin, qmax = w.qrange
     keys = plan.keys
+    if w.type == "float":
+        return _decode_float8(plan, read, dtype)
+    qmin, qmax = w.qrange
     if "weight_packed" in keys:
         codes = unpack_int32(read(keys["weight_packed"]), w.num_bits, k)
     else:
@@ -528,6 +569,31 @@ def _decode(plan: _Plan, read: Callable[[str], torch.Tensor], dtype: torch.dtype
         raise CheckpointError(f"{where}: {e}") from None
     q = AffineQuantizedTensor.from_plain(plain, dtype or scale.dtype, label=plan.module)
     return q if perm is None else q._replace(input_perm=perm)
+
+
+def _decode_float8(plan: _Plan, read: Callable[[str], torch.Tensor], dtype: torch.dtype | None) -> AffineQuantizedTensor:
+    """An FP8 module: the float8_e4m3fn bytes as the ``e4m3fn`` plain form's codes, the scale in
+    fp32 (exact), dynamic float8 activations carried over."""
+    w = plan.scheme.weights
+    assert w is not None
+    n, k = plan.shape
+    keys = plan.keys
+    where = f"compressed-tensors module {plan.module!r}"
+    codes = read(keys["weight"]).contiguous().view(torch.uint8)
+    scale = read(keys["weight_scale"])
+    if not bool(torch.isfinite(scale).all()):
+        raise CheckpointError(f"{keys['weight_scale']}: contains NaN/inf")
+    zkey = keys.get("weight_zero_point")
+    if zkey is not None and bool((read(zkey) != 0).any()):
+        raise CheckpointError(f"{zkey}: float weights have no zero point, but the zero points are not all 0")
+    if "weight_g_idx" in keys and _group_order(read(keys["weight_g_idx"]), w, k, keys["weight_g_idx"]) is not None:
+        raise CheckpointError(f"{keys['weight_g_idx']}: activation order is not supported for float weights")
+    spec = QuantSpec(w.block(n, k), 0, 255, ZeroPointDomain.NONE, codebook=FLOAT8_CODEBOOK)
+    try:
+        plain = PlainForm(codes, scale.reshape(w.grid(n, k)).to(torch.float32).contiguous(), None, spec)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return AffineQuantizedTensor.from_plain(plain, dtype or scale.dtype, act_quant=plan.scheme.act_quant, label=plan.module)
 
 
 def _meta_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, tuple[int, ...]]]:
@@ -628,7 +694,8 @@ def _module_classes(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 # -- files --------------------------------------------------------------------------------------------------
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": FLOAT8_DTYPE,
+              "I64": torch.int64,
               "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
