@@ -39,6 +39,7 @@ FORMATS = [
     QuantSpec((1, 24), -128, 127, ZeroPointDomain.NONE),  # int8 groups
     QuantSpec((1, 64), 0, 15, ZeroPointDomain.NONE, codebook="nf4"),
     QuantSpec((1, 64), 0, 15, ZeroPointDomain.NONE, codebook="fp4", double_quant=True),
+    QuantSpec((1, 32), 0, 255, ZeroPointDomain.NONE, codebook="e4m3fn"),  # float8 bytes
 ]
 
 
@@ -109,7 +110,7 @@ def test_zero_plain_dequantizes_to_zero(spec):
 
 
 # -- sharding ops ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["int4-g32", "int8wo", "nf4-single", "intx3-g32"])
+@pytest.mark.parametrize("name", ["int4-g32", "int8wo", "nf4-single", "intx3-g32", "fp8wo", "fp8dq-row"])
 @pytest.mark.parametrize("world", [2, 3, 4, 7])
 def test_chunk_of_a_quantized_weight_is_the_quantized_chunk(name, world):
     """torch.chunk (FSDP2's and DTensor's cut) of a quantized weight along rows gives each piece
@@ -266,7 +267,7 @@ def _check_qlora(results: list, configs) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_qlora_two_processes_matches_one(tmp_path):
-    configs = ("nf4", "nf4-single", "int4-g32", "int8wo")
+    configs = ("nf4", "nf4-single", "int4-g32", "int8wo", "fp8wo")
     results = dw.spawn("fsdp_qlora", 2, tmp_path, configs)
     _check_qlora(results, configs)
     for name in configs:  # the all-gathers carried the quantized parts, not float weights

@@ -72,7 +72,7 @@ def by_quantize_(folder, cfg, dtype=torch.float32, cls=transformers.AutoModelFor
 
 @pytest.mark.parametrize("name,dtype", [("int8wo", torch.float32), ("int4-g32", torch.float32), ("nf4", torch.float32),
                                         ("int4-g32-hqq", torch.float32), ("int4-g32", torch.bfloat16),
-                                        ("int8wo", torch.float16)])
+                                        ("int8wo", torch.float16), ("fp8dq-row", torch.bfloat16), ("fp8wo", torch.float32)])
 def test_quantize_on_load_save_pretrained_and_reload(tmp_path, llama_folder, name, dtype, monkeypatch):
     with pytest.warns(torchq.TiedWeightWarning, match="embed_tokens"):  # [] = every linear, the tied head too
         m = transformers.AutoModelForCausalLM.from_pretrained(
