@@ -24,6 +24,7 @@ at g128); torchq's groups never do.
 
     python benchmarks/bench_accuracy.py                       # both models, all rows (~30 min, 2 cores)
     python benchmarks/bench_accuracy.py --models minilm --configs int4-g128 --algorithms rtn,gptq
+    python benchmarks/bench_accuracy.py --configs int8wo,fp8dq-row,fp8dq-tensor,fp8wo --algorithms rtn --peers ''
 """
 
 from __future__ import annotations
@@ -169,10 +170,13 @@ class MiniLM:
 # -- quantizing one row ------------------------------------------------------------------------------------------
 def config_for(name: str, algorithm: str) -> torchq.QuantConfig | None:
     """The config of ``name`` with ``algorithm``; None where the combination does not exist (HQQ has
-    no zero point to optimise in NF4)."""
+    no zero point to optimise in NF4; configs without an ``algorithm`` field, such as ``int8wo`` or
+    ``fp8dq-row``, are round to nearest only)."""
     cfg = torchq.config_from_name(name)
     if algorithm == "hqq" and name.startswith("nf4"):
         return None
+    if not any(f.name == "algorithm" for f in dataclasses.fields(cfg)):
+        return cfg if algorithm == "rtn" else None
     return dataclasses.replace(cfg, algorithm=algorithm)
 
 

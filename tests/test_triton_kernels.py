@@ -381,6 +381,37 @@ def test_int8_weight_only_kernels(x_dtype, m, n, k, bias, seed, edge):
 
 
 
+@settings(**SETTINGS)
+@given(x_dtype=st.sampled_from(FLOATS), m=st.sampled_from([1, 2, 3, 4, 5, 16, 40, 70]), n=st.integers(1, 50),
+       k=st.integers(1, 300), bias=st.booleans(), per_tensor=st.booleans(), seed=st.integers(0, 2**31 - 1),
+       edge=st.sampled_from(["none", "zero_row", "every_byte", "subnormal_codes", "tiny", "huge"]))
+def test_float8_weight_only_kernels(x_dtype, m, n, k, bias, per_tensor, seed, edge):
+    """float8_e4m3fn codes through the int8 weight-only kernels' paths (their byte decoding: every
+    finite byte, subnormals, signed zeros): the GEMV and tensor-core paths within their bound of
+    the exact product, the dequantize path bit for bit the reference."""
+    from torchq.float8 import quantize_float8
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
+    if edge == "subnormal_codes":
+        w[:, 1:] *= 1e-4
+    codes, scale = quantize_float8(w, "tensor" if per_tensor else "row")
+    if edge == "every_byte":  # the 254 finite bytes, cycled over the weight
+        finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+        codes = finite[torch.arange(n * k) % finite.numel()].reshape(n, k).view(torch.float8_e4m3fn)
+    x = edge_input(gen, m, k, x_dtype, "zero_row" if edge in ("every_byte", "subnormal_codes") else edge, fp16_scales=(1e-3, 10))
+    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    y = int8_weight.float8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), on(DEVICE, b)).cpu()
+    assert y.dtype == x_dtype and y.shape == (m, n)
+    ref = reference(torch.ops.torchq.float8_weight_linear, x, codes, scale, b)
+    assume(bool(torch.isfinite(ref).all()))
+    if m > int8_weight.DOT_MAX_M or k % 4:
+        assert torch.equal(y, ref) or DEVICE == "cuda"
+        return
+    w64 = codes.double() * scale.double()
+    assert_within_stream_bound(y, x, w64, w64, b, UNIT[x_dtype])
+
+
 # -- 4-bit weights x per-block int8 activations ------------------------------------------------------
 @pytest.mark.parametrize("m", [1, 3, 9, 40])
 @pytest.mark.parametrize("fmt", ["int4", "nf4"])

@@ -6,8 +6,9 @@ plain form's ``e4m3fn`` codebook codes are these bytes, viewed as uint8) and ``s
 
 * ``float8_scaled_mm`` (CUDA, compute capability 8.9+; K and N multiples of 16; bf16 inputs
   unless both scales are per tensor): dynamic float8 activations, ``torch._scaled_mm``;
-* ``float8_weight_cuda`` (CUDA): float8 weight-only as its op defines it, the weight dequantized
-  in the input's dtype and cuBLAS (a weight-streaming GEMV for few rows is not written yet);
+* ``float8_weight_cuda`` (CUDA): float8 weight-only on Triton (:mod:`torchq.backends.triton.int8_weight`,
+  shared with int8 weight-only): a weight-streaming GEMV up to 4 rows, tensor cores up to 64, the
+  weight dequantized once (bit for bit the reference's) and cuBLAS above;
 * ``float8_reference`` (any other device or case): the ops' pure-PyTorch references, exact but
   not fast, with a one-time :class:`~torchq.dispatch.FallbackWarning` naming the layer (an error
   in strict mode).
@@ -21,6 +22,7 @@ import torch
 
 from ..activation import Float8Activations
 from ..backends import aten as aten_backend
+from ..backends import triton as triton_backend
 from ..canonical import FLOAT8_CODEBOOK, PlainForm, QuantSpec
 from ..dispatch import LinearKernel, warn_fallback_once
 from ..float8 import FLOAT8_DTYPE
@@ -117,12 +119,13 @@ def _scaled_mm(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 def _check_weight_cuda(x: torch.Tensor, w, bias) -> str | None:
     if w.act_quant is not None:
         return f"weight has dynamic activation quantization ({w.act_quant.describe()})"
-    return None if x.device.type == "cuda" else f"CUDA kernel, input is on {x.device}"
+    return triton_backend.cuda_rejects(x)
 
 
 def _weight_only(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     impl = w.tensor_impl
-    return float8_weight_linear(x, impl.codes, impl.scale, bias)
+    op = triton_backend.float8_weight_linear_cuda if triton_backend.eager_cuda(x) else float8_weight_linear
+    return op(x, impl.codes, impl.scale, bias)
 
 
 def _check_reference(x: torch.Tensor, w, bias) -> str | None:
@@ -156,8 +159,8 @@ KERNELS = (
         "float8_weight_cuda",
         _check_weight_cuda,
         _weight_only,
-        description="torchq::float8_weight_linear on CUDA: the weight dequantized in the input's dtype, cuBLAS "
-        "(no weight-streaming GEMV yet)",
+        description="torchq::float8_weight_linear on CUDA: Triton streaming GEMV (M <= 4), tensor cores (M <= 64), "
+        "dequantize + cuBLAS above",
     ),
     LinearKernel(
         "float8_reference",

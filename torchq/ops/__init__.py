@@ -43,7 +43,7 @@ int8_scaled_mm             vectorwise  reference only
 int8_linear_dequant        vectorwise  reference only (alias of int8_scaled_mm)
 int8_mixed_scaled_mm       vectorwise  reference only
 float8_dynamic_linear      float8      cuda: aten (torch._scaled_mm)
-float8_weight_linear       float8      reference only
+float8_weight_linear       float8      cuda: triton
 =========================  ==========  ==========================================
 
 :mod:`.out_overloads` defines the ``.out`` overloads (kernel and fake run the functional op).
