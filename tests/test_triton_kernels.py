@@ -485,6 +485,48 @@ def test_int4_a8_int8_dot_is_within_its_bound(domain, x_dtype, g, n, k, m, bias,
     assert ((ref.double() - exact).abs() <= bound + (k + 2) * 2.0**-24 * mag)[finite].all()
 
 
+@settings(**SETTINGS)
+@given(quant_type=st.sampled_from(["nf4", "fp4"]), nested=st.booleans(), x_dtype=st.sampled_from(FLOATS),
+       block=st.sampled_from([32, 64, 256]), n=st.integers(1, 40), blocks=st.integers(1, 3), m=st.integers(5, 40),
+       bias=st.booleans(), edge=st.sampled_from(["none", "zero_row", "nan_block", "tiny", "huge"]), seed=st.integers(0, 2**31 - 1))
+def test_nf4_a8_int8_dot_is_within_its_bound(quant_type, nested, x_dtype, block, n, blocks, m, bias, edge, seed):
+    """More than 4 rows: int8 tensor cores on the codebook rounded to int8 (the native CPU kernel's
+    table): each weight within absmax·max|c|/254 of the exact codebook's, plus fp32 rounding and the
+    rounding to x's dtype."""
+    from torchq.backends.triton import a8_linear
+
+    k = block * blocks
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    w[0, :block] = 0  # an all-zero block
+    cfg = (torchq.nf4_weight_only if quant_type == "nf4" else torchq.fp4_weight_only)(block_size=block, double_quant=nested)
+    impl = cfg.quantize_weight(w).tensor_impl
+    x = edge_input(gen, m, k, x_dtype, "zero_row" if edge == "nan_block" else edge, fp16_scales=(1e-3, 10))
+    if edge == "nan_block":
+        x[1, k // 2] = float("nan")
+    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    args = nf4_args(impl, x)[1:-1]
+    y = a8_linear.blockwise_4bit_linear_a8(x.to(DEVICE), *(on(DEVICE, a) if isinstance(a, torch.Tensor) else a for a in args),
+                                           on(DEVICE, b)).cpu()
+    ref = reference(torch.ops.torchq.blockwise_4bit_linear_a8, x, *args, b)
+    assert y.dtype == x_dtype and y.shape == (m, n)
+    assert torch.equal(y.isnan(), ref.isnan())
+    finite = torch.isfinite(ref)
+    xq = torchq.PerBlockInt8().fake_quantize(x.float()).double().nan_to_num(0.0)
+    w64 = impl.dequantize(torch.float32).double()
+    absmax = impl.scale().reshape(n, -1).double().repeat_interleave(block, 1)
+    bd = 0 if b is None else b.double()
+    # the kernel's weights: the int8 table's values times absmax / 127, within absmax / 254 of the exact codebook's
+    codes = unpack_nibbles(impl.packed.reshape(n, k // 2)).long()
+    w_t = a8_linear.int8_codebook(quant_type, torch.device("cpu"))[codes].double() * absmax / 127
+    assert ((w_t - w64).abs() <= absmax / 254 + 1e-12).all()
+    exact = F.linear(xq, w_t) + bd
+    mag = F.linear(xq.abs(), w_t.abs()) + (0 if b is None else bd.abs())
+    bound = (k / 32 + 8) * 2.0**-23 * mag + UNIT[x_dtype] * exact.abs() + torch.finfo(x_dtype).tiny
+    assume(bool((exact.abs() < torch.finfo(x_dtype).max / 2)[finite].all()))
+    assert ((y.double() - exact).abs() <= bound)[finite].all()
+
+
 def test_quantize_rows_matches_per_token_int8():
     x = torch.randn(5, 77, dtype=torch.bfloat16) * 3
     x[1] = 0

@@ -200,7 +200,8 @@ KERNELS = (
         _check_int8_activations,
         _int8_activation_linear,
         description="torchq::blockwise_4bit_linear_a8: activations quantized per 32-block to int8, the codebook as int8, "
-        "integer dot products (native CPU); CUDA: the Triton 4-bit kernels on the fake-quantized activations in fp32",
+        "integer dot products (native CPU); CUDA: Triton int8 tensor cores above 4 rows, the 4-bit GEMV on the "
+        "block-dequantized activations up to 4",
         bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _cached_native_weight, int8_activations=True),
     ),
 )
