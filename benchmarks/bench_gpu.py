@@ -134,7 +134,7 @@ def time_call(fn, device: torch.device, reps: int) -> list[float]:
 def interpreter_call(name: str, lin: nn.Module):
     """On the CPU (smoke runs) dispatch picks the native kernels: call the Triton function the
     CUDA dispatch would reach, directly, in the interpreter."""
-    from torchq.backends.triton import dequant_linear, int8_linear
+    from torchq.backends.triton import dequant_linear, int8_linear, int8_weight
 
     w = lin.weight
     impl = w.tensor_impl
@@ -148,6 +148,13 @@ def interpreter_call(name: str, lin: nn.Module):
                 spec.codebook)
         return lambda x: dequant_linear.blockwise_4bit_linear(x, *args)
     act = w.act_quant
+    if isinstance(act, torchq.Float8Activations):  # CUDA: torch._scaled_mm (torch's CPU kernel here)
+        from torchq.backends.aten import float8_dynamic_linear_scaled_mm
+
+        return lambda x: float8_dynamic_linear_scaled_mm(x, impl.codes, impl.scale, act.granularity)
+    if act is None:  # weight-only one-byte codes: int8 or float8_e4m3fn
+        fn = int8_weight.float8_weight_linear if impl.codes.dtype == torch.float8_e4m3fn else int8_weight.int8_weight_linear
+        return lambda x: fn(x, impl.codes, impl.scale)
     return lambda x: int8_linear.int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps)
 
 
