@@ -590,8 +590,6 @@ def llama_checkpoint(tmp_path_factory):
     weight on attention, W8A8 int8 channel on gate/up, int4 channel sym on down_proj; lm_head
     ignored), compressed by ModelCompressor and saved with save_pretrained."""
     transformers = pytest.importorskip("transformers")
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)
@@ -606,6 +604,18 @@ def llama_checkpoint(tmp_path_factory):
         "down": QuantizationScheme(targets=["re:.*down_proj$"], weights=QuantizationArgs(
             num_bits=4, symmetric=True, strategy="channel")),
     }, ignore=["lm_head"])
+    folder = tmp_path_factory.mktemp("ct_llama")
+    save_compressed(model, qc, folder)
+    return transformers, cfg, folder
+
+
+def save_compressed(model, qc, folder) -> None:
+    """``model`` quantized by compressed-tensors' own pieces as llm-compressor does (the scheme
+    applied, min/max scales, frozen), compressed by ``ModelCompressor`` and written with
+    ``save_pretrained`` into ``folder``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
+
     apply_quantization_config(model, qc, show_progress=False)
     with torch.no_grad():
         for _, m in model.named_modules():
@@ -618,10 +628,8 @@ def llama_checkpoint(tmp_path_factory):
                 m.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
-    folder = tmp_path_factory.mktemp("ct_llama")
     model.save_pretrained(folder)
     compressor.update_config(str(folder))
-    return transformers, cfg, folder
 
 
 def test_llama_end_to_end(llama_checkpoint, tmp_path) -> None:
@@ -749,9 +757,8 @@ def test_fp8_dynamic_llama_end_to_end(tmp_path) -> None:
     with save_pretrained: every weight equals the package's dequantizer's, the model runs with
     torchq's float8 activations, and save_quantized / load_quantized keep it."""
     transformers = pytest.importorskip("transformers")
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
-    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization import preset_name_to_scheme
     from safetensors.torch import load_file
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -759,19 +766,8 @@ def test_fp8_dynamic_llama_end_to_end(tmp_path) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     qc = QuantizationConfig(config_groups={"fp8": preset_name_to_scheme("FP8_DYNAMIC", ["re:.*_proj$"])}, ignore=["lm_head"])
-    apply_quantization_config(model, qc, show_progress=False)
-    with torch.no_grad():
-        for _, m in model.named_modules():
-            scheme = getattr(m, "quantization_scheme", None)
-            if scheme is not None:
-                scale, _ = minmax_qparams(m.weight, scheme.weights)
-                m.weight_scale.copy_(scale)
-                m.quantization_status = QuantizationStatus.FROZEN
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
     folder = tmp_path / "fp8"
-    model.save_pretrained(folder)
-    compressor.update_config(str(folder))
+    save_compressed(model, qc, folder)
     reference = CompressedTensorsDequantizer(folder, dtype=torch.bfloat16).process(dict(load_file(folder / "model.safetensors")))
     with torch.device("meta"):
         loaded = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)

@@ -369,15 +369,23 @@ def test_int8_weight_only_kernels(x_dtype, m, n, k, bias, seed, edge):
     scale = torch.rand(n, generator=gen) * 0.05
     x = edge_input(gen, m, k, x_dtype, edge, fp16_scales=(1e-3, 10))
     b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
-    y = int8_weight.int8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), on(DEVICE, b)).cpu()
-    assert y.dtype == x_dtype and y.shape == (m, n)
-    ref = reference(torch.ops.torchq.int8_weight_linear, x, codes, scale, b)
+    check_byte_weight_kernel(int8_weight.int8_weight_linear, torch.ops.torchq.int8_weight_linear, x, codes, scale, b,
+                             codes.double() * scale.double()[:, None])
+
+
+def check_byte_weight_kernel(kernel, op, x, codes, scale, b, w64):
+    """The one-byte weight-only kernels: the dequantize path (above ``DOT_MAX_M`` rows, or codes
+    that are not whole words) bit for bit the reference; the GEMV and tensor-core paths within
+    their bound of the exact product on the exact weight ``w64``."""
+    m, k = x.shape
+    y = kernel(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), on(DEVICE, b)).cpu()
+    assert y.dtype == x.dtype and y.shape == (m, codes.shape[0])
+    ref = reference(op, x, codes, scale, b)
     assume(bool(torch.isfinite(ref).all()))
     if m > int8_weight.DOT_MAX_M or k % 4:
         assert torch.equal(y, ref) or DEVICE == "cuda"
         return
-    w = codes.double() * scale.double()[:, None]
-    assert_within_stream_bound(y, x, w, w, b, UNIT[x_dtype])
+    assert_within_stream_bound(y, x, w64, w64, b, UNIT[x.dtype])
 
 
 
@@ -401,15 +409,8 @@ def test_float8_weight_only_kernels(x_dtype, m, n, k, bias, per_tensor, seed, ed
         codes = finite[torch.arange(n * k) % finite.numel()].reshape(n, k).view(torch.float8_e4m3fn)
     x = edge_input(gen, m, k, x_dtype, "zero_row" if edge in ("every_byte", "subnormal_codes") else edge, fp16_scales=(1e-3, 10))
     b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
-    y = int8_weight.float8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), on(DEVICE, b)).cpu()
-    assert y.dtype == x_dtype and y.shape == (m, n)
-    ref = reference(torch.ops.torchq.float8_weight_linear, x, codes, scale, b)
-    assume(bool(torch.isfinite(ref).all()))
-    if m > int8_weight.DOT_MAX_M or k % 4:
-        assert torch.equal(y, ref) or DEVICE == "cuda"
-        return
-    w64 = codes.double() * scale.double()
-    assert_within_stream_bound(y, x, w64, w64, b, UNIT[x_dtype])
+    check_byte_weight_kernel(int8_weight.float8_weight_linear, torch.ops.torchq.float8_weight_linear, x, codes, scale, b,
+                             codes.double() * scale.double())
 
 
 # -- 4-bit weights x per-block int8 activations ------------------------------------------------------
