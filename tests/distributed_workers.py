@@ -328,3 +328,50 @@ def failing(rank, world, backend, tmp):
     if rank == 1:
         raise ValueError("rank one fails")
     return rank
+
+
+def _qat_net(name: str, scales: str = "recompute") -> nn.Module:
+    import torchq.qat
+
+    torch.manual_seed(0)
+    return torchq.qat.prepare(build_net(), config(name), scales=scales)
+
+
+def _full_fine_tune(m: nn.Module, steps: int) -> list[float]:
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    losses = []
+    for x, y in batches(steps):
+        loss = nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def fsdp_qat(rank, world, backend, tmp, configs, steps=3):
+    """QAT (every weight trained through its quantizer) under FSDP2 against the same steps on one
+    process, per config: losses, the trained float weights (gathered) and the converted model's
+    outputs from those weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torchq.qat
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in configs:
+        ref = _qat_net(name)
+        ref_losses = _full_fine_tune(ref, steps)
+        m = shard(_qat_net(name), mesh)
+        losses = _full_fine_tune(m, steps)
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in m.named_parameters()}
+        plain = _qat_net(name)
+        plain.load_state_dict(full)
+        x = batches(1)[0][0]
+        with torch.no_grad():
+            prepared = plain(x)
+            torchq.qat.convert(plain)
+            converted = plain(x)
+        out[name] = dict(ref_losses=ref_losses, losses=losses, ref_weights={n: p.detach() for n, p in ref.named_parameters()},
+                         weights=full, prepared=prepared, converted=converted)
+    return out

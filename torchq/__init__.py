@@ -7,7 +7,7 @@
 # the ops first, then the backends registering against them, then the layouts
 from . import ops  # noqa: I001
 from . import backends  # noqa: I001
-from . import blockwise, distributed, interop, layouts, native, primitives
+from . import blockwise, distributed, interop, layouts, native, primitives, qat
 from .activation import Float8Activations, OutlierInt8, PerBlockInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .calibrate import CalibrationResult, calibrate
@@ -70,6 +70,7 @@ __all__ = [
     "ops",
     "backends",
     "hf",
+    "qat",
     "AffineQuantizedTensor",
     "AutoquantResult",
     "autoquant",

@@ -19,7 +19,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("selection", ("torchq.dispatch", "torchq.layouts")),
     ("weight", ("torchq.tensor", "torchq.configs", "torchq.explain")),
     ("storage and parallelism", ("torchq.checkpoint", "torchq.distributed")),
-    ("workflows", ("torchq.quantize", "torchq.calibrate", "torchq.autotune")),
+    ("workflows", ("torchq.quantize", "torchq.calibrate", "torchq.autotune", "torchq.qat", "torchq.static",
+                   "torchq.optim")),
     ("integrations and entry points", ("torchq.interop", "torchq.hf", "torchq.cli", "torchq.demo",
                                        "torchq.bench_linear", "torchq.__main__", "torchq")),
 )
