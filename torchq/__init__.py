@@ -7,7 +7,7 @@
 # the ops first, then the backends registering against them, then the layouts
 from . import ops  # noqa: I001
 from . import backends  # noqa: I001
-from . import blockwise, distributed, interop, layouts, native, primitives, qat
+from . import blockwise, distributed, interop, layouts, native, optim, primitives, qat
 from .activation import Float8Activations, OutlierInt8, PerBlockInt8, PerTokenInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .calibrate import CalibrationResult, calibrate
@@ -71,6 +71,7 @@ __all__ = [
     "backends",
     "hf",
     "qat",
+    "optim",
     "AffineQuantizedTensor",
     "AutoquantResult",
     "autoquant",
