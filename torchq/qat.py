@@ -49,6 +49,7 @@ from .quantize import (
     is_conv1d,
     quantize_,
     quantize_in_row_chunks,
+    tensor_slots,
     warn_skipped,
 )
 from .tensor import AffineQuantizedTensor
@@ -283,7 +284,7 @@ def _trainable_through(mod: nn.Module, name: str) -> str | None:
     return f"{type(mod).__name__} is not an nn.Linear or a transformers Conv1D"
 
 
-def _check_config(cfg: QuantConfig, name: str, scales: str) -> None:
+def _check_config(cfg: QuantConfig, name: str) -> None:
     algorithm = getattr(cfg, "algorithm", "rtn")
     if algorithm in CALIBRATED:
         raise ValueError(
@@ -308,15 +309,6 @@ def _learned_format(cfg: QuantConfig, w: torch.Tensor, name: str) -> GroupFormat
         raise ValueError(f"scales='learned' for {name!r}: the scales start from round to nearest's; got "
                          f"algorithm={cfg.algorithm!r} (use 'rtn')")
     return fmt
-
-
-def _slots(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
-    out: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for attr, t in mod._parameters.items():
-            if t is not None:
-                out.setdefault(id(t), []).append((f"{mod_name}.{attr}" if mod_name else attr, mod, attr))
-    return out
 
 
 def prepared_layers(model: nn.Module) -> dict[str, QuantConfig]:
@@ -355,7 +347,7 @@ def prepare(model: nn.Module, config: ConfigSpec, filter_fn: Callable[[nn.Module
         if filter_fn(mod, name):
             selected.append((name, mod))
     resolve = config_resolver(config, [n for n, _ in selected])
-    slots = _slots(model)
+    slots = tensor_slots(model)
     staged: list[tuple[nn.Module, _LayerState, dict[str, nn.Parameter]]] = []
     owners: dict[int, str] = {}
     for name, mod in selected:
@@ -365,7 +357,7 @@ def prepare(model: nn.Module, config: ConfigSpec, filter_fn: Callable[[nn.Module
         why = _trainable_through(mod, name)
         if why is not None:
             raise QuantizationError(f"qat.prepare: layer {name!r}: {why}; nothing was changed")
-        _check_config(cfg, name, scales)
+        _check_config(cfg, name)
         if parametrize.is_parametrized(mod, "weight"):
             warn_skipped(f"qat.prepare: skipped layer {name!r}: its weight is computed by a parametrization")
             continue
@@ -380,12 +372,11 @@ def prepare(model: nn.Module, config: ConfigSpec, filter_fn: Callable[[nn.Module
             )
         transposed = is_conv1d(mod)
         w2 = weight.detach().t().contiguous() if transposed else weight.detach()
+        st = _LayerState(cfg, name, type(mod), transposed, _learned_format(cfg, w2, name) if scales == "learned" else None)
         try:
             q = quantize_in_row_chunks(cfg, w2, label=name)
-            st = _LayerState(cfg, name, type(mod), transposed)
             params: dict[str, nn.Parameter] = {}
-            if scales == "learned":
-                st.learned = _learned_format(cfg, w2, name)
+            if st.learned is not None:
                 s, z = st.learned.qparams(w2)
                 params[_SCALE] = nn.Parameter(s.detach().float().clone())
                 if z is not None and st.learned.zero_point_domain is not ZeroPointDomain.NONE:
@@ -394,18 +385,14 @@ def prepare(model: nn.Module, config: ConfigSpec, filter_fn: Callable[[nn.Module
         except LayerNotSupported as e:
             warn_skipped(f"qat.prepare: skipped layer {name!r} ({type(mod).__name__}, weight {tuple(weight.shape)}): {e}")
             continue
-        except ValueError as e:
-            if scales == "learned" and str(e).startswith("scales="):
-                raise
-            raise QuantizationError(f"qat.prepare: layer {name!r} could not take {cfg!r}: {e}; nothing was changed") from e
         except Exception as e:
             raise QuantizationError(f"qat.prepare: layer {name!r} could not take {cfg!r}: {e}; nothing was changed") from e
         owners[id(weight)] = name
         staged.append((mod, st, params))
-        for other_name, other, attr in slots.get(id(weight), []):
-            if other is mod:
+        for other_name, other, attr, is_buffer in slots.get(id(weight), []):
+            if other is mod and not is_buffer:
                 continue
-            if attr != "weight" or not isinstance(other, nn.Embedding) or type(other).forward is not nn.Embedding.forward:
+            if is_buffer or attr != "weight" or not isinstance(other, nn.Embedding) or type(other).forward is not nn.Embedding.forward:
                 raise QuantizationError(
                     f"qat.prepare: the weight of {name!r} is also {other_name!r} ({type(other).__name__}); QAT can tie a "
                     f"linear's weight to an nn.Embedding only: untie it or leave {name!r} in float; nothing was changed"

@@ -19,7 +19,7 @@ from .patterns import PatternError, SafePattern, check_total_states, compile_pat
 from .tensor import AffineQuantizedTensor
 
 __all__ = ["quantize_", "QuantizationError", "SkippedLayerWarning", "TiedWeightWarning", "default_filter", "is_conv1d",
-           "config_resolver", "warn_skipped", "UNSET"]
+           "config_resolver", "warn_skipped", "UNSET", "tensor_slots"]
 
 ConfigSpec = QuantConfig | Mapping[str, QuantConfig | None]
 
@@ -161,7 +161,7 @@ class _Staged:
     new: torch.Tensor
 
 
-def _slots(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str, bool]]]:
+def tensor_slots(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str, bool]]]:
     """Every registered parameter and buffer, by tensor identity: ``[(qualified name, module,
     attribute, is_buffer)]`` (a tied tensor has several)."""
     out: dict[int, list[tuple[str, nn.Module, str, bool]]] = {}
@@ -252,7 +252,7 @@ def quantize_(
             f"the float weights): {_fmt(already)}"
         )
     device = None if device is None else torch.device(device)
-    slots = _slots(model)
+    slots = tensor_slots(model)
 
     staged: dict[int, _Staged] = {}
     left_float: dict[int, str] = {}  # weights a selected module is explicitly mapped to None (float)
