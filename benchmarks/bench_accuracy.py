@@ -26,6 +26,12 @@ at g128); torchq's groups never do.
     python benchmarks/bench_accuracy.py --models minilm --configs int4-g128 --algorithms rtn,gptq
     python benchmarks/bench_accuracy.py --configs int8wo,fp8dq-row,fp8dq-tensor,fp8wo --algorithms rtn --peers ''
     python benchmarks/bench_accuracy.py --qat --configs int4-g128 --algorithms rtn,gptq --peers ''   # + QAT rows
+    python benchmarks/bench_accuracy.py --configs int8dq,int8static --algorithms rtn,smoothquant --peers ''  # W8A8
+
+W8A8 (``int8dq``: dynamic per-token activations; ``int8static[-sym][-ma|-pct]``: static activations):
+``int8static`` with ``rtn`` is :func:`torchq.static.prepare`, the calibration batches, then
+:func:`torchq.static.convert` (observers only); algorithm ``smoothquant`` adds SmoothQuant (alpha
+searched per site) to either; its "quantize s" includes the calibration passes.
 
 QAT (``--qat``, algorithm ``qat``): :func:`torchq.qat.prepare` on a copy of the float model, a
 fine-tune on the calibration text by distillation from the float model (SmolLM2: KL divergence of
@@ -60,7 +66,8 @@ import torchq  # noqa: E402
 
 BOOK = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-16.txt"
 HELD_OUT = "Chapter 13"
-ALGORITHMS = ("rtn", "hqq", "gptq", "awq", "qat")
+ALGORITHMS = ("rtn", "hqq", "gptq", "awq", "smoothquant", "qat")
+DEFAULT_ALGORITHMS = ("rtn", "hqq", "gptq", "awq")
 CONFIGS = ("int4-g32", "int4-g64", "int4-g128", "nf4")
 PEERS = ("hqq-package", "torchao-hqq")
 EVAL_WINDOW = 512
@@ -213,6 +220,9 @@ def config_for(name: str, algorithm: str) -> torchq.QuantConfig | None:
         return None
     if algorithm == "qat":  # trains through round to nearest's quantizer
         return cfg
+    w8a8 = isinstance(cfg, (torchq.Int8StaticActivationInt8WeightConfig, torchq.Int8DynamicActivationInt8WeightConfig))
+    if algorithm == "smoothquant":
+        return cfg if w8a8 else None
     if not any(f.name == "algorithm" for f in dataclasses.fields(cfg)):
         return cfg if algorithm == "rtn" else None
     return dataclasses.replace(cfg, algorithm=algorithm)
@@ -225,12 +235,28 @@ def quantize_torchq(bench, config_name: str, algorithm: str, args: argparse.Name
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)
         if algorithm == "qat":
             return qat_fine_tune(bench, model, cfg, args)
+        if algorithm == "smoothquant" or isinstance(cfg, torchq.Int8StaticActivationInt8WeightConfig):
+            return static_calibrate(bench, model, cfg, "smoothquant" if algorithm == "smoothquant" else None, args)
         if algorithm in ("gptq", "awq"):
             torchq.calibrate(model, bench.calibration, cfg, act_order=args.act_order, gptq_clip=args.gptq_clip,
                              gptq_awq_scale=args.gptq_awq_scale, sequential=args.sequential, progress=False)
         else:
             torchq.quantize_(model, cfg)
     return model, ""
+
+
+def static_calibrate(bench, model: nn.Module, cfg: torchq.QuantConfig, algorithm: str | None,
+                     args: argparse.Namespace) -> tuple[nn.Module, str]:
+    """:func:`torchq.static.prepare`, the calibration batches, :func:`torchq.static.convert`."""
+    torchq.static.prepare(model, cfg, algorithm=algorithm, alpha_grid=args.sq_grid, sample_tokens=args.sq_sample)
+    with torch.no_grad():
+        for b in bench.calibration:
+            model(**b)
+    report = torchq.static.convert(model)
+    folded = sum(r.smoothing.startswith("norm") for r in report.layers)
+    alphas = sorted({r.alpha for r in report.layers if r.alpha is not None})
+    detail = f"{len(report.layers)} layers" + (f", {folded} folded into norms, alphas {alphas}" if algorithm else "")
+    return model, detail
 
 
 def qat_fine_tune(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argparse.Namespace) -> tuple[nn.Module, str]:
@@ -415,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm,minilm", help="comma-separated: smollm, minilm (default both)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated (default {','.join(CONFIGS)})")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS[:-1]),
+    p.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
                    help=f"comma-separated, of {','.join(ALGORITHMS)} (default {','.join(ALGORITHMS[:-1])})")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, or '' for none (default {','.join(PEERS)})")
     p.add_argument("--cal-seqs", type=int, default=16, help="smollm: calibration windows (default 16)")
@@ -439,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qat-seq", type=int, default=256, help="qat: tokens per sequence (default 256)")
     p.add_argument("--qat-scales", choices=("recompute", "learned"), default="recompute", help="qat: torchq.qat scales mode")
     p.add_argument("--qat-progress", type=int, default=0, help="qat: print the loss every N steps (0: never)")
+    p.add_argument("--sq-grid", type=int, default=21, help="smoothquant: alpha grid points in [0, 1] (default 21)")
+    p.add_argument("--sq-sample", type=int, default=512, help="static / smoothquant: input rows kept per site (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")

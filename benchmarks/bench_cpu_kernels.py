@@ -21,7 +21,11 @@ One run measures:
      bf16 / fp16 models), ``nf4`` (NF4 b64, double-quantized absmax), ``int4a8`` / ``nf4a8``
      (the int8-activation 4-bit mode: int4 g32 with fp32 scales, NF4 b64; activations int8 per
      32-block), ``int8wo`` (int8 weight-only), ``int8dq`` (int8 dynamic), ``int8dq-r7`` (int8
-     dynamic with 7-bit activations, ``reduce_range=True``: the range FBGEMM's column uses).
+     dynamic with 7-bit activations, ``reduce_range=True``: the range FBGEMM's column uses),
+     ``int8sq`` (int8 static activations, :class:`~torchq.activation.StaticInt8`: symmetric, scale
+     4/127 for the standard-normal inputs), ``int8sq-z`` (static with a zero point: the range
+     [-3, 5], z = -32: the kernel's zero-point correction), ``int8sq-r7`` (static, 7-bit range
+     [-64, 63]: the AVX2 narrow kernels).
 
 Weights are rotated through enough copies that every call reads its weight from DRAM, not from
 a cache (at least ``--rotate-mb`` MB of weights per config; the L3 of a server CPU holds 8-100 MB).
@@ -30,7 +34,10 @@ Columns: ``ms`` (median per call), ``x best float`` (fastest float / this, >1 = 
 M=1, ``%bw``: the weight's bytes (codes + scales) / time / the read bandwidth measured next to
 that row (the better of just before and just after it: a shared machine's bandwidth drifts by 2x
 within minutes). The configs of a row are timed in interleaved rounds for the same reason
-(:func:`torchq.timing.time_interleaved`); ``*`` marks a cell whose timing is noisy.
+(:func:`torchq.timing.time_interleaved`); ``*`` marks a cell whose timing is noisy. Under each row
+with static configs, ``static vs dynamic``: the dynamic config's time / the static one's (>1 = static
+faster; ``int8sq`` and ``int8sq-z`` against ``int8dq``, ``int8sq-r7`` against ``int8dq-r7``), also
+in the JSON rows as ``x_dynamic``.
 
 ISA: ``--isa native`` runs on what the machine has; ``--isa avx2`` (``avx512``, ``scalar``) re-runs
 the script in a subprocess with torchq's and PyTorch's kernels capped there (``isa_caps.py``:
@@ -61,6 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchq
+from torchq.activation import StaticInt8
 from torchq.layouts import Int4CPULayout
 from torchq.ops.int8 import int8_dynamic_linear
 from torchq.timing import Timing, time_interleaved
@@ -71,9 +79,17 @@ import isa_caps  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = ("float", "float32", "aten-int4", "aten-int8", "fbgemm", "int_mm", "int4", "int4-fp32", "nf4", "int4a8", "nf4a8", "int8wo",
-           "int8dq", "int8dq-r7")
+           "int8dq", "int8dq-r7", "int8sq", "int8sq-z", "int8sq-r7")
 TORCHQ = {"int4": "int4", "int4-fp32": "int4-fp32", "nf4": "nf4", "int4a8": "int4a8", "nf4a8": "nf4a8", "int8wo": "int8wo", "int8dq": "int8dq",
-          "int8dq-r7": "int8dq-r7"}
+          "int8dq-r7": "int8dq-r7", "int8sq": "int8sq", "int8sq-z": "int8sq-z", "int8sq-r7": "int8sq-r7"}
+# each static config's dynamic counterpart (same weight, same activation range): the "static vs dynamic" ratio
+STATIC_VS_DYNAMIC = {"int8sq": "int8dq", "int8sq-z": "int8dq", "int8sq-r7": "int8dq-r7"}
+# the static configs' activation schemes (inputs are standard normal)
+STATIC_ACTIVATIONS = {
+    "int8sq": lambda: StaticInt8(4.0 / 127),
+    "int8sq-z": lambda: StaticInt8.from_range(-3.0, 5.0),
+    "int8sq-r7": lambda: StaticInt8(4.0 / 63, 0, -64, 63),
+}
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
@@ -89,6 +105,9 @@ def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
 
 def _quantized(k: int, n: int, name: str, dtype: torch.dtype) -> nn.Linear:
     lin = nn.Linear(k, n, bias=False).to(dtype)
+    if name in STATIC_ACTIVATIONS:
+        torchq.quantize_(lin, torchq.Int8StaticActivationInt8WeightConfig(activation=STATIC_ACTIVATIONS[name]()))
+        return lin
     cfg = {
         "int4": torchq.int4_weight_only(group_size=128),
         "int4-fp32": torchq.int4_weight_only(group_size=128, scale_dtype=torch.float32),
@@ -255,6 +274,14 @@ def run(args: argparse.Namespace, isa: str) -> dict:
                                                 "bandwidth_fraction": frac, "row_bandwidth_gbs": row_bw if m == 1 else None,
                                                 "timing_ms": timing.to_dict(1e3)})
                     print(f"{m:>4} " + " ".join(cells) + (f"   (bandwidth {row_bw:.1f} GB/s)" if m == 1 else ""))
+                    vs_dynamic = []
+                    for row in results["rows"][-len(timings):]:
+                        dynamic = STATIC_VS_DYNAMIC.get(row["config"])
+                        if dynamic in timings:
+                            row["x_dynamic"] = timings[dynamic].median / row["ms"] * 1e3
+                            vs_dynamic.append(f"{row['config']} {row['x_dynamic']:.2f}x ({dynamic})")
+                    if vs_dynamic:
+                        print(f"{'':>4}   static vs dynamic: " + ", ".join(vs_dynamic))
                 print()
                 del cases
         if noisy:

@@ -7,8 +7,9 @@
 // codes (64 bytes: row t at 4 t; with D::kAbs their absolute values after them), and with
 // D::kOffset each row's sum of codes. Register tiles of up to 4 activation rows x 16 weight rows
 // then take 4 broadcast activation codes per step (D::step: 2 x 8 int32 sums, exact):
-//   out[m, n] = (float(sum_k x q  [- kOffset * rowsum_n]) * xs[m]) * scale[n]
-// the same int32 sum as the row kernels, so the same bits as torchq's reference.
+//   out[m, n] = (float(sum_k x q  [- kOffset * rowsum_n] [- z * p.row_sums[n]]) * xs[m]) * scale[n]
+// the same int32 sum as the row kernels, so the same bits as torchq's reference (static
+// activations with a zero point: for K <= kInt8StaticGemmMaxK, where the int32 sum cannot wrap).
 //
 // D provides: kAbs (panel steps carry |w|: 128 bytes, else 64), kOffset (0: signed codes p.xq;
 // else codes + kOffset in p.xu, and the panels keep their row sums), and
@@ -83,10 +84,12 @@ struct SpreadPrefetch {
   int64_t every;
 };
 
-// out[m0 .. m0 + R, n .. n + cols) (R <= 4), see above; prefetching pf as it goes.
+// out[m0 .. m0 + R, n .. n + cols) (R <= 4), see above; prefetching pf as it goes. correction[16]:
+// what each column's int32 sum loses (kOffset * its row sum, + z * p.row_sums[n + t] for static
+// activations; 0 past cols), read only with kOffset or p.row_sums.
 template <class D, int R>
-__attribute__((noinline)) void int8_gemm_tile(const Int8Params& p, const int8_t* panel, const int32_t* rowsum, int64_t n, int64_t cols,
-                                              int64_t m0, SpreadPrefetch pf) {
+__attribute__((noinline)) void int8_gemm_tile(const Int8Params& p, const int8_t* panel, const int32_t* correction, int64_t n,
+                                              int64_t cols, int64_t m0, SpreadPrefetch pf) {
   constexpr int64_t kStep = D::kAbs ? 128 : 64;
   // Named accumulators (row r, panel half v): GCC kept an array of them on the stack.
   __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
@@ -119,10 +122,9 @@ __attribute__((noinline)) void int8_gemm_tile(const Int8Params& p, const int8_t*
   }
   const __m256i acc[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
   __m256i corr0 = _mm256_setzero_si256(), corr1 = corr0;
-  if constexpr (D::kOffset != 0) {
-    const __m256i off = _mm256_set1_epi32(D::kOffset);
-    corr0 = _mm256_mullo_epi32(off, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowsum)));
-    corr1 = _mm256_mullo_epi32(off, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowsum + 8)));
+  if (D::kOffset != 0 || p.row_sums) {
+    corr0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(correction));
+    corr1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(correction + 8));
   }
   const __m256 s0 = _mm256_loadu_ps(p.scale + n), s1 = cols > 8 ? _mm256_loadu_ps(p.scale + n + 8) : s0;
   alignas(32) float row[kInt8PanelCols];
@@ -152,10 +154,17 @@ void int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Fallback&& fallback)
     fallback(p, n0, n1);
     return;
   }
-  alignas(32) int32_t rowsum[kInt8PanelCols];
+  alignas(32) int32_t rowsum[kInt8PanelCols], correction[kInt8PanelCols];
   for (int64_t n = n0; n < n1; n += kInt8PanelCols) {
     const int64_t cols = n1 - n < kInt8PanelCols ? n1 - n : kInt8PanelCols;
     unpack_int8_panel<D::kAbs, D::kOffset != 0>(p, n, cols, panel, rowsum);
+    if (D::kOffset != 0 || p.row_sums) {  // modulo 2^32, as the int32 sums
+      for (int64_t t = 0; t < kInt8PanelCols; ++t) {
+        uint32_t c = D::kOffset != 0 ? static_cast<uint32_t>(D::kOffset) * static_cast<uint32_t>(rowsum[t]) : 0u;
+        if (p.row_sums && t < cols) c += static_cast<uint32_t>(p.zero_point) * static_cast<uint32_t>(p.row_sums[n + t]);
+        correction[t] = static_cast<int32_t>(c);
+      }
+    }
     // The next panel's rows (contiguous codes) stream in from memory while the tiles run over this
     // one, each tile fetching its share of the lines, spread over its steps: the next unpacking
     // then finds them in L2 instead of waiting on DRAM (AVX2, 2 threads, r7 activations, weights
@@ -171,7 +180,7 @@ void int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Fallback&& fallback)
     tiles_then_remainder<kInt8GemmTileRows>(0, p.M, [&](auto mt, int64_t m) {
       const int64_t from = first_line < lines ? first_line : lines, to = from + per_tile < lines ? from + per_tile : lines;
       const SpreadPrefetch pf{next_rows + from * 64, next_rows + to * 64, every};
-      int8_gemm_tile<D, decltype(mt)::value>(p, panel, rowsum, n, cols, m, pf);
+      int8_gemm_tile<D, decltype(mt)::value>(p, panel, correction, n, cols, m, pf);
       first_line += per_tile;
     });
   }

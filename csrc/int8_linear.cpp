@@ -3,6 +3,7 @@
 #include "int8_linear.h"
 #include "lut4_linear.h"  // lut4_paths(): the GEMM switch
 
+#include <float.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,19 +94,21 @@ int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int
   for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * esize, dtype, K, Kp, xp + m * Kp);
   const Int8Kernels& kern = kernels().int8;
   const bool gemm = M >= kern.weight_gemm_min_m && int8_weight_gemm_active();
-  RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32}, gemm ? kern.weight_gemm : kern.weight_rows};
+  RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32, nullptr, 0}, gemm ? kern.weight_gemm : kern.weight_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole AVX2 panels
   o.finish(out, dtype, M * N);
   free(xp);
   return OK;
 }
 
-// out[M, N] = per-token int8(x) @ q.T rescaled (see int8_linear.h); x and out contiguous of `dtype`.
-// No bias (the reference adds it after rounding to the activation dtype). Codes are symmetric
-// in [qmin, qmax] with qmin >= -127 (the AVX2 sign trick needs |x| <= 127).
-int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
-                   float denom, float eps, int qmin, int qmax, void* out, int threads) {
-  const int64_t Kp = padded(K);
+// out[M, N] = int8(x) @ q.T rescaled (see int8_linear.h): activations quantized per row
+// (TQ_FORMAT_INT8_DYNAMIC) or with w's fixed scale and zero point (TQ_FORMAT_INT8_STATIC); x and
+// out contiguous of `dtype`. No bias (the reference adds it after rounding to the activation
+// dtype). Codes in [qmin, qmax] with qmin >= -127 (the AVX2 sign trick needs |x| <= 127).
+int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, void* out, int threads) {
+  const bool is_static = w.format == TQ_FORMAT_INT8_STATIC;
+  const int64_t K = w.k, N = w.n, Kp = padded(K);
+  const int qmin = w.act_qmin, qmax = w.act_qmax;
   const Int8Kernels& kern = kernels().int8;
   // Narrow kernels from kInt8NarrowGemmMinM rows only: below, the row sums they need cost as much
   // as the sign trick they save.
@@ -123,16 +126,21 @@ int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t*
   float* xs = reinterpret_cast<float*>(buf + codes_bytes);
   const float* xf = static_cast<const float*>(x);
   if (dtype != DT_F32) {  // widen (exactly) first: the quantization then sees the reference's fp32 values
-    float* w = reinterpret_cast<float*>(buf + codes_bytes + xs_bytes);
-    for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * 2, dtype, K, K, w + m * K);
-    xf = w;
+    float* wide = reinterpret_cast<float*>(buf + codes_bytes + xs_bytes);
+    for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * 2, dtype, K, K, wide + m * K);
+    xf = wide;
   }
-  QuantJob q{kern.quantize_rows, xf, K, Kp, Int8Quant{denom, eps, qmin, qmax}, offset, buf, xs};
+  const Int8Quant quant{w.act_denom, w.act_eps, qmin, qmax, w.act_scale, w.act_zero_point};
+  QuantJob q{is_static ? kern.quantize_static_rows : kern.quantize_rows, xf, K, Kp, quant, offset, buf, xs};
   parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
+  // a zero point's correction; none for the dynamic format (and none needed for z = 0)
+  const bool correct = is_static && w.act_zero_point != 0;
   const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
-                     offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, codes, scale, nullptr, o.f32};
+                     offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, w.codes, w.scales, nullptr, o.f32,
+                     correct ? w.row_sums : nullptr, correct ? w.act_zero_point : 0};
   const Int8RowsFn gemm_fn = narrow ? kern.narrow_gemm : kern.dynamic_gemm;
-  const bool gemm = (narrow || M >= kern.dynamic_gemm_min_m) && gemm_fn && (lut4_paths() & LUT4_GEMM);
+  const bool gemm = (narrow || M >= kern.dynamic_gemm_min_m) && gemm_fn && (lut4_paths() & LUT4_GEMM) &&
+                    !(correct && K > kInt8StaticGemmMaxK);  // the GEMM's int32 correction could wrap
   RowsJob job{p, gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole panels
   o.finish(out, dtype, M * N);
@@ -141,13 +149,17 @@ int dynamic_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t*
 }
 
 // The int8 fields of w (see weight_abi.h) are consistent: unpadded rows, codes and scales, the
-// activation quantization of the dynamic format, and no lut4 fields.
+// activation quantization of the dynamic and static formats, and no lut4 fields.
 bool valid_int8(const tq_weight& w) {
   if (w.row_length != w.k || !w.codes || !w.scales) return false;
   if (w.packed || w.codebook || w.shifts || w.zeros || w.nested_codes || w.nested_absmax || w.nested_offset || w.nested_map)
     return false;
-  return w.format != TQ_FORMAT_INT8_DYNAMIC || (w.act_qmin >= -127 && w.act_qmax <= 127 && w.act_qmin < w.act_qmax &&
-                                                w.act_denom > 0.0f && w.act_eps > 0.0f);
+  const bool range = w.act_qmin >= -127 && w.act_qmax <= 127 && w.act_qmin < w.act_qmax;
+  if (w.format == TQ_FORMAT_INT8_STATIC)  // a normal scale: its reciprocal is finite, as the reference requires
+    return range && w.row_sums && w.act_scale >= FLT_MIN && w.act_scale <= FLT_MAX && w.act_zero_point >= w.act_qmin &&
+           w.act_zero_point <= w.act_qmax;
+  if (w.row_sums) return false;
+  return w.format != TQ_FORMAT_INT8_DYNAMIC || (range && w.act_denom > 0.0f && w.act_eps > 0.0f);
 }
 
 }  // namespace
@@ -156,7 +168,7 @@ int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
   if (!valid_int8(w)) return BAD_ARGUMENT;
   if (w.format == TQ_FORMAT_INT8) return weight_only_linear(x, dtype, M, w.k, w.codes, w.n, w.scales, bias, out, threads);
   if (bias) return BAD_ARGUMENT;  // the reference adds it after rounding to the activation dtype: the caller does
-  return dynamic_linear(x, dtype, M, w.k, w.codes, w.n, w.scales, w.act_denom, w.act_eps, w.act_qmin, w.act_qmax, out, threads);
+  return activation_linear(w, x, dtype, M, out, threads);
 }
 
 bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().int8.weight_gemm; }

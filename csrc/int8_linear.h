@@ -1,4 +1,4 @@
-// int8 weight kernels: weight-only (float activations) and dynamic (int8 activations).
+// int8 weight kernels: weight-only (float activations), dynamic and static (int8 activations).
 //
 // Files: int8_linear.cpp (the int8 half of tq_linear / tq_dequantize_rows, weight_abi.h: checks,
 // activation conversion / quantization, threading), int8_linear_body.h (the vector kernels,
@@ -14,6 +14,10 @@
 //   (s_x = max(max|x|, 0) / denom clamped to eps, q = clamp(rint(x * (1 / s_x)), qmin, qmax)),
 //   the int8 x int8 dot products accumulate exactly in int32, and
 //   out[m, n] = (float(acc) * s_x[m]) * s_w[n]: the same bits as torchq's reference.
+// * Static: the activations are quantized with one fixed scale s and zero point z, as
+//   torchq.activation.StaticInt8 does (q = clamp(rint(x * (1 / s)), qmin - z, qmax - z) + z, a
+//   row holding a NaN gets s_x = NaN), then the dynamic kernels run on those codes with s_x[m] = s
+//   and the zero point's correction: out[m, n] = (float(acc - z * rowsum_w[n]) * s_x[m]) * s_w[n].
 #pragma once
 #include <stdint.h>
 
@@ -30,11 +34,17 @@ struct Int8Params {
   const float* scale;       // [N]
   const float* bias;        // [N] or null (weight-only only)
   float* out;               // [M, N]
+  // Static activations: the weight rows' sums of codes [N] (null: no zero point's correction)
+  // and the zero point z; every dynamic kernel subtracts z * row_sums[n] from its int32 sum.
+  const int32_t* row_sums;
+  int32_t zero_point;
 };
 
 struct Int8Quant {
-  float denom, eps;
+  float denom, eps;  // dynamic
   int qmin, qmax;
+  float scale;  // static: the activation scale and zero point
+  int zero;
 };
 
 // Output rows [n0, n1) for all M activation rows.
@@ -45,6 +55,9 @@ typedef void (*Int8DequantFn)(const int8_t* w, const float* scale, int64_t K, in
 // `offset` 128 stores codes + 128 as uint8, padded with 128) and scales.
 typedef void (*Int8QuantizeFn)(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, int offset, void* codes, float* xs,
                                int64_t m0, int64_t m1);
+// The static form (Int8Kernels.quantize_static_rows): codes clamp(rint(x * (1 / q.scale)), qmin - z,
+// qmax - z) + z (+ offset), the clamp in fp32 before the conversion (so inf and huge values
+// saturate; NaN -> z), padded with z (+ offset); xs[m] = q.scale, or NaN for a row holding a NaN.
 
 // One ISA's kernels (see kernels.h). dynamic_rows reads p.xq (dynamic_offset 0) or p.xu (128,
 // the VNNI kernel), quantized with that offset by quantize_rows.
@@ -53,6 +66,7 @@ struct Int8Kernels {
   Int8RowsFn dynamic_rows;
   int dynamic_offset;
   Int8QuantizeFn quantize_rows;
+  Int8QuantizeFn quantize_static_rows;
   Int8DequantFn dequant_rows;
   // The dynamic kernel's GEMM form for M >= dynamic_gemm_min_m (reads the activations as
   // dynamic_rows does; null where the ISA has none; int8_gemm_body.h): panels of 16 weight rows,
@@ -77,6 +91,10 @@ struct Int8Kernels {
   Int8RowsFn narrow_gemm;
 };
 constexpr int kNarrowOffset = 64, kNarrowMin = -64, kNarrowMax = 63;
+// The largest K for which a static call with a zero point takes the GEMM forms: their int32
+// correction acc - (offset + z) * rowsum is exact while |sum_k (q - z) w| <= 254 * 128 * K < 2^31
+// (the reference subtracts in int64); above, the row kernels subtract in int64.
+constexpr int64_t kInt8StaticGemmMaxK = 66051;
 // Activation rows from which the dynamic GEMM form runs: below, unpacking the panels costs more
 // than it saves (AVX2, 2 threads, 4096^2: M = 4 1.12 vs 0.75 ms, M = 16 2.8 vs 2.5, M = 64 8.6 vs
 // 10.2; 576^2: M = 64 0.23 vs 0.30, M = 256 0.88 vs 1.20).

@@ -107,7 +107,8 @@ void narrow_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
 }  // namespace
 
 extern const Int8Kernels kInt8Avx2 = {&Int8Kernel<Avx2>::weight_rows, &Int8DotKernel<Avx2SignDot>::dynamic_rows, 0,
-                                      &Int8Kernel<Avx2>::quantize_rows, &Int8Kernel<Avx2>::dequant_rows, &dynamic_gemm, kInt8GemmMinMAvx2,
+                                      &Int8Kernel<Avx2>::quantize_rows, &Int8Kernel<Avx2>::quantize_static_rows,
+                                      &Int8Kernel<Avx2>::dequant_rows, &dynamic_gemm, kInt8GemmMinMAvx2,
                                       &Int8Kernel<Avx2>::weight_gemm, kInt8WeightGemmMinMAvx2,
                                       &Int8DotKernel<Avx2NarrowDot>::dynamic_rows,
                                       &narrow_gemm};

@@ -54,7 +54,8 @@ void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
 }  // namespace
 
 extern const Int8Kernels kInt8Avx512 = {&Int8Kernel<Avx512>::weight_rows, &Int8DotKernel<Avx512VnniDot>::dynamic_rows, 128,
-                                        &Int8Kernel<Avx512>::quantize_rows, &Int8Kernel<Avx512>::dequant_rows, &dynamic_gemm,
+                                        &Int8Kernel<Avx512>::quantize_rows, &Int8Kernel<Avx512>::quantize_static_rows,
+                                        &Int8Kernel<Avx512>::dequant_rows, &dynamic_gemm,
                                         kInt8GemmMinMVnni,
                                         &Int8Kernel<Avx512>::weight_gemm, kInt8WeightGemmMinMAvx512,
                                         nullptr, nullptr};  // VNNI takes every range

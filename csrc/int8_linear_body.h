@@ -179,6 +179,32 @@ struct Int8Kernel {
       }
     }
   }
+
+  // Static activations (int8_linear.h: Int8QuantizeFn's static form): v = x * r (r the fp32
+  // reciprocal of the scale, as the reference's), NaN -> 0 (flagging the row), clamped in fp32 to
+  // [qmin - z, qmax - z] (integers: clamping before the rounding gives the same codes), rounded half
+  // to even, + z + offset.
+  static void quantize_static_rows(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, int offset, void* codes,
+                                   float* xs, int64_t m0, int64_t m1) {
+    const F r = T::set1(1.0f / q.scale);
+    const F lo = T::set1(static_cast<float>(q.qmin - q.zero)), hi = T::set1(static_cast<float>(q.qmax - q.zero));
+    const I add = T::set1_i32(q.zero + offset);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = x + m * K;
+      uint8_t* dst = static_cast<uint8_t*>(codes) + m * Kp;
+      int nan = 0;
+      for (int64_t k = 0; k < Kp; k += W) {
+        alignas(64) float in[W];
+        const float* src = row + k;
+        if (k + W > K) {  // the row's end and the padding: a zero-filled copy
+          for (int j = 0; j < W; ++j) in[j] = k + j < K ? row[k + j] : 0.0f;
+          src = in;
+        }
+        nan |= T::quantize_static_store(dst + k, T::loadu(src), r, lo, hi, add, offset != 0);
+      }
+      xs[m] = nan ? __builtin_nanf("") : q.scale;
+    }
+  }
 };
 
 // Dynamic (int8 x int8) kernels over dot-product traits D: D::kBytes codes per step,
@@ -231,9 +257,13 @@ struct Int8DotKernel {
     }
     for (int t = 0; t < NT; ++t) {
       const int32_t correction = D::correction(rowsum[t]);
+      // static activations: minus z * the row's sum, in int64 as the reference (no int32 wrap at large K)
+      const int64_t zero_correction = p.row_sums ? static_cast<int64_t>(p.zero_point) * p.row_sums[n + t] : 0;
       for (int m = 0; m < MT; ++m) {
-        const int32_t dot = D::hsum(acc[t][m]) - correction;
-        p.out[(m0 + m) * p.N + n + t] = (static_cast<float>(dot) * p.xs[m0 + m]) * p.scale[n + t];
+        // modulo 2^32: sum_k q w exactly (its offset's correction may wrap in between)
+        const int32_t dot = static_cast<int32_t>(static_cast<uint32_t>(D::hsum(acc[t][m])) - static_cast<uint32_t>(correction));
+        const int64_t total = static_cast<int64_t>(dot) - zero_correction;
+        p.out[(m0 + m) * p.N + n + t] = (static_cast<float>(total) * p.xs[m0 + m]) * p.scale[n + t];
       }
     }
   }

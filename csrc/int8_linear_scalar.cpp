@@ -24,11 +24,13 @@ void weight_rows(const Int8Params& p, int64_t n0, int64_t n1) {
 void dynamic_rows(const Int8Params& p, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* w = p.w + n * p.K;
+    // static activations: minus z * the row's sum, in int64 as the reference
+    const int64_t zero_correction = p.row_sums ? static_cast<int64_t>(p.zero_point) * p.row_sums[n] : 0;
     for (int64_t m = 0; m < p.M; ++m) {
       const int8_t* x = p.xq + m * p.Kp;
       int32_t acc = 0;
       for (int64_t k = 0; k < p.K; ++k) acc += static_cast<int32_t>(w[k]) * x[k];
-      p.out[m * p.N + n] = (static_cast<float>(acc) * p.xs[m]) * p.scale[n];
+      p.out[m * p.N + n] = (static_cast<float>(static_cast<int64_t>(acc) - zero_correction) * p.xs[m]) * p.scale[n];
     }
   }
 }
@@ -71,8 +73,34 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, in
   }
 }
 
+// Static activations (see int8_linear.h): the clamp in fp32 before the conversion, NaN -> 0 (the
+// row's scale NaN), then round half to even (the bounds are integers: the same codes as rounding
+// first).
+void quantize_static_rows(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, int offset, void* codes, float* xs,
+                          int64_t m0, int64_t m1) {
+  const float r = 1.0f / q.scale;
+  const float lo = static_cast<float>(q.qmin - q.zero), hi = static_cast<float>(q.qmax - q.zero);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* row = x + m * K;
+    bool nan = false;
+    for (int64_t k = 0; k < Kp; ++k) {
+      float v = k < K ? row[k] * r : 0.0f;
+      if (v != v) {
+        nan = true;
+        v = 0.0f;
+      }
+      v = rintf(v < lo ? lo : v > hi ? hi : v);  // rint: round half to even (default rounding mode)
+      const int c = static_cast<int>(v) + q.zero + offset;
+      if (offset) static_cast<uint8_t*>(codes)[m * Kp + k] = static_cast<uint8_t>(c);
+      else static_cast<int8_t*>(codes)[m * Kp + k] = static_cast<int8_t>(c);
+    }
+    xs[m] = nan ? NAN : q.scale;
+  }
+}
+
 }  // namespace
 
-extern const Int8Kernels kInt8Scalar = {&weight_rows, &dynamic_rows, 0, &quantize_rows, &dequant_rows, nullptr, 0, nullptr, 0, nullptr, nullptr};
+extern const Int8Kernels kInt8Scalar = {&weight_rows, &dynamic_rows, 0, &quantize_rows, &quantize_static_rows, &dequant_rows,
+                                        nullptr, 0, nullptr, 0, nullptr, nullptr};
 
 }  // namespace tq

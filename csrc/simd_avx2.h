@@ -152,6 +152,19 @@ struct Avx2 {
     const __m128i b8 = unsigned_codes ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), b8);
   }
+  // int8 static: v * r with NaN -> 0, clamped to [lo, hi] in fp32 (before the conversion: inf and
+  // huge products saturate), rounded half to even, + add, stored as 8 bytes (unsigned_codes: the
+  // codes + an offset, 0..255). Returns the lanes whose product was NaN, one bit each.
+  static int quantize_static_store(uint8_t* dst, F v, F r, F lo, F hi, I add, bool unsigned_codes) {
+    v = _mm256_mul_ps(v, r);
+    const F ordered = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
+    v = _mm256_min_ps(_mm256_max_ps(_mm256_and_ps(v, ordered), lo), hi);
+    const I c = _mm256_add_epi32(_mm256_cvtps_epi32(v), add);  // round half to even
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    const __m128i b8 = unsigned_codes ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), b8);
+    return _mm256_movemask_ps(ordered) ^ 0xFF;
+  }
   static I set1_i32(int v) { return _mm256_set1_epi32(v); }
 };
 

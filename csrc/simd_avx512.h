@@ -108,6 +108,17 @@ struct Avx512 {
     c = _mm512_min_epi32(_mm512_max_epi32(c, lo), hi);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, offset)));
   }
+  // int8 static: v * r with NaN -> 0, clamped to [lo, hi] in fp32 (before the conversion: inf and
+  // huge products saturate), rounded half to even, + add, stored as 16 bytes (truncated: signed
+  // and offset codes alike). Returns the lanes whose product was NaN, one bit each.
+  static int quantize_static_store(uint8_t* dst, F v, F r, F lo, F hi, I add, bool /*unsigned_codes*/) {
+    v = _mm512_mul_ps(v, r);
+    const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+    v = _mm512_min_ps(_mm512_max_ps(_mm512_maskz_mov_ps(ordered, v), lo), hi);
+    const I c = _mm512_add_epi32(_mm512_cvtps_epi32(v), add);  // round half to even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));
+    return static_cast<uint16_t>(~ordered);
+  }
   static I set1_i32(int v) { return _mm512_set1_epi32(v); }
 };
 

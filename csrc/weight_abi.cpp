@@ -37,7 +37,7 @@ constexpr int kFieldCount = sizeof(kFields) / sizeof(kFields[0]);
 bool valid_weight(const tq_weight* w) {
   return w && w->n >= 1 && w->k >= 1 && w->row_length >= w->k &&
          (w->format == TQ_FORMAT_LUT4 || w->format == TQ_FORMAT_INT8 || w->format == TQ_FORMAT_INT8_DYNAMIC ||
-          w->format == TQ_FORMAT_LUT4_INT8ACT);
+          w->format == TQ_FORMAT_LUT4_INT8ACT || w->format == TQ_FORMAT_INT8_STATIC);
 }
 
 }  // namespace
@@ -55,8 +55,8 @@ TQ_API int tq_weight_abi(int i, const char** name, int* kind, int64_t* offset) {
 TQ_API int64_t tq_weight_size() { return sizeof(tq_weight); }
 
 // out[M, n] = x[M, k] @ W.T (+ bias): x and out contiguous of `x_dtype` (DType), bias fp32 [n] or
-// null (must be null for TQ_FORMAT_INT8_DYNAMIC); products and sums in fp32, one rounding to
-// x_dtype at the end. Returns a Status: BAD_ARGUMENT for any inconsistent argument or field.
+// null (must be null for TQ_FORMAT_INT8_DYNAMIC and TQ_FORMAT_INT8_STATIC); products and sums in
+// fp32 (int32 for the int8-activation formats), one rounding to x_dtype at the end. Returns a Status: BAD_ARGUMENT for any inconsistent argument or field.
 TQ_API int tq_linear(const tq_weight* w, const void* x, int x_dtype, int64_t M, const float* bias, void* out, int threads) {
   using namespace tq;
   if (!valid_weight(w) || M < 1 || !valid_dtype(x_dtype) || !x || !out) return BAD_ARGUMENT;

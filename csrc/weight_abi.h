@@ -16,6 +16,10 @@
 //   row), row_length == k.
 // * TQ_FORMAT_INT8_DYNAMIC: the same weight, activations quantized per row with
 //   act_denom, act_eps, act_qmin >= -127, act_qmax (torchq.activation.PerTokenInt8); no bias.
+// * TQ_FORMAT_INT8_STATIC: the same weight, activations quantized with one fixed scale and zero
+//   point (torchq.activation.StaticInt8): act_scale (a normal, finite fp32 > 0), act_zero_point in
+//   [act_qmin, act_qmax], -127 <= act_qmin < act_qmax <= 127, and row_sums int32 [n] (sum_k
+//   codes[n, k], for the zero point's correction; null in every other format); no bias.
 // * TQ_FORMAT_LUT4_INT8ACT: a TQ_FORMAT_LUT4 weight (same fields) with activations quantized per
 //   32-element block to int8 (torchq.activation.PerBlockInt8) and integer dot products
 //   (lut4_linear.h, "int8-activation path"); round_mul and round_add must be 0, and either the
@@ -25,9 +29,10 @@
 #include <stdint.h>
 
 // Bumped whenever an exported signature or the weight struct changes; torchq/native.py refuses a mismatch.
-#define TQ_ABI_VERSION 6
+#define TQ_ABI_VERSION 7
 
-enum tq_weight_format : int32_t { TQ_FORMAT_LUT4 = 1, TQ_FORMAT_INT8 = 2, TQ_FORMAT_INT8_DYNAMIC = 3, TQ_FORMAT_LUT4_INT8ACT = 4 };
+enum tq_weight_format : int32_t { TQ_FORMAT_LUT4 = 1, TQ_FORMAT_INT8 = 2, TQ_FORMAT_INT8_DYNAMIC = 3, TQ_FORMAT_LUT4_INT8ACT = 4,
+                                    TQ_FORMAT_INT8_STATIC = 5 };
 // A field's kind as tq_weight_abi reports it: its C type, as torchq/backends/native_cpu/abi.py maps it to ctypes.
 enum tq_field_kind : int { TQ_KIND_I32 = 0, TQ_KIND_I64 = 1, TQ_KIND_F32 = 2, TQ_KIND_PTR = 3 };
 
@@ -51,8 +56,11 @@ enum tq_field_kind : int { TQ_KIND_I32 = 0, TQ_KIND_I64 = 1, TQ_KIND_F32 = 2, TQ
   X(codes, const int8_t*, TQ_KIND_PTR)  /* int8 */                                                            \
   X(act_denom, float, TQ_KIND_F32)      /* int8 dynamic */                                                    \
   X(act_eps, float, TQ_KIND_F32)                                                                              \
-  X(act_qmin, int32_t, TQ_KIND_I32)                                                                           \
-  X(act_qmax, int32_t, TQ_KIND_I32)
+  X(act_qmin, int32_t, TQ_KIND_I32)     /* int8 dynamic and static */                                         \
+  X(act_qmax, int32_t, TQ_KIND_I32)                                                                           \
+  X(act_scale, float, TQ_KIND_F32)      /* int8 static */                                                     \
+  X(act_zero_point, int32_t, TQ_KIND_I32)                                                                     \
+  X(row_sums, const int32_t*, TQ_KIND_PTR) /* int8 static: [n] */
 
 struct tq_weight {
 #define TQ_DECLARE_FIELD(name, type, kind) type name;

@@ -353,6 +353,36 @@ def test_int8_dynamic_is_the_reference_bit_for_bit(x_dtype, m, n, k, qrange, bia
 
 
 
+@settings(**SETTINGS)
+@given(x_dtype=st.sampled_from(FLOATS), m=st.integers(1, 40), n=st.integers(1, 50), k=st.integers(1, 150),
+       qrange=st.sampled_from([(-127, 127), (-128, 127), (-64, 63)]), zero=st.sampled_from(["0", "min", "max", "mid"]),
+       bias=st.booleans(), seed=st.integers(0, 2**31 - 1),
+       edge=st.sampled_from(["none", "zero_row", "nan", "inf", "huge", "tiny_scale"]))
+def test_int8_static_is_the_reference_bit_for_bit(x_dtype, m, n, k, qrange, zero, bias, seed, edge):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * 0.02
+    x = (torch.randn(m, k, generator=gen) * 4).to(x_dtype)
+    act_scale = 4.0 / 127
+    z = {"0": 0, "min": qrange[0], "max": qrange[1], "mid": (qrange[0] + qrange[1]) // 3}[zero]
+    if edge == "zero_row":
+        x[0] = 0
+    elif edge == "nan":
+        x[0, 0] = float("nan")
+    elif edge == "inf":
+        x[-1, 0], x[0, -1] = float("inf"), float("-inf")
+    elif edge == "huge":
+        x[-1] *= torch.finfo(x_dtype).max / 8
+    elif edge == "tiny_scale":
+        act_scale = 2.0**-126
+    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    args = (act_scale, z, *qrange)
+    y = int8_linear.int8_static_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), *args, None if b is None else b.to(DEVICE))
+    ref = reference(torch.ops.torchq.int8_static_linear, x, codes, scale, *args, b)
+    assert y.dtype == x_dtype
+    assert torch.equal(y.cpu().isnan(), ref.isnan()) and torch.equal(y.cpu().nan_to_num(), ref.nan_to_num())
+
+
 # -- int8 weight-only ---------------------------------------------------------------------------------
 @settings(**SETTINGS)
 @given(x_dtype=st.sampled_from(FLOATS), m=st.sampled_from([1, 2, 3, 4, 5, 16, 40, 70]), n=st.integers(1, 50),

@@ -7,8 +7,8 @@
 # the ops first, then the backends registering against them, then the layouts
 from . import ops  # noqa: I001
 from . import backends  # noqa: I001
-from . import blockwise, distributed, interop, layouts, native, optim, primitives, qat
-from .activation import Float8Activations, OutlierInt8, PerBlockInt8, PerTokenInt8
+from . import blockwise, distributed, interop, layouts, native, optim, primitives, qat, static
+from .activation import Float8Activations, OutlierInt8, PerBlockInt8, PerTokenInt8, StaticInt8
 from .autotune import AutoquantResult, autoquant, load_plan, save_plan
 from .calibrate import CalibrationResult, calibrate
 from .canonical import PlainForm, QuantSpec
@@ -18,6 +18,7 @@ from .serialization import _rebuild_quantized_tensor as _rebuild_quantized_tenso
 from .configs import (
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
+    Int8StaticActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
     LayerNotSupported,
@@ -29,6 +30,7 @@ from .configs import (
     fp4_weight_only,
     int4_weight_only,
     int8_dynamic_activation_int8_weight,
+    int8_static_activation_int8_weight,
     int8_weight_only,
     intx_weight_only,
     llm_int8,
@@ -71,6 +73,7 @@ __all__ = [
     "backends",
     "hf",
     "qat",
+    "static",
     "optim",
     "AffineQuantizedTensor",
     "AutoquantResult",
@@ -89,6 +92,8 @@ __all__ = [
     "FallbackWarning",
     "Int4WeightOnlyConfig",
     "Int8DynamicActivationInt8WeightConfig",
+    "Int8StaticActivationInt8WeightConfig",
+    "int8_static_activation_int8_weight",
     "Int8WeightOnlyConfig",
     "IntxWeightOnlyConfig",
     "LLMInt8Config",
@@ -101,6 +106,7 @@ __all__ = [
     "OutlierInt8",
     "PerBlockInt8",
     "PerTokenInt8",
+    "StaticInt8",
     "PlainForm",
     "QuantConfig",
     "QuantSpec",

@@ -1,7 +1,9 @@
-"""Dynamic activation quantization schemes (chosen per call from the activation itself)."""
+"""Activation quantization schemes: dynamic ones (chosen per call from the activation itself) and
+:class:`StaticInt8` (a fixed scale and zero point calibrated ahead of time, :mod:`torchq.static`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +12,7 @@ from .float8 import check_granularity, quantize_float8_activations
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine
 from .serialization import reduce_object, register_kind
 
-__all__ = ["PerTokenInt8", "OutlierInt8", "PerBlockInt8", "Float8Activations", "activation_from_json"]
+__all__ = ["PerTokenInt8", "OutlierInt8", "PerBlockInt8", "Float8Activations", "StaticInt8", "activation_from_json"]
 
 
 @dataclass(frozen=True)
@@ -190,10 +192,113 @@ class Float8Activations:
         return f"dynamic float8_e4m3fn activations per {self.granularity}"
 
 
-def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBlockInt8 | Float8Activations | None:
+def _fp32_exact(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32, device="cpu"))
+
+
+@dataclass(frozen=True)
+class StaticInt8:
+    """Static (calibrated) int8 activations, one scale and zero point for the whole input: codes
+    ``q = clamp(rint(x · (1/s)) + z, quant_min, quant_max)`` with ``x`` widened to fp32, ``1/s``
+    the fp32 reciprocal and ties to even, so that ``x ≈ s · (q - z)``.
+
+    * ``scale``: a positive, finite fp32 value (the float given is rounded to fp32 once, here);
+    * ``zero_point``: an int in ``[quant_min, quant_max]`` (0: symmetric);
+    * ``±inf`` saturates to the range's end; a row holding a NaN gets scale NaN (its codes are
+      then meaningless and its outputs NaN, as a float layer's would be).
+
+    Bytes per row of K: K int8 codes; the scale and zero point are the weight's, not the call's
+    (saved in checkpoints with the weight's activation scheme)."""
+
+    scale: float
+    zero_point: int = 0
+    quant_min: int = -127
+    quant_max: int = 127
+
+    def __post_init__(self) -> None:
+        for name in ("zero_point", "quant_min", "quant_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
+        if not -128 <= self.quant_min < self.quant_max <= 127:
+            raise ValueError(f"quant_min, quant_max: expected an int8 range, got [{self.quant_min}, {self.quant_max}]")
+        if not self.quant_min <= self.zero_point <= self.quant_max:
+            raise ValueError(f"zero_point: expected an int in [{self.quant_min}, {self.quant_max}], got {self.zero_point}")
+        s = self.scale
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise TypeError(f"scale: expected a positive float, got {type(s).__name__} {s!r}")
+        s32 = _fp32_exact(float(s))
+        if not (math.isfinite(s32) and s32 >= 2.0**-126):
+            raise ValueError(f"scale: expected a finite fp32 value >= 2^-126, got {s!r}")
+        object.__setattr__(self, "scale", s32)
+
+    @classmethod
+    def from_range(cls, lo: float, hi: float, *, symmetric: bool = False, quant_min: int = -127,
+                   quant_max: int = 127) -> StaticInt8:
+        """The scheme whose grid covers ``[lo, hi]`` (widened to hold 0). Asymmetric:
+        ``s = (hi - lo) / (quant_max - quant_min)``, ``z = quant_min - rint(lo / s)`` (clamped to the
+        range); symmetric: ``s = max(|lo|, |hi|) / ((quant_max - quant_min) // 2)``, ``z = 0``. A
+        zero-width or non-finite range is refused; an all-zero range gets the smallest scale."""
+        lo, hi = float(lo), float(hi)
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
+            raise ValueError(f"lo, hi: expected a finite range, got [{lo!r}, {hi!r}]")
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        if symmetric:
+            s = max(-lo, hi) / ((quant_max - quant_min) // 2)
+            return cls(max(s, 2.0**-126), 0, quant_min, quant_max)
+        s = max((hi - lo) / (quant_max - quant_min), 2.0**-126)
+        s = _fp32_exact(s)
+        z = quant_min - round(lo / s)
+        return cls(s, int(min(max(z, quant_min), quant_max)), quant_min, quant_max)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(int8 codes of x's shape, fp32 scale [..., 1])``: the scale is ``scale`` for every row
+        but NaN for rows holding a NaN (whose codes are then ``zero_point``)."""
+        if x.dim() == 0:
+            raise ValueError("x: expected at least one dimension")
+        x32 = x.to(torch.float32)
+        inv = 1.0 / torch.tensor(self.scale, dtype=torch.float32, device=x.device)
+        z = self.zero_point
+        q = torch.round(x32 * inv).clamp(self.quant_min - z, self.quant_max - z) + z
+        nan = torch.isnan(x32)
+        codes = torch.where(nan, float(z), q).to(torch.int8)
+        row_nan = nan.any(dim=-1, keepdim=True)
+        scale = torch.where(row_nan, float("nan"), torch.full_like(row_nan, self.scale, dtype=torch.float32))
+        return codes, scale
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """``s · (q - z)`` in fp32, in x's dtype (NaN rows stay NaN)."""
+        if x.numel() == 0:
+            return x
+        codes, scale = self.quantize(x)
+        return ((codes.to(torch.float32) - self.zero_point) * scale).to(x.dtype)
+
+    def __reduce__(self):
+        return reduce_object("act_quant", self)
+
+    def to_json(self) -> dict:
+        return {"type": "static_int8", "scale": self.scale, "zero_point": self.zero_point,
+                "quant_min": self.quant_min, "quant_max": self.quant_max}
+
+    def describe(self) -> str:
+        return (f"static int8 activations (scale {self.scale:.6g}, zero point {self.zero_point}, "
+                f"[{self.quant_min},{self.quant_max}])")
+
+
+def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBlockInt8 | Float8Activations | StaticInt8 | None:
     """Inverse of ``to_json`` of the activation schemes (None stays None)."""
     if d is None:
         return None
+    if isinstance(d, dict) and d.get("type") == "static_int8":
+        fields = {"scale", "zero_point", "quant_min", "quant_max"}
+        if set(d) - {"type"} != fields:
+            raise ValueError(f"activation quantization JSON: static_int8 takes {sorted(fields)}, got {sorted(set(d) - {'type'})}")
+        if isinstance(d["scale"], bool) or not isinstance(d["scale"], (int, float)):
+            raise ValueError(f"activation quantization JSON: static_int8 scale must be a number, got {d['scale']!r}")
+        try:
+            return StaticInt8(float(d["scale"]), d["zero_point"], d["quant_min"], d["quant_max"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"activation quantization JSON: static_int8: {e}") from None
     if isinstance(d, dict) and d.get("type") == "float8_dynamic":
         if set(d) != {"type", "granularity"}:
             raise ValueError(f"activation quantization JSON: float8_dynamic takes a granularity only, got {sorted(d)}")
@@ -207,7 +312,7 @@ def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBloc
             raise ValueError(f"activation quantization JSON: outlier_int8 takes a threshold only, got {sorted(d)}")
         return OutlierInt8(d["threshold"])
     if not isinstance(d, dict) or d.get("type") != "per_token_int8":
-        raise ValueError(f"activation quantization JSON: expected {{'type': 'per_token_int8' | 'outlier_int8' | 'per_block_int8' | 'float8_dynamic', ...}} "
+        raise ValueError(f"activation quantization JSON: expected {{'type': 'per_token_int8' | 'outlier_int8' | 'per_block_int8' | 'float8_dynamic' | 'static_int8', ...}} "
                          f"or null, got {d!r}")
     extra = set(d) - {"type", "quant_min", "quant_max", "eps"}
     if extra:

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .activation import Float8Activations, OutlierInt8, PerTokenInt8
-from .algorithms import ALGORITHMS, hqq_zero_points
+from .activation import Float8Activations, OutlierInt8, PerTokenInt8, StaticInt8, activation_from_json
+from .algorithms import ALGORITHMS, CalibrationRequired, hqq_zero_points
 from .algorithms.formats import AffineGroupFormat, CodebookGroupFormat, GroupFormat
 from .algorithms.statistics import CALIBRATED, statistics_for
 from .canonical import FLOAT8_CODEBOOK, PlainForm, QuantSpec
@@ -35,6 +35,9 @@ __all__ = [
     "Int4WeightOnlyConfig",
     "Int8WeightOnlyConfig",
     "Int8DynamicActivationInt8WeightConfig",
+    "Int8StaticActivationInt8WeightConfig",
+    "int8_static_activation_int8_weight",
+    "OBSERVERS",
     "IntxWeightOnlyConfig",
     "int4_weight_only",
     "int8_weight_only",
@@ -168,6 +171,8 @@ class QuantConfig:
                 v = _dtype_to_json(v)
             elif isinstance(v, (MappingType, ZeroPointDomain)):
                 v = v.value
+            elif isinstance(v, StaticInt8):
+                v = v.to_json()
             out[f.name] = v
         return out
 
@@ -220,6 +225,8 @@ def config_from_json(data: dict | str) -> QuantConfig:
             v = MappingType(v)
         elif k == "zero_point_domain":
             v = ZeroPointDomain(v)
+        elif k == "activation" and v is not None:
+            v = activation_from_json(v)
         kwargs[k] = v
     return cls(**kwargs)
 
@@ -378,6 +385,60 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
         self._check_weight(weight, label)
         act = PerTokenInt8(-63, 63) if self.reduce_range else PerTokenInt8()
         return _int8_per_channel(weight, self, -127, 127, act, label)
+
+
+#: the activation observers of :class:`Int8StaticActivationInt8WeightConfig` (:mod:`torchq.static`)
+OBSERVERS = ("minmax", "moving_average", "percentile")
+
+
+@dataclass(frozen=True)
+class Int8StaticActivationInt8WeightConfig(QuantConfig):
+    """int8 weights per output channel (symmetric [-127, 127], fp32 scales: int8dq's) and **static**
+    int8 activations: one fp32 scale and int zero point per layer, fixed at calibration
+    (:class:`~torchq.activation.StaticInt8`), so a call quantizes its input with no pass to find
+    its range. Kernel: ``torchq::int8_static_linear`` (native CPU, Triton on CUDA).
+
+    ``activation``: the calibrated scheme, or None: then the config describes how to calibrate and
+    :func:`torchq.static.prepare` / :func:`torchq.static.convert` fill it in (``quantize_`` refuses it,
+    :class:`~torchq.algorithms.CalibrationRequired`). Calibration: ``observer`` ``"minmax"`` (the
+    range of every value seen), ``"moving_average"`` (``min``/``max`` per batch, averaged with
+    ``averaging_constant`` as PyTorch's MovingAverageMinMaxObserver) or ``"percentile"`` (the
+    ``percentile`` and ``100 - percentile`` percentiles of a uniform sample of the inputs: outliers
+    clipped); ``symmetric``: zero point 0 (``s = amax / 127``) instead of the range's own."""
+
+    activation: StaticInt8 | None = None
+    observer: str = "minmax"
+    symmetric: bool = False
+    percentile: float = 99.99
+    averaging_constant: float = 0.01
+    layout: Layout | None = None
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        if self.activation is not None and not isinstance(self.activation, StaticInt8):
+            raise TypeError(f"activation: expected a torchq.activation.StaticInt8 or None, got {type(self.activation).__name__}")
+        if self.observer not in OBSERVERS:
+            raise ValueError(f"observer: expected one of {OBSERVERS}, got {self.observer!r}")
+        if not isinstance(self.symmetric, bool):
+            raise TypeError(f"symmetric: expected a bool, got {type(self.symmetric).__name__} {self.symmetric!r}")
+        p = self.percentile
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 50.0 < p <= 100.0:
+            raise ValueError(f"percentile: expected a number in (50, 100], got {p!r}")
+        c = self.averaging_constant
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c <= 1.0:
+            raise ValueError(f"averaging_constant: expected a number in (0, 1], got {c!r}")
+
+    def rows_independent(self, weight: torch.Tensor) -> bool:
+        return True  # one scale per row
+
+    def quantize_weight(self, weight: torch.Tensor, *, label: str | None = None) -> AffineQuantizedTensor:
+        self._check_weight(weight, label)
+        if self.activation is None:
+            raise CalibrationRequired(
+                f"layer {label!r}: static int8 activations need calibrated scales; run torchq.static.prepare(model, config), "
+                f"the model on calibration data, then torchq.static.convert(model) (or give activation=StaticInt8(...))")
+        return _int8_per_channel(weight, self, -127, 127, self.activation, label)
 
 
 @dataclass(frozen=True)
@@ -668,13 +729,23 @@ def int8_dynamic_activation_int8_weight(
     return Int8DynamicActivationInt8WeightConfig(layout=layout, compute_dtype=compute_dtype, reduce_range=reduce_range)
 
 
+def int8_static_activation_int8_weight(
+    observer: str = "minmax", symmetric: bool = False, percentile: float = 99.99, averaging_constant: float = 0.01,
+    layout: Layout | None = None, compute_dtype: torch.dtype | None = None,
+) -> Int8StaticActivationInt8WeightConfig:
+    """The config :func:`torchq.static.prepare` calibrates (see :class:`Int8StaticActivationInt8WeightConfig`)."""
+    return Int8StaticActivationInt8WeightConfig(observer=observer, symmetric=symmetric, percentile=percentile,
+                                                averaging_constant=averaging_constant, layout=layout, compute_dtype=compute_dtype)
+
+
 def intx_weight_only(bits: int = 4, group_size: int | None = 32, **kwargs: Any) -> IntxWeightOnlyConfig:
     return IntxWeightOnlyConfig(bits=bits, group_size=group_size, **kwargs)
 
 
 def config_from_name(name: str) -> QuantConfig:
     """A config from its short name, as used by benchmarks and command lines: ``int8wo``,
-    ``int8dq`` (``int8dq-r7``: 7-bit activations, ``reduce_range``), ``int4-g<G>`` (e.g.
+    ``int8dq`` (``int8dq-r7``: 7-bit activations, ``reduce_range``), ``int8static[-sym][-minmax|-ma|-pct]``
+    (static int8 activations to calibrate with :mod:`torchq.static`: symmetric, observer), ``int4-g<G>`` (e.g.
     ``int4-g128``; ``int4-g<G>-fp32``: fp32 scales and zeros whatever the weight's dtype, the form
     the AVX2 decode path factors), ``intx<B>-g<G>`` (e.g. ``intx3-g32``), either with ``-hqq`` at
     the end for HQQ zero points (``int4-g128-hqq``), ``nf4`` / ``fp4`` with an optional
@@ -690,6 +761,9 @@ def config_from_name(name: str) -> QuantConfig:
         return int8_dynamic_activation_int8_weight()
     if name == "int8dq-r7":
         return int8_dynamic_activation_int8_weight(reduce_range=True)
+    if m := re.fullmatch(r"int8static(-sym)?(-minmax|-ma|-pct)?", name):
+        observer = {"-ma": "moving_average", "-pct": "percentile"}.get(m[2] or "", "minmax")
+        return int8_static_activation_int8_weight(observer=observer, symmetric=bool(m[1]))
     if name in ("fp8dq-row", "fp8dq-tensor"):
         return float8_dynamic_activation_float8_weight(name.removeprefix("fp8dq-"))
     if name == "fp8wo":
@@ -703,7 +777,7 @@ def config_from_name(name: str) -> QuantConfig:
         return intx_weight_only(bits=int(m[1]), group_size=int(m[2]), algorithm=(m[3] or "-rtn")[1:])
     if m := re.fullmatch(r"(int4|nf4|fp4)a8(-[gb](\d+))?", name):
         return int8_dynamic_activation_4bit_weight(m[1], int(m[3] or (32 if m[1] == "int4" else 64)))
-    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int8dq-r7, int4-g<G>[-fp32][-hqq|-gptq|-awq], "
+    raise ValueError(f"config name: unknown {name!r}; expected int8wo, int8dq, int8dq-r7, int8static[-sym][-minmax|-ma|-pct], int4-g<G>[-fp32][-hqq|-gptq|-awq], "
                      f"intx<B>-g<G>[-hqq|-gptq|-awq], nf4[-b<B>][-gptq|-awq], "
                      f"fp4[-b<B>], int4a8[-g<G>], nf4a8[-b<B>], fp4a8[-b<B>], fp8dq-row, fp8dq-tensor or fp8wo")
 

@@ -12,7 +12,7 @@ The record is a JSON object::
     transposed  false
     spec        QuantSpec JSON  block size, code range, zero-point domain
     layout      Layout JSON     the layout it was saved from (a hint: loading may repack)
-    act_quant   null | JSON     dynamic activation quantization (e.g. per-token int8)
+    act_quant   null | JSON     activation quantization: dynamic (e.g. per-token int8) or static (its calibrated scale, zero point)
     config      null | JSON     the config that produced it (informational)
     label       null | "name"   the layer name, used in messages
     compute_dtype "bfloat16"    optional: the dtype linears compute in (absent: the input's dtype)

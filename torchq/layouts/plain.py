@@ -8,12 +8,15 @@ own dtypes. Works on every device. Its kernels, in the order they are tried (CPU
   through ``aten._weight_int8pack_mm``, for fp32/bf16/fp16 inputs (bf16 is ~10x faster on CPU:
   a config with ``compute_dtype=torch.bfloat16`` runs fp32/fp16 inputs in it);
 * ``int8_dynamic_cpu``: per-token dynamic int8 activations x per-channel int8 weights through
-  ``torch._int_mm`` (int32 accumulation), rescaled in fp32.
+  ``torch._int_mm`` (int32 accumulation), rescaled in fp32;
+* ``int8_static_cpu``: static (calibrated) int8 activations (:class:`~torchq.activation.StaticInt8`)
+  x per-channel int8 weights, the same way (the reference of ``torchq::int8_static_linear``).
 
 Ahead of those, when torchq's native library is available (:mod:`torchq.native`):
 ``int8_weight_only_native`` (``torchq::int8_weight_linear``, every activation dtype) and
-``int8_dynamic_native`` (``torchq::int8_dynamic_linear``, bit-equal to ``int8_dynamic_cpu``).
-On CUDA: ``int8_dynamic_triton`` (the same op's Triton kernel, bit-equal as well). Last,
+``int8_dynamic_native`` (``torchq::int8_dynamic_linear``, bit-equal to ``int8_dynamic_cpu``) and
+``int8_static_native`` (``torchq::int8_static_linear``, bit-equal to ``int8_static_cpu``).
+On CUDA: ``int8_dynamic_triton`` and ``int8_static_triton`` (the ops' Triton kernels, bit-equal as well). Last,
 ``llm_int8_cpu`` for LLM.int8 weights.
 """
 
@@ -24,13 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import native
-from ..activation import OutlierInt8, PerTokenInt8
+from ..activation import OutlierInt8, PerTokenInt8, StaticInt8
 from ..backends import triton as triton_backend
 from ..backends.native_cpu import library as native_library
-from ..backends.native_cpu.int8 import NATIVE_MIN_CODE, dynamic_linear_cpu, weight_linear_cpu
+from ..backends.native_cpu.int8 import NATIVE_MIN_CODE, dynamic_linear_cpu, static_linear_cpu, weight_linear_cpu
 from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel
-from ..ops.int8 import int8_dynamic_linear, int8_weight_linear, int8_weight_only_mm
+from ..ops.int8 import int8_dynamic_linear, int8_static_linear, int8_static_reference, int8_weight_linear, int8_weight_only_mm
 from ..primitives import ZeroPointDomain
 from ..tracing import traced
 from .base import Buffer, Layout, LayoutExample, TensorImpl, plain_buffers
@@ -82,7 +85,9 @@ class PlainLayout(Layout):
         )
 
 
-def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool, device_type: str = "cpu") -> str | None:
+def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool | type, device_type: str = "cpu") -> str | None:
+    """Why the int8 kernels cannot take ``w`` (None if they can): ``want_act`` False for weight-only,
+    True for per-token dynamic activations, or the activation scheme's class (StaticInt8)."""
     impl = w.tensor_impl
     if x.device.type != device_type:
         return f"{device_type.upper()} kernel, input is on {x.device}"
@@ -92,6 +97,10 @@ def _cpu_plain_int8_check(x: torch.Tensor, w, *, want_act: bool, device_type: st
     if spec.block_size != (1, impl.shape[1]):
         return f"needs per-channel scales (block 1x{impl.shape[1]}), weight has block {spec.block_size}"
     act = w.act_quant
+    if isinstance(want_act, type):
+        if not isinstance(act, want_act):
+            return f"needs {want_act.__name__} activations, weight has {'none' if act is None else act.describe()}"
+        return None
     if want_act and not isinstance(act, PerTokenInt8):
         return "weight-only (no dynamic activation quantization)" if act is None else f"activation scheme {act} unsupported"
     if not want_act and act is not None:
@@ -161,6 +170,49 @@ def _int8_dynamic_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch
         return int8_dynamic_linear(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
     impl.validate()
     return dynamic_linear_cpu(x, impl.codes, impl.scale, act.quant_min, act.quant_max, act.eps, bias)
+
+
+def _static_args(w) -> tuple[float, int, int, int]:
+    a = w.act_quant
+    return a.scale, a.zero_point, a.quant_min, a.quant_max
+
+
+def _int8_static(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl = w.tensor_impl
+    return int8_static_reference(x, impl.codes, impl.scale, *_static_args(w), bias)
+
+
+def _check_static_native(x: torch.Tensor, w, bias) -> str | None:
+    reason = _cpu_plain_int8_check(x, w, want_act=StaticInt8)
+    if reason is not None:
+        return reason
+    if not native.available():
+        return f"native library not available ({native.status().reason})"
+    if w.act_quant.quant_min < NATIVE_MIN_CODE:
+        return f"activation codes [{w.act_quant.quant_min}, {w.act_quant.quant_max}]: the native kernel takes [-127, 127]"
+    return None
+
+
+def _int8_static_native(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl = w.tensor_impl
+    args = _static_args(w)
+    out = native_library.decode_linear(impl, x, bias, _in_place_int8_weight, static=args)
+    if out is not None:
+        return out
+    if not native_library.eager_cpu(x):
+        return int8_static_linear(x, impl.codes, impl.scale, *args, bias)
+    impl.validate()
+    return static_linear_cpu(x, impl.codes, impl.scale, *args, bias)
+
+
+def _check_triton_static(x: torch.Tensor, w, bias) -> str | None:
+    return _cpu_plain_int8_check(x, w, want_act=StaticInt8, device_type="cuda") or triton_backend.cuda_rejects(x)
+
+
+def _int8_static_op(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    impl = w.tensor_impl
+    op = triton_backend.int8_static_linear_cuda if triton_backend.eager_cuda(x) else int8_static_linear
+    return op(x, impl.codes, impl.scale, *_static_args(w), bias)
 
 
 def _check_triton_dynamic(x: torch.Tensor, w, bias) -> str | None:
@@ -239,6 +291,14 @@ KERNELS = (
         bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _in_place_int8_weight,
                                                         (w.act_quant.quant_min, w.act_quant.quant_max, w.act_quant.eps)),
     ),
+    LinearKernel(
+        "int8_static_native",
+        _check_static_native,
+        _int8_static_native,
+        description="torchq::int8_static_linear: native static int8 quantization (calibrated scale and zero point) + int8 dot "
+        "(VNNI/AVX2), fp32 rescale",
+        bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _in_place_int8_weight, static=_static_args(w)),
+    ),
     # aten._weight_int8pack_mm is ~10x slower for fp32/fp16 inputs than for bf16 (13.2 ms vs
     # 1.25 ms at M=1, K=N=4096): configs with compute_dtype=torch.bfloat16 run those inputs in bf16.
     LinearKernel(
@@ -254,6 +314,12 @@ KERNELS = (
         description="per-token int8 input x int8 weight via torch._int_mm, fp32 rescale",
     ),
     LinearKernel(
+        "int8_static_cpu",
+        lambda x, w, b: _cpu_plain_int8_check(x, w, want_act=StaticInt8),
+        _int8_static,
+        description="static int8 input (calibrated scale and zero point) x int8 weight via torch._int_mm, fp32 rescale",
+    ),
+    LinearKernel(
         "int8_weight_only_triton",
         _check_triton_weight_only,
         _int8_weight_only_op,
@@ -266,6 +332,13 @@ KERNELS = (
         _int8_dynamic_op,
         description="torchq::int8_dynamic_linear on CUDA: Triton per-token int8 quantization + int8 tensor-core GEMM, "
         "scales fused (bit-equal to the reference)",
+    ),
+    LinearKernel(
+        "int8_static_triton",
+        _check_triton_static,
+        _int8_static_op,
+        description="torchq::int8_static_linear on CUDA: Triton static int8 quantization + int8 tensor-core GEMM, zero-point "
+        "correction and scales fused (bit-equal to the reference)",
     ),
     LinearKernel(
         "llm_int8_cpu",

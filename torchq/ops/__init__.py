@@ -16,6 +16,7 @@ quantize_affine            affine      reference only
 dequantize_affine          affine      reference only
 int8_weight_linear         int8        cpu: native_cpu; cuda: triton
 int8_dynamic_linear        int8        cpu: native_cpu; cuda: triton
+int8_static_linear         int8        cpu: native_cpu; cuda: triton
 int8_weight_only_mm        int8        aten (aten._weight_int8pack_mm)
 int4_groupwise_linear      int4        cpu: native_cpu; cuda: triton
 int4_cpu_mm                int4        aten (aten._weight_int4pack_mm_for_cpu)

@@ -18,6 +18,12 @@ The weight is symmetric per output channel: int8 codes ``[N, K]`` (one byte each
   int8 x int8 products accumulate exactly in int32, ``y = (acc * s_x) * s_w`` in fp32, cast to
   x's dtype, then ``+ bias`` in x's dtype. The native kernel (VNNI or AVX2) gives the same bits
   as the reference, whatever the number of rows.
+* ``int8_static_linear(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias)``:
+  static activations (:class:`torchq.activation.StaticInt8`: one fp32 scale ``s_a`` and int zero
+  point ``z`` for every row), ``acc = q_x @ q_w.T`` exactly in int32, then
+  ``y = (float(acc - z · rowsum(q_w)) · s_a) · s_w`` in fp32 (the zero point's correction
+  ``z · Σ_k q_w[n, k]`` subtracted in int32: ``Σ_k (q_x - z) q_w``), cast to x's dtype, then ``+ bias`` in
+  x's dtype. A row of x holding a NaN gives a NaN output row. The native kernel gives the same bits.
 * ``int8_weight_only_mm(x, codes, scale)``: ``x [M, K] @ (codes * scale).T`` through PyTorch's
   ``aten._weight_int8pack_mm`` (its implementation on every device).
 """
@@ -29,12 +35,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..activation import PerTokenInt8
+from ..activation import PerTokenInt8, StaticInt8
 from .devices import check_op_devices
 
 __all__ = [
     "int8_weight_linear", "int8_dynamic_linear", "int8_weight_only_mm", "check_int8_weight_args",
     "check_int8_dynamic_linear_args", "int8_weight_reference", "int8_dynamic_reference", "dequantized_int8_weight",
+    "int8_static_linear", "check_int8_static_linear_args", "int8_static_reference",
 ]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,6 +119,42 @@ def int8_dynamic_linear(
 @int8_dynamic_linear.register_fake
 def _(x, codes, scale, quant_min, quant_max, eps, bias=None):
     check_op_devices("int8_dynamic_linear", x, codes=codes, scale=scale, bias=bias)
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def check_int8_static_linear_args(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias) -> StaticInt8:
+    """The argument checks of ``int8_static_linear``; returns the activation scheme they describe."""
+    check_op_devices("int8_static_linear", x, codes=codes, scale=scale, bias=bias)
+    check_int8_weight_args(x, codes, scale, bias)
+    return StaticInt8(act_scale, act_zero_point, quant_min, quant_max)
+
+
+def int8_static_reference(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias) -> torch.Tensor:
+    """``int8_static_linear``'s meaning on checked arguments."""
+    n, k = codes.shape
+    xq, xs = StaticInt8(act_scale, act_zero_point, quant_min, quant_max).quantize(x.reshape(-1, k))
+    acc = torch.ops.torchq.int8_linear_matmul(xq, codes)
+    if act_zero_point:
+        acc = acc - act_zero_point * codes.to(torch.int32).sum(dim=1).reshape(1, n)
+    y = ((acc.to(torch.float32) * xs) * scale.reshape(1, n).to(torch.float32)).to(x.dtype)
+    y = y if bias is None else y + bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("torchq::int8_static_linear", mutates_args=())
+def int8_static_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, act_scale: float, act_zero_point: int, quant_min: int,
+    quant_max: int, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: static int8 quantization of x, ``torchq::int8_linear_matmul``, the zero point's
+    correction in int32, fp32 rescale."""
+    check_int8_static_linear_args(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias)
+    return int8_static_reference(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias)
+
+
+@int8_static_linear.register_fake
+def _(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias=None):
+    check_op_devices("int8_static_linear", x, codes=codes, scale=scale, bias=bias)
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 

@@ -10,7 +10,8 @@ Formats (the ``format`` field; which fields each reads is in ``csrc/weight_abi.h
 ``FORMAT_LUT4`` 4-bit codes through a 16-entry table (NF4 / FP4 / affine int4),
 ``FORMAT_LUT4_INT8ACT`` the same weight with per-32-block int8 activations (integer dot products),
 ``FORMAT_INT8`` int8 weight-only, ``FORMAT_INT8_DYNAMIC`` int8 weight with per-row int8
-activations.
+activations, ``FORMAT_INT8_STATIC`` int8 weight with static int8 activations (one fixed scale and
+zero point; the weight's row sums for the zero point's correction).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-__all__ = ["FIELDS", "FORMAT_INT8", "FORMAT_INT8_DYNAMIC", "FORMAT_LUT4", "FORMAT_LUT4_INT8ACT", "Field", "describe", "weight_structure"]
+__all__ = ["FIELDS", "FORMAT_INT8", "FORMAT_INT8_DYNAMIC", "FORMAT_INT8_STATIC", "FORMAT_LUT4", "FORMAT_LUT4_INT8ACT", "Field",
+           "describe", "weight_structure"]
 
-FORMAT_LUT4, FORMAT_INT8, FORMAT_INT8_DYNAMIC, FORMAT_LUT4_INT8ACT = 1, 2, 3, 4
+FORMAT_LUT4, FORMAT_INT8, FORMAT_INT8_DYNAMIC, FORMAT_LUT4_INT8ACT, FORMAT_INT8_STATIC = 1, 2, 3, 4, 5
 
 # tq_field_kind -> (name, ctypes type)
 KINDS: dict[int, tuple[str, type]] = {
@@ -37,6 +39,7 @@ FIELDS: dict[str, int] = {
     "block": _I64, "packed": _PTR, "codebook": _PTR, "shifts": _PTR, "zeros": _PTR, "round_mul": _I32, "round_add": _I32,
     "nested_codes": _PTR, "nested_absmax": _PTR, "nested_offset": _PTR, "nested_map": _PTR,
     "codes": _PTR, "act_denom": _F32, "act_eps": _F32, "act_qmin": _I32, "act_qmax": _I32,
+    "act_scale": _F32, "act_zero_point": _I32, "row_sums": _PTR,
 }
 
 

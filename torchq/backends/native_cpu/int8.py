@@ -1,7 +1,8 @@
 """The native CPU implementations of the int8-weight linear ops (:mod:`torchq.ops.int8`): the
 fused kernels of torchq's native library (``tq_linear`` on an int8
 :class:`~torchq.backends.native_cpu.library.NativeWeight`), dequantized
-tiles + ``torch.mm`` for prefill-sized inputs (:mod:`torchq.prefill`), and the ops' references when
+tiles + ``torch.mm`` for prefill-sized weight-only inputs (:mod:`torchq.prefill`; the int8-activation
+ops run the fused kernels at every size), and the ops' references when
 the library is missing or disabled (with a one-time :class:`~torchq.native.NativeMissingWarning`)."""
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import torch
 from ... import native
 from ...ops.int8 import (
     check_int8_dynamic_linear_args,
+    check_int8_static_linear_args,
     check_int8_weight_args,
     int8_dynamic_linear,
     int8_dynamic_reference,
+    int8_static_linear,
+    int8_static_reference,
     int8_weight_linear,
     int8_weight_reference,
 )
@@ -22,7 +26,8 @@ from . import abi
 from . import library as native_library
 from .registration import register_cpu_kernel
 
-__all__ = ["NATIVE_MIN_CODE", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu", "weight_linear_cpu", "dynamic_linear_cpu"]
+__all__ = ["NATIVE_MIN_CODE", "int8_weight_linear_cpu", "int8_dynamic_linear_cpu", "int8_static_linear_cpu", "weight_linear_cpu",
+           "dynamic_linear_cpu", "static_linear_cpu"]
 
 
 def _int8_weight(op: str, codes: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> native_library.NativeWeight:
@@ -91,4 +96,33 @@ def dynamic_linear_cpu(x, codes, scale, quant_min: int, quant_max: int, eps: flo
         return int8_dynamic_reference(x, codes, scale, quant_min, quant_max, eps, bias)
     n, k = codes.shape
     weight = _int8_weight("int8_dynamic_linear", codes, scale, n, k).dynamic(quant_min, quant_max, eps)
+    return native_library.run_linear(weight, x, bias)
+
+
+@register_cpu_kernel(int8_static_linear)
+def int8_static_linear_cpu(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias=None):
+    weight = native_library.cached_op_weight(codes, (scale,), ("int8_static_linear", *codes.shape))
+    # a compiled graph's call, checked when built (the activation scheme too: derived after the checks)
+    key = native_library.NativeWeight.static_key(act_scale, act_zero_point, quant_min, quant_max)
+    static = None if weight is None else weight.derived(key)
+    if static is not None and x.numel():
+        return native_library.run_linear(static, x, bias)
+    check_int8_static_linear_args(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias)
+    return static_linear_cpu(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias)
+
+
+def static_linear_cpu(x, codes, scale, act_scale: float, act_zero_point: int, quant_min: int, quant_max: int,
+                      bias=None) -> torch.Tensor:
+    """The CPU kernel of ``torchq::int8_static_linear`` on checked arguments: the native kernel
+    (bit-equal to :func:`~torchq.ops.int8.int8_static_reference`) at every number of rows, as the
+    dynamic format (no dequantized tiles: the int8 dot products beat them), else the reference."""
+    lib = native_library.library()
+    if lib is None or x.numel() == 0 or quant_min < NATIVE_MIN_CODE:
+        if lib is None:
+            native.warn_reference("int8_static_linear")
+        elif quant_min < NATIVE_MIN_CODE:
+            native.warn_reference("int8_static_linear", f"activation codes [{quant_min}, {quant_max}] (the kernel takes [-127, 127])")
+        return int8_static_reference(x, codes, scale, act_scale, act_zero_point, quant_min, quant_max, bias)
+    n, k = codes.shape
+    weight = _int8_weight("int8_static_linear", codes, scale, n, k).static(act_scale, act_zero_point, quant_min, quant_max)
     return native_library.run_linear(weight, x, bias)

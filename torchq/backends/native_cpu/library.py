@@ -17,6 +17,7 @@ import contextvars
 import ctypes
 import importlib.machinery
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,13 @@ from ...tracing import traced
 from . import abi
 
 __all__ = [
-    "ABI_VERSION", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
+    "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "gemm_active", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "gemm_active", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
 ]
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 ISA_NAMES = ("scalar", "avx2", "avx512")
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -301,6 +302,41 @@ def checked_tile(w: torch.Tensor, rows: int, cols: int, op: str) -> tuple[int, i
     return checked_ptr("tile", w, w.dtype, rows * cols, op), int(w.dtype == torch.bfloat16)
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), or None for an inference tensor
+    (created under ``torch.inference_mode``: it has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+class RowSums:
+    """The int32 row sums ``Σ_k codes[n, k]`` of an int8 weight (the static format's zero-point
+    correction reads them, ``csrc/weight_abi.h``): computed once, kept in one contiguous int32
+    ``[n]`` tensor whose address the library holds, and recomputed in place by :meth:`refresh`
+    when the codes were written in place since (``copy_``, ``load_state_dict``: their version
+    counter moved). Every call of a static weight refreshes first (:func:`run_linear`,
+    :class:`BoundLinear`): a weakref and a counter read. Codes that are inference tensors have no
+    counter: an in-place write to them is not seen (rebuild the weight)."""
+
+    __slots__ = ("codes", "n", "k", "tensor", "version")
+
+    def __init__(self, codes: torch.Tensor, n: int, k: int) -> None:
+        self.codes, self.n, self.k = weakref.ref(codes), n, k
+        self.version = _version(codes)
+        self.tensor = codes.reshape(n, k).sum(dim=1, dtype=torch.int32).contiguous()
+
+    def refresh(self) -> None:
+        codes = self.codes()
+        if codes is None:  # the weight's codes are gone: so is every caller that could use them
+            return
+        version = _version(codes)
+        if version != self.version:
+            torch.sum(codes.reshape(self.n, self.k), dim=1, dtype=torch.int32, out=self.tensor)
+            self.version = version
+
+
 class NativeWeight:
     """A weight as the library's ``tq_weight`` struct (``csrc/weight_abi.h``), built once by
     :func:`lut4_weight` or :func:`int8_weight` after checking every buffer with
@@ -308,7 +344,7 @@ class NativeWeight:
     pointers stay valid as long as it lives. Call it with :func:`run_linear` and
     :func:`dequantize_rows`. ``op`` names the torchq op in error messages."""
 
-    __slots__ = ("struct", "address", "op", "format", "n", "k", "row_length", "_tensors", "_dynamic")
+    __slots__ = ("struct", "address", "op", "format", "n", "k", "row_length", "_tensors", "_dynamic", "_codes", "_row_sums")
 
     def __init__(self, op: str, tensors: tuple[torch.Tensor, ...], **fields: int | float | None) -> None:
         if _WEIGHT_STRUCT is None:
@@ -319,6 +355,8 @@ class NativeWeight:
         self.n, self.k, self.row_length = self.struct.n, self.struct.k, self.struct.row_length
         self._tensors = tensors
         self._dynamic: dict[tuple, NativeWeight] = {}
+        self._codes: weakref.ref | None = None  # an int8 weight's codes (int8_weight), for its row sums
+        self._row_sums: RowSums | None = None  # an int8 weight's, once a static form is built (shared with those)
 
     def dynamic(self, quant_min: int, quant_max: int, eps: float) -> NativeWeight:
         """This int8 weight with activations quantized per row into ``[quant_min, quant_max]``
@@ -335,9 +373,41 @@ class NativeWeight:
         return found
 
 
+    def static(self, act_scale: float, act_zero_point: int, quant_min: int, quant_max: int) -> NativeWeight:
+        """This int8 weight with activations quantized with one fixed scale and zero point into
+        ``[quant_min, quant_max]`` (:class:`torchq.activation.StaticInt8`; ``act_scale`` is rounded
+        to fp32, as the scheme does), built once per key (:meth:`static_key`). The weight's row sums
+        (:class:`RowSums`) are computed with the first and shared by every static form. The library
+        checks the fields (BAD_ARGUMENT: a scale that is not a normal fp32 value, a zero point
+        outside the range, quant_min below -127)."""
+        key = self.static_key(act_scale, act_zero_point, quant_min, quant_max)
+        found = self._dynamic.get(key)
+        if found is None:
+            if self.format != abi.FORMAT_INT8:
+                raise ValueError(f"torchq {self.op}: static activations need an int8 weight-only weight, got format {self.format}")
+            codes = None if self._codes is None else self._codes()
+            if codes is None:
+                raise ValueError(f"torchq {self.op}: static activations need the weight's codes (an int8_weight)")
+            if self._row_sums is None:
+                self._row_sums = RowSums(codes, self.n, self.k)
+            rows = self._row_sums
+            fields = {name: getattr(self.struct, name) for name, _ in self.struct._fields_}
+            fields.update(format=abi.FORMAT_INT8_STATIC, act_scale=act_scale, act_zero_point=act_zero_point, act_qmin=quant_min,
+                          act_qmax=quant_max, row_sums=checked_ptr("row_sums", rows.tensor, torch.int32, self.n, self.op))
+            found = NativeWeight("int8_static_linear", self._tensors, **fields)
+            found._codes, found._row_sums = self._codes, rows  # the row sums live as long as any user
+            self._dynamic[key] = found
+        return found
+
+    @staticmethod
+    def static_key(act_scale: float, act_zero_point: int, quant_min: int, quant_max: int) -> tuple:
+        """The :meth:`derived` key of :meth:`static`'s weight for these arguments."""
+        return ("static", act_scale, act_zero_point, quant_min, quant_max)
+
     def derived(self, key: tuple) -> NativeWeight | None:
-        """The weight :meth:`dynamic` (``key`` its arguments) or :meth:`int8_activations` (key
-        ``("int8_activations",)``) built from this one, if built already (else None)."""
+        """The weight :meth:`dynamic` (``key`` its arguments), :meth:`static` (:meth:`static_key`)
+        or :meth:`int8_activations` (key ``("int8_activations",)``) built from this one, if built
+        already (else None)."""
         return self._dynamic.get(key)
 
     def int8_activations(self) -> NativeWeight:
@@ -392,19 +462,26 @@ def lut4_weight(op: str, n: int, k: int, block: int, packed: torch.Tensor, codeb
 
 def int8_weight(op: str, codes: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> NativeWeight:
     """An ``[n, k]`` int8 weight-only weight: ``codes`` int8 ``[n * k]`` row-major, ``scales``
-    fp32 ``[n]`` (one per row), contiguous CPU tensors; :meth:`NativeWeight.dynamic` adds int8
-    activations."""
-    return NativeWeight(op, (codes, scales), format=abi.FORMAT_INT8, n=n, k=k, row_length=k,
-                        codes=checked_ptr("codes", codes, torch.int8, n * k, op),
-                        scales=checked_ptr("scales", scales, torch.float32, n, op))
+    fp32 ``[n]`` (one per row), contiguous CPU tensors; :meth:`NativeWeight.dynamic` and
+    :meth:`NativeWeight.static` add int8 activations."""
+    weight = NativeWeight(op, (codes, scales), format=abi.FORMAT_INT8, n=n, k=k, row_length=k,
+                          codes=checked_ptr("codes", codes, torch.int8, n * k, op),
+                          scales=checked_ptr("scales", scales, torch.float32, n, op))
+    weight._codes = weakref.ref(codes)
+    return weight
+
+
+# the formats whose bias torchq adds after the rounding to x's dtype (the library takes none)
+BIAS_AFTER_FORMATS = (abi.FORMAT_INT8_DYNAMIC, abi.FORMAT_INT8_STATIC)
 
 
 def run_linear(weight: NativeWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [..., K] @ W.T (+ bias)`` in x's dtype through ``tq_linear``: x is read and the output
     written by the library, so the only tensor op here is the output allocation (and a copy for
     a non-contiguous x). x and bias are checked here, on every call; the weight was checked
-    when it was built. A dynamic-activation weight's bias is added after the rounding to x's
-    dtype, as its reference does."""
+    when it was built. A dynamic- or static-activation weight's bias is added after the rounding to
+    x's dtype, as its reference does; a static weight's row sums are refreshed first
+    (:class:`RowSums`)."""
     op, k, n = weight.op, weight.k, weight.n
     code = DTYPE_CODES.get(x.dtype)
     if code is None:
@@ -418,11 +495,13 @@ def run_linear(weight: NativeWeight, x: torch.Tensor, bias: torch.Tensor | None)
     m = rows.shape[0]
     xp = checked_ptr("x", rows, x.dtype, m * k, op)  # also checks K for a 2-D x (m * K elements)
     out = rows.new_empty(m, n)  # x's dtype, CPU (checked above)
-    if weight.format != abi.FORMAT_INT8_DYNAMIC:
+    if weight.format not in BIAS_AFTER_FORMATS:
         b = checked_bias(bias, n, op)  # referenced until the call returns
         check(_linear_call(weight.address, xp, code, m, ptr(b), out.data_ptr(), threads()), op)
     else:
         check_bias(bias, n, op)
+        if weight._row_sums is not None:  # a static weight's
+            weight._row_sums.refresh()
         check(_linear_call(weight.address, xp, code, m, None, out.data_ptr(), threads()), op)
         if bias is not None:
             out = out + bias.to(x.dtype)
@@ -491,7 +570,7 @@ def cached_op_weight(key: torch.Tensor, others: tuple[torch.Tensor | None, ...],
 def takes_fused(weight: NativeWeight, x: torch.Tensor) -> bool:
     """Whether ``x @ W.T`` runs the fused kernel (:func:`run_linear`) for ``weight``: x has rows,
     and for a weight-only 4-bit or int8 weight no more than dequantized tiles + ``torch.mm`` would
-    take (:func:`torchq.prefill.use_tiles`; the dynamic-activation formats always run fused)."""
+    take (:func:`torchq.prefill.use_tiles`; the int8-activation formats always run fused)."""
     m = x.numel() // weight.k
     if m <= 0:
         return False
@@ -542,11 +621,12 @@ def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], Nati
 
 
 def decode_linear(owner: object, x: torch.Tensor, bias: torch.Tensor | None, build: Callable[[object], NativeWeight | None],
-                  dynamic: tuple[int, int, float] | None = None) -> torch.Tensor | None:
+                  dynamic: tuple[int, int, float] | None = None,
+                  static: tuple[float, int, int, int] | None = None) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` through the fused kernel (:func:`run_linear`) with ``owner``'s cached
-    weight (:func:`decode_weight`; ``dynamic``: :meth:`NativeWeight.dynamic`'s arguments) when an
-    eager CPU caller can take it (:func:`eager_cpu`), else None (the caller takes its general
-    path). :func:`eager_cpu`, :func:`decode_weight` and :func:`run_linear` in one call: this is
+    weight (:func:`decode_weight`; ``dynamic``: :meth:`NativeWeight.dynamic`'s arguments,
+    ``static``: :meth:`NativeWeight.static`'s) when an eager CPU caller can take it
+    (:func:`eager_cpu`), else None (the caller takes its general path). :func:`eager_cpu`, :func:`decode_weight` and :func:`run_linear` in one call: this is
     every decode-sized layer's path."""
     if _LIB is None or DISABLED.get() or not x.is_cpu or traced(x):
         return None
@@ -556,7 +636,11 @@ def decode_linear(owner: object, x: torch.Tensor, bias: torch.Tensor | None, bui
     weight = weight_args(owner, build)
     if weight is None:
         return None
-    return run_linear(weight if dynamic is None else weight.dynamic(*dynamic), x, bias)
+    if dynamic is not None:
+        weight = weight.dynamic(*dynamic)
+    elif static is not None:
+        weight = weight.static(*static)
+    return run_linear(weight, x, bias)
 
 
 class BoundLinear:
@@ -572,7 +656,7 @@ class BoundLinear:
     then copies or raises)."""
 
     __slots__ = ("weight", "shape", "address", "op", "code", "dtype", "m", "n", "nbytes", "element_size", "out_shape", "bias_after",
-                 "recheck_tiles", "held", "pointers")
+                 "recheck_tiles", "held", "pointers", "row_sums")
 
     def __init__(self, weight: NativeWeight, shape: object, x: torch.Tensor, recheck_tiles: bool = False,
                  held: tuple[torch.Tensor, ...] = ()) -> None:
@@ -583,7 +667,9 @@ class BoundLinear:
         self.element_size = x.element_size()  # the signature fixes x's dtype
         self.nbytes = x.numel() * x.element_size()
         self.out_shape = (*x.shape[:-1], weight.n)
-        self.bias_after = weight.format == abi.FORMAT_INT8_DYNAMIC  # added after the rounding to x's dtype
+        self.bias_after = weight.format in BIAS_AFTER_FORMATS  # added after the rounding to x's dtype
+        # a static weight's row sums: refreshed per call (RowSums)
+        self.row_sums = weight._row_sums if weight.format == abi.FORMAT_INT8_STATIC else None
         # rows above FUSED_MAX_M: whether tiles + GEMM take them reads global state (the bf16 tile
         # switch), so it is asked again per call, as the impl asks it
         self.recheck_tiles = recheck_tiles
@@ -602,6 +688,8 @@ class BoundLinear:
                 return None
             bp = bias.data_ptr()
         out = x.new_empty(*self.out_shape)  # x's dtype, CPU (0.9 us; torch.empty with a dtype: 1.1-1.6)
+        if self.row_sums is not None:
+            self.row_sums.refresh()
         status = _linear_call(self.address, x.data_ptr(), self.code, self.m, bp, out.data_ptr(), threads())
         if status:
             check(status, self.op)
@@ -611,12 +699,14 @@ class BoundLinear:
 
 
 def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], NativeWeight | None],
-                dynamic: tuple[int, int, float] | None = None, int8_activations: bool = False) -> BoundLinear | None:
+                dynamic: tuple[int, int, float] | None = None, int8_activations: bool = False,
+                static: tuple[float, int, int, int] | None = None) -> BoundLinear | None:
     """The :class:`BoundLinear` of ``owner``'s cached weight (:func:`weight_args`; ``dynamic``:
-    :meth:`NativeWeight.dynamic`'s arguments; ``int8_activations``: :meth:`NativeWeight.int8_activations`)
-    for inputs like ``x``, when every such eager CPU call runs the fused kernel: the library is
-    active, x has a non-zero number of rows and, for a weight-only or int8 dynamic weight, a
-    decode-sized number (:func:`torchq.prefill.use_tiles`), as :func:`decode_linear` requires; else None."""
+    :meth:`NativeWeight.dynamic`'s arguments; ``static``: :meth:`NativeWeight.static`'s;
+    ``int8_activations``: :meth:`NativeWeight.int8_activations`) for inputs like ``x``, when every
+    such eager CPU call runs the fused kernel: the library is active, x has a non-zero number of
+    rows and, for a weight-only, int8 dynamic or int8 static weight, a decode-sized number
+    (:func:`torchq.prefill.use_tiles`), as :func:`decode_linear` requires; else None."""
     if not x.is_cpu or traced(x) or x.dtype not in DTYPE_CODES:
         return None
     m = x.numel() // owner.shape[1]
@@ -632,6 +722,8 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
         weight = weight.int8_activations()
     elif dynamic is not None:
         weight = weight.dynamic(*dynamic)
+    elif static is not None:
+        weight = weight.static(*static)
     held = tuple(v for v in vars(owner).values() if isinstance(v, torch.Tensor))
     return BoundLinear(weight, owner.shape, x, recheck_tiles=not int8_activations and m > FUSED_MAX_M, held=held)
 

@@ -4,7 +4,8 @@ objects of :mod:`torchq.ops` when this module is imported.
 * ``torchq::int4_groupwise_linear`` (:class:`~torchq.layouts.Int4NativeLayout`):
   :mod:`.dequant_linear`, format ``AFFINE``;
 * ``torchq::blockwise_4bit_linear`` (NF4 / FP4): :mod:`.dequant_linear`, format ``CODEBOOK``;
-* ``torchq::int8_dynamic_linear`` (per-token int8 activations x int8 weights): :mod:`.int8_linear`;
+* ``torchq::int8_dynamic_linear`` (per-token int8 activations x int8 weights) and ``torchq::int8_static_linear``
+  (static int8 activations): :mod:`.int8_linear`;
 * ``torchq::int8_weight_linear`` (int8 weight-only, per-row scales) and ``torchq::float8_weight_linear``
   (float8_e4m3fn weight-only): :mod:`.int8_weight`;
 * ``torchq::int4_groupwise_linear_a8`` / ``torchq::blockwise_4bit_linear_a8`` (4-bit weights x
@@ -33,12 +34,12 @@ import torch
 from ...ops.blockwise import blockwise_4bit_linear
 from ...ops.float8 import float8_weight_linear
 from ...ops.int4 import int4_groupwise_linear
-from ...ops.int8 import int8_dynamic_linear, int8_weight_linear
+from ...ops.int8 import int8_dynamic_linear, int8_static_linear, int8_weight_linear
 from ...ops.int8act import blockwise_4bit_linear_a8, int4_groupwise_linear_a8
 from ...tracing import traced
 
 __all__ = ["available", "unavailable_reason", "cuda_rejects", "interpreting", "eager_cuda", "int4_groupwise_linear_cuda",
-           "blockwise_4bit_linear_cuda", "int8_dynamic_linear_cuda", "int8_weight_linear_cuda", "float8_weight_linear_cuda", "int4_groupwise_linear_a8_cuda",
+           "blockwise_4bit_linear_cuda", "int8_dynamic_linear_cuda", "int8_static_linear_cuda", "int8_weight_linear_cuda", "float8_weight_linear_cuda", "int4_groupwise_linear_a8_cuda",
            "blockwise_4bit_linear_a8_cuda"]
 
 
@@ -99,6 +100,7 @@ def _lazy_kernel(module: str, fn: str):
 int4_groupwise_linear_cuda = _lazy_kernel("dequant_linear", "int4_groupwise_linear")
 blockwise_4bit_linear_cuda = _lazy_kernel("dequant_linear", "blockwise_4bit_linear")
 int8_dynamic_linear_cuda = _lazy_kernel("int8_linear", "int8_dynamic_linear")
+int8_static_linear_cuda = _lazy_kernel("int8_linear", "int8_static_linear")
 int8_weight_linear_cuda = _lazy_kernel("int8_weight", "int8_weight_linear")
 float8_weight_linear_cuda = _lazy_kernel("int8_weight", "float8_weight_linear")
 int4_groupwise_linear_a8_cuda = _lazy_kernel("a8_linear", "int4_groupwise_linear_a8")
@@ -106,6 +108,7 @@ blockwise_4bit_linear_a8_cuda = _lazy_kernel("a8_linear", "blockwise_4bit_linear
 int4_groupwise_linear.register_kernel("cuda")(int4_groupwise_linear_cuda)
 blockwise_4bit_linear.register_kernel("cuda")(blockwise_4bit_linear_cuda)
 int8_dynamic_linear.register_kernel("cuda")(int8_dynamic_linear_cuda)
+int8_static_linear.register_kernel("cuda")(int8_static_linear_cuda)
 int8_weight_linear.register_kernel("cuda")(int8_weight_linear_cuda)
 float8_weight_linear.register_kernel("cuda")(float8_weight_linear_cuda)
 int4_groupwise_linear_a8.register_kernel("cuda")(int4_groupwise_linear_a8_cuda)
