@@ -417,3 +417,137 @@ def test_smoothquant_on_transformers_llama_folds_into_rmsnorms_and_saves(tmp_pat
     assert loaded.model.layers[0].self_attn.q_proj.weight.act_quant == model.model.layers[0].self_attn.q_proj.weight.act_quant
     with torch.no_grad():
         assert torch.equal(loaded(data[0]).logits, out[0])
+
+
+# -- review cases: outputs the replay must read, atomicity after quantize_, reused buffers, odd norms,
+# -- tied layers, hostile JSON, exact percentiles ----------------------------------------------------
+def test_a_fold_is_refused_when_the_model_returns_a_dataclass():
+    import dataclasses as dc
+
+    @dc.dataclass
+    class Out:
+        y: torch.Tensor
+
+    class Wrapped(_Net):
+        def forward(self, x):
+            return Out(super().forward(x))
+
+    torch.manual_seed(0)
+    net = _with_outlier_norm(Wrapped(residual=True))
+    data = _batches()
+    with torch.no_grad():
+        ref = [net(b).y for b in data]
+    report = _calibrated(net, data, algorithm="smoothquant", alpha=0.5)
+    assert {r.name: r for r in report.layers}["q"].smoothing == "input_scale"
+    with torch.no_grad():
+        assert sum(((net(b).y - r).norm() / r.norm()).item() for b, r in zip(data, ref)) / len(ref) < 0.05
+
+
+def test_a_failure_after_quantize_puts_every_weight_back(monkeypatch):
+    torch.manual_seed(0)
+    net = _with_outlier_norm(_Net(residual=True))  # no fold: the smoothed layers get input_scale
+    params = dict(net.named_parameters())
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    torchq.static.prepare(net, algorithm="smoothquant", alpha=0.5)
+    for b in _batches():
+        net(b)
+
+    orig = torchq.AffineQuantizedTensor._replace
+
+    def boom(self, *a, **kw):
+        if "input_scale" in kw:
+            raise RuntimeError("injected after quantize_")
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(torchq.AffineQuantizedTensor, "_replace", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        torchq.static.convert(net)
+    assert all(p is dict(net.named_parameters())[k] for k, p in params.items())
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
+    assert torchq.static.prepared_layers(net)
+
+
+def test_prepare_refuses_weights_it_cannot_quantize():
+    net = _Net()
+    net.out.double()
+    with pytest.raises(ValueError, match="'out'.*not fp32 / bf16 / fp16"):
+        torchq.static.prepare(net)
+    assert not net.q._forward_pre_hooks
+
+
+def test_a_reused_input_buffer_is_observed_every_batch():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4))
+    torchq.static.prepare(net)
+    buf = torch.empty(5, 8)
+    for scale in (1.0, 10.0, 100.0):
+        buf.copy_(torch.linspace(-scale, scale, 40).reshape(5, 8))
+        net(buf)
+    report = torchq.static.convert(net)
+    assert report.layers[0].activation == StaticInt8.from_range(-100.0, 100.0)
+    assert report.layers[0].tokens == 15
+
+
+def test_a_norm_whose_weight_is_not_per_feature_is_not_folded():
+    class Grouped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.GroupNorm(4, 4)  # channels on dim 1, the linear reads dim -1
+            self.lin = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.lin(self.norm(x))
+
+    torch.manual_seed(0)
+    net = Grouped()
+    data = [torch.randn(2, 4, 16) for _ in range(3)]
+    report = _calibrated(net, data, algorithm="smoothquant", alpha=0.5)
+    assert report.layers[0].smoothing == "input_scale"
+
+
+def test_tied_layers_fed_different_inputs_share_one_scheme():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+            self.b = nn.Linear(16, 16)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x) * 3)
+
+    torch.manual_seed(0)
+    net = Tied()
+    report = _calibrated(net, [torch.randn(4, 16) for _ in range(3)])
+    acts = {r.name: r.activation for r in report.layers}
+    assert acts["a"] == acts["b"] and net.a.weight is net.b.weight
+
+
+def test_hostile_static_json_is_refused_cleanly():
+    from torchq.checkpoint.codec import CheckpointError  # noqa: F401  (the codec's error type exists)
+
+    for scale in (10**400, 1e300, -0.0, float("nan")):
+        with pytest.raises(ValueError, match="static_int8"):
+            activation_from_json({"type": "static_int8", "scale": scale, "zero_point": 0, "quant_min": -127, "quant_max": 127})
+    with pytest.raises(ValueError):
+        activation_from_json({"type": "static_int8", "scale": 1.0, "zero_point": 10**30, "quant_min": -127, "quant_max": 127})
+
+
+@pytest.mark.parametrize("p, n_rows", [(99.9, 125), (99.0, 50), (95.5, 8)])
+def test_percentile_is_the_exact_inverted_cdf(p, n_rows):
+    """The p-th percentile is the ceil(p n / 100)-th smallest value, in exact arithmetic (numpy's
+    inverted_cdf computes p / 100 * n in floating point: 99.9 / 100 * 1000 = 999.0000000000001,
+    so it returns the maximum where the definition gives the 999th value)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4))
+    torchq.static.prepare(net, torchq.int8_static_activation_int8_weight(observer="percentile", percentile=p),
+                          sample_tokens=10_000)
+    x = torch.randn(n_rows, 8)  # n_rows * 8 values: p / 100 * n is a whole number for the first two
+    net(x)
+    report = torchq.static.convert(net)
+    flat = x.reshape(-1).sort().values
+    n = flat.numel()
+    k = -(-(round(p * 10) * n) // 1000)  # ceil(p n / 100), in integers
+    hi, lo = flat[k - 1].item(), flat[n - k].item()
+    assert hi < flat[-1].item()  # something is clipped
+    assert report.layers[0].activation == StaticInt8.from_range(lo, hi)

@@ -227,9 +227,12 @@ class StaticInt8:
         s = self.scale
         if isinstance(s, bool) or not isinstance(s, (int, float)):
             raise TypeError(f"scale: expected a positive float, got {type(s).__name__} {s!r}")
-        s32 = _fp32_exact(float(s))
-        if not (math.isfinite(s32) and s32 >= 2.0**-126):
-            raise ValueError(f"scale: expected a finite fp32 value >= 2^-126, got {s!r}")
+        try:
+            s32 = _fp32_exact(float(s))
+        except OverflowError:
+            s32 = math.inf
+        if not (math.isfinite(s32) and 2.0**-126 <= s32 <= 2.0**126):
+            raise ValueError(f"scale: expected an fp32 value in [2^-126, 2^126] (so that 1/scale is a normal fp32), got {s!r}")
         object.__setattr__(self, "scale", s32)
 
     @classmethod
@@ -238,7 +241,7 @@ class StaticInt8:
         """The scheme whose grid covers ``[lo, hi]`` (widened to hold 0). Asymmetric:
         ``s = (hi - lo) / (quant_max - quant_min)``, ``z = quant_min - rint(lo / s)`` (clamped to the
         range); symmetric: ``s = max(|lo|, |hi|) / ((quant_max - quant_min) // 2)``, ``z = 0``. A
-        zero-width or non-finite range is refused; an all-zero range gets the smallest scale."""
+        non-finite or reversed range is refused; an all-zero range gets the smallest scale."""
         lo, hi = float(lo), float(hi)
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
             raise ValueError(f"lo, hi: expected a finite range, got [{lo!r}, {hi!r}]")
@@ -297,7 +300,7 @@ def activation_from_json(d: dict | None) -> PerTokenInt8 | OutlierInt8 | PerBloc
             raise ValueError(f"activation quantization JSON: static_int8 scale must be a number, got {d['scale']!r}")
         try:
             return StaticInt8(float(d["scale"]), d["zero_point"], d["quant_min"], d["quant_max"])
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"activation quantization JSON: static_int8: {e}") from None
     if isinstance(d, dict) and d.get("type") == "float8_dynamic":
         if set(d) != {"type", "granularity"}:

@@ -46,14 +46,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 from torch import nn
 
 from .activation import PerTokenInt8, StaticInt8
 from .configs import Int8DynamicActivationInt8WeightConfig, Int8StaticActivationInt8WeightConfig, QuantConfig
+from .dispatch import strict
 from .quantize import UNSET, ConfigSpec, config_resolver, default_filter, is_conv1d, quantize_, tensor_slots
 from .tensor import AffineQuantizedTensor
 
@@ -83,7 +86,7 @@ class _Site:
         self.gen = generator
         self.nonfinite = False
         self.norm: str | None = None
-        self.last: torch.Tensor | None = None  # the tensor last observed (identity)
+        self.last: tuple[weakref.ref, int] | None = None  # the tensor last observed in this forward, and its version
 
     def observe(self, x: torch.Tensor) -> None:
         rows = x.detach().reshape(-1, self.k).to(torch.float32).cpu()
@@ -141,13 +144,29 @@ class _Site:
             x = self.sample if inv is None else self.sample * inv
             flat = x.reshape(-1)
             n = flat.numel()
-            q = cfg.percentile / 100.0
+            q = Fraction(str(cfg.percentile)) / 100  # exact: 99.9 / 100 * 1000 is 999, not 999.0000000000001
             hi_k = min(n, max(1, math.ceil(q * n)))
             lo_k = max(1, min(n, n - hi_k + 1))
             return float(flat.kthvalue(lo_k).values), float(flat.kthvalue(hi_k).values)
         if inv is not None:
             lo, hi = lo * inv, hi * inv
         return float(lo.min()), float(hi.max())
+
+
+def _version(x: torch.Tensor) -> int:
+    try:
+        return x._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return -1
+
+
+def _same(mark: tuple[weakref.ref, int] | None, x: torch.Tensor) -> bool:
+    """Whether ``x`` is the tensor ``mark`` recorded, unchanged since (not a refilled buffer)."""
+    return mark is not None and mark[0]() is x and mark[1] == _version(x)
+
+
+def _mark(x: torch.Tensor) -> tuple[weakref.ref, int]:
+    return weakref.ref(x), _version(x)
 
 
 @dataclass
@@ -162,8 +181,9 @@ class _Calibration:
     norm_calls: dict[str, int] = field(default_factory=dict)
     first_input: tuple[tuple, dict] | None = None  # the model's first calibration call (SmoothQuant's fold check)
     first_output: list[torch.Tensor] | None = None
+    pending_input: tuple[tuple, dict] | None = None
     replaying: bool = False
-    last_norm: tuple[torch.Tensor, str] | None = None
+    last_norm: tuple[tuple[weakref.ref, int], str] | None = None
     site_calls: dict[int, int] = field(default_factory=dict)
 
 
@@ -253,8 +273,14 @@ def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Calla
         cfg = resolve(name)
         if cfg is None or cfg is UNSET:
             continue
+        weight = mod._parameters.get("weight")
         if isinstance(getattr(mod, "weight", None), AffineQuantizedTensor):
             raise ValueError(f"static.prepare: layer {name!r} is already quantized; prepare the float model")
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
+                weight.dim() != 2 or \
+                torch.nn.utils.parametrize.is_parametrized(mod, "weight"):
+            raise ValueError(f"static.prepare: layer {name!r}: its weight is not a registered 2-D float parameter "
+                             f"(a parametrization, a property, or not fp32 / bf16 / fp16); select only plain linears")
         if isinstance(cfg, Int8StaticActivationInt8WeightConfig):
             if cfg.activation is not None:
                 raise ValueError(f"static.prepare: layer {name!r}: its config already has calibrated activations "
@@ -283,19 +309,19 @@ def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Calla
             site = state.site_of.get(name)
             if site is None:
                 last = state.sites[-1] if state.sites else None
-                if last is not None and last.last is x and x.shape[-1] == last.k:
+                if last is not None and _same(last.last, x) and x.shape[-1] == last.k:
                     site = last
                 else:
                     cfg = configs[name]  # a site's moving average: the averaging constant of its first layer's config
                     c = cfg.averaging_constant if isinstance(cfg, Int8StaticActivationInt8WeightConfig) else 0.01
                     site = _Site(x.shape[-1], sample_tokens if sampled else 0, c, gen)
                     state.sites.append(site)
-                    if state.last_norm is not None and state.last_norm[0] is x:
+                    if state.last_norm is not None and _same(state.last_norm[0], x):
                         site.norm = state.last_norm[1]
                 site.layers.append(name)
                 state.site_of[name] = site
-            if site.last is not x:
-                site.last = x
+            if not _same(site.last, x):
+                site.last = _mark(x)
                 site.observe(x)
                 state.site_calls[id(site)] = state.site_calls.get(id(site), 0) + 1
 
@@ -307,7 +333,7 @@ def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Calla
                 return
             state.norm_calls[name] = state.norm_calls.get(name, 0) + 1
             if isinstance(out, torch.Tensor):
-                state.last_norm = (out, name)
+                state.last_norm = (_mark(out), name)
 
         return record
 
@@ -315,21 +341,27 @@ def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Calla
         return t.detach().clone() if isinstance(t, torch.Tensor) else t
 
     def model_input(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        if state.first_input is None and not state.replaying:
-            state.first_input = torch.utils._pytree.tree_map(keep, (args, kwargs))
+        if state.replaying:
+            return
+        for site in state.sites:  # a new forward: a tensor seen before is a new batch (a reused buffer, say)
+            site.last = None
+        state.last_norm = None
+        if state.first_output is None and algorithm == "smoothquant":
+            state.pending_input = torch.utils._pytree.tree_map(keep, (args, kwargs))
 
     def model_output(mod: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
-        if state.first_output is None and not state.replaying:
-            state.first_output = [t.clone() for t in _floats(out)]
+        if state.first_output is None and state.pending_input is not None and not state.replaying:
+            state.first_input, state.first_output = state.pending_input, [t.clone() for t in _floats(out)]
+        state.pending_input = None
 
     try:
         for name, mod in modules.items():
             state.handles.append(mod.register_forward_pre_hook(pre_hook(name)))
+        state.handles.append(model.register_forward_pre_hook(model_input, with_kwargs=True))
         if algorithm == "smoothquant":
             for name, mod in model.named_modules():
                 if _is_norm(mod):
                     state.handles.append(mod.register_forward_hook(norm_hook(name)))
-            state.handles.append(model.register_forward_pre_hook(model_input, with_kwargs=True))
             state.handles.append(model.register_forward_hook(model_output, with_kwargs=True))
     except BaseException:
         for h in state.handles:
@@ -368,10 +400,12 @@ def _site_error(site: _Site, weights: dict[str, torch.Tensor], configs: dict[str
     x = site.sample
     xs = x if s is None else x / s
     num = den = 0.0
-    dynamic = PerTokenInt8()
     for name, w in weights.items():
-        act = _activation(configs[name], site, s)
-        xq = dynamic.fake_quantize(xs) if act is None else act.fake_quantize(xs)
+        cfg = configs[name]
+        act = _activation(cfg, site, s)
+        if act is None:
+            act = PerTokenInt8(-63, 63) if getattr(cfg, "reduce_range", False) else PerTokenInt8()
+        xq = act.fake_quantize(xs)
         ref = x @ w.t()
         wq = _fake_int8_weight(w if s is None else w * s)
         num += float((ref - xq @ wq.t()).square().sum())
@@ -395,6 +429,28 @@ def _smoothing(site: _Site, weights: dict[str, torch.Tensor], configs: dict[str,
     return best[0], best[1], best[2], base
 
 
+def _share_tied_scales(plan: dict[str, QuantConfig], rows: dict[str, StaticLayer], ranges: dict[str, tuple[float, float]],
+                       modules: dict[str, nn.Module], slots: dict) -> None:
+    """Layers sharing one weight tensor but fed different inputs get one activation scheme: the
+    union of their ranges (a quantized weight carries one)."""
+    groups: dict[int, list[str]] = {}
+    for n in ranges:
+        groups.setdefault(id(modules[n].weight), []).append(n)
+    for names in groups.values():
+        acts = {plan[n].activation for n in names}  # type: ignore[attr-defined]
+        if len(acts) <= 1:
+            continue
+        cfgs = {dataclasses.replace(plan[n], activation=None) for n in names}  # type: ignore[type-var]
+        if len(cfgs) > 1:
+            raise ValueError(f"static.convert: layers {names} share one weight tensor but have different configs")
+        cfg = next(iter(cfgs))
+        act = StaticInt8.from_range(min(ranges[n][0] for n in names), max(ranges[n][1] for n in names),
+                                    symmetric=cfg.symmetric)  # type: ignore[attr-defined]
+        for n in names:
+            plan[n] = dataclasses.replace(cfg, activation=act)
+            rows[n].activation = act
+
+
 def _float_weight(mod: nn.Module) -> torch.Tensor:
     """The layer's ``[out, in]`` weight in fp32 (a Conv1D holds ``[in, out]``)."""
     w = mod.weight.detach()
@@ -402,8 +458,19 @@ def _float_weight(mod: nn.Module) -> torch.Tensor:
 
 
 def _floats(out: object) -> list[torch.Tensor]:
-    leaves = torch.utils._pytree.tree_leaves(out)
-    return [t.detach() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """The float tensors of a model's output: tensors, mappings (transformers' ModelOutput),
+    sequences and dataclasses, in order; other leaves are ignored."""
+    if isinstance(out, torch.Tensor):
+        return [out.detach()] if out.is_floating_point() else []
+    if isinstance(out, Mapping):
+        items = list(out.values())
+    elif isinstance(out, (list, tuple)):
+        items = list(out)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        items = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    else:
+        return []
+    return [t for item in items for t in _floats(item)]
 
 
 def _replay_matches(model: nn.Module, state: _Calibration) -> bool:
@@ -416,12 +483,12 @@ def _replay_matches(model: nn.Module, state: _Calibration) -> bool:
     try:
         with torch.no_grad():
             got = _floats(model(*args, **kwargs))
-    except Exception:
+    except Exception:  # the replay itself failed: no fold is proven
         return False
     finally:
         state.replaying = False
     want = state.first_output
-    if len(got) != len(want):
+    if not want or len(got) != len(want):  # nothing to compare proves nothing
         return False
     for g, w in zip(got, want):
         if g.shape != w.shape:
@@ -471,13 +538,19 @@ def _checked_folds(model: nn.Module, state: _Calibration, modules: dict[str, nn.
                 _apply_fold(modules[norm], s, backups)
                 before.update(_swap_weights(modules, {n: new_weights[n] for n in names}))
             return _replay_matches(model, state)
+        except Exception:  # a norm that cannot take the fold
+            return False
         finally:
             _put_back(modules, before)
             _restore_norms(backups)
 
     if trial(candidates):
         return {c[0] for c in candidates}
-    return {c[0] for c in candidates if trial([c])}
+    accepted: list[tuple[str, torch.Tensor, list[str]]] = []
+    for c in candidates:  # greedily: the set kept is the last one verified, whole
+        if trial(accepted + [c]):
+            accepted.append(c)
+    return {c[0] for c in accepted}
 
 
 def convert(model: nn.Module) -> StaticReport:
@@ -505,6 +578,7 @@ def convert(model: nn.Module) -> StaticReport:
 
     plan: dict[str, QuantConfig] = {}
     rows: dict[str, StaticLayer] = {}
+    ranges: dict[str, tuple[float, float]] = {}
     new_weights: dict[str, torch.Tensor] = {}  # layer -> smoothed float weight (its module's orientation)
     smoothed: list[tuple[_Site, torch.Tensor, list[str]]] = []
     tied: list[str] = []
@@ -530,6 +604,9 @@ def convert(model: nn.Module) -> StaticReport:
             act = _activation(cfg, site, s)
             plan[n] = cfg if act is None else dataclasses.replace(cfg, activation=act)
             rows[n] = StaticLayer(n, act, alpha, "-" if s is None else "input_scale", err, base, site.rows)
+            if act is not None:
+                ranges[n] = site.range(cfg, s)
+    _share_tied_scales(plan, rows, ranges, modules, slots)
     if tied:
         warnings.warn(f"static.convert: SmoothQuant left {len(tied)} layer(s) unsmoothed because their weights are shared "
                       f"with other modules (scaling them would change those too): {tied[:6]}", RuntimeWarning, stacklevel=2)
@@ -539,7 +616,8 @@ def convert(model: nn.Module) -> StaticReport:
         norm = None if site.norm is None else modules.get(site.norm)
         if (norm is not None and len(norm_sites.get(site.norm, [])) == 1
                 and state.norm_calls.get(site.norm, 0) == state.site_calls.get(id(site), -1)
-                and all(len(slots.get(id(p), [])) <= 1 for p in norm._parameters.values() if p is not None)):
+                and all(len(slots.get(id(p), [])) <= 1 and tuple(p.shape) == (site.k,)
+                        for p in norm._parameters.values() if p is not None)):
             candidates.append((site.norm, s, names))
     folded = _checked_folds(model, state, modules, candidates, new_weights)
     input_scales: dict[str, torch.Tensor] = {}
@@ -550,20 +628,24 @@ def convert(model: nn.Module) -> StaticReport:
             else:
                 input_scales[n] = (1.0 / s).to(torch.float32)
 
-    # Apply: folded norms in place (backed up), smoothed weights as new parameters (the originals
-    # kept), quantize_ (atomic), then the input scales (dict assignments). A failure puts all back.
+    # Apply: folded norms in place (backed up), smoothed weights as new parameters, quantize_ in
+    # strict mode (a layer it would skip is an error: nothing is left half done), then the input
+    # scales. Every module's weight slot is remembered first: a failure anywhere puts all back.
+    slots_before = [(mod, key, mod._parameters.get(key, mod._buffers.get(key)))
+                    for mod in modules.values() for key in ("weight",) if key in mod._parameters or key in mod._buffers]
     backups: list = []
-    before: dict[str, torch.Tensor] = {}
     try:
         for site, s, _names in smoothed:
             if site.norm in folded:
                 _apply_fold(modules[site.norm], s, backups)
-        before = _swap_weights(modules, new_weights)
-        quantize_(model, plan, filter_fn=lambda m, n: n in plan)
+        _swap_weights(modules, new_weights)
+        with strict():
+            quantize_(model, plan, filter_fn=lambda m, n: n in plan)
         staged = {n: nn.Parameter(modules[n].weight._replace(input_scale=sc.to(modules[n].weight.device)), requires_grad=False)
                   for n, sc in input_scales.items()}
     except BaseException:
-        _put_back(modules, before)
+        for mod, key, value in slots_before:
+            (mod._parameters if key in mod._parameters else mod._buffers)[key] = value
         _restore_norms(backups)
         raise
     for n, p in staged.items():

@@ -216,7 +216,7 @@ class ParsedRecord:
                 raise CheckpointError(f"{where}: spec block_size must be two positive ints, got {self.spec.block_size}")
             try:
                 self.act_quant = activation_from_json(record["act_quant"])
-            except ValueError as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 raise CheckpointError(f"{where}: {e}") from None
             self.config = _optional_config(record["config"], where)
             label = record["label"]

@@ -135,7 +135,7 @@ def int8_static_reference(x, codes, scale, act_scale, act_zero_point, quant_min,
     xq, xs = StaticInt8(act_scale, act_zero_point, quant_min, quant_max).quantize(x.reshape(-1, k))
     acc = torch.ops.torchq.int8_linear_matmul(xq, codes)
     if act_zero_point:
-        acc = acc - act_zero_point * codes.to(torch.int32).sum(dim=1).reshape(1, n)
+        acc = acc - act_zero_point * codes.to(torch.int32).sum(dim=1, dtype=torch.int32).reshape(1, n)
     y = ((acc.to(torch.float32) * xs) * scale.reshape(1, n).to(torch.float32)).to(x.dtype)
     y = y if bias is None else y + bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
