@@ -229,13 +229,14 @@ def config_for(name: str, algorithm: str) -> torchq.QuantConfig | None:
 
 
 def quantize_torchq(bench, config_name: str, algorithm: str, args: argparse.Namespace) -> tuple[nn.Module, str]:
-    cfg = config_for(config_name, algorithm)
+    layer_cfg = config_for(config_name, algorithm)
+    cfg = {"lm_head": None, "_default": layer_cfg} if args.float_head and bench.name == "smollm" else layer_cfg
     model = copy.deepcopy(bench.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torchq.TiedWeightWarning)
         if algorithm == "qat":
             return qat_fine_tune(bench, model, cfg, args)
-        if algorithm == "smoothquant" or isinstance(cfg, torchq.Int8StaticActivationInt8WeightConfig):
+        if algorithm == "smoothquant" or isinstance(layer_cfg, torchq.Int8StaticActivationInt8WeightConfig):
             return static_calibrate(bench, model, cfg, "smoothquant" if algorithm == "smoothquant" else None, args)
         if algorithm in ("gptq", "awq"):
             torchq.calibrate(model, bench.calibration, cfg, act_order=args.act_order, gptq_clip=args.gptq_clip,
@@ -465,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qat-seq", type=int, default=256, help="qat: tokens per sequence (default 256)")
     p.add_argument("--qat-scales", choices=("recompute", "learned"), default="recompute", help="qat: torchq.qat scales mode")
     p.add_argument("--qat-progress", type=int, default=0, help="qat: print the loss every N steps (0: never)")
+    p.add_argument("--float-head", action="store_true",
+                   help="smollm: leave lm_head (tied to the embeddings) in float, as W8A8 deployments usually do")
     p.add_argument("--sq-grid", type=int, default=21, help="smoothquant: alpha grid points in [0, 1] (default 21)")
     p.add_argument("--sq-sample", type=int, default=512, help="static / smoothquant: input rows kept per site (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
@@ -507,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, indent=1) + "\n")
     print(f"# GPTQ act_order={args.act_order} gptq_clip={args.gptq_clip} gptq_awq_scale={args.gptq_awq_scale}; "
-          f"sequential={args.sequential}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"sequential={args.sequential}; smoothquant alpha grid {args.sq_grid}, sample {args.sq_sample} rows; "
+          f"lm_head {'float' if args.float_head else 'quantized'}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     return 0
 
 

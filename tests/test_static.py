@@ -551,3 +551,33 @@ def test_percentile_is_the_exact_inverted_cdf(p, n_rows):
     hi, lo = flat[k - 1].item(), flat[n - k].item()
     assert hi < flat[-1].item()  # something is clipped
     assert report.layers[0].activation == StaticInt8.from_range(lo, hi)
+
+
+def test_reservoir_inclusion_is_uniform_by_decile():
+    """Over many seeds every tenth of the stream is sampled equally often (chi-square, 9 dof)."""
+    from torchq.static import _Site
+
+    counts = torch.zeros(10)
+    for seed in range(300):
+        site = _Site(1, 10, 0.01, torch.Generator().manual_seed(seed))
+        for i in range(10):
+            site.observe(torch.arange(i * 100, (i + 1) * 100, dtype=torch.float32).reshape(-1, 1))
+        counts += torch.bincount((site.sample.reshape(-1) // 100).long(), minlength=10).float()
+    expected = counts.sum() / 10
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert counts.sum() == 3000 and chi2 < 27.9  # p = 0.001 for 9 degrees of freedom
+
+
+def test_the_range_search_clips_a_heavy_tail():
+    """Laplace inputs: the observed range is set by rare extremes, and a clipped range quantizes the
+    bulk finely enough to lower the output error (the search without smoothing, as a tied layer's)."""
+    from torchq.static import _Site, _smoothing
+
+    torch.manual_seed(0)
+    site = _Site(32, 4096, 0.01, torch.Generator().manual_seed(0))
+    site.observe(torch.distributions.Laplace(0.0, 1.0).sample((4096, 32)))
+    weights = {"lin": torch.randn(16, 32)}
+    configs = {"lin": torchq.int8_static_activation_int8_weight()}
+    s, alpha, clip, err, base = _smoothing(site, weights, configs, None, 21, smooth=False)
+    assert s is None and alpha is None
+    assert clip < 1.0 and err < base

@@ -190,8 +190,9 @@ class _Calibration:
 @dataclass
 class StaticLayer:
     """One converted layer: its activation scheme (None: dynamic), the SmoothQuant exponent chosen
-    for its site (None: not smoothed) and where ``1 / s`` went (``"norm <name>"``, ``"input_scale"``
-    or ``"-"``), the relative output error on the sampled inputs, with and without the smoothing."""
+    for its site (None: not smoothed), where ``1 / s`` went (``"norm <name>"``, ``"input_scale"``
+    or ``"-"``), the relative output error on the sampled inputs after SmoothQuant's search and
+    before it (unsmoothed, the observed range), and the range clip chosen."""
 
     name: str
     activation: StaticInt8 | None
@@ -200,6 +201,7 @@ class StaticLayer:
     error: float | None
     unsmoothed_error: float | None
     tokens: int
+    clip: float | None = None  # the static range's shrink factor SmoothQuant's search chose (1: as observed)
 
 
 @dataclass
@@ -207,11 +209,12 @@ class StaticReport:
     layers: list[StaticLayer]
 
     def table(self) -> str:
-        head = ("layer", "activation", "alpha", "1/s into", "error", "unsmoothed")
+        head = ("layer", "activation", "alpha", "clip", "1/s into", "error", "unsmoothed")
         rows = [head]
         for r in self.layers:
             act = "dynamic" if r.activation is None else f"s={r.activation.scale:.4g} z={r.activation.zero_point}"
-            rows.append((r.name, act, "-" if r.alpha is None else f"{r.alpha:.2f}", r.smoothing,
+            rows.append((r.name, act, "-" if r.alpha is None else f"{r.alpha:.2f}", "-" if r.clip is None else f"{r.clip:.2f}",
+                         r.smoothing,
                          "-" if r.error is None else f"{r.error:.3e}",
                          "-" if r.unsmoothed_error is None else f"{r.unsmoothed_error:.3e}"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -387,46 +390,74 @@ def _fake_int8_weight(w: torch.Tensor) -> torch.Tensor:
     return torch.round(w / s).clamp(-127, 127) * s
 
 
-def _activation(cfg: QuantConfig, site: _Site, s: torch.Tensor | None) -> StaticInt8 | None:
+def _activation(cfg: QuantConfig, site: _Site, s: torch.Tensor | None, clip: float = 1.0) -> StaticInt8 | None:
+    """The static scheme of a layer for inputs ``X / s``, its observed range shrunk by ``clip``; None
+    for a dynamic config."""
     if not isinstance(cfg, Int8StaticActivationInt8WeightConfig):
         return None
     lo, hi = site.range(cfg, s)
-    return StaticInt8.from_range(lo, hi, symmetric=cfg.symmetric)
+    return StaticInt8.from_range(lo * clip, hi * clip, symmetric=cfg.symmetric)
 
 
-def _site_error(site: _Site, weights: dict[str, torch.Tensor], configs: dict[str, QuantConfig],
-                s: torch.Tensor | None) -> float:
-    """The site's relative output error on its sample with smoothing ``s`` (None: none)."""
-    x = site.sample
-    xs = x if s is None else x / s
-    num = den = 0.0
-    for name, w in weights.items():
-        cfg = configs[name]
-        act = _activation(cfg, site, s)
-        if act is None:
-            act = PerTokenInt8(-63, 63) if getattr(cfg, "reduce_range", False) else PerTokenInt8()
-        xq = act.fake_quantize(xs)
-        ref = x @ w.t()
-        wq = _fake_int8_weight(w if s is None else w * s)
-        num += float((ref - xq @ wq.t()).square().sum())
-        den += float(ref.square().sum())
-    return num / den if den > 0 else num
+class _SiteSearch:
+    """The output errors of a site's quantized layers on its sampled inputs, relative to their float
+    outputs ``Σ ||X Wᵀ - Q_a(X / s) Q_w(W s)ᵀ||² / Σ ||X Wᵀ||²``: the float outputs are computed once,
+    the quantized weights once per smoothing."""
+
+    def __init__(self, site: _Site, weights: dict[str, torch.Tensor], configs: dict[str, QuantConfig]) -> None:
+        self.site, self.weights, self.configs = site, weights, configs
+        x = site.sample
+        self.ref = {n: x @ w.t() for n, w in weights.items()}
+        self.energy = sum(float(r.square().sum()) for r in self.ref.values())
+        self._wq: tuple[torch.Tensor | None, dict[str, torch.Tensor]] | None = None
+
+    def error(self, s: torch.Tensor | None, clip: float = 1.0) -> float:
+        if self._wq is None or self._wq[0] is not s:
+            self._wq = (s, {n: _fake_int8_weight(w if s is None else w * s) for n, w in self.weights.items()})
+        x = self.site.sample
+        xs = x if s is None else x / s
+        num = 0.0
+        for name, wq in self._wq[1].items():
+            cfg = self.configs[name]
+            act = _activation(cfg, self.site, s, clip)
+            if act is None:
+                act = PerTokenInt8(-63, 63) if getattr(cfg, "reduce_range", False) else PerTokenInt8()
+            num += float((self.ref[name] - act.fake_quantize(xs) @ wq.t()).square().sum())
+        return num / self.energy if self.energy > 0 else num
+
+
+#: the shrink factors of a static range SmoothQuant tries with each alpha (1: the observed range)
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5)
 
 
 def _smoothing(site: _Site, weights: dict[str, torch.Tensor], configs: dict[str, QuantConfig], alpha: float | None,
-               grid: int) -> tuple[torch.Tensor | None, float | None, float, float]:
-    """``(s or None, alpha, error, unsmoothed error)`` for a site (SmoothQuant's search)."""
-    a = site.absmax().clamp_min(_EPS)
-    wmax = torch.stack([w.abs().amax(dim=0) for w in weights.values()]).amax(dim=0).clamp_min(_EPS)
-    base = _site_error(site, weights, configs, None)
-    best: tuple[torch.Tensor | None, float | None, float] = (None, None, base)
-    alphas = [alpha] if alpha is not None else [i / (grid - 1) for i in range(grid)]
-    for al in alphas:
-        s = (a.pow(al) / wmax.pow(1 - al)).clamp_min(_EPS)
-        err = _site_error(site, weights, configs, s)
-        if alpha is not None or err < best[2]:
-            best = (s, al, err)
-    return best[0], best[1], best[2], base
+               grid: int, smooth: bool = True) -> tuple[torch.Tensor | None, float | None, float, float, float]:
+    """``(s or None, alpha, clip, error, unsmoothed error)`` for a site: SmoothQuant's search over
+    alpha (only "no smoothing" when ``smooth`` is False) jointly with the static ranges' clip ratio
+    (:data:`CLIP_RATIOS`, for sites with static layers), each alpha's clips tried from 1 down while
+    the error falls."""
+    search = _SiteSearch(site, weights, configs)
+    base = search.error(None)
+    static = any(isinstance(configs[n], Int8StaticActivationInt8WeightConfig) for n in weights)
+    candidates: list[tuple[torch.Tensor | None, float | None]] = [(None, None)]
+    if smooth:
+        a = site.absmax().clamp_min(_EPS)
+        wmax = torch.stack([w.abs().amax(dim=0) for w in weights.values()]).amax(dim=0).clamp_min(_EPS)
+        alphas = [alpha] if alpha is not None else [i / (grid - 1) for i in range(grid)]
+        smoothed = [((a.pow(al) / wmax.pow(1 - al)).clamp_min(_EPS), al) for al in alphas]
+        candidates = smoothed if alpha is not None else candidates + smoothed
+    best: tuple[torch.Tensor | None, float | None, float, float] | None = None
+    for s, al in candidates:
+        prev = math.inf
+        for r in CLIP_RATIOS if static else (1.0,):
+            err = base if s is None and r == 1.0 else search.error(s, r)
+            if best is None or err < best[3]:
+                best = (s, al, r, err)
+            if err > prev:
+                break
+            prev = err
+    assert best is not None
+    return best[0], best[1], best[2], best[3], base
 
 
 def _share_tied_scales(plan: dict[str, QuantConfig], rows: dict[str, StaticLayer], ranges: dict[str, tuple[float, float]],
@@ -585,13 +616,13 @@ def convert(model: nn.Module) -> StaticReport:
     for site in state.sites:
         names = [n for n in site.layers if n in state.configs]
         s = alpha = err = base = None
+        clip = 1.0
         if state.algorithm == "smoothquant":
             shared = [n for n in names if len(slots.get(id(modules[n].weight), [])) > 1]
-            if shared:
-                tied.extend(shared)
-            else:
-                weights = {n: _float_weight(modules[n]) for n in names}
-                s, alpha, err, base = _smoothing(site, weights, state.configs, state.alpha, state.alpha_grid)
+            tied.extend(shared)
+            weights = {n: _float_weight(modules[n]) for n in names}
+            s, alpha, clip, err, base = _smoothing(site, weights, state.configs, state.alpha, state.alpha_grid,
+                                                   smooth=not shared)
         if s is not None:
             smoothed.append((site, s, names))
             for n in names:
@@ -601,15 +632,18 @@ def convert(model: nn.Module) -> StaticReport:
                 new_weights[n] = (w.float() * (sv[:, None] if is_conv1d(mod) else sv)).to(w.dtype)
         for n in names:
             cfg = state.configs[n]
-            act = _activation(cfg, site, s)
+            act = _activation(cfg, site, s, clip)
             plan[n] = cfg if act is None else dataclasses.replace(cfg, activation=act)
-            rows[n] = StaticLayer(n, act, alpha, "-" if s is None else "input_scale", err, base, site.rows)
+            rows[n] = StaticLayer(n, act, alpha, "-" if s is None else "input_scale", err, base, site.rows,
+                                  clip if act is not None else None)
             if act is not None:
-                ranges[n] = site.range(cfg, s)
+                lo, hi = site.range(cfg, s)
+                ranges[n] = (lo * clip, hi * clip)
     _share_tied_scales(plan, rows, ranges, modules, slots)
     if tied:
         warnings.warn(f"static.convert: SmoothQuant left {len(tied)} layer(s) unsmoothed because their weights are shared "
-                      f"with other modules (scaling them would change those too): {tied[:6]}", RuntimeWarning, stacklevel=2)
+                      f"with other modules (scaling them would change those too; their static range is still searched): "
+                      f"{tied[:6]}", RuntimeWarning, stacklevel=2)
     # folds: a norm feeding one site only, on every call, with parameters of its own; then checked on the model
     candidates = []
     for site, s, names in smoothed:
