@@ -200,12 +200,14 @@ def time_cases(cases: dict, x: torch.Tensor, budget_s: float, min_reps: int, rou
     """Seconds per call of every case, measured in ``rounds`` interleaved rounds (each case gets a
     slice of every round, at least ``min_reps`` calls in all and up to ``budget_s`` seconds, at most
     2000 calls), so that a slow phase of a shared machine hits all of them alike. Each call takes
-    the case's next weight copy. Cases that fail their warm-up are reported and left out."""
+    the case's next weight copy. Every copy is called once first: what a weight builds on its first
+    call (the native weight, the static format's row sums) is not a per-call cost. Cases that fail
+    their warm-up are reported and left out."""
     fns = {}
     for c, case in cases.items():
-        try:  # warm up; drop cases that cannot run
-            for i in range(min(3, len(case.weights)) or 1):
-                case.call(x, case.weights[i % len(case.weights)])
+        try:  # warm up every copy; drop cases that cannot run
+            for w in case.weights:
+                case.call(x, w)
         except Exception as e:
             print(f"  {c} M={x.shape[0]}: failed ({type(e).__name__}: {e})")
             continue
