@@ -22,7 +22,7 @@ The weight is symmetric per output channel: int8 codes ``[N, K]`` (one byte each
   static activations (:class:`torchq.activation.StaticInt8`: one fp32 scale ``s_a`` and int zero
   point ``z`` for every row), ``acc = q_x @ q_w.T`` exactly in int32, then
   ``y = (float(acc - z · rowsum(q_w)) · s_a) · s_w`` in fp32 (the zero point's correction
-  ``z · Σ_k q_w[n, k]`` subtracted in int32: ``Σ_k (q_x - z) q_w``), cast to x's dtype, then ``+ bias`` in
+  ``z · Σ_k q_w[n, k]`` subtracted exactly, in int64: ``Σ_k (q_x - z) q_w``), cast to x's dtype, then ``+ bias`` in
   x's dtype. A row of x holding a NaN gives a NaN output row. The native kernel gives the same bits.
 * ``int8_weight_only_mm(x, codes, scale)``: ``x [M, K] @ (codes * scale).T`` through PyTorch's
   ``aten._weight_int8pack_mm`` (its implementation on every device).
@@ -135,7 +135,7 @@ def int8_static_reference(x, codes, scale, act_scale, act_zero_point, quant_min,
     xq, xs = StaticInt8(act_scale, act_zero_point, quant_min, quant_max).quantize(x.reshape(-1, k))
     acc = torch.ops.torchq.int8_linear_matmul(xq, codes)
     if act_zero_point:
-        acc = acc - act_zero_point * codes.to(torch.int32).sum(dim=1, dtype=torch.int32).reshape(1, n)
+        acc = acc - act_zero_point * codes.sum(dim=1, dtype=torch.int64).reshape(1, n)  # exact: int64
     y = ((acc.to(torch.float32) * xs) * scale.reshape(1, n).to(torch.float32)).to(x.dtype)
     y = y if bias is None else y + bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], n)

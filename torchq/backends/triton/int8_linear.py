@@ -12,7 +12,9 @@
    ``_quantize_rows_static_kernel`` quantizes with the fixed scale (``1/s`` computed once on the
    host in fp32; codes ``clamp(rint(x · (1/s)), qmin - z, qmax - z) + z``, the row's scale NaN if
    it holds a NaN), and ``_int8_gemm_kernel`` subtracts ``z · rowsum(q_w)`` (int32, computed once
-   per weight and cached) from the accumulator before the same epilogue.
+   per weight and cached) from the accumulator before the same epilogue: the reference's bits while
+   ``|Σ (q_x - z) q_w|`` fits int32 (K up to 66051 at any zero point) and the products stay normal fp32
+   (CUDA flushes subnormal results to zero).
 
 Both divisions use ``tl.math.div_rn`` (correctly rounded): triton's ``/`` on fp32 compiles to
 the approximate ``div.full.f32`` on CUDA (up to 2 ulp off), which changes codes at rounding ties.
