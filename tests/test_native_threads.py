@@ -11,6 +11,8 @@
   from several threads with varying sizes, part counts and spins, built with -O2 (every element
   visited once, no hang) and with ``-fsanitize=thread`` (TSan must report nothing; an
   instrumented library cannot be loaded into Python, hence the driver);
+* the fused AdamW step of torchq.optim the same way (tests/native/tsan_adamw_driver.cpp): concurrent
+  callers, every call split, equal to one thread bit for bit, and TSan-clean;
 * benchmarks/bench_threads.py runs (``--quick``).
 """
 
@@ -246,15 +248,15 @@ def test_one_thread_below_the_work_threshold_and_split_calls_agree(config: str) 
 
 # -- the pool alone, from C++ ---------------------------------------------------------------------
 
-def build_driver(tmp_path: Path, flags: list[str]) -> Path:
-    """Compiles csrc/threadpool.cpp with the driver; skips (fails under TORCHQ_REQUIRE_NATIVE=1)
+def build_driver(tmp_path: Path, flags: list[str], driver: Path = DRIVER, sources: tuple[str, ...] = ("threadpool.cpp",)) -> Path:
+    """Compiles ``sources`` (of csrc/) with the driver; skips (fails under TORCHQ_REQUIRE_NATIVE=1)
     without g++ or, for -fsanitize=thread, without libtsan."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         message = f"no C++ compiler {cxx!r} on PATH (set CXX)"
         pytest.fail(message + " while TORCHQ_REQUIRE_NATIVE=1") if REQUIRE_NATIVE else pytest.skip(message)
-    exe = tmp_path / "driver"
-    cmd = [cxx, "-std=c++17", *flags, "-pthread", f"-I{ROOT / 'csrc'}", str(ROOT / "csrc" / "threadpool.cpp"), str(DRIVER),
+    exe = tmp_path / driver.stem
+    cmd = [cxx, "-std=c++17", *flags, "-pthread", f"-I{ROOT / 'csrc'}", *(str(ROOT / "csrc" / s) for s in sources), str(driver),
            "-o", str(exe)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
@@ -286,19 +288,49 @@ def test_pool_stress_driver(tmp_path: Path) -> None:
     assert worker_ranges(proc.stdout) > 0, proc.stdout  # the workers ran ranges, not only the callers
 
 
-def test_pool_thread_sanitizer(tmp_path: Path) -> None:
-    """The same driver built with -fsanitize=thread: ThreadSanitizer reports no data race."""
-    exe = build_driver(tmp_path, ["-fsanitize=thread", "-O1", "-g"])
+def run_under_tsan(exe: Path, args: list[str], limit: float = 60.0) -> subprocess.CompletedProcess:
+    """Runs a -fsanitize=thread driver; asserts ThreadSanitizer reported nothing and it exited 0."""
     env = dict(os.environ, TSAN_OPTIONS="exitcode=66 second_deadlock_stack=1")
-    args = ["4", "2000"]
-    proc = run_driver(exe, args, limit=60.0, env=env)
+    proc = run_driver(exe, args, limit=limit, env=env)
     if "unexpected memory mapping" in proc.stderr and shutil.which("setarch"):  # kernels with high mmap ASLR entropy
-        proc = run_driver(Path(shutil.which("setarch")), [os.uname().machine, "-R", str(exe), *args], limit=60.0, env=env)
+        proc = run_driver(Path(shutil.which("setarch")), [os.uname().machine, "-R", str(exe), *args], limit=limit, env=env)
     if "unexpected memory mapping" in proc.stderr:
         pytest.skip(f"ThreadSanitizer cannot run on this kernel: {proc.stderr.strip()[:300]}")
     assert "WARNING: ThreadSanitizer" not in proc.stderr and proc.returncode == 0, (
         f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def test_pool_thread_sanitizer(tmp_path: Path) -> None:
+    """The same driver built with -fsanitize=thread: ThreadSanitizer reports no data race."""
+    exe = build_driver(tmp_path, ["-fsanitize=thread", "-O1", "-g"])
+    proc = run_under_tsan(exe, ["4", "2000"])
     assert "ok:" in proc.stdout and worker_ranges(proc.stdout) > 0, proc.stdout
+
+
+# -- the fused quantized-state AdamW step (csrc/optim_adamw.cpp), from C++ ------------------------
+
+ADAMW_DRIVER = ROOT / "tests" / "native" / "tsan_adamw_driver.cpp"
+ADAMW_SOURCES = ("threadpool.cpp", "optim_adamw.cpp")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_adamw_step_concurrent_callers_equal_one_thread(tmp_path: Path, isa: str) -> None:
+    """tests/native/tsan_adamw_driver.cpp at -O2: 4 threads step their own 8- and 4-bit states
+    (fp32 and bf16 parameters, a distinct map each), every call split into 2..8 parts; the results
+    equal one thread's bit for bit (the AVX2 path where the CPU has AVX2, and the scalar path)."""
+    exe = build_driver(tmp_path, ["-O2"], ADAMW_DRIVER, ADAMW_SOURCES)
+    proc = run_driver(exe, ["4", "5", isa], limit=60.0)
+    assert proc.returncode == 0 and "ok:" in proc.stdout, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_adamw_step_thread_sanitizer(tmp_path: Path, isa: str) -> None:
+    """The AdamW driver built with -fsanitize=thread: no data race in the split update or in the
+    lazily built, shared bin tables (removing table_for's lock makes this test report one)."""
+    exe = build_driver(tmp_path, ["-fsanitize=thread", "-O1", "-g"], ADAMW_DRIVER, ADAMW_SOURCES)
+    proc = run_under_tsan(exe, ["4", "3", isa])
+    assert "ok:" in proc.stdout, proc.stdout
 
 
 # -- benchmarks/bench_threads.py ------------------------------------------------------------------

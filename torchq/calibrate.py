@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import sys
 import time
@@ -128,9 +129,37 @@ def _find_blocks(model: nn.Module, names: set[str]) -> tuple[str, nn.ModuleList]
     return None if best is None else (best[1], best[2])
 
 
+def takes_one_mapping(model: nn.Module, batch: Mapping) -> bool:
+    """Whether ``model``'s forward takes the mapping ``batch`` as one positional argument
+    (``SentenceTransformer.forward(input: dict, **kwargs)``) rather than as keyword arguments
+    (transformers' ``forward(input_ids=..., attention_mask=...)``): its signature binds ``batch``,
+    does not bind ``**batch``, and no key of ``batch`` names one of its parameters. A forward that
+    binds both (``*args, **kwargs``) gets keywords, as before."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to read (a builtin): keywords, as before
+        return False
+    named = {n for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if named & set(batch):
+        return False
+    try:
+        sig.bind(**batch)
+        return False
+    except TypeError:
+        pass
+    try:
+        sig.bind(batch)
+        return True
+    except TypeError:
+        return False
+
+
 def _call(model: nn.Module, batch: Any) -> Any:
+    """The default ``forward``: ``model(**b)`` for a mapping (``model(b)`` where the forward takes
+    the mapping as its one argument, :func:`takes_one_mapping`), ``model(*b)`` for a tuple or list,
+    else ``model(b)``."""
     if isinstance(batch, Mapping):
-        return model(**batch)
+        return model(batch) if takes_one_mapping(model, batch) else model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
@@ -151,8 +180,10 @@ class _Progress:
 
 
 def _token_mask(batch: Any) -> torch.Tensor | None:
-    """The batch's ``attention_mask`` (a mapping batch's, ``[B, T]``) as bools: padding positions
-    are left out of the statistics."""
+    """The batch's ``attention_mask`` (``[B, T]``; of a mapping batch, or of the first mapping in a
+    tuple or list batch) as bools: padding positions are left out of the statistics."""
+    if isinstance(batch, (tuple, list)):  # (features,): the first mapping of a positional batch
+        batch = next((b for b in batch if isinstance(b, Mapping)), None)
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     return mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
@@ -247,12 +278,16 @@ def calibrate(
     sequential: bool = True,
     weights: str | os.PathLike | None = None,
     init_buffers: Callable[[nn.Module], None] | str | None = "auto",
+    forward: Callable[[nn.Module, Any], Any] | None = None,
     progress: bool = True,
 ) -> CalibrationResult:
     """Quantize ``model`` in place with a calibrated algorithm; returns a :class:`CalibrationResult`.
 
-    ``batches``: the calibration inputs, each passed to the model as ``model(**b)`` (a mapping),
-    ``model(*b)`` (a tuple or list) or ``model(b)``. ``config``: as for :func:`torchq.quantize_` (one
+    ``batches``: the calibration inputs, each passed to the model as ``model(**b)`` (a mapping;
+    ``model(b)`` where the forward takes one mapping argument, as ``SentenceTransformer`` does with
+    ``st_model.tokenize(texts)``), ``model(*b)`` (a tuple or list) or ``model(b)``; ``forward``, a
+    callable ``forward(model, b)``, runs a batch any other way. A batch's ``attention_mask`` (of a
+    mapping, or of the first mapping in a tuple or list) keeps padding out of the statistics. ``config``: as for :func:`torchq.quantize_` (one
     config, or a mapping of names / ``"re:"`` patterns / ``"_default"`` to configs); ``algorithm``
     (``"gptq"`` or ``"awq"``) replaces the ``algorithm`` of every config (configs may instead name it themselves;
     layers whose config needs no data, e.g. ``algorithm="rtn"``, are quantized with the others of
@@ -284,6 +319,9 @@ def calibrate(
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if algorithm is not None and algorithm not in CALIBRATED:
         raise ValueError(f"algorithm: expected one of {CALIBRATED} or None (the configs' own), got {algorithm!r}")
+    if forward is not None and not callable(forward):
+        raise TypeError(f"forward: expected a callable forward(model, batch) or None, got {type(forward).__name__}")
+    run = _call if forward is None else forward
     if isinstance(batches, (torch.Tensor, Mapping)):
         batches = [batches]
     data = list(batches)
@@ -338,9 +376,9 @@ def calibrate(
                 streamed = _Streamed(model, Path(weights), found, stack)
                 streamed.load_outside_blocks(init_buffers)
             if found is None:
-                _calibrate_group(model, list(plan), plan, options, _whole(model, data), result, bar, "model", sequential)
+                _calibrate_group(model, list(plan), plan, options, _whole(model, data, run), result, bar, "model", sequential)
             else:
-                _calibrate_blocks(model, data, plan, options, found, result, bar, sequential, streamed)
+                _calibrate_blocks(model, data, run, plan, options, found, result, bar, sequential, streamed)
             if streamed is not None:
                 result.peak_float_bytes = streamed.peak_bytes
     except BaseException:
@@ -351,16 +389,17 @@ def calibrate(
     return result
 
 
-def _whole(model: nn.Module, data: list) -> Callable[[_Collector], None]:
+def _whole(model: nn.Module, data: list, forward: Callable[[nn.Module, Any], Any]) -> Callable[[_Collector], None]:
     def run(collector: _Collector) -> None:
         for b in data:
             collector.mask = _token_mask(b)
-            _call(model, b)
+            forward(model, b)
 
     return run
 
 
-def _calibrate_blocks(model: nn.Module, data: list, plan: dict[str, QuantConfig | None], options: dict,
+def _calibrate_blocks(model: nn.Module, data: list, forward: Callable[[nn.Module, Any], Any],
+                      plan: dict[str, QuantConfig | None], options: dict,
                       found: tuple[str, nn.ModuleList], result: CalibrationResult, bar: _Progress, sequential: bool,
                       streamed: _Streamed | None = None) -> None:
     prefix, blocks = found
@@ -375,7 +414,7 @@ def _calibrate_blocks(model: nn.Module, data: list, plan: dict[str, QuantConfig 
     try:
         for b in data:
             try:
-                _call(model, b)
+                forward(model, b)
             except _BlockInputs:
                 pass
     finally:
@@ -407,7 +446,7 @@ def _calibrate_blocks(model: nn.Module, data: list, plan: dict[str, QuantConfig 
         result.blocks += 1
     rest = [n for n in plan if n not in done]
     if rest:
-        _calibrate_group(model, rest, plan, options, _whole(model, data), result, bar, "rest", sequential)
+        _calibrate_group(model, rest, plan, options, _whole(model, data, forward), result, bar, "rest", sequential)
 
 
 def _hidden(args: list, kwargs: dict) -> torch.Tensor:
