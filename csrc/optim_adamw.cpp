@@ -4,7 +4,8 @@
 // (tq::parallel_for): per block it decodes both states (map[code] * absmax), runs the AdamW update
 // of the block's parameters in fp32, takes the block's new absmax (max |value| of the updated
 // states) and encodes the states again (nearest map value of value * (1 / absmax), exact fp32
-// midpoints, ties to the lower value; bitsandbytes' sign rule for exp_avg). Formats, operation order
+// midpoints, ties to the lower value; bitsandbytes' sign rule for exp_avg, the zero-free rule for
+// exp_avg_sq). Formats, operation order
 // and the non-finite rule: torchq/optim/formats.py and torchq/optim/adamw.py (reference_update),
 // which this kernel equals bit for bit: every step is one IEEE fp32 operation (the library builds
 // with -ffp-contract=off and the AVX2 path uses no FMA), so the scalar and AVX2 paths agree too.
@@ -44,7 +45,8 @@ struct AdamTask {
   int64_t block;
   float beta1, omb1, beta2, omb2, decay, step_size, bc2s, eps;
   bool maximize;
-  int zero1, zero2;  // the code of 0.0 in each map
+  int zero1, zero2;  // the code of 0.0 (the bucket of 0.0) in each map
+  int step1, step2;  // zero rules: exp_avg's sign rule (-1), exp_avg_sq's zero-free rule (+1), or none (0)
 };
 
 inline float bf16_to_f32(uint16_t b) {
@@ -178,7 +180,7 @@ __attribute__((target("avx2"))) inline __m256i bins8(__m256 s) {
 
 // encode's work on whole groups of 8 for a table of span <= 1 (codes written); returns how many.
 __attribute__((target("avx2"))) int64_t encode_avx2(const float* x, int64_t len, float inv, const BinTable& tb, int zero,
-                                                   bool sign_rule, int bits, uint8_t* c, int64_t start) {
+                                                   int zero_step, int bits, uint8_t* c, int64_t start) {
   const __m256 vinv = _mm256_set1_ps(inv), fzero = _mm256_setzero_ps();
   const __m256i vzero = _mm256_set1_epi32(zero), lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i hi_shift = _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0), pairs = _mm256_setr_epi32(0, 1, 4, 5, 0, 1, 4, 5);
@@ -189,9 +191,12 @@ __attribute__((target("avx2"))) int64_t encode_avx2(const float* x, int64_t len,
     const __m256i t = _mm256_i32gather_epi32(tb.t32, bins8(s), 4);
     const __m256 mid = _mm256_i32gather_ps(tb.mids, t, 4);
     __m256i q = _mm256_sub_epi32(t, _mm256_castps_si256(_mm256_cmp_ps(mid, s, _CMP_LT_OQ)));  // true = -1
-    if (sign_rule) {
+    if (zero_step < 0) {  // a negative value at the code of 0 steps down (true = -1)
       const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(xv, fzero, _CMP_LT_OQ));
       q = _mm256_add_epi32(q, _mm256_and_si256(neg, _mm256_cmpeq_epi32(q, vzero)));
+    } else if (zero_step > 0) {  // a positive value at the code of 0 steps up
+      const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(xv, fzero, _CMP_GT_OQ));
+      q = _mm256_sub_epi32(q, _mm256_and_si256(pos, _mm256_cmpeq_epi32(q, vzero)));
     }
     if (bits == 8) {
       // lanes 0..7 -> bytes: pack to 16 then 8 bits within 128-bit halves, gather the two halves
@@ -210,7 +215,7 @@ __attribute__((target("avx2"))) int64_t encode_avx2(const float* x, int64_t len,
 }
 
 // Codes of x[0, len) (the block at `start`; absmax `mx`, all finite when `ok`) into c, absmax into *a.
-void encode(const float* x, int64_t len, bool ok, float mx, const BinTable& tb, int zero, bool sign_rule, int bits, uint8_t* c,
+void encode(const float* x, int64_t len, bool ok, float mx, const BinTable& tb, int zero, int zero_step, int bits, uint8_t* c,
             int64_t start, float* a, bool avx2) {
   int32_t q[kMaxBlock];
   int64_t i0 = 0;
@@ -219,7 +224,7 @@ void encode(const float* x, int64_t len, bool ok, float mx, const BinTable& tb, 
     *a = NAN;
   } else {
     const float inv = mx > 0.0f ? 1.0f / mx : 0.0f;
-    if (avx2 && tb.span <= 1) i0 = encode_avx2(x, len, inv, tb, zero, sign_rule, bits, c, start);
+    if (avx2 && tb.span <= 1) i0 = encode_avx2(x, len, inv, tb, zero, zero_step, bits, c, start);
     for (int64_t i = i0; i < len; ++i) {
       const float s = x[i] * inv;
       int v;
@@ -230,7 +235,7 @@ void encode(const float* x, int64_t len, bool ok, float mx, const BinTable& tb, 
       } else {
         v = bucket(s, tb.mids, tb.nmids);
       }
-      if (sign_rule && x[i] < 0.0f && v == zero) v = zero - 1;
+      if (v == zero && ((zero_step < 0 && x[i] < 0.0f) || (zero_step > 0 && x[i] > 0.0f))) v = zero + zero_step;
       q[i] = v;
     }
     *a = mx;
@@ -370,8 +375,8 @@ void run_blocks(void* ctx, int64_t b0, int64_t b1) {
     BlockStats st;
     const int64_t done = avx2 ? update_avx2(t, start, len, t.a1[b], t.a2[b], m, v, &st) : 0;
     update_scalar_from(t, start, done, len, t.a1[b], t.a2[b], m, v, &st);
-    encode(m, len, st.ok1, st.mx1, *t.tb1, t.zero1, t.zero1 > 0, t.bits, t.c1, start, t.a1 + b, avx2);
-    encode(v, len, st.ok2, st.mx2, *t.tb2, t.zero2, false, t.bits, t.c2, start, t.a2 + b, avx2);
+    encode(m, len, st.ok1, st.mx1, *t.tb1, t.zero1, t.step1, t.bits, t.c1, start, t.a1 + b, avx2);
+    encode(v, len, st.ok2, st.mx2, *t.tb2, t.zero2, t.step2, t.bits, t.c2, start, t.a2 + b, avx2);
   }
 }
 
@@ -420,6 +425,10 @@ TQ_API int tq_adamw_blockwise(void* p, const void* g, int dtype, int64_t n, uint
   t.maximize = maximize != 0;
   t.zero1 = bucket(0.0f, mids1, t.nmids);
   t.zero2 = bucket(0.0f, mids2, t.nmids);
+  // exp_avg: a negative value never takes the code of 0.0 (where the map has values below it);
+  // exp_avg_sq: a positive value never takes the code of an exact 0.0 (where the map holds one)
+  t.step1 = t.zero1 > 0 ? -1 : 0;
+  t.step2 = map2[t.zero2] == 0.0f && t.zero2 < t.nmids ? 1 : 0;
   t.tb1 = table_for(mids1, t.nmids);
   t.tb2 = table_for(mids2, t.nmids);
   // work = n: below ~2 * min_parallel_work() elements (128K by default) one thread does it all; waking a
