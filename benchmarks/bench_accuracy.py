@@ -265,6 +265,11 @@ def qat_fine_tune(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argp
     the float model on the calibration text, then :func:`torchq.qat.convert`: AdamW (no weight
     decay), ``--qat-lr`` with 10% linear warm-up and cosine decay, gradients clipped to norm 1,
     ``--qat-steps`` steps or ``--qat-minutes``, whichever ends first (the schedule assumes the steps)."""
+    t_init = time.perf_counter()
+    init = ""
+    if args.qat_init == "gptq":
+        init = ", " + start_from_gptq(bench, student, cfg, args)
+    t_init = time.perf_counter() - t_init
     torchq.qat.prepare(student, cfg, scales=args.qat_scales)
     student.eval()  # no dropout: the student matches the teacher's deterministic outputs
     params = [p for p in student.parameters() if p.requires_grad]
@@ -297,8 +302,26 @@ def qat_fine_tune(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argp
     torchq.qat.convert(student)
     first = sum(losses[:5]) / len(losses[:5])
     last = sum(losses[-5:]) / len(losses[-5:])
-    return student, (f"{step + 1} steps of {args.qat_batch} x {args.qat_seq}, lr {args.qat_lr:g}, scales {args.qat_scales}; "
-                     f"distillation loss {first:.4f} -> {last:.4f}")
+    return student, (f"{step + 1} steps of {args.qat_batch} x {args.qat_seq}, lr {args.qat_lr:g}, scales {args.qat_scales}{init}; "
+                     f"distillation loss {first:.4f} -> {last:.4f}; training {time.perf_counter() - t0:.0f} s"
+                     + (f" + GPTQ start {t_init:.0f} s" if init else ""))
+
+
+def start_from_gptq(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argparse.Namespace) -> str:
+    """``--qat-init gptq``: GPTQ (without AWQ-scaled columns, whose input scales QAT's plain config
+    cannot hold) on a copy of ``student``, whose dequantized weights become ``student``'s starting
+    float weights: training starts from GPTQ's rounding instead of round to nearest's."""
+    g_cfg = ({k: (None if v is None else dataclasses.replace(v, algorithm="gptq")) for k, v in cfg.items()}
+             if isinstance(cfg, dict) else dataclasses.replace(cfg, algorithm="gptq"))
+    gptq_model = copy.deepcopy(student)
+    torchq.calibrate(gptq_model, bench.calibration, g_cfg, act_order=args.act_order, gptq_clip=args.gptq_clip,
+                     gptq_awq_scale=False, sequential=args.sequential, progress=False)
+    quantized = {n: m.weight for n, m in gptq_model.named_modules() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)}
+    mods = dict(student.named_modules())
+    with torch.no_grad():
+        for n, w in quantized.items():
+            mods[n].weight.copy_(w.dequantize(mods[n].weight.dtype))
+    return f"started from GPTQ ({len(quantized)} layers)"
 
 
 def _group_size(config_name: str) -> int:
@@ -465,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qat-batch", type=int, default=4, help="qat: sequences per step (default 4)")
     p.add_argument("--qat-seq", type=int, default=256, help="qat: tokens per sequence (default 256)")
     p.add_argument("--qat-scales", choices=("recompute", "learned"), default="recompute", help="qat: torchq.qat scales mode")
+    p.add_argument("--qat-init", choices=("float", "gptq"), default="float",
+                   help="qat: train from the float weights (default) or from GPTQ's dequantized weights")
     p.add_argument("--qat-progress", type=int, default=0, help="qat: print the loss every N steps (0: never)")
     p.add_argument("--float-head", action="store_true",
                    help="smollm: leave lm_head (tied to the embeddings) in float, as W8A8 deployments usually do")

@@ -181,21 +181,8 @@ def int8_static_linear(x, codes, scale, act_scale, act_zero_point, quant_min, qu
 def int8_dynamic_linear(x, codes, scale, quant_min, quant_max, eps, bias=None):
     """``torchq::int8_dynamic_linear`` on Triton."""
     check_int8_dynamic_linear_args(x, codes, scale, quant_min, quant_max, eps, bias)
-    n, k = codes.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m and n:
-        xq, xs = quantize_rows(x2, quant_min, quant_max, eps)
-        codes = codes.contiguous()
-        ws = scale.reshape(-1).to(torch.float32).contiguous()
-        b = None if bias is None else bias.reshape(-1).to(x.dtype).contiguous()
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-        block_n = 64 if m <= 64 else 128
-        grid = (cdiv(m, block_m), cdiv(n, block_n))
-        _int8_gemm_kernel[grid](xq, codes, xs, ws, codes if b is None else b, codes, out, m, n, k, xq.shape[1],
-                                HAS_BIAS=b is not None, HAS_ZC=False, X_KIND=ROUND_KINDS[x.dtype], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-                                num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3, enable_fp_fusion=False)
-    return out.reshape(*x.shape[:-1], n)
+    x2 = _rows(x, codes.shape[1])
+    if not (x2.shape[0] and codes.shape[0]):
+        return _gemm(x, x2, None, None, codes, scale, bias, None)
+    xq, xs = quantize_rows(x2, quant_min, quant_max, eps)
+    return _gemm(x, x2, xq, xs, codes, scale, bias, None)
