@@ -375,3 +375,230 @@ def fsdp_qat(rank, world, backend, tmp, configs, steps=3):
         out[name] = dict(ref_losses=ref_losses, losses=losses, ref_weights={n: p.detach() for n, p in ref.named_parameters()},
                          weights=full, prepared=prepared, converted=converted)
     return out
+
+
+# -- tensor parallelism from a source rank (the default src_data_rank=0) --------------------------------
+def tp_layout_cases() -> list[tuple[str, object, object, torch.dtype, bool]]:
+    """``(name, layout, spec(k), scale dtype, spans_row)`` for every registered layout (each in a
+    format it holds on the CPU), plus the per-row formats with a zero point (integer and float)."""
+    from torchq.canonical import QuantSpec
+    from torchq.layouts import (
+        Blockwise4bitLayout,
+        Float8Layout,
+        Int4CPULayout,
+        Int4NativeLayout,
+        Int4XPULayout,
+        PackedBitsLayout,
+        PlainLayout,
+        TensorCoreTiledLayout,
+    )
+    from torchq.primitives import ZeroPointDomain as Z
+
+    def grouped(g, qmin, qmax, domain, **kw):
+        return lambda k: QuantSpec((1, g), qmin, qmax, domain, **kw)
+
+    def per_row(qmin, qmax, domain, **kw):
+        return lambda k: QuantSpec((1, k), qmin, qmax, domain, **kw)
+
+    return [
+        ("plain-int8-per-row", PlainLayout(), per_row(-128, 127, Z.NONE), torch.float32, True),
+        ("plain-int4-per-row-float-zero", PlainLayout(), per_row(0, 15, Z.FLOAT), torch.float32, True),
+        ("packed_bits-4bit-per-row-int-zero", PackedBitsLayout(), per_row(0, 15, Z.INT), torch.float32, True),
+        ("packed_bits-3bit-g32", PackedBitsLayout(), grouped(32, 0, 7, Z.INT), torch.bfloat16, False),
+        ("int4_cpu-g32", Int4CPULayout(), grouped(32, 0, 15, Z.INT), torch.float32, False),
+        ("int4_native-g32", Int4NativeLayout(), grouped(32, 0, 15, Z.FLOAT), torch.float32, False),
+        ("int4_xpu-g32", Int4XPULayout(), grouped(32, 0, 15, Z.INT), torch.bfloat16, False),
+        ("tensor_core_tiled-g32", TensorCoreTiledLayout(inner_k_tiles=2), grouped(32, -8, 7, Z.NONE), torch.bfloat16, False),
+        ("blockwise_4bit-nf4-double", Blockwise4bitLayout(), grouped(64, 0, 15, Z.NONE, codebook="nf4", double_quant=True),
+         torch.float32, False),
+        ("float8-per-row", Float8Layout(), per_row(0, 255, Z.NONE, codebook="e4m3fn"), torch.float32, True),
+    ]
+
+
+def _example_weight(layout, spec, shape, scale_dtype, seed: int, device: str):
+    from torchq import AffineQuantizedTensor
+    from torchq.canonical import PlainForm
+
+    plain = PlainForm.example(spec, shape, scale_dtype, seed=seed)
+    return AffineQuantizedTensor.from_plain(plain, torch.float32, layout=layout).to(device)
+
+
+def _tp_mlp(case, seed: int, device: str, hidden: int = 256) -> nn.Module:
+    """Linear(64 -> hidden) (ColwiseParallel), relu, Linear(hidden -> 64) (RowwiseParallel), the
+    weights random codes of ``case``'s format in its layout, the biases random floats (all from ``seed``)."""
+    _, layout, spec, scale_dtype, _ = case
+    g = torch.Generator().manual_seed(seed)
+    m = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 64))
+    for i, (n, k) in ((0, (hidden, 64)), (2, (64, hidden))):
+        lin = m[i]
+        lin.weight = nn.Parameter(_example_weight(layout, spec(k), (n, k), scale_dtype, seed * 10 + i, "cpu"),
+                                  requires_grad=False)
+        lin.bias = nn.Parameter(torch.randn(n, generator=g) * 0.1, requires_grad=False)
+    return m.to(device)
+
+
+def _same_shard(local, expect) -> bool:
+    """Bit for bit the same plain form, in the same layout (packed metadata)."""
+    return bool(local.to_plain().equal(expect.to_plain()) and local.tensor_impl.metadata() == expect.tensor_impl.metadata())
+
+
+def _chunk(w, world: int, dim: int, rank: int):
+    """The piece of ``w`` a rank cuts itself (DTensor's rule): ``torch.chunk``, and where it gives
+    fewer pieces than ranks, ``new_zeros`` of the first piece with nothing along ``dim``."""
+    pieces = torch.chunk(w, world, dim=dim)
+    if rank < len(pieces):
+        return pieces[rank]
+    size = list(pieces[0].shape)
+    size[dim] = 0
+    return pieces[0].new_zeros(size)
+
+
+def _local_seed(true_seed: int, rank: int, src) -> int:
+    """The seed a rank builds its weights from: the true one on the source rank (every rank when
+    src is None), other values elsewhere (a scatter must overwrite them)."""
+    return true_seed if src is None or rank == src else true_seed + 7919 * (rank + 1)
+
+
+def tp_scatter(rank, world, backend, tmp, names=None):
+    """ColwiseParallel + RowwiseParallel with src_data_rank 0, the last rank and None, for every
+    layout of :func:`tp_layout_cases`; uneven row and column splits through distribute_tensor.
+    Ranks other than the source hold other values. Per check: whether this rank's shard is bit for
+    bit ``torch.chunk`` of the source's weight in its layout; the outputs against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    cases = [c for c in tp_layout_cases() if names is None or c[0] in names]
+    shards, col_equal, rowwise = {}, {}, {}
+    for ci, case in enumerate(cases):
+        name = case[0]
+        true = _tp_mlp(case, 100 + ci, device)
+        with torch.no_grad():
+            h_ref = true[0](x)
+            y_ref = true(x)
+        for src in (0, world - 1, None):
+            key = f"{name} src={src}"
+            m = _tp_mlp(case, _local_seed(100 + ci, rank, src), device)
+            parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, src_data_rank=src)
+            for i, dim in ((0, 0), (2, 1)):
+                local = m[i].weight._local_tensor
+                shards[f"{key} weight {i}"] = _same_shard(local, _chunk(true[i].weight, world, dim, rank))
+            shards[f"{key} biases"] = (torch.equal(m[0].bias._local_tensor, true[0].bias.chunk(world)[rank])
+                                       and torch.equal(m[2].bias._local_tensor, true[2].bias))
+            with torch.no_grad():
+                h = m[0](x)
+                y = m(x)
+            col_equal[key] = torch.equal(h, h_ref.chunk(world, dim=-1)[rank])
+            rowwise[key] = (y.cpu(), y_ref.cpu(), _rowwise_bound(true, x).cpu())
+        # uneven splits: rows (the last ranks fewer or none), and columns of formats whose blocks span the row
+        _, layout, spec, scale_dtype, spans = case
+        shapes = [(0, (7, 64)), (0, (6, 64))] + ([(1, (8, 71))] if spans else [])
+        if name == "plain-int8-per-row":  # K = 3 over 4 ranks: 1 + 1 + 1 + an empty column shard
+            shapes.append((1, (8, 3)))
+        for dim, shape in shapes:
+            whole = _example_weight(layout, spec(shape[1]), shape, scale_dtype, 7 + ci, device)
+            for src in (0, None):
+                mine = whole if src is None or rank == src else _example_weight(layout, spec(shape[1]), shape, scale_dtype,
+                                                                                 8 + ci + rank, device)
+                d = distribute_tensor(mine, mesh, [Shard(dim)], src_data_rank=src)
+                shards[f"{name} uneven {shape} Shard({dim}) src={src}"] = (
+                    tuple(d.shape) == shape and _same_shard(d._local_tensor, _chunk(whole, world, dim, rank)))
+    return dict(shards=shards, col_equal=col_equal, rowwise=rowwise)
+
+
+def _rowwise_bound(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """fp32 summation-order bound of the RowwiseParallel layer's output, per element:
+    ``2 * K * eps * (|h| @ |W|^T + |b|)`` with ``h`` its input and ``K`` the reduced length."""
+    with torch.no_grad():
+        h = m[1](m[0](x)).float()
+        w = m[2].weight.dequantize(torch.float32)
+        k = w.shape[1]
+        return 2 * k * torch.finfo(torch.float32).eps * (h.abs() @ w.abs().t() + m[2].bias.abs())
+
+
+def tp_rowwise_per_channel(rank, world, backend, tmp, configs):
+    """RowwiseParallel on an nn.Linear(512, 256) quantized with each config (per-row formats), with
+    the default src_data_rank (0) and None: shards against the one-process weight's columns, and the
+    outputs, the input and the dequantized weight for the test's bounds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    import torchq
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5)).to(device)
+    out = {}
+    for name in configs:
+        cfg = per_channel_config(name)
+        torch.manual_seed(11)
+        whole = nn.Sequential(nn.Linear(512, 256)).to(device)
+        torchq.quantize_(whole, cfg)
+        with torch.no_grad():
+            y_ref = whole(x)
+        spec = whole[0].weight.spec
+        for src in (0, None):
+            torch.manual_seed(11 if src is None or rank == src else 11 + rank + 1)
+            m = nn.Sequential(nn.Linear(512, 256)).to(device)
+            torchq.quantize_(m, cfg)
+            parallelize_module(m, mesh, {"0": RowwiseParallel(input_layouts=Replicate())}, src_data_rank=src)  # x whole
+            local = m[0].weight._local_tensor
+            same = _same_shard(local, _chunk(whole[0].weight, world, 1, rank))
+            with torch.no_grad():
+                y = m(x)
+            out[f"{name} src={src}"] = dict(same=same, local_block=tuple(local.spec.block_size), block=tuple(spec.block_size),
+                                            y=y.cpu(), y_ref=y_ref.cpu())
+        out[name] = dict(x=x.cpu(), w=whole[0].weight.dequantize(torch.float32).cpu(), b=whole[0].bias.detach().cpu())
+    return out
+
+
+def per_channel_config(name: str):
+    """The configs whose weight blocks span the row (one scale per output row), by name."""
+    import torchq
+    from torchq.activation import StaticInt8
+
+    if name == "intx4-per-channel":  # asymmetric: an integer zero point per row
+        return torchq.intx_weight_only(bits=4, group_size=None)
+    if name == "int8static":
+        from torchq.configs import Int8StaticActivationInt8WeightConfig
+
+        return Int8StaticActivationInt8WeightConfig(activation=StaticInt8.from_range(-4.0, 4.5))
+    if name == "llm_int8":
+        return torchq.llm_int8()
+    return torchq.config_from_name(name)
+
+
+def tp_mismatch(rank, world, backend, tmp):
+    """Rank 1 quantized its model with another format: every rank's error (None if it did not raise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import torchq
+
+    mesh = init_device_mesh("cpu", (world,))
+    m = nn.Sequential(nn.Linear(64, 32))
+    m[0].weight.requires_grad_(False)
+    torchq.quantize_(m, torchq.config_from_name("int4-g32" if rank == 1 else "int8wo"))
+    try:
+        parallelize_module(m, mesh, {"0": ColwiseParallel()})
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def tp_src_rank(rank, world, backend, tmp, configs, names=None):
+    """:func:`tp_scatter` and :func:`tp_rowwise_per_channel` in one process group (one spawn). The
+    layouts whose kernels need another device fall back to dequantize + F.linear on the CPU, with
+    the warning that says so (silenced here)."""
+    import warnings
+
+    from torchq.dispatch import FallbackWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        return dict(layouts=tp_scatter(rank, world, backend, tmp, names),
+                    per_channel=tp_rowwise_per_channel(rank, world, backend, tmp, configs))

@@ -357,28 +357,41 @@ class PlainForm:
         return True
 
     def narrow(self, dim: int, start: int, length: int) -> PlainForm:
-        """Rows or columns ``[start, start+length)``; block boundaries must be respected."""
+        """Rows or columns ``[start, start+length)``; block boundaries must be respected.
+
+        Exception: along dim 1, a block that spans the whole row (one scale per row or per tensor:
+        int8, float8, per-channel intx, a group as wide as the row) may be cut anywhere. The slice
+        keeps the row's scale and zero point with its columns of the codes, and its block becomes
+        the slice's width (``max(length, 1)``), so every value is unchanged. (Rows keep the rule: a
+        block spanning rows stays whole, as the row shards of FSDP2 need one block row per row.)"""
         size = self.codes.shape[dim]
         b = self.spec.block_size[dim]
         if start < 0 or length < 0 or start + length > size:
             raise IndexError(f"narrow: range [{start}, {start + length}) out of bounds for dim {dim} of size {size}")
         end = start + length
-        if start % b or (end % b and end != size):
+        if self.nested is not None and (start, end) == (0, size):
+            return self
+        spans = dim == 1 and b >= size and (start, end) != (0, size)
+        if not spans and (start % b or (end % b and end != size)):
             raise ValueError(
-                f"narrow: dim {dim} has quantization blocks of {b}; start and end must be multiples of {b} "
-                f"(or end == {size}), got [{start}, {end})"
+                f"narrow: dim {dim} has quantization blocks of {b} ({self.spec.describe()}); start and end must be "
+                f"multiples of {b} (or end == {size}), got [{start}, {end}): a block's scale cannot be cut. Split dim "
+                f"{dim} at multiples of {b} (for tensor parallelism or FSDP2: a world size for which ceil({size} / "
+                f"world) is a multiple of {b}), or quantize with a group size that divides each rank's share"
             )
-        gs, ge = start // b, -(-end // b)
+        spec = dataclasses.replace(self.spec, double_quant=False) if self.nested is not None else self.spec
+        if spans:  # one block across the row: every column keeps the row's scale
+            gs, ge = 0, (1 if length else 0)
+            spec = dataclasses.replace(spec, block_size=(spec.block_size[0], max(length, 1)))
+        else:
+            gs, ge = start // b, -(-end // b)
 
         def cut(t, lo, hi):
             return t.narrow(dim, lo, hi - lo)
 
         z = None if self.zero_point is None else cut(self.zero_point, gs, ge)
-        if self.nested is not None and (start, end) == (0, size):
-            return self
         # A slice of double-quantized scales is no longer whole 256-blocks of the grid: it keeps the
         # (identical) reconstructed fp32 scales as plain scales.
-        spec = dataclasses.replace(self.spec, double_quant=False) if self.nested is not None else self.spec
         return PlainForm(cut(self.codes, start, end), cut(self.scale, gs, ge), z, spec)
 
     def rows(self, index: torch.Tensor) -> PlainForm:

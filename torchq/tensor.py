@@ -371,10 +371,12 @@ class AffineQuantizedTensor(torch.Tensor):
             aqt = _first_quantized(list(args) + list(kwargs.values()))
             if func.namespace in ("c10d", "_c10d_functional"):
                 raise NotImplementedError(
-                    f"torchq: {func} on the quantized weight {aqt.label or tuple(aqt.shape)!r}: collectives do not "
-                    f"move quantized weights whole. FSDP2 gathers their row parts itself; for tensor parallelism "
-                    f"every rank shards the weight it holds: parallelize_module(..., src_data_rank=None) or "
-                    f"distribute_tensor(..., src_data_rank=None) (the default scatters from rank 0)"
+                    f"torchq: {func} on the quantized weight {aqt.label or tuple(aqt.shape)!r}: this collective does "
+                    f"not move quantized weights (reducing, gathering or exchanging packed codes has no meaning). "
+                    f"Supported: scatter and broadcast (distribute_tensor / parallelize_module with Shard or Replicate "
+                    f"placements, any src_data_rank); FSDP2 gathers row parts itself. To collect a sharded quantized "
+                    f"weight, save it with torchq.distributed.checkpoint (its row parts are ordinary tensors), or call "
+                    f".dequantize() on the local shard first"
                 )
             if func._schema.is_mutable and args and args[0] is aqt:  # e.g. peft's merge: weight.data += delta
                 raise NotImplementedError(
@@ -590,8 +592,10 @@ def slice_weight(func, args, kwargs):
         in_scale = in_scale[start:end]
     if self.input_perm is not None and inner_dim == 1 and (start, end) != (0, impl.shape[1]):
         raise NotImplementedError(
-            "torchq: slicing the input features of a weight with an input_perm (activation order) is not supported: "
-            "its codes' columns are permuted; slice rows, or dequantize() first"
+            f"torchq: input features [{start}, {end}) of the quantized weight {self.label or tuple(self.shape)!r}, which "
+            f"has an input_perm (activation order): its codes' columns are permuted, so a range of input features is "
+            f"no range of its columns or groups and cannot be cut out (e.g. RowwiseParallel, Shard(1)); slice rows "
+            f"(ColwiseParallel), quantize without activation order, or dequantize() first"
         )
     view = impl.narrow_view(inner_dim, start, end - start)
     if view is not None:

@@ -7,8 +7,10 @@ Megatron-style sharding of MLP blocks: each up projection is split by output fea
 one all-reduce. torchq weights shard in place: each rank keeps its rows (or columns) of the int4
 codes and scales, in the CPU's packed layout, and runs the same int4 kernel on its piece.
 
-Pass src_data_rank=None to parallelize_module: every rank shards the quantized weight it already
-holds (the default would scatter rank 0's weight, which torchq refuses with an error saying so).
+parallelize_module's default (src_data_rank=0) scatters rank 0's quantized weight: each rank
+receives its rows or columns of the codes and scales, bit-packed, bit for bit the piece it would
+have cut itself. src_data_rank=None skips the scatter: every rank shards the weight it holds (the
+meta-device model below has no values to send).
 Sharding by input features needs whole quantization groups on each rank: here 1024 / 2 = 512
 input features per rank, 4 groups of 128.
 
@@ -53,14 +55,14 @@ def prompt() -> torch.Tensor:
     return torch.randn(8, DIMS, generator=torch.Generator().manual_seed(1))
 
 
-def tensor_parallel(model: ResidualMLP, mesh) -> ResidualMLP:
+def tensor_parallel(model: ResidualMLP, mesh, src_data_rank: int | None = 0) -> ResidualMLP:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {}
     for i in range(len(model.blocks)):
         plan[f"blocks.{i}.up"] = ColwiseParallel()  # output features split: the GELU runs on each rank's piece
         plan[f"blocks.{i}.down"] = RowwiseParallel()  # input features split: partial sums, all-reduced
-    return parallelize_module(model, mesh, plan, src_data_rank=None)
+    return parallelize_module(model, mesh, plan, src_data_rank=src_data_rank)
 
 
 def quantized_bytes(model: nn.Module) -> int:
@@ -112,7 +114,7 @@ def worker(rank: int, world: int, folder: str) -> None:
     with torch.device("meta"):
         meta = build_model()
     torchq.quantize_(meta, torchq.int4_weight_only(group_size=128))
-    tensor_parallel(meta.eval(), mesh)
+    tensor_parallel(meta.eval(), mesh, src_data_rank=None)
     torchq.distributed.checkpoint.load_quantized_sharded(meta, f"{folder}/model.safetensors")
     with torch.no_grad(), torchq.strict():
         loaded = meta(x)

@@ -28,11 +28,12 @@ import dataclasses
 import torch
 
 from ..bitpack import packed_width
-from ..canonical import PlainForm, QuantSpec, decode_codes, encode_codes
+from ..blockwise.codebooks import codebook
+from ..canonical import FLOAT8_CODEBOOK, NestedScale, PlainForm, QuantSpec, decode_codes, encode_codes
 from ..layouts.base import Layout, choose_layout
-from ..primitives import ZeroPointDomain, scale_shape
+from ..primitives import ZeroPointDomain, expand_grid, scale_shape
 
-__all__ = ["RowFormat", "row_format", "to_row_parts", "from_row_parts", "zero_plain"]
+__all__ = ["RowFormat", "row_format", "to_row_parts", "from_row_parts", "zero_plain", "pad_plain", "pack_in"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,15 +122,76 @@ def from_row_parts(fmt: RowFormat, parts: tuple[torch.Tensor, ...] | list[torch.
 
 
 def zero_plain(spec: QuantSpec, shape: tuple[int, int], scale_dtype: torch.dtype, zero_dtype: torch.dtype | None,
-               device: torch.device | str) -> PlainForm:
+               device: torch.device | str, *, nested: bool = False) -> PlainForm:
     """A plain form whose values are all 0 (scales 0, the code nearest 0, zero points 0): the
-    padding rows of a shard. Double quantization is dropped (see the module doc)."""
-    spec = dataclasses.replace(spec, double_quant=False)
+    padding rows of a shard. Double quantization is dropped (see the module doc) unless ``nested``
+    and ``spec`` has it: then the scales are held double-quantized too (all 0), as the same weight's
+    (``empty_like`` of a whole NF4 weight)."""
+    keep = nested and spec.double_quant
+    spec = spec if keep else dataclasses.replace(spec, double_quant=False)
     grid = scale_shape(shape, spec.block_size)
     code = min(max(0, spec.quant_min), spec.quant_max)
     codes = torch.full(shape, code, dtype=spec.code_dtype, device=device)
     zero = None if spec.zero_point_domain is ZeroPointDomain.NONE else torch.zeros(grid, dtype=zero_dtype, device=device)
-    return PlainForm(codes, torch.zeros(grid, dtype=scale_dtype, device=device), zero, spec)
+    scale = torch.zeros(grid, dtype=scale_dtype, device=device)
+    if not keep:
+        return PlainForm(codes, scale, zero, spec)
+    count = scale.numel()  # scale = dyn[127] * 0 + 0 = 0 for every code (dyn[127] is 0)
+    nq = NestedScale(torch.full(grid, 127, dtype=torch.uint8, device=device),
+                     torch.zeros(-(-count // 256), dtype=torch.float32, device=device),
+                     torch.zeros((), dtype=torch.float32, device=device))
+    return PlainForm(codes, scale, None, spec, nq)
+
+
+def pad_plain(plain: PlainForm, rows: int, cols: int) -> PlainForm:
+    """``plain`` with ``rows`` more rows and ``cols`` more columns at the end (DTensor's padding of
+    uneven shards before a scatter), every original tensor value kept bit for bit.
+
+    New blocks get scale 0 and zero point 0 (their values are 0). A block along dim 1 that spans
+    the row spans the padded row (the padded columns share the row's scale; the block becomes the
+    new width, as :meth:`~torchq.canonical.PlainForm.narrow` makes it), and padded elements inside
+    an existing block take the code whose value is nearest 0 there: exactly 0 for every format but
+    a float zero point (``(q - mid) * s + z``), whose nearest code is ``round(mid - z / s)``.
+    Double-quantized scales become the fp32 scales they stand for."""
+    if rows < 0 or cols < 0:
+        raise ValueError(f"rows, cols: expected counts >= 0 to add, got {rows}, {cols}")
+    spec = dataclasses.replace(plain.spec, double_quant=False)
+    n, k = plain.shape
+    shape = (n + rows, k + cols)
+    b0, b1 = spec.block_size
+    if cols and b1 >= k:
+        b1 = max(shape[1], 1)
+    spec = dataclasses.replace(spec, block_size=(b0, b1))
+    grid = scale_shape(shape, spec.block_size)
+    g0, g1 = plain.scale.shape
+    scale = plain.scale.new_zeros(grid)
+    scale[:g0, :g1] = plain.scale
+    zero = None
+    if plain.zero_point is not None:
+        zero = plain.zero_point.new_zeros(grid)
+        zero[:g0, :g1] = plain.zero_point
+    codes = _codes_nearest_zero(spec, scale, zero, shape)
+    codes[:n, :k] = plain.codes
+    return PlainForm(codes, scale, zero, spec)
+
+
+def _codes_nearest_zero(spec: QuantSpec, scale: torch.Tensor, zero: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    """Per element of ``shape``, the code whose value is nearest 0 under its block's scale and zero point."""
+    device = scale.device
+    if spec.codebook is not None:  # the index of 0.0 in the table (nf4: 7, fp4 and e4m3fn bytes: 0)
+        code = 0 if spec.codebook == FLOAT8_CODEBOOK else int((codebook(spec.codebook) == 0).nonzero()[0])
+        return torch.full(shape, code, dtype=spec.code_dtype, device=device)
+    domain = spec.zero_point_domain
+    if domain is ZeroPointDomain.NONE:  # codes centred on 0
+        return torch.zeros(shape, dtype=spec.code_dtype, device=device)
+    z = expand_grid(zero, spec.block_size, shape)
+    if domain is ZeroPointDomain.INT:  # (q - z) * s = 0 at q = z
+        q = z.to(torch.int32)
+    else:  # (q - mid) * s + z = 0 at q = mid - z / s (mid where s is 0)
+        s = expand_grid(scale, spec.block_size, shape).to(torch.float32)
+        off = torch.where(s == 0, 0.0, z.to(torch.float32) / torch.where(s == 0, 1.0, s))
+        q = torch.round(spec.mid - off).nan_to_num(spec.mid).clamp(-2**20, 2**20).to(torch.int32)
+    return q.clamp(spec.quant_min, spec.quant_max).to(spec.code_dtype)
 
 
 def pack_in(layout: Layout, plain: PlainForm):

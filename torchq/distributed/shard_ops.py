@@ -4,23 +4,27 @@
 * ``split`` / ``split_with_sizes`` (``torch.chunk``): row or column ranges, each one the quantized
   range of the float weight (a block or group that would be cut raises a ValueError naming it);
 * ``new_zeros`` / ``new_empty``: a weight of the same format whose values are 0 (a shard's padding
-  rows; ``new_empty(0)``: no rows);
+  rows, or an empty shard of no rows or columns; ``new_empty(0)``: no rows);
+* ``constant_pad_nd`` (``F.pad`` with zeros at the end of a dimension): DTensor's padding of
+  uneven shards before a scatter (:mod:`.collectives` moves quantized shards);
 * ``view`` to its own shape (an alias); ``view(-1)`` only for FSDP2, which keeps it as a flat shard
   handle it never reads for weights with an all-gather extension (the weight has no 1-D form, so
   FSDP2 gets an alias in the 2-D shape; anyone else gets a NotImplementedError);
 * ``as_strided`` to its own size and contiguous strides (an alias);
-* ``is_pinned`` / ``_pin_memory`` (CPU offload), ``empty_like`` (zeros, as ``new_zeros``).
+* ``is_pinned`` / ``_pin_memory`` (CPU offload), ``empty_like`` (zeros, as ``new_zeros``: the buffer a
+  scatter or broadcast fills).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..tensor import AQT, implements, slice_weight
-from .rows import pack_in, zero_plain
+from .rows import pack_in, pad_plain, zero_plain
 
 aten = torch.ops.aten
 
@@ -56,22 +60,34 @@ def _split_sizes(self: AQT, sizes: list[int], dim: int) -> list[AQT]:
 @implements(aten.new_zeros.default)
 def _new_zeros(func, args, kwargs):
     self: AQT = args[0]
-    size = tuple(int(s) for s in args[1])
-    dtype = kwargs.get("dtype") or self.dtype
-    device = torch.device(kwargs.get("device") or self.device)
-    if len(size) != 2 or (self.transposed and size[0] != self.shape[0]) or (not self.transposed and size[1] != self.shape[1]):
+    return _zeros(self, tuple(int(s) for s in args[1]), kwargs.get("dtype") or self.dtype,
+                  torch.device(kwargs.get("device") or self.device), nested=False)
+
+
+def _zeros(self: AQT, size: tuple[int, ...], dtype: torch.dtype, device: torch.device, nested: bool) -> AQT:
+    """A weight of ``self``'s format and layout, of ``size``, whose values are 0; its scales are
+    double-quantized where ``nested`` and ``self``'s are (``empty_like``: a scatter's buffer for a
+    whole weight), plain fp32 otherwise (FSDP2 copies a shard into a slice of its ``new_zeros``)."""
+    if len(size) != 2 or any(s < 0 for s in size):
         raise NotImplementedError(
             f"torchq: new_zeros({list(size)}) of the quantized weight {self.label or tuple(self.shape)!r} "
-            f"{tuple(self.shape)}: only more or fewer rows of the same width are supported (a shard's padding)"
+            f"{tuple(self.shape)}: a quantized weight is 2-D; give [rows, columns]"
         )
     if not dtype.is_floating_point:
         raise TypeError(f"new_zeros: a quantized weight's dtype is a float dtype, got {dtype}")
-    n = size[1] if self.transposed else size[0]
+    n, k = (size[1], size[0]) if self.transposed else size
     plain = self.to_plain()
+    spec = plain.spec
+    b0, b1 = spec.block_size
+    if k != plain.shape[1] and b1 >= plain.shape[1]:  # a block spanning the row spans the new width
+        spec = dataclasses.replace(spec, block_size=(b0, max(k, 1)))
     zero_dtype = None if plain.zero_point is None else plain.zero_point.dtype
-    z = zero_plain(plain.spec, (n, plain.shape[1]), plain.scale.dtype, zero_dtype, device)
+    z = zero_plain(spec, (n, k), plain.scale.dtype, zero_dtype, device, nested=nested and (n, k) == plain.shape)
     impl = pack_in(self.tensor_impl.layout, z)
     s, p = self.input_scale, self.input_perm
+    if k != plain.shape[1]:  # another width: a zero weight's own factors (1) and order (identity)
+        s = None if s is None else torch.ones(k, dtype=s.dtype, device=device)
+        p = None if p is None else torch.arange(k, dtype=p.dtype, device=device)
     return self._replace(impl, dtype=dtype, input_scale=None if s is None else s.to(device, copy=True),
                          input_perm=None if p is None else p.to(device, copy=True))
 
@@ -89,9 +105,41 @@ def _new_empty(func, args, kwargs):
 
 @implements(aten.empty_like.default, aten.zeros_like.default)
 def _zeros_like(func, args, kwargs):
+    """A weight of the same format and layout whose values are 0 (double-quantized scales stay
+    double-quantized): the buffer DTensor scatters a shard into."""
     self: AQT = args[0]
-    kw = {k: kwargs[k] for k in ("dtype", "device") if kwargs.get(k) is not None}
-    return _new_zeros(aten.new_zeros.default, (self, tuple(self.shape)), kw)
+    return _zeros(self, tuple(self.shape), kwargs.get("dtype") or self.dtype,
+                  torch.device(kwargs.get("device") or self.device), nested=True)
+
+
+@implements(aten.constant_pad_nd.default)
+def _constant_pad_nd(func, args, kwargs):
+    """Zero padding at the end of a dimension (``F.pad(w, [0, c])`` or ``[0, 0, 0, r]``): DTensor
+    pads uneven shards to one size before a scatter and cuts the padding off after it. The padded
+    weight keeps every value of ``self`` bit for bit (:func:`~torchq.distributed.rows.pad_plain`);
+    padded input features get an ``input_scale`` of 1 and keep their own place in an ``input_perm``."""
+    self: AQT = args[0]
+    pad = [int(p) for p in (args[1] if len(args) > 1 else kwargs["pad"])]
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    if value != 0 or len(pad) not in (2, 4) or any(p < 0 for p in pad) or any(pad[0::2]):
+        raise NotImplementedError(
+            f"torchq: pad={pad}, value={value} on the quantized weight {self.label or tuple(self.shape)!r}: only zero "
+            f"padding at the end of a dimension is supported (pad=[0, c] or [0, 0, 0, r], value=0: DTensor's padding "
+            f"of uneven shards); call .dequantize() first for other padding"
+        )
+    extra = [pad[3] if len(pad) == 4 else 0, pad[1]]  # wrapper dims 0, 1
+    rows, cols = reversed(extra) if self.transposed else extra
+    if not rows and not cols:
+        return self._replace()
+    plain = self.to_plain()
+    impl = pack_in(self.tensor_impl.layout, pad_plain(plain, rows, cols))
+    s, p = self.input_scale, self.input_perm
+    k = plain.shape[1]
+    if cols and s is not None:
+        s = torch.cat([s, torch.ones(cols, dtype=s.dtype, device=s.device)])
+    if cols and p is not None:
+        p = torch.cat([p, torch.arange(k, k + cols, dtype=p.dtype, device=p.device)])
+    return self._replace(impl, input_scale=None if s is None else s.clone(), input_perm=None if p is None else p.clone())
 
 
 @implements(aten.view.default)

@@ -179,8 +179,11 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
     r0, r1 = rows if rows is not None else (0, n)
     c0, c1 = cols if cols is not None else (0, k)
     g = spec.block_size[1]
-    if cols is not None and (c0 % g or (c1 % g and c1 != k) or (rec.encoding == "bitstream" and c0 % 8)):
-        raise CheckpointError(f"{where}: this rank's input features [{c0}, {c1}) cut a group of {g} or a byte of packed codes")
+    spans = cols is not None and g >= k and (c0, c1) != (0, k)  # one block per row: any columns keep the row's scale
+    if cols is not None and ((not spans and (c0 % g or (c1 % g and c1 != k))) or (rec.encoding == "bitstream" and c0 % 8)):
+        raise CheckpointError(f"{where}: this rank's input features [{c0}, {c1}) cut a group of {g} or a byte of packed "
+                              f"codes; shard it with a world size that splits the input features at multiples of "
+                              f"{g if not spans else 8}")
     if verify:
         for p, (_, _, crc) in rec.parts.items():
             if reader.crc32(part_key(name, p)) != crc:
@@ -193,7 +196,7 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
     stored_codes = reader.read(part_key(name, "codes"), (r0, r1), byte_cols)
     codes = decode_codes(stored_codes, spec, c1 - c0, rec.encoding, where)
     grid = scale_shape((n, k), spec.block_size)
-    gcols = (c0 // g, -(-c1 // g))
+    gcols = (0, 1 if c1 > c0 else 0) if spans else (c0 // g, -(-c1 // g))
     if spec.double_quant:  # the rows' scale codes and the nested blocks they fall in
         sc = reader.read(part_key(name, "scale_codes"), (r0, r1))
         first, last = r0 * grid[1], r1 * grid[1]
@@ -209,6 +212,9 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
     zero = reader.read(part_key(name, "zero_point"), (r0, r1), gcols) if "zero_point" in rec.parts else None
     if not bool(torch.isfinite(scale).all()) or (zero is not None and zero.is_floating_point() and not bool(torch.isfinite(zero).all())):
         raise CheckpointError(f"{where}: scales or zero points contain NaN/inf")
+    if spans:  # as PlainForm.narrow cuts it: the block is the piece's width
+        spec = type(spec)((spec.block_size[0], max(c1 - c0, 1)), spec.quant_min, spec.quant_max, spec.zero_point_domain,
+                          spec.codebook, spec.double_quant)
     extras = {e: reader.read(part_key(name, e)) for e in ("input_scale", "input_perm") if e in rec.parts}
     if cols is not None and extras:
         raise NotImplementedError(f"{where}: input_scale/input_perm with the input features sharded")

@@ -21,6 +21,25 @@ Formats (``numel = n``, ``blocksize = B``, ``nb = ceil(n / B)``):
   256-entry map (the dynamic map by default), one byte per element, in ``A``'s shape.
 * **Dequantize:** ``code[index] * absmax[block]`` in fp32, then one cast to the output dtype.
 
+**Statistics dtypes.** The ops that read statistics (``dequantize_4bit``, ``gemv_4bit``,
+``gemm_4bit``, ``dequantize_blockwise`` and their ``.out`` overloads and fakes) take ``absmax``
+(and ``gemm_4bit``'s per-256 ``absmax`` of the double-quantized form) in fp32, bf16 or fp16; any
+other dtype raises a ValueError naming the argument. A bf16 / fp16 statistic is first widened to
+fp32, which is exact (fp32 holds every bf16 and fp16 value), so the arithmetic is the fp32 one
+above: ``fp32(code[index]) * fp32(absmax)`` rounded once to fp32, then one cast to the output
+dtype. ``absmax_offset`` may be any floating dtype and is rounded to fp32 (exact for these three);
+``code`` / ``absmax_code`` stay fp32 maps. This is bitsandbytes' arithmetic on the CPU (its
+``dequantize_4bit`` kernel calls ``absmax.float()``; its ``gemv_4bit`` / ``gemm_4bit``, on CPUs
+without AVX512-BF16, dequantize that way to A's dtype, then ``F.linear``) and in its pure-PyTorch
+default backend (the fp32 code table times the absmax tensor, which type promotion widens to
+fp32), bit for bit for the references. bitsandbytes' backends disagree elsewhere: its fakes of
+``dequantize_4bit`` and ``gemm_4bit`` require fp32 absmax (so ``opcheck`` / ``torch.compile`` reject
+bf16 there); its CUDA kernels and its CPU ``dequantize_blockwise`` kernel read the absmax buffer as
+fp32 whatever its dtype (``gemm_4bit``'s fused CUDA kernel raises); its CPU ``gemv_4bit`` for
+AVX512-BF16 machines rounds absmax *to* bf16 and computes in bf16 on its own repacked weight layout
+(``_convert_weight_packed_for_cpu``), which torchq does not read. fp64 statistics are refused: the
+CPU kernel would round them to fp32, the default backend would compute in fp64.
+
 Choices where the reference implementations disagree (bytes differ, values do not):
 
 * an all-zero block (``absmax = 0``) gets the code of 0.0 (NF4 nibble 7, FP4 nibble 0), as
@@ -48,6 +67,11 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "check_blocksize",
+    "STAT_DTYPES",
+    "bnb_cpu_packed_to_standard",
+    "is_bnb_cpu_packed",
+    "check_statistic",
+    "fp32_statistic",
     "check_gemv_4bit",
     "gemv_4bit",
     "gemv_4bit_reference",
@@ -63,6 +87,21 @@ __all__ = [
 
 BLOCK_SIZES = tuple(2**i for i in range(5, 13))  # 32 ... 4096
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# dtypes of statistics (absmax): each value exact in fp32, so widening them changes nothing
+STAT_DTYPES = _FLOATS
+
+
+def check_statistic(name: str, t: torch.Tensor, numel: int, what: str) -> None:
+    """Raise a ValueError naming ``name`` unless ``t`` holds ``numel`` fp32 / bf16 / fp16 values
+    (``what``: the reason for the count, shown in the message)."""
+    if t.dtype not in STAT_DTYPES or t.numel() != numel:
+        raise ValueError(f"{name}: expected fp32 with {numel} entries ({what}; bf16 or fp16 also accepted), "
+                         f"got {t.dtype} with {t.numel()}")
+
+
+def fp32_statistic(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as fp32: itself when it is fp32, else widened (exact for bf16 / fp16)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def check_blocksize(blocksize: int) -> None:
@@ -168,7 +207,8 @@ _DEQUANTIZE_4BIT_ARGS = "Tensor A, Tensor absmax, int blocksize, str quant_type,
 def dequantize_4bit(
     A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """Values of ``shape`` in ``dtype`` from packed 4-bit codes and fp32 absmax."""
+    """Values of ``shape`` in ``dtype`` from packed 4-bit codes and their absmax (fp32, bf16 or
+    fp16, widened to fp32): ``code[nibble] * absmax`` in fp32, one cast to ``dtype``."""
     return _dequantize_with_table(A, absmax, blocksize, codebook(quant_type).to(A.device), shape, dtype)
 
 
@@ -228,8 +268,7 @@ def _check_dequantize_blockwise(A, absmax, code, blocksize, dtype) -> None:
     if A.dtype != torch.uint8:
         raise TypeError(f"A: expected uint8 indices, got {A.dtype}")
     nb = -(-A.numel() // blocksize)
-    if absmax.dtype != torch.float32 or absmax.numel() != nb:
-        raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
+    check_statistic("absmax", absmax, nb, f"blocksize {blocksize}")
     if code.dtype != torch.float32 or code.dim() != 1:
         raise ValueError(f"code: expected a 1-D fp32 map, got {code.dtype} {list(code.shape)}")
     if dtype not in _FLOATS:
@@ -238,7 +277,8 @@ def _check_dequantize_blockwise(A, absmax, code, blocksize, dtype) -> None:
 
 @torch.library.custom_op("torchq::dequantize_blockwise", mutates_args=(), schema=f"({_DEQUANTIZE_BLOCKWISE_ARGS}) -> Tensor")
 def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
-    """``code[A] * absmax[block]`` in fp32, cast to ``dtype``, in A's shape."""
+    """``code[A] * absmax[block]`` in fp32 (absmax fp32, bf16 or fp16, widened to fp32), cast to
+    ``dtype``, in A's shape."""
     _check_dequantize_blockwise(A, absmax, code, blocksize, dtype)
     n = A.numel()
     nb = -(-n // blocksize)
@@ -246,7 +286,7 @@ def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
     pad = nb * blocksize - n
     if pad:
         values = torch.cat([values, values.new_zeros(pad)])
-    out = (values.reshape(nb, blocksize) * absmax.reshape(nb, 1)).reshape(-1)[:n]
+    out = (values.reshape(nb, blocksize) * fp32_statistic(absmax).reshape(nb, 1)).reshape(-1)[:n]
     return out.to(dtype).reshape(A.shape)
 
 
@@ -280,9 +320,12 @@ def gemv_4bit(
     A: torch.Tensor, B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
 ) -> torch.Tensor:
     """``A @ W.T`` in A's dtype, ``W = code[nibbles of B] * absmax`` of shape ``shapeB = [N, K]``
-    (``code``: the 16-value table of the format). Reference: dequantize in fp32, cast once to
-    A's dtype, ``F.linear``. On the CPU the native fused kernel runs instead when built
-    (:mod:`torchq.backends.native_cpu.lut4`)."""
+    (``code``: the 16-value fp32 table of the format; ``absmax`` fp32, bf16 or fp16, widened to
+    fp32). Reference: dequantize in fp32, cast once to A's dtype, ``F.linear`` (bitsandbytes'
+    default backend, bit for bit). On the CPU the native fused kernel runs instead when built
+    (:mod:`torchq.backends.native_cpu.lut4`: the same fp32 weights, fp32 accumulation).
+    bitsandbytes' CPU-packed layout (a 2-D ``[K/blocksize, N]`` absmax with ``B`` ``[N, K/2]``,
+    :func:`is_bnb_cpu_packed`) is read as the same codes and statistics in the standard layout."""
     return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
 
 
@@ -306,11 +349,41 @@ def check_gemv_4bit(A, B, shapeB, absmax, code, blocksize) -> None:
     _check_packed_4bit(B, absmax, blocksize, shapeB, A.dtype)
 
 
+#: bitsandbytes' CPU-packed 4-bit layout (``bitsandbytes.functional._convert_weight_packed_for_cpu``): rows in groups of 32
+BNB_CPU_BLOCK_N = 32
+
+
+def is_bnb_cpu_packed(B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor, blocksize: int) -> bool:
+    """Whether ``(B, absmax)`` is bitsandbytes' CPU-packed layout, which its ``gemv_4bit`` reads on
+    CPUs with AVX512-BF16 (its tests repack there): ``B`` uint8 ``[N, K/2]`` where each run of 32
+    bytes holds, for 32 rows and 2 neighbouring columns, the rows' first column in the low nibbles
+    and the second in the high ones, and ``absmax`` 2-D ``[K/blocksize, N]`` (transposed). The
+    standard layout's ``absmax`` is 1-D (as ``quantize_4bit`` returns it)."""
+    if len(shapeB) != 2 or absmax.dim() != 2 or B.dim() != 2 or B.dtype != torch.uint8:
+        return False
+    n, k = shapeB
+    return (k % blocksize == 0 and k % 2 == 0 and n % BNB_CPU_BLOCK_N == 0
+            and tuple(absmax.shape) == (k // blocksize, n) and tuple(B.shape) == (n, k // 2))
+
+
+def bnb_cpu_packed_to_standard(B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard layout ``(packed bytes [N*K/2], absmax [N*K/blocksize])`` of bitsandbytes'
+    CPU-packed ``(B, absmax)`` (:func:`is_bnb_cpu_packed`): the same codes and statistics, moved."""
+    n, k = shapeB
+    runs = B.reshape(-1, BNB_CPU_BLOCK_N)
+    pairs = torch.cat([runs & 0xF, runs >> 4], dim=1)  # [N/32 * K/2, 64]: 32 low nibbles, then 32 high
+    codes = pairs.reshape(n // BNB_CPU_BLOCK_N, k // 2, BNB_CPU_BLOCK_N, 2).transpose(1, 2).reshape(n, k)
+    flat = codes.reshape(-1, 2)
+    return (flat[:, 0] << 4) | flat[:, 1], absmax.t().reshape(-1)
+
+
 def gemv_4bit_reference(
     A: torch.Tensor, B: torch.Tensor, shapeB: Sequence[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
 ) -> torch.Tensor:
     """The pure-PyTorch definition of :func:`gemv_4bit`."""
     check_gemv_4bit(A, B, shapeB, absmax, code, blocksize)
+    if is_bnb_cpu_packed(B, shapeB, absmax, blocksize):
+        B, absmax = bnb_cpu_packed_to_standard(B, shapeB, absmax)
     w = _dequantize_with_table(B, absmax, blocksize, code.to(A.device), shapeB, A.dtype)
     return torch.nn.functional.linear(A, w)
 
@@ -331,8 +404,6 @@ def check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8b
     check_blocksize(blocksize)
     codebook(quant_type)
     _check_4bit_matmul_operands(A, B, shapeB)
-    if absmax.dtype != torch.float32:
-        raise TypeError(f"absmax: expected fp32, got {absmax.dtype}")
     nb = -(-_numel(shapeB) // blocksize)
     if B.numel() * B.element_size() != (_numel(shapeB) + 1) // 2:
         raise ValueError(f"B: expected {(_numel(shapeB) + 1) // 2} packed bytes for shapeB {list(shapeB)}, "
@@ -340,17 +411,14 @@ def check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8b
     if absmax_8bit is None:
         if absmax_code is not None or absmax_offset is not None:
             raise ValueError("absmax_code, absmax_offset: only meaningful with absmax_8bit, which is None")
-        if absmax.numel() != nb:
-            raise ValueError(f"absmax: expected {nb} entries (one per block of {blocksize}), got {absmax.numel()}")
+        check_statistic("absmax", absmax, nb, f"one per block of {blocksize}")
     else:
         if absmax_code is None or absmax_offset is None:
             raise ValueError("absmax_code, absmax_offset: required with absmax_8bit")
         if absmax_8bit.dtype != torch.uint8 or absmax_8bit.dim() != 1 or absmax_8bit.numel() != nb:
             raise ValueError(f"absmax_8bit: expected 1-D uint8 codes, one per block of {blocksize} ({nb}), "
                              f"got {absmax_8bit.dtype} {list(absmax_8bit.shape)}")
-        if absmax.numel() != -(-nb // NESTED_BLOCKSIZE):
-            raise ValueError(f"absmax: expected {-(-nb // NESTED_BLOCKSIZE)} entries (one per {NESTED_BLOCKSIZE} codes "
-                             f"of absmax_8bit), got {absmax.numel()}")
+        check_statistic("absmax", absmax, -(-nb // NESTED_BLOCKSIZE), f"one per {NESTED_BLOCKSIZE} codes of absmax_8bit")
         if absmax_code.dtype != torch.float32 or tuple(absmax_code.shape) != (256,):
             raise ValueError(f"absmax_code: expected the 256 fp32 values of an 8-bit map, got {absmax_code.dtype} {list(absmax_code.shape)}")
         if not absmax_offset.is_floating_point() or absmax_offset.numel() != 1:
@@ -362,13 +430,15 @@ def check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8b
             raise TypeError(f"bias: expected A's dtype {A.dtype}, got {bias.dtype}")
 
 
-def gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset) -> torch.Tensor:
-    """fp32 per-block absmax: ``absmax`` itself, or with ``absmax_8bit`` the double-quantized
-    form ``absmax_code[absmax_8bit[i]] * absmax[i // 256] + absmax_offset`` (``absmax`` then holds
-    the per-256 statistics; :mod:`torchq.blockwise.nested`)."""
+def gemm_4bit_absmax(
+    absmax: torch.Tensor, absmax_8bit: torch.Tensor | None, absmax_code: torch.Tensor | None, absmax_offset: torch.Tensor | None
+) -> torch.Tensor:
+    """fp32 per-block absmax: ``absmax`` widened to fp32, or with ``absmax_8bit`` the
+    double-quantized form ``absmax_code[absmax_8bit[i]] * fp32(absmax[i // 256]) + fp32(absmax_offset)``
+    in fp32 (``absmax`` then holds the per-256 statistics; :mod:`torchq.blockwise.nested`)."""
     if absmax_8bit is None:
-        return absmax
-    return double_dequantize(absmax_8bit, absmax, absmax_offset.float().reshape(()), absmax_code)
+        return fp32_statistic(absmax)
+    return double_dequantize(absmax_8bit, fp32_statistic(absmax), absmax_offset.float().reshape(()), absmax_code)
 
 
 _GEMM_4BIT_SCHEMA = ("(Tensor A, Tensor B, int[] shapeB, Tensor absmax, int blocksize, str quant_type, Tensor? bias=None, "
@@ -382,7 +452,8 @@ def gemm_4bit(
     absmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``A @ W.T + bias`` in A's dtype for the 4-bit ``[N, K] = shapeB`` weight ``W`` of ``B``
-    (``quant_type`` codebook times the per-block absmax, see :func:`gemm_4bit_absmax`).
+    (``quant_type`` codebook times the per-block absmax, see :func:`gemm_4bit_absmax`; statistics
+    fp32, bf16 or fp16, widened to fp32).
     Reference: dequantize in fp32, cast once to A's dtype, ``F.linear``. On the CPU the native
     fused kernel runs instead when built (:mod:`torchq.backends.native_cpu.lut4`). Differentiable in A
     and bias."""
@@ -432,16 +503,14 @@ def _check_packed_4bit_storage(B: torch.Tensor) -> None:
 
 
 def _check_packed_4bit(A, absmax, blocksize, shape, dtype) -> None:
-    """Checks of packed 4-bit codes ``A`` (any storage dtype) and their fp32 ``absmax`` against
-    the values' ``shape`` and the output ``dtype`` (metadata only: shared with the fakes)."""
+    """Checks of packed 4-bit codes ``A`` (any storage dtype) and their ``absmax`` (fp32, bf16 or
+    fp16) against the values' ``shape`` and the output ``dtype`` (metadata only: shared with the fakes)."""
     check_blocksize(blocksize)
     n = _numel(shape)
     nbytes = A.numel() * A.element_size()
     if nbytes != (n + 1) // 2:
         raise ValueError(f"A: expected {(n + 1) // 2} packed bytes for shape {list(shape)}, got {nbytes}")
-    nb = -(-n // blocksize)
-    if absmax.dtype != torch.float32 or absmax.numel() != nb:
-        raise ValueError(f"absmax: expected fp32 with {nb} entries (blocksize {blocksize}), got {absmax.dtype} with {absmax.numel()}")
+    check_statistic("absmax", absmax, -(-n // blocksize), f"blocksize {blocksize}")
     if dtype not in _FLOATS:
         raise TypeError(f"dtype: expected fp32, bf16 or fp16, got {dtype}")
 
@@ -456,7 +525,7 @@ def _dequantize_with_table(A, absmax, blocksize, table, shape, dtype):
     pad = nb * blocksize - n
     if pad:
         values = torch.cat([values, values.new_zeros(pad)])
-    out = (values.reshape(nb, blocksize) * absmax.reshape(nb, 1)).reshape(-1)[:n]
+    out = (values.reshape(nb, blocksize) * fp32_statistic(absmax).reshape(nb, 1)).reshape(-1)[:n]
     return out.to(dtype).reshape(tuple(shape))
 
 

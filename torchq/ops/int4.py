@@ -231,7 +231,7 @@ def unpack_xpu(packed: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[Np, Kp]`` of the XPU int32 words ``[Np, Kp/8]`` (nibble ``i`` of word ``j``
     holds code ``8j + i``; :mod:`torchq.layouts.int4_xpu`)."""
     b = packed.contiguous().view(torch.uint8)
-    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], 2 * b.shape[1])  # 0 rows too
 
 
 def xpu_dequantize(packed: torch.Tensor, group_size: int, scales: torch.Tensor, int_zeros: torch.Tensor | None,

@@ -23,15 +23,18 @@ from ...blockwise.nested import NESTED_BLOCKSIZE
 from ...ops.blockwise import (
     blockwise_4bit_linear,
     blockwise_4bit_reference,
+    bnb_cpu_packed_to_standard,
     check_blocksize,
     check_blockwise_4bit_linear_args,
     check_gemm_4bit,
     check_gemv_4bit,
+    fp32_statistic,
     gemm_4bit,
     gemm_4bit_absmax,
     gemm_4bit_reference,
     gemv_4bit,
     gemv_4bit_reference,
+    is_bnb_cpu_packed,
 )
 from ...ops.int4 import (
     INT4_GROUPWISE_GROUP_SIZES,
@@ -131,7 +134,10 @@ def blockwise_linear_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_
 def _native_4bit_matmul(op: str, A, B, shapeB, table, blocksize, bias, reference, absmax, nested=None) -> torch.Tensor:
     """``A @ W.T (+ bias)`` through the native kernel for a checked ``gemv_4bit`` / ``gemm_4bit``
     call on the CPU (16-value ``table``; ``absmax`` fp32 per block, or with ``nested = (codes,
-    offset)`` the per-256 statistics of absmax double-quantized with the dynamic map), or
+    offset)`` the per-256 statistics of absmax double-quantized with the dynamic map; the callers
+    widen bf16 / fp16 statistics to fp32 first, exactly, so the kernel computes the reference's
+    fp32 weights; such a widened copy is made per call, and the native weight built on it is
+    rebuilt per call as well), or
     ``reference()`` without the library, for blocks that cross rows (the kernel's blocks are row
     groups) and for inconsistent sizes (the reference raises the error)."""
     lib = native_library.library()
@@ -165,7 +171,9 @@ def gemv_4bit_cpu(A, B, shapeB, absmax, code, blocksize):
         return gemv_4bit_reference(A, B, shapeB, absmax, code, blocksize)
 
     check_gemv_4bit(A, B, shapeB, absmax, code, blocksize)
-    return _native_4bit_matmul("gemv_4bit", A, B, shapeB, code, blocksize, None, reference, absmax)
+    if is_bnb_cpu_packed(B, shapeB, absmax, blocksize):
+        B, absmax = bnb_cpu_packed_to_standard(B, shapeB, absmax)
+    return _native_4bit_matmul("gemv_4bit", A, B, shapeB, code, blocksize, None, reference, fp32_statistic(absmax))
 
 
 @register_cpu_kernel(gemm_4bit)
@@ -176,7 +184,8 @@ def gemm_4bit_cpu(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax
     check_gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
     table = TABLES[quant_type]
     if absmax_8bit is not None and torch.equal(absmax_code, _DYNAMIC):  # the kernel's own nested path
-        return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, absmax, (absmax_8bit, absmax_offset))
+        return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, fp32_statistic(absmax),
+                                   (absmax_8bit, absmax_offset))
     scale = gemm_4bit_absmax(absmax, absmax_8bit, absmax_code, absmax_offset)
     return _native_4bit_matmul("gemm_4bit", A, B, shapeB, table, blocksize, bias, reference, scale)
 
