@@ -25,6 +25,18 @@ def spawn(scenario: str, world: int, tmp: Path, *args, backend: str = "gloo") ->
 
 
 # -- models -----------------------------------------------------------------------------------------
+def settled(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU once every collective writing it has completed. A tensor-parallel output
+    (RowwiseParallel's all-reduce) is an AsyncCollectiveTensor, and ``.cpu()`` of a CPU tensor
+    returns the tensor itself, waiting for nothing: read after the worker returns, the last
+    all-reduce of a run could still be in flight (seen: one rank's output off by ~1.8, ~1 run in 3)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.wait()
+    return t.cpu().clone()
+
+
 def adapter(base: nn.Linear) -> nn.Module:
     """A rank-4 adapter, seeded by the layer's shape, with a non-zero B so A has gradients."""
     from examples.lora import LoRALinear
@@ -228,7 +240,7 @@ def tensor_parallel(rank, world, backend, tmp, name):
         out = m(x)
     col_equal = {i: torch.equal(up[i], ref[i][0].chunk(world, dim=-1)[rank]) for i in range(2)}
     return dict(shard_is_quantized_shard=shard_is_quantized_shard, col_equal=col_equal,
-                out=out.cpu(), ref_out=ref_out.cpu(), x=x.cpu())
+                out=settled(out), ref_out=settled(ref_out), x=x.cpu())
 
 
 def dcp_save(rank, world, backend, tmp, name, folder, kind="fsdp"):
@@ -256,7 +268,7 @@ def dcp_save(rank, world, backend, tmp, name, folder, kind="fsdp"):
     with torch.no_grad():
         y = m(x)
     y = y.full_tensor() if hasattr(y, "full_tensor") else y
-    return dict(y=y.cpu(), keys=sorted(sd))
+    return dict(y=settled(y), keys=sorted(sd))
 
 
 def dcp_load(rank, world, backend, tmp, name, folder, lora=True):
@@ -278,7 +290,7 @@ def dcp_load(rank, world, backend, tmp, name, folder, lora=True):
     with torch.no_grad():
         y = m(x)
     local = {n: w.nbytes_quantized() for n, w in quantized_weights(m).items()}
-    return dict(y=y.cpu(), local=local)
+    return dict(y=settled(y), local=local)
 
 
 def single_file_load(rank, world, backend, tmp, name, path, kind="fsdp"):
@@ -321,7 +333,7 @@ def single_file_load(rank, world, backend, tmp, name, path, kind="fsdp"):
     with torch.no_grad(), torchq.strict():  # loaded into the CPU's layouts: their kernels, no fallback
         y = m(x)
     y = y.full_tensor() if hasattr(y, "full_tensor") else y
-    return dict(y=y.cpu(), reads=reads)
+    return dict(y=settled(y), reads=reads)
 
 
 def failing(rank, world, backend, tmp):
@@ -492,7 +504,7 @@ def tp_scatter(rank, world, backend, tmp, names=None):
                 h = m[0](x)
                 y = m(x)
             col_equal[key] = torch.equal(h, h_ref.chunk(world, dim=-1)[rank])
-            rowwise[key] = (y.cpu(), y_ref.cpu(), _rowwise_bound(true, x).cpu())
+            rowwise[key] = (settled(y), settled(y_ref), _rowwise_bound(true, x).cpu())
         # uneven splits: rows (the last ranks fewer or none), and columns of formats whose blocks span the row
         _, layout, spec, scale_dtype, spans = case
         shapes = [(0, (7, 64)), (0, (6, 64))] + ([(1, (8, 71))] if spans else [])
@@ -551,7 +563,7 @@ def tp_rowwise_per_channel(rank, world, backend, tmp, configs):
             with torch.no_grad():
                 y = m(x)
             out[f"{name} src={src}"] = dict(same=same, local_block=tuple(local.spec.block_size), block=tuple(spec.block_size),
-                                            y=y.cpu(), y_ref=y_ref.cpu())
+                                            y=settled(y), y_ref=settled(y_ref))
         out[name] = dict(x=x.cpu(), w=whole[0].weight.dequantize(torch.float32).cpu(), b=whole[0].bias.detach().cpu())
     return out
 
