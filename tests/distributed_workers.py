@@ -315,18 +315,18 @@ def single_file_load(rank, world, backend, tmp, name, path, kind="fsdp"):
                                      "blocks.1.up": ColwiseParallel(), "blocks.1.down": RowwiseParallel()},
                            src_data_rank=None)
     reads = []
-    original = sharded_file._Reader.read
+    original = sharded_file.SliceReader.read
 
     def recording(self, key, rows=None, cols=None):
         t = original(self, key, rows, cols)
         reads.append((key, tuple(t.shape)))
         return t
 
-    sharded_file._Reader.read = recording
+    sharded_file.SliceReader.read = recording
     try:
         tqdcp.load_quantized_sharded(m, path)
     finally:
-        sharded_file._Reader.read = original
+        sharded_file.SliceReader.read = original
     if device != "cpu":
         m.to(device)
     x = batches(1, device)[0][0]

@@ -21,7 +21,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("storage and parallelism", ("torchq.checkpoint", "torchq.distributed")),
     ("workflows", ("torchq.quantize", "torchq.calibrate", "torchq.autotune", "torchq.qat", "torchq.static",
                    "torchq.optim")),
-    ("integrations and entry points", ("torchq.interop", "torchq.hf", "torchq.cli", "torchq.demo",
+    ("integrations and entry points", ("torchq.interop", "torchq.hf", "torchq.vllm", "torchq.cli", "torchq.demo",
                                        "torchq.bench_linear", "torchq.__main__", "torchq")),
 )
 

@@ -24,8 +24,10 @@ from .rows import pack_in
 
 CRC_CHUNK_BYTES = 4 << 20
 
+__all__ = ["SliceReader", "load_sharded", "CRC_CHUNK_BYTES"]
 
-class _Reader:
+
+class SliceReader:
     """Slices of the stored tensors of one checkpoint (one file, or the files of a whole one)."""
 
     def __init__(self, opened: CheckpointFile | WholeCheckpoint) -> None:
@@ -79,14 +81,14 @@ def load_sharded(model: nn.Module, path: str, *, verify: bool = True, strict: bo
         opened: list[CheckpointFile | WholeCheckpoint] = [CheckpointFile(f, stack) for f in files]
         if any(f.whole for f in opened):
             opened = [WholeCheckpoint(path, opened)]
-        sources: dict[str, tuple[_Reader, Any, bool]] = {}
+        sources: dict[str, tuple[SliceReader, Any, bool]] = {}
         for f in opened:
             if f.plain:
                 raise CheckpointError(f"{f.path}: not a torchq checkpoint (no torchq header)")
             for name, rec in f.header["quantized"].items():
-                sources[name] = (_Reader(f), rec, True)
+                sources[name] = (SliceReader(f), rec, True)
             for name, part in f.header["float"].items():
-                sources[name] = (_Reader(f), part, False)
+                sources[name] = (SliceReader(f), part, False)
             for alias in f.header["aliases"]:
                 sources[alias] = None  # type: ignore[assignment]  # tied: loaded under its target's name
         current = model.state_dict()
@@ -143,7 +145,7 @@ def _piece(value: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, in
     return (rng, None) if dim == 0 else (None, rng)
 
 
-def _load_float(reader: _Reader, name: str, part: Any, value: Any, verify: bool, path: Path, device: torch.device) -> torch.Tensor:
+def _load_float(reader: SliceReader, name: str, part: Any, value: Any, verify: bool, path: Path, device: torch.device) -> torch.Tensor:
     where = f"{path}: tensor {name!r}"
     if not isinstance(part, dict) or set(part) != {"dtype", "shape", "crc32"}:
         raise CheckpointError(f"{where}: header entry must have dtype, shape and crc32, got {part!r}")
@@ -157,7 +159,7 @@ def _load_float(reader: _Reader, name: str, part: Any, value: Any, verify: bool,
     return t.to(device=value.device if not value.is_meta else device, dtype=value.dtype)
 
 
-def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify: bool, path: Path, device: torch.device):
+def _load_quantized(reader: SliceReader, name: str, record: Any, value: Any, verify: bool, path: Path, device: torch.device):
     where = f"{path}: quantized tensor {name!r}"
     try:
         rec = codec.parse_record(record, name)
@@ -233,7 +235,7 @@ def _load_quantized(reader: _Reader, name: str, record: Any, value: Any, verify:
     return local._replace(impl, dtype=rec.dtype, input_scale=extras.get("input_scale"), input_perm=extras.get("input_perm"))
 
 
-def _nested_of(reader: _Reader, name: str):
+def _nested_of(reader: SliceReader, name: str):
     from ..canonical import NestedScale
 
     return NestedScale(*(reader.read(part_key(name, f"scale_{p}")) for p in ("codes", "absmax", "offset")))

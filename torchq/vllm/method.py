@@ -1,0 +1,282 @@
+"""torchq's quantization method for vLLM: ``quant_method: "torchq"`` checkpoints served as saved.
+
+:class:`TorchqVllmConfig` is the quantization config vLLM builds from ``config.json``'s
+``quantization_config`` (what :class:`torchq.hf.TorchqConfig` writes). It opens the folder's torchq
+header before vLLM builds the model and checks every stored tensor (:mod:`torchq.vllm.folder`), then
+gives each vLLM linear layer whose checkpoint weights are quantized a :class:`TorchqLinearMethod`;
+layers the checkpoint keeps in float get vLLM's own ``UnquantizedLinearMethod``.
+
+:class:`TorchqLinearMethod` follows vLLM's contract for a linear method:
+
+* ``create_weights`` allocates the rank's shard of each part of the stored record
+  (:func:`torchq.vllm.weights.plan_shard`) as parameters ``tq_codes``, ``tq_scale``, ... with
+  vLLM's ``output_dim`` / ``input_dim`` attributes;
+* vLLM's loader reads the checkpoint, renames ``<weight>:<part>`` keys to those parameters
+  (:meth:`TorchqVllmConfig.get_checkpoint_weight_mapper`) and calls their ``weight_loader``,
+  which checks the part's dtype, shape and CRC-32 against the record, then lets the layer's own
+  loader cut and copy the rank's rows or columns (fused ``q/k/v`` and ``gate/up`` weights land
+  in their row ranges);
+* ``process_weights_after_loading`` checks that every part of every fused weight arrived and
+  packs them into the device's layout as an ``AffineQuantizedTensor`` (``layer.weight``);
+* ``apply`` is ``F.linear`` on it: torchq's dispatch picks the kernel, exactly as in a
+  transformers model quantized by torchq.
+
+Tensor-parallel row-parallel layers need each rank's input features to be whole groups (and a
+multiple of 8 for sub-byte codes); weights whose input features cannot be cut that way are
+refused with an error naming the layer and the sizes. Quantized embeddings and LM heads are not
+served (vLLM's embedding and logits paths would need their own method): such a checkpoint is
+refused naming the weight; ``TorchqConfig``'s default keeps them in float.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.models.utils import WeightsMapper
+from vllm.model_executor.utils import set_weight_attrs
+
+from ..checkpoint.codec import CheckpointError, ParsedRecord, check_version, tensor_crc32
+from ..checkpoint.safetensors_io import FILE_FORMAT, FILE_VERSION
+from ..layouts import Layout, layout_from_json
+from .folder import ServedCheckpoint, local_folder
+from .weights import ShardPlan, build_weight, nested_scale, plan_shard, whole_offsets
+
+__all__ = ["QUANT_METHOD", "TorchqVllmConfig", "TorchqLinearMethod"]
+
+QUANT_METHOD = "torchq"
+PARAM_PREFIX = "tq_"
+_PART_KEY = re.compile(r"\.weight:(codes|scale|zero_point|scale_codes|scale_absmax|scale_offset|input_scale|input_perm)$")
+
+
+class TorchqVllmConfig(QuantizationConfig):
+    """vLLM's quantization config for a torchq checkpoint (``quant_method: "torchq"``).
+
+    ``config``: ``config.json``'s ``quantization_config``. Its ``layout`` is the layout policy
+    (``"auto"``: the layout the device prefers, ``"saved"``: the stored one where it can live here,
+    or a layout's JSON); which weights are quantized, and how, is read from the checkpoint's own
+    torchq header (``quant`` and ``modules_to_not_convert`` record how it was made)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        if not isinstance(config, dict):
+            raise CheckpointError(f"quantization_config: expected a JSON object, got {type(config).__name__}")
+        fmt = config.get("format", FILE_FORMAT)
+        if fmt != FILE_FORMAT:
+            raise CheckpointError(f"quantization_config: format {fmt!r} is not {FILE_FORMAT!r}")
+        check_version(config.get("version", FILE_VERSION), FILE_VERSION, "quantization_config: format")
+        layout = config.get("layout", "auto")
+        if isinstance(layout, dict):
+            try:
+                layout = layout_from_json(layout)
+            except (TypeError, ValueError, KeyError) as e:
+                raise CheckpointError(f"quantization_config: layout {layout!r}: {e}") from None
+        if not (isinstance(layout, Layout) or layout in ("auto", "saved")):
+            raise CheckpointError(f"quantization_config: layout must be 'auto', 'saved' or a layout's JSON, got {layout!r}")
+        self.layout: str | Layout = layout
+        self.source = dict(config)
+        self.checkpoint: ServedCheckpoint | None = None
+        self.renames: WeightsMapper | None = None
+
+    def __repr__(self) -> str:
+        where = None if self.checkpoint is None else str(self.checkpoint.path)
+        return f"TorchqVllmConfig(layout={self.layout!r}, checkpoint={where!r})"
+
+    def get_name(self) -> str:  # type: ignore[override]
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 70
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TorchqVllmConfig:
+        return cls(config)
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        """Open and check the checkpoint (vLLM calls this in its front process, with the model's
+        folder or Hub id, before any worker starts)."""
+        self.checkpoint = ServedCheckpoint(local_folder(model_name, revision))
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
+        self.renames = hf_to_vllm_mapper
+
+    def get_checkpoint_weight_mapper(self) -> WeightsMapper:
+        """``<weight>:<part>`` keys load into the layer's ``tq_<part>`` parameters."""
+        return super().get_checkpoint_weight_mapper() | WeightsMapper(orig_to_new_regex={_PART_KEY: rf".{PARAM_PREFIX}\1"})
+
+    # -- which layers are quantized ------------------------------------------------------------
+    def _stored_name(self, vllm_name: str) -> str:
+        """The checkpoint's name of the weight vLLM calls ``vllm_name``."""
+        ckpt = self._checked()
+        if self.renames is None or ckpt.holds(vllm_name):
+            return vllm_name
+        index = getattr(self, "_index", None)
+        if index is None:
+            index = {}
+            for name in [*ckpt.records, *ckpt.floats, *ckpt.aliases]:
+                mapped = self.renames.map_name(name)
+                if mapped is not None:
+                    index.setdefault(mapped, name)
+            self._index = index
+        return index.get(vllm_name, vllm_name)
+
+    def _checked(self) -> ServedCheckpoint:
+        if self.checkpoint is None:
+            raise CheckpointError("torchq's vLLM config has not read its checkpoint (vLLM did not call maybe_update_config)")
+        return self.checkpoint
+
+    def fused_names(self, prefix: str) -> list[str]:
+        """The checkpoint weights of vLLM layer ``prefix``: its own, or those vLLM fuses into it."""
+        parent, _, last = prefix.rpartition(".")
+        subs = self.packed_modules_mapping.get(last)
+        if not subs:
+            return [self._stored_name(f"{prefix}.weight")]
+        return [self._stored_name(f"{parent}.{s}.weight" if parent else f"{s}.weight") for s in subs]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        ckpt = self._checked()
+        if isinstance(layer, VocabParallelEmbedding):
+            name = self._stored_name(f"{prefix}.weight")
+            if ckpt.record(name) is not None:
+                raise CheckpointError(
+                    f"{ckpt.path}: {name!r} ({type(layer).__name__}) is quantized; torchq serves quantized linear layers "
+                    f"in vLLM, not quantized embeddings or LM heads: save the model with them in float "
+                    f"(TorchqConfig's default modules_to_not_convert keeps lm_head and tied weights float)"
+                )
+            return None
+        if not isinstance(layer, LinearBase):
+            return None
+        names = self.fused_names(prefix)
+        records = [ckpt.record(n) for n in names]
+        missing = [n for n in names if not ckpt.holds(n)]
+        if missing:
+            raise CheckpointError(f"{ckpt.path}: the checkpoint has no {missing} for vLLM layer {prefix!r}")
+        if all(r is None for r in records):
+            return UnquantizedLinearMethod()
+        if any(r is None for r in records):
+            floats = [n for n, r in zip(names, records) if r is None]
+            raise CheckpointError(
+                f"{ckpt.path}: vLLM fuses {names} into layer {prefix!r}, but {floats} are stored in float and the rest "
+                f"quantized; quantize all of them or none (modules_to_not_convert)"
+            )
+        return TorchqLinearMethod(self, prefix, names, records)  # type: ignore[arg-type]
+
+
+class TorchqLinearMethod(LinearMethodBase):
+    """A vLLM linear layer whose checkpoint weights are torchq-quantized (see the module doc)."""
+
+    def __init__(self, config: TorchqVllmConfig, prefix: str, names: list[str], records: list[ParsedRecord]) -> None:
+        self.config = config
+        self.prefix = prefix
+        self.names = names
+        self.records = records
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        if len(output_partition_sizes) != len(self.names):
+            raise CheckpointError(f"vLLM layer {self.prefix!r}: {len(output_partition_sizes)} fused outputs, but the "
+                                  f"checkpoint weights {self.names}")
+        tp_rank = getattr(layer, "tp_rank", 0) if input_size_per_partition != input_size else 0
+        plan = plan_shard(self.prefix, self.names, self.records, output_partition_sizes, input_size,
+                          input_size_per_partition, tp_rank * input_size_per_partition)
+        layer_loader = extra_weight_attrs.pop("weight_loader")
+        from vllm.model_executor.layers.linear import QKVParallelLinear
+
+        shard_ids: list[Any] = ([None] if len(self.names) == 1 else ["q", "k", "v"] if isinstance(layer, QKVParallelLinear)
+                                else list(range(len(self.names))))
+        state = _LayerState(plan, params_dtype, layer_loader, shard_ids)
+        for part in plan.parts:
+            param = Parameter(torch.zeros(part.shape, dtype=part.dtype), requires_grad=False)
+            attrs: dict[str, Any] = {"tq_part": part.name, "weight_loader": state.loader}
+            if part.output_dim is not None:
+                attrs["output_dim"] = part.output_dim
+            if part.input_dim is not None:
+                attrs["input_dim"] = part.input_dim
+            set_weight_attrs(param, attrs)
+            set_weight_attrs(param, extra_weight_attrs)
+            layer.register_parameter(PARAM_PREFIX + part.name, param)
+        layer.torchq_state = state
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        state: _LayerState = layer.torchq_state
+        plan = state.plan
+        absent = [(plan.names[i], p.name) for p in plan.parts if p.name != "scale" or not plan.record.spec.double_quant
+                  for i in range(len(plan.names)) if (p.name, i) not in state.loaded]
+        if absent:
+            raise CheckpointError(f"vLLM layer {self.prefix!r}: the checkpoint files did not provide {absent}")
+        params = {p.name: getattr(layer, PARAM_PREFIX + p.name).data for p in plan.parts}
+        if plan.record.spec.double_quant:  # the fp32 scales, cut by the layer's own loader like any part
+            scale_param = getattr(layer, PARAM_PREFIX + "scale")
+            for i in range(len(plan.names)):
+                state.load_cut(scale_param, nested_scale(plan, params, i), i)
+        weight = build_weight(plan, params, self.prefix, state.dtype, self.config.layout)
+        for p in plan.parts:
+            delattr(layer, PARAM_PREFIX + p.name)
+        del layer.torchq_state
+        layer.weight = Parameter(weight, requires_grad=False)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class _LayerState:
+    """Loading state of one layer: its plan, model dtype, its own vLLM weight loader, and which
+    (part, fused weight) pairs have been loaded."""
+
+    def __init__(self, plan: ShardPlan, dtype: torch.dtype, layer_loader: Any, shard_ids: list[Any]) -> None:
+        self.plan = plan
+        self.dtype = dtype
+        self.layer_loader = layer_loader
+        self.shard_ids = shard_ids
+        self.loaded: set[tuple[str, int]] = set()
+
+    def index(self, shard_id: Any) -> int:
+        if shard_id not in self.shard_ids:
+            raise CheckpointError(f"vLLM layer: unexpected shard id {shard_id!r} for {list(self.plan.names)} "
+                                  f"(expected one of {self.shard_ids})")
+        return self.shard_ids.index(shard_id)
+
+    def load_cut(self, param: Parameter, full: torch.Tensor, index: int) -> None:
+        """The layer's own loader: it cuts this rank's rows / columns of ``full`` into ``param``."""
+        shard_id = self.shard_ids[index]
+        if shard_id is None:
+            self.layer_loader(param, full)
+        else:
+            self.layer_loader(param, full, shard_id)
+
+    def loader(self, param: Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """vLLM's loader hands over one stored part of one checkpoint weight (whole)."""
+        part = param.tq_part
+        i = self.index(shard_id)
+        name, rec = self.plan.names[i], self.plan.records[i]
+        where = f"quantized tensor {name!r}: part {part!r}"
+        if part not in rec.parts:
+            raise CheckpointError(f"{where}: its record has no such part (parts {sorted(rec.parts)})")
+        dtype, shape, crc = rec.parts[part]
+        if loaded.dtype != dtype or tuple(loaded.shape) != shape:
+            raise CheckpointError(f"{where}: the file holds {loaded.dtype} {list(loaded.shape)}, its record says "
+                                  f"{dtype} {list(shape)}")
+        if crc is None or tensor_crc32(loaded) != crc:
+            raise CheckpointError(f"{where}: corrupted (crc32 mismatch)")
+        plan_part = self.plan.part(part)
+        if plan_part is not None and plan_part.whole:
+            start, n = whole_offsets(self.plan, part)[i]
+            param.data[start:start + n].copy_(loaded.reshape(-1))
+        else:
+            self.load_cut(param, loaded, i)
+        self.loaded.add((part, i))
+
