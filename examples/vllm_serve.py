@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-len", type=int, default=0, help="0: the model's own")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size for --bench prompts")
+    ap.add_argument("--repeats", type=int, default=3, help="--bench: timed runs of each measurement")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t = time.perf_counter()
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"load_s": time.perf_counter() - t}
     result["tokens"] = generate(llm, json.loads(args.prompts), args.tokens)
     if args.bench:
-        result.update(bench(llm, args.vocab))
+        result.update(bench(llm, args.vocab, args.repeats))
     sys.stdout.write("VLLM_RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
 

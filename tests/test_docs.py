@@ -1,9 +1,11 @@
 """Every fenced Python block of README.md and docs/*.md runs: the blocks of one page in order, in
 one namespace, in a scratch folder (the README's later examples use its first one's ``model``).
-A page's block that needs CUDA says so in a ``# needs: cuda`` comment and is skipped without it."""
+A page's block that needs CUDA (vLLM) says so in a ``# needs: cuda`` (``# needs: vllm``) comment
+and is skipped without it."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 
@@ -35,5 +37,7 @@ def test_every_python_block_runs(page, tmp_path, monkeypatch):
     for i, block in enumerate(python_blocks(page)):
         if "# needs: cuda" in block and not torch.cuda.is_available():
             continue
+        if "# needs: vllm" in block and importlib.util.find_spec("vllm") is None:
+            continue  # runs in vLLM's environment (.ci/vllm_env)
         code = compile(block, f"{page.name}, python block {i + 1}", "exec")
         exec(code, namespace)  # noqa: S102  (the repository's own documentation)

