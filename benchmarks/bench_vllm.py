@@ -10,16 +10,17 @@ transformers). Every served folder is written once under ``$TORCHQ_CACHE/vllm-be
   with ``save_pretrained`` (LM head and tied embedding in float, the default), served by torchq's
   plugin in fp32;
 * ``ct W8A8``: vLLM's own int8 path (compressed-tensors ``int-quantized``: int8 per-channel weights,
-  dynamic per-token int8 activations; oneDNN on the CPU), the weights torchq's ``int8dq`` makes,
+  dynamic per-token int8 activations; oneDNN on the CPU), the weights torchq's ``int8wo`` makes,
   exported with :func:`torchq.interop.compressed_tensors.to_compressed_tensors`;
 * ``ct W4A16``: vLLM's own 4-bit weight-only path (compressed-tensors ``pack-quantized``, int4
-  groups of 32), the weights torchq's ``int4-g32`` makes (their zero points exported too);
+  groups of 32 with integer zero points), the weights torchq's ``intx4-g32`` makes;
 * ``gguf``: vLLM's GGUF support lives in the ``vllm-gguf-plugin`` package, whose kernels are CUDA
   (its native library links ``libtorch_cuda``): reported as not runnable on the CPU.
 
 Each folder runs in a fresh process (``examples/vllm_serve.py --bench``): decode tokens/s at batch
 1 and 16 (64 new tokens after 8-token prompts, best of ``--repeats``), and the time to first token
-of a 256-token prompt (median). Ratios are against the faster float dtype. vLLM's CPU worker runs
+of a 256-token prompt (median). Ratios are against the faster float dtype. vLLM runs eager
+(``enforce_eager``) unless ``--compile``: compiling SmolLM2 adds about 3 minutes to each start. vLLM's CPU worker runs
 its model on the cores it binds (one here: it keeps one of this machine's two for itself).
 
     python benchmarks/bench_vllm.py --json vllm.json
@@ -38,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = ["int4-g32", "int4-g128", "intx3-g32", "int8wo", "int8dq", "nf4", "int4a8"]
+CONFIGS = ["int4-g32", "int4-g128", "int8wo", "int8dq", "nf4", "int4a8"]
 ALTERNATIVES = ["ct-w8a8", "ct-w4a16", "gguf"]
 VOCAB = 49152
 
@@ -81,8 +82,8 @@ def _torchq_folder(cfg: str) -> Path:
 
 
 def _compressed_tensors_folder(kind: str) -> Path:
-    """A compressed-tensors folder of torchq's weights (``w8a8``: int8dq's, with dynamic per-token
-    int8 activations; ``w4a16``: int4-g32's)."""
+    """A compressed-tensors folder of torchq's weights (``w8a8``: int8wo's, with dynamic per-token
+    int8 activations; ``w4a16``: intx4-g32's, integer zero points)."""
     import shutil
 
     import torch
@@ -96,7 +97,7 @@ def _compressed_tensors_folder(kind: str) -> Path:
     out = _cache() / f"ct-{kind}"
     if (out / "config.json").is_file():
         return out
-    cfg = {"w8a8": "int8dq", "w4a16": "int4-g32"}[kind]
+    cfg = {"w8a8": "int8wo", "w4a16": "intx4-g32"}[kind]
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm_folder(), dtype=torch.float32,
                                                               quantization_config=TorchqConfig(cfg))
     tensors, qcfg = to_compressed_tensors(model.model, format="naive-quantized" if kind == "w8a8" else "pack-quantized")
@@ -122,11 +123,11 @@ def _compressed_tensors_folder(kind: str) -> Path:
     return out
 
 
-def _serve(folder: Path, dtype: str, repeats: int) -> dict:
+def _serve(folder: Path, dtype: str, repeats: int, eager: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, "-m", "examples.vllm_serve", str(folder), "--bench", "--vocab", str(VOCAB), "--dtype", dtype,
-           "--max-len", "512", "--repeats", str(repeats)]
+           "--max-len", "512", "--repeats", str(repeats), *(["--eager"] if eager else [])]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_RESULT ")]
     if proc.returncode or not lines:
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alternatives", default=",".join(ALTERNATIVES), help="comma-separated: ct-w8a8, ct-w4a16, gguf, or none")
     ap.add_argument("--float-dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="vLLM's torch.compile (its default; about 3 minutes more per model to start)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     rows: list[dict] = []
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             rows.append({"name": name, "dtype": dtype, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         else:
-            rows.append({"name": name, "dtype": dtype, **_serve(folder, dtype, args.repeats)})
+            rows.append({"name": name, "dtype": dtype, **_serve(folder, dtype, args.repeats, not args.compile)})
         print(f"  {name}: {rows[-1]}", file=sys.stderr, flush=True)
 
     for dtype in filter(None, args.float_dtypes.split(",")):
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:28} {r['dtype']:9} " + " ".join(cells).replace("x ", "x  "))
     print("x float: against the faster float dtype (TTFT in ms: lower is better, the ratio is float's / this one's)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "compile": args.compile}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

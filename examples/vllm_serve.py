@@ -1,7 +1,7 @@
 """Greedy generation and timings of a model folder served by vLLM (``vllm.LLM``), one folder per
 process: vLLM starts worker processes of its own, and a fresh process per folder frees them.
 
-    python -m examples.vllm_serve FOLDER --prompts '[[1, 5, 9]]' --tokens 32 [--tp 2] [--bench]
+    python -m examples.vllm_serve FOLDER --prompts '[[1, 5, 9]]' --tokens 32 [--tp 2] [--eager] [--bench]
 
 prints one JSON line: ``{"tokens": [[ids], ...], "load_s": ...}`` (each prompt generated on its
 own, so every matrix product has the shapes transformers' ``generate`` gives it: the prompt, then
@@ -19,10 +19,10 @@ import sys
 import time
 
 
-def _llm(folder: str, tp: int, dtype: str, max_len: int | None):
+def _llm(folder: str, tp: int, dtype: str, max_len: int | None, eager: bool):
     from vllm import LLM
 
-    return LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_len, enforce_eager=True,
+    return LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_len, enforce_eager=eager,
                tensor_parallel_size=tp, seed=0, max_num_seqs=16)
 
 
@@ -77,12 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-len", type=int, default=0, help="0: the model's own")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (vLLM's enforce_eager): starts faster")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size for --bench prompts")
     ap.add_argument("--repeats", type=int, default=3, help="--bench: timed runs of each measurement")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t = time.perf_counter()
-    llm = _llm(args.folder, args.tp, args.dtype, args.max_len or None)
+    llm = _llm(args.folder, args.tp, args.dtype, args.max_len or None, args.eager)
     result: dict = {"load_s": time.perf_counter() - t}
     result["tokens"] = generate(llm, json.loads(args.prompts), args.tokens)
     if args.bench:

@@ -38,14 +38,15 @@ DYNAMIC = {"int8dq", "int4a8", "fp8dq-row"}  # dynamic activation quantization
 pytestmark = pytest.mark.slow
 
 
-def serve(folder: Path, prompts: list[list[int]], *, tp: int = 1, check: bool = True) -> dict | subprocess.CompletedProcess:
+def serve(folder: Path, prompts: list[list[int]], *, tp: int = 1, check: bool = True,
+          eager: bool = True) -> dict | subprocess.CompletedProcess:
     """Greedy tokens of ``folder`` served by vLLM in a fresh process (or the finished process when
-    ``check`` is False)."""
+    ``check`` is False); ``eager``: without vLLM's torch.compile (half a minute less to start)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "VLLM_CPU_KVCACHE_SPACE": "1"}
     if tp > 1:  # one OpenMP thread set per rank; vLLM's automatic binding wants a NUMA node per rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     cmd = [sys.executable, "-m", "examples.vllm_serve", str(folder), "--prompts", json.dumps(prompts),
-           "--tokens", str(TOKENS), "--tp", str(tp)]
+           "--tokens", str(TOKENS), "--tp", str(tp), *(["--eager"] if eager else [])]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if not check:
         return proc
@@ -93,9 +94,9 @@ def assert_same_greedy(folder: Path, prompts: list[list[int]], served: list[list
                                f"transformers' own one-forward and step-by-step logits differ by {spread:.3f} there")
 
 
-def quantized_folder(float_folder: Path, cfg: str, out: Path) -> Path:
-    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32,
-                                                              quantization_config=TorchqConfig(cfg))
+def quantized_folder(float_folder: Path, cfg: str, out: Path, modules_to_not_convert: list[str] | None = None) -> Path:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        float_folder, dtype=torch.float32, quantization_config=TorchqConfig(cfg, modules_to_not_convert=modules_to_not_convert))
     assert any(isinstance(p, torchq.AffineQuantizedTensor) for p in model.parameters())
     model.save_pretrained(out)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "torchq"
@@ -149,6 +150,25 @@ def test_tiny_llama_greedy_equals_transformers(tiny_folder: Path, tmp_path: Path
                        cfg in DYNAMIC)
 
 
+def test_tiny_llama_quantized_lm_head(tiny_folder: Path, tmp_path: Path) -> None:
+    """modules_to_not_convert=[]: the (untied) LM head quantized too; vLLM computes the logits with
+    torchq's weight."""
+    folder = quantized_folder(tiny_folder, "int4-g32", tmp_path / "int4-head", modules_to_not_convert=[])
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        header = json.loads(f.metadata()["torchq"])
+    assert "lm_head.weight" in header["quantized"]
+    assert serve(folder, TINY_PROMPTS)["tokens"] == reference(folder, TINY_PROMPTS)
+
+
+def test_tiny_llama_compiled(tiny_folder: Path, tmp_path: Path) -> None:
+    """vLLM's default: the model compiled by torch.compile (its piecewise graphs around attention),
+    torchq's weights inside the graph."""
+    folder = quantized_folder(tiny_folder, "int4-g32", tmp_path / "int4")
+    assert serve(folder, TINY_PROMPTS, eager=False)["tokens"] == reference(folder, TINY_PROMPTS)
+
+
 def test_tiny_llama_tensor_parallel_2(tiny_folder: Path, tmp_path: Path) -> None:
     """Two ranks on the CPU backend: column-parallel q/k/v and gate/up (fused), row-parallel o and
     down cut by input features; weight-only int4 gives the same tokens as one process."""
@@ -165,6 +185,13 @@ def test_smollm2_greedy_equals_transformers(smollm_folder: Path, smollm_prompts,
     folder = quantized_folder(smollm_folder, cfg, tmp_path / cfg)
     assert_same_greedy(folder, smollm_prompts, serve(folder, smollm_prompts)["tokens"], reference(folder, smollm_prompts),
                        cfg in DYNAMIC)
+
+
+def test_smollm2_quantized_tied_embedding(smollm_folder: Path, smollm_prompts, tmp_path: Path) -> None:
+    """SmolLM2 ties its LM head to the token embedding; with modules_to_not_convert=[] both are the
+    one quantized weight: vLLM looks tokens up in it and computes the logits with it."""
+    folder = quantized_folder(smollm_folder, "int4-g32", tmp_path / "int4-tied", modules_to_not_convert=[])
+    assert serve(folder, smollm_prompts)["tokens"] == reference(folder, smollm_prompts)
 
 
 def test_smollm2_tensor_parallel_3(smollm_folder: Path, smollm_prompts, tmp_path: Path) -> None:

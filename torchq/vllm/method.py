@@ -23,9 +23,9 @@ layers the checkpoint keeps in float get vLLM's own ``UnquantizedLinearMethod``.
 
 Tensor-parallel row-parallel layers need each rank's input features to be whole groups (and a
 multiple of 8 for sub-byte codes); weights whose input features cannot be cut that way are
-refused with an error naming the layer and the sizes. Quantized embeddings and LM heads are not
-served (vLLM's embedding and logits paths would need their own method): such a checkpoint is
-refused naming the weight; ``TorchqConfig``'s default keeps them in float.
+refused with an error naming the layer and the sizes. A quantized LM head gets a
+:class:`TorchqEmbeddingMethod` (vLLM's logits call its ``apply``); tied to the token embedding, it
+is that embedding's weight too (``embedding`` looks rows up, dequantizing only those).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ..layouts import Layout, layout_from_json
 from .folder import ServedCheckpoint, local_folder
 from .weights import ShardPlan, build_weight, nested_scale, plan_shard, whole_offsets
 
-__all__ = ["QUANT_METHOD", "TorchqVllmConfig", "TorchqLinearMethod"]
+__all__ = ["QUANT_METHOD", "TorchqVllmConfig", "TorchqLinearMethod", "TorchqEmbeddingMethod"]
 
 QUANT_METHOD = "torchq"
 PARAM_PREFIX = "tq_"
@@ -149,15 +149,10 @@ class TorchqVllmConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         ckpt = self._checked()
-        if isinstance(layer, VocabParallelEmbedding):
+        if isinstance(layer, VocabParallelEmbedding):  # the token embedding, or the LM head (ParallelLMHead)
             name = self._stored_name(f"{prefix}.weight")
-            if ckpt.record(name) is not None:
-                raise CheckpointError(
-                    f"{ckpt.path}: {name!r} ({type(layer).__name__}) is quantized; torchq serves quantized linear layers "
-                    f"in vLLM, not quantized embeddings or LM heads: save the model with them in float "
-                    f"(TorchqConfig's default modules_to_not_convert keeps lm_head and tied weights float)"
-                )
-            return None
+            record = ckpt.record(name)
+            return None if record is None else TorchqEmbeddingMethod(self, prefix, [name], [record])
         if not isinstance(layer, LinearBase):
             return None
         names = self.fused_names(prefix)
@@ -214,6 +209,15 @@ class TorchqLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         state: _LayerState = layer.torchq_state
         plan = state.plan
+        if state.weight is None:
+            state.weight = Parameter(self._build(layer, state), requires_grad=False)
+        for p in plan.parts:  # a tied LM head shares these parameters (and the weight) with the embedding
+            delattr(layer, PARAM_PREFIX + p.name)
+        del layer.torchq_state
+        layer.weight = state.weight
+
+    def _build(self, layer: torch.nn.Module, state: _LayerState):
+        plan = state.plan
         absent = [(plan.names[i], p.name) for p in plan.parts if p.name != "scale" or not plan.record.spec.double_quant
                   for i in range(len(plan.names)) if (p.name, i) not in state.loaded]
         if absent:
@@ -223,14 +227,41 @@ class TorchqLinearMethod(LinearMethodBase):
             scale_param = getattr(layer, PARAM_PREFIX + "scale")
             for i in range(len(plan.names)):
                 state.load_cut(scale_param, nested_scale(plan, params, i), i)
-        weight = build_weight(plan, params, self.prefix, state.dtype, self.config.layout)
-        for p in plan.parts:
-            delattr(layer, PARAM_PREFIX + p.name)
-        del layer.torchq_state
-        layer.weight = Parameter(weight, requires_grad=False)
+        return build_weight(plan, params, self.prefix, state.dtype, self.config.layout)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+
+class TorchqEmbeddingMethod(TorchqLinearMethod):
+    """A token embedding or LM head whose checkpoint weight is torchq-quantized: the rank's rows of
+    the vocabulary (vLLM's loader cuts them and zero-fills the padding rows, which dequantize to
+    0), looked up by ``embedding`` (only the selected rows are dequantized) and multiplied by
+    ``apply`` for the logits. A tied LM head shares the embedding's parameters and weight."""
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_, layer.weight)
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        if getattr(embed_tokens, "torchq_state", None) is None:
+            # vLLM builds some models' embedding without a name (Llama's), so it got vLLM's float method:
+            # it becomes this quantized weight's embedding, sharing the head's parameters
+            shapes = [(getattr(m, "num_embeddings_per_partition", None), getattr(m, "embedding_dim", None))
+                      for m in (layer, embed_tokens)]
+            if shapes[0] != shapes[1]:
+                raise CheckpointError(f"vLLM layer {self.prefix!r}: tied to an embedding of another shape ({shapes})")
+            if "weight" in embed_tokens._parameters:
+                delattr(embed_tokens, "weight")
+            for part in layer.torchq_state.plan.parts:
+                embed_tokens.register_parameter(PARAM_PREFIX + part.name, getattr(layer, PARAM_PREFIX + part.name))
+            embed_tokens.torchq_state = layer.torchq_state
+            embed_tokens.quant_method = self
+            return layer
+        for part in layer.torchq_state.plan.parts:
+            delattr(layer, PARAM_PREFIX + part.name)
+            layer.register_parameter(PARAM_PREFIX + part.name, getattr(embed_tokens, PARAM_PREFIX + part.name))
+        layer.torchq_state = embed_tokens.torchq_state
+        return layer
 
 
 class _LayerState:
@@ -243,6 +274,7 @@ class _LayerState:
         self.layer_loader = layer_loader
         self.shard_ids = shard_ids
         self.loaded: set[tuple[str, int]] = set()
+        self.weight: Parameter | None = None  # the packed weight, once built
 
     def index(self, shard_id: Any) -> int:
         if shard_id not in self.shard_ids:
