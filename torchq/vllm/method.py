@@ -80,9 +80,9 @@ class TorchqVllmConfig(QuantizationConfig):
         if not (isinstance(layout, Layout) or layout in ("auto", "saved")):
             raise CheckpointError(f"quantization_config: layout must be 'auto', 'saved' or a layout's JSON, got {layout!r}")
         self.layout: str | Layout = layout
-        self.source = dict(config)
         self.checkpoint: ServedCheckpoint | None = None
         self.renames: WeightsMapper | None = None
+        self._index: dict[str, str] | None = None  # vLLM name -> stored name, built on first use
 
     def __repr__(self) -> str:
         where = None if self.checkpoint is None else str(self.checkpoint.path)
@@ -124,15 +124,13 @@ class TorchqVllmConfig(QuantizationConfig):
         ckpt = self._checked()
         if self.renames is None or ckpt.holds(vllm_name):
             return vllm_name
-        index = getattr(self, "_index", None)
-        if index is None:
-            index = {}
+        if self._index is None:
+            self._index = {}
             for name in [*ckpt.records, *ckpt.floats, *ckpt.aliases]:
                 mapped = self.renames.map_name(name)
                 if mapped is not None:
-                    index.setdefault(mapped, name)
-            self._index = index
-        return index.get(vllm_name, vllm_name)
+                    self._index.setdefault(mapped, name)
+        return self._index.get(vllm_name, vllm_name)
 
     def _checked(self) -> ServedCheckpoint:
         if self.checkpoint is None:
