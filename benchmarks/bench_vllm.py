@@ -9,6 +9,9 @@ transformers). Every served folder is written once under ``$TORCHQ_CACHE/vllm-be
 * ``torchq <config>``: quantized with ``TorchqConfig(<config>)`` while transformers loads it, saved
   with ``save_pretrained`` (LM head and tied embedding in float, the default), served by torchq's
   plugin in fp32;
+* ``torchq <config> +head``: the same with the tied LM head / token embedding quantized too
+  (``modules_to_not_convert=[]``): SmolLM2's head is 28M of its 135M parameters, the largest read
+  of every decode step once the other linears are 4- or 8-bit;
 * ``ct W8A8``: vLLM's own int8 path (compressed-tensors ``int-quantized``: int8 per-channel weights,
   dynamic per-token int8 activations; oneDNN on the CPU), the weights torchq's ``int8wo`` makes,
   exported with :func:`torchq.interop.compressed_tensors.to_compressed_tensors`;
@@ -66,17 +69,20 @@ def _float_folder(dtype: str) -> Path:
     return out
 
 
-def _torchq_folder(cfg: str) -> Path:
+def _torchq_folder(cfg: str, head: str) -> Path:
+    """``head``: ``float`` keeps the tied LM head / token embedding in float (transformers' default);
+    ``quantized`` quantizes it with the same config (``modules_to_not_convert=[]``)."""
     import torch
     import transformers
 
     from examples.hf_models import smollm_folder
     from torchq.hf import TorchqConfig
 
-    out = _cache() / f"torchq-{cfg}"
+    out = _cache() / (f"torchq-{cfg}" if head == "float" else f"torchq-{cfg}-qhead")
     if not (out / "config.json").is_file():
+        qcfg = TorchqConfig(cfg) if head == "float" else TorchqConfig(cfg, modules_to_not_convert=[])
         model = transformers.AutoModelForCausalLM.from_pretrained(smollm_folder(), dtype=torch.float32,
-                                                                  quantization_config=TorchqConfig(cfg))
+                                                                  quantization_config=qcfg)
         model.save_pretrained(out)
     return out
 
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated torchq config names")
     ap.add_argument("--alternatives", default=",".join(ALTERNATIVES), help="comma-separated: ct-w8a8, ct-w4a16, gguf, or none")
+    ap.add_argument("--heads", default="float,quantized",
+                    help="comma-separated: float (LM head and tied embedding kept float) and/or quantized (with the config)")
     ap.add_argument("--float-dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="vLLM's torch.compile (its default; about 3 minutes more per model to start)")
@@ -171,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for dtype in filter(None, args.float_dtypes.split(",")):
         run(f"float {dtype}", lambda d=dtype: _float_folder(d), dtype)
+    heads = [h for h in args.heads.split(",") if h]
+    if bad := [h for h in heads if h not in ("float", "quantized")]:
+        ap.error(f"--heads: expected float and/or quantized, got {bad}")
     for cfg in filter(None, args.configs.split(",")):
-        run(f"torchq {cfg}", lambda c=cfg: _torchq_folder(c), "float32")
+        for head in heads:
+            run(f"torchq {cfg}" + (" +head" if head == "quantized" else ""), lambda c=cfg, h=head: _torchq_folder(c, h), "float32")
     alts = [a for a in args.alternatives.split(",") if a and a != "none"]
     for alt in alts:
         if alt == "gguf":

