@@ -379,11 +379,14 @@ def check_values(where: str, scale: torch.Tensor, zero: torch.Tensor | None, inp
         raise CheckpointError(f"{where}: input_perm must be a permutation of 0..{k - 1} (each index once)")
 
 
-def pack_plain(where: str, plain_form: PlainForm, layout: LayoutPolicy, saved_layout: str | None) -> Any:
-    """``plain_form`` packed into the layout ``layout`` resolves to (see :func:`resolve_layout`);
-    a layout's refusal (``TypeError`` / ``ValueError``) becomes a :class:`CheckpointError` naming
-    ``where``."""
+def pack_plain(where: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
+               nested: NestedScale | None, layout: LayoutPolicy, saved_layout: str | None) -> Any:
+    """The plain form of these parts, packed into the layout ``layout`` resolves to (see
+    :func:`resolve_layout`); the plain form's or the layout's refusal (``TypeError`` /
+    ``ValueError``: a part of the wrong dtype or shape, a format the layout cannot hold) becomes a
+    :class:`CheckpointError` naming ``where``."""
     try:
+        plain_form = PlainForm(codes, scale, zero, spec, nested)
         return resolve_layout(layout, saved_layout, plain_form).pack(plain_form)
     except (TypeError, ValueError) as e:
         if isinstance(e, CheckpointError):
@@ -424,7 +427,7 @@ def decode(
     zero = parts.get("zero_point")
     in_scale, in_perm = parts.get("input_scale"), parts.get("input_perm")
     check_values(where, scale, zero, in_scale, in_perm, rec.shape[1])
-    impl = pack_plain(where, PlainForm(codes.contiguous(), scale, zero, spec, nested), layout, rec.saved_layout)
+    impl = pack_plain(where, codes.contiguous(), scale, zero, spec, nested, layout, rec.saved_layout)
     return AffineQuantizedTensor(
         impl, rec.dtype, transposed=rec.transposed, act_quant=rec.act_quant, label=rec.label, config=rec.config,
         compute_dtype=rec.compute_dtype, input_scale=None if in_scale is None else in_scale.contiguous(),

@@ -33,7 +33,7 @@ import torch
 
 from ..bitpack import packed_width
 from ..blockwise.nested import double_dequantize
-from ..canonical import PlainForm, QuantSpec, decode_codes
+from ..canonical import QuantSpec, decode_codes
 from ..checkpoint.codec import CheckpointError, LayoutPolicy, ParsedRecord, check_values, pack_plain
 from ..primitives import ZeroPointDomain
 from ..tensor import AffineQuantizedTensor
@@ -202,7 +202,7 @@ def build_weight(plan: ShardPlan, params: dict[str, torch.Tensor], prefix: str, 
     check_values(where, scale, zero, in_scale, in_perm, plan.k)
     if spec.zero_point_domain is ZeroPointDomain.NONE:
         zero = None
-    plain = PlainForm(codes.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(), spec)
-    impl = pack_plain(where, plain, layout, rec.saved_layout)
+    impl = pack_plain(where, codes.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(), spec, None,
+                      layout, rec.saved_layout)
     return AffineQuantizedTensor(impl, dtype, act_quant=rec.act_quant, label=prefix, config=rec.config,
                                  compute_dtype=rec.compute_dtype, input_scale=in_scale, input_perm=in_perm)
