@@ -8,7 +8,8 @@ transformers). Every served folder is written once under ``$TORCHQ_CACHE/vllm-be
 * ``float fp32`` / ``float bf16``: the float model, vLLM's own unquantized path;
 * ``torchq <config>``: quantized with ``TorchqConfig(<config>)`` while transformers loads it, saved
   with ``save_pretrained`` (LM head and tied embedding in float, the default), served by torchq's
-  plugin in fp32;
+  plugin in fp32 (``--quant-dtypes float32,bfloat16``: in bf16 too, the dtype of the activations
+  and float layers; vLLM's compressed-tensors rows likewise);
 * ``torchq <config> +head``: the same with the tied LM head / token embedding quantized too
   (``modules_to_not_convert=[]``): SmolLM2's head is 28M of its 135M parameters, the largest read
   of every decode step once the other linears are 4- or 8-bit;
@@ -24,7 +25,8 @@ Each folder runs in a fresh process (``examples/vllm_serve.py --bench``): decode
 1 and 16 (64 new tokens after 8-token prompts, best of ``--repeats``), and the time to first token
 of a 256-token prompt (median). Ratios are against the faster float dtype. vLLM runs eager
 (``enforce_eager``) unless ``--compile``: compiling SmolLM2 adds about 3 minutes to each start. vLLM's CPU worker runs
-its model on the cores it binds (one here: it keeps one of this machine's two for itself).
+its model on the cores it binds (one here: it keeps one of this machine's two for itself; ``--cores
+0-1`` binds both, sharing one with vLLM's engine process).
 
     python benchmarks/bench_vllm.py --json vllm.json
     python benchmarks/bench_vllm.py --configs int4-g32,int8dq --alternatives none
@@ -129,9 +131,11 @@ def _compressed_tensors_folder(kind: str) -> Path:
     return out
 
 
-def _serve(folder: Path, dtype: str, repeats: int, eager: bool) -> dict:
+def _serve(folder: Path, dtype: str, repeats: int, eager: bool, cores: str | None) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if cores:  # the cores vLLM's CPU worker binds its OpenMP threads to (its default: all but one)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     cmd = [sys.executable, "-m", "examples.vllm_serve", str(folder), "--bench", "--vocab", str(VOCAB), "--dtype", dtype,
            "--max-len", "512", "--repeats", str(repeats), *(["--eager"] if eager else [])]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -162,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="float,quantized",
                     help="comma-separated: float (LM head and tied embedding kept float) and/or quantized (with the config)")
     ap.add_argument("--float-dtypes", default="float32,bfloat16")
+    ap.add_argument("--quant-dtypes", default="float32",
+                    help="the model dtype (activations, float layers) of the torchq and compressed-tensors folders")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="vLLM's torch.compile (its default; about 3 minutes more per model to start)")
+    ap.add_argument("--cores", help="VLLM_CPU_OMP_THREADS_BIND for the worker, e.g. 0-1 (default: vLLM's, all cores but one)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     rows: list[dict] = []
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             rows.append({"name": name, "dtype": dtype, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         else:
-            rows.append({"name": name, "dtype": dtype, **_serve(folder, dtype, args.repeats, not args.compile)})
+            rows.append({"name": name, "dtype": dtype, **_serve(folder, dtype, args.repeats, not args.compile, args.cores)})
         print(f"  {name}: {rows[-1]}", file=sys.stderr, flush=True)
 
     for dtype in filter(None, args.float_dtypes.split(",")):
@@ -182,16 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     heads = [h for h in args.heads.split(",") if h]
     if bad := [h for h in heads if h not in ("float", "quantized")]:
         ap.error(f"--heads: expected float and/or quantized, got {bad}")
+    qdtypes = [d for d in args.quant_dtypes.split(",") if d]
     for cfg in filter(None, args.configs.split(",")):
         for head in heads:
-            run(f"torchq {cfg}" + (" +head" if head == "quantized" else ""), lambda c=cfg, h=head: _torchq_folder(c, h), "float32")
+            for dtype in qdtypes:
+                run(f"torchq {cfg}" + (" +head" if head == "quantized" else ""), lambda c=cfg, h=head: _torchq_folder(c, h), dtype)
     alts = [a for a in args.alternatives.split(",") if a and a != "none"]
     for alt in alts:
         if alt == "gguf":
             rows.append({"name": "vLLM gguf (Q4_K / Q8_0)", "dtype": "-", "error": _gguf_status()})
         else:
             kind = alt.removeprefix("ct-")
-            run(f"vLLM ct {kind.upper()}", lambda k=kind: _compressed_tensors_folder(k), "float32")
+            for dtype in qdtypes:
+                run(f"vLLM ct {kind.upper()}", lambda k=kind: _compressed_tensors_folder(k), dtype)
     floats = [r for r in rows if r["name"].startswith("float") and "error" not in r]
     best = {k: max((r[k] for r in floats), default=None) for k in ("tok_s_b1", "tok_s_b16")}
     best["ttft_256_s"] = min((r["ttft_256_s"] for r in floats), default=None)
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:28} {r['dtype']:9} " + " ".join(cells).replace("x ", "x  "))
     print("x float: against the faster float dtype (TTFT in ms: lower is better, the ratio is float's / this one's)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "compile": args.compile}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "compile": args.compile, "cores": args.cores}, indent=1))
         print(f"wrote {args.json}")
     return 0
 
