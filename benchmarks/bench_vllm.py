@@ -23,7 +23,9 @@ transformers). Every served folder is written once under ``$TORCHQ_CACHE/vllm-be
 
 Each folder runs in a fresh process (``examples/vllm_serve.py --bench``): decode tokens/s at batch
 1 and 16 (64 new tokens after 8-token prompts, best of ``--repeats``), and the time to first token
-of a 256-token prompt (median). Ratios are against the faster float dtype. vLLM runs eager
+of a 256-token prompt (median). Ratios are against the faster float dtype. Runs of one folder
+differ by up to a fifth on a shared machine: ``--rounds N`` serves every folder N times, round-robin,
+and reports each timing's median with the batch-1 range. vLLM runs eager
 (``enforce_eager``) unless ``--compile``: compiling SmolLM2 adds about 3 minutes to each start. vLLM's CPU worker runs
 its model on the cores it binds (one here: it keeps one of this machine's two for itself; ``--cores
 0-1`` binds both, sharing one with vLLM's engine process).
@@ -146,6 +148,20 @@ def _serve(folder: Path, dtype: str, repeats: int, eager: bool, cores: str | Non
     return json.loads(lines[-1].removeprefix("VLLM_RESULT "))
 
 
+def _median_of(runs: list[dict]) -> dict:
+    """One row from a job's rounds: each timing's median over the rounds that ran (the batch-1
+    rates of all of them kept as ``tok_s_b1_runs``), or the last error if none ran."""
+    import statistics
+
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[-1]["error"]}
+    row = {k: statistics.median(r[k] for r in ok) for k in ("tok_s_b1", "tok_s_b16", "ttft_256_s")}
+    row["tok_s_b1_runs"] = [r["tok_s_b1"] for r in ok]
+    row["load_s"] = statistics.median(r["load_s"] for r in ok)
+    return row
+
+
 def _gguf_status() -> str:
     """Why vLLM's GGUF path does not run here (its plugin's kernels are CUDA)."""
     import importlib.util
@@ -171,41 +187,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="vLLM's torch.compile (its default; about 3 minutes more per model to start)")
     ap.add_argument("--cores", help="VLLM_CPU_OMP_THREADS_BIND for the worker, e.g. 0-1 (default: vLLM's, all cores but one)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="serve every folder this many times, round-robin; the table shows the medians and the batch-1 range")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    rows: list[dict] = []
-
-    def run(name: str, make, dtype: str) -> None:
-        try:
-            folder = make()
-        except Exception as e:
-            rows.append({"name": name, "dtype": dtype, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        else:
-            rows.append({"name": name, "dtype": dtype, **_serve(folder, dtype, args.repeats, not args.compile, args.cores)})
-        print(f"  {name}: {rows[-1]}", file=sys.stderr, flush=True)
-
-    for dtype in filter(None, args.float_dtypes.split(",")):
-        run(f"float {dtype}", lambda d=dtype: _float_folder(d), dtype)
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected a positive count, got {args.rounds}")
     heads = [h for h in args.heads.split(",") if h]
     if bad := [h for h in heads if h not in ("float", "quantized")]:
         ap.error(f"--heads: expected float and/or quantized, got {bad}")
     qdtypes = [d for d in args.quant_dtypes.split(",") if d]
+    jobs: list[tuple[str, object, str]] = [(f"float {d}", lambda d=d: _float_folder(d), d) for d in args.float_dtypes.split(",") if d]
     for cfg in filter(None, args.configs.split(",")):
         for head in heads:
-            for dtype in qdtypes:
-                run(f"torchq {cfg}" + (" +head" if head == "quantized" else ""), lambda c=cfg, h=head: _torchq_folder(c, h), dtype)
+            jobs += [(f"torchq {cfg}" + (" +head" if head == "quantized" else ""), lambda c=cfg, h=head: _torchq_folder(c, h), d)
+                     for d in qdtypes]
     alts = [a for a in args.alternatives.split(",") if a and a != "none"]
     for alt in alts:
-        if alt == "gguf":
-            rows.append({"name": "vLLM gguf (Q4_K / Q8_0)", "dtype": "-", "error": _gguf_status()})
-        else:
+        if alt != "gguf":
             kind = alt.removeprefix("ct-")
-            for dtype in qdtypes:
-                run(f"vLLM ct {kind.upper()}", lambda k=kind: _compressed_tensors_folder(k), dtype)
+            jobs += [(f"vLLM ct {kind.upper()}", lambda k=kind: _compressed_tensors_folder(k), d) for d in qdtypes]
+    runs: list[list[dict]] = [[] for _ in jobs]
+    for rnd in range(args.rounds):  # every job once per round: slow drifts of the machine hit every row alike
+        for (name, make, dtype), done in zip(jobs, runs):
+            try:
+                folder = make()
+            except Exception as e:
+                done.append({"error": f"{type(e).__name__}: {str(e)[:200]}"})
+            else:
+                done.append(_serve(folder, dtype, args.repeats, not args.compile, args.cores))
+            print(f"  round {rnd + 1} {name} {dtype}: {done[-1]}", file=sys.stderr, flush=True)
+    rows: list[dict] = [{"name": name, "dtype": dtype, **_median_of(done)} for (name, _, dtype), done in zip(jobs, runs)]
+    if "gguf" in alts:
+        rows.append({"name": "vLLM gguf (Q4_K / Q8_0)", "dtype": "-", "error": _gguf_status()})
     floats = [r for r in rows if r["name"].startswith("float") and "error" not in r]
     best = {k: max((r[k] for r in floats), default=None) for k in ("tok_s_b1", "tok_s_b16")}
     best["ttft_256_s"] = min((r["ttft_256_s"] for r in floats), default=None)
-    print(f"{'model':28} {'dtype':9} {'tok/s b1':>9} {'x float':>8} {'tok/s b16':>10} {'x float':>8} {'TTFT 256':>9} {'x float':>8}")
+    print(f"{'model':28} {'dtype':9} {'tok/s b1':>9} {'x float':>8} {'tok/s b16':>10} {'x float':>8} {'TTFT 256':>9} {'x float':>8}"
+          + ("  b1 range" if args.rounds > 1 else ""))
     for r in rows:
         if "error" in r:
             print(f"{r['name']:28} {r['dtype']:9} {r['error']}")
@@ -214,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("tok_s_b1", "tok_s_b16", "ttft_256_s"):
             ratio = (r[k] / best[k] if k != "ttft_256_s" else best[k] / r[k]) if best[k] else float("nan")
             cells.append(f"{r[k] * (1000 if k == 'ttft_256_s' else 1):>{9 if k != 'tok_s_b16' else 10}.1f} {ratio:>7.2f}x")
-        print(f"{r['name']:28} {r['dtype']:9} " + " ".join(cells).replace("x ", "x  "))
+        spread = f"  {min(r['tok_s_b1_runs']):.1f}-{max(r['tok_s_b1_runs']):.1f}" if args.rounds > 1 else ""
+        print(f"{r['name']:28} {r['dtype']:9} " + " ".join(cells).replace("x ", "x  ") + spread)
     print("x float: against the faster float dtype (TTFT in ms: lower is better, the ratio is float's / this one's)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "compile": args.compile, "cores": args.cores}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "compile": args.compile, "cores": args.cores, "rounds": args.rounds}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

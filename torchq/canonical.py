@@ -190,6 +190,17 @@ class NestedScale:
 
         return double_dequantize(self.codes.reshape(-1), self.absmax, self.offset).reshape(self.codes.shape)
 
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """``dequantize()[index]`` of a ``[N, G]`` grid (``index``: 1-D rows in ``[0, N)``), bit for
+        bit, computing only those rows (an embedding lookup then costs its rows, not the grid)."""
+        from .blockwise.codebooks import dynamic_map
+        from .blockwise.nested import NESTED_BLOCKSIZE
+
+        g = self.codes.shape[-1]
+        flat = index.to(torch.long).unsqueeze(1) * g + torch.arange(g, device=index.device)
+        values = dynamic_map().to(self.codes.device)[self.codes.reshape(-1)[flat].long()]
+        return values * self.absmax[flat // NESTED_BLOCKSIZE] + self.offset  # two roundings, as dequantize()
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "absmax": self.absmax, "offset": self.offset}
 

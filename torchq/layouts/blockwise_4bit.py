@@ -93,7 +93,9 @@ class Blockwise4bitImpl(TensorImpl):
     def plain_rows(self, index: torch.Tensor) -> PlainForm:
         # as to_plain().rows(index): the rows' codes and fp32 absmax (double quantization resolved)
         codes = unpack_bits(self.packed[index], 4, self.shape[1])
-        return PlainForm(codes, self.scale()[index], None, dataclasses.replace(self.spec, double_quant=False))
+        nq = self.nested()
+        scale = self.absmax[index] if nq is None else nq.dequantize_rows(index)
+        return PlainForm(codes, scale, None, dataclasses.replace(self.spec, double_quant=False))
 
 
 @dataclass(frozen=True)
