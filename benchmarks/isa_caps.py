@@ -2,7 +2,7 @@
 
 Users run AVX2-only CPUs; a benchmark machine often has AVX-512 (and AMX, VNNI, AVX512_BF16). A
 run capped at AVX2 needs torchq's native kernels capped (``TORCHQ_NATIVE_ISA``, and its AVX-512
-only fast paths off: ``TORCHQ_FAST_BF16_MATMUL=0``, ``TORCHQ_NATIVE_VNNI=0``) *and* PyTorch's own
+only fast paths off: ``TORCHQ_FAST_BF16_MATMUL=0``, ``TORCHQ_NATIVE_VNNI=0``, ``TORCHQ_NATIVE_AVX512BF16=0``) *and* PyTorch's own
 kernels (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``, and
 ``FBGEMM_ENABLE_INSTRUCTIONS`` for the quantized ops: FBGEMM detects the CPU on its own and, left
 uncapped, runs its AVX-512 VNNI kernels under every other cap), which PyTorch reads when it is
@@ -28,12 +28,12 @@ import torchq
 ISA_CHOICES = ("native", "avx2", "avx512", "scalar")
 CAPS: dict[str, dict[str, str]] = {
     "avx2": {"TORCHQ_NATIVE_ISA": "avx2", "TORCHQ_FAST_BF16_MATMUL": "0", "TORCHQ_NATIVE_VNNI": "0",
-             "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "TORCHQ_NATIVE_AVX512BF16": "0", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
     # AVX-512 without capping oneDNN / MKL: they keep the machine's extensions (VNNI, AMX) above AVX-512
     "avx512": {"TORCHQ_NATIVE_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512"},
     "scalar": {"TORCHQ_NATIVE_ISA": "scalar", "TORCHQ_FAST_BF16_MATMUL": "0", "TORCHQ_NATIVE_VNNI": "0",
-               "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+               "TORCHQ_NATIVE_AVX512BF16": "0", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
                "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},  # FBGEMM's lowest
 }
 MARKER = "TORCHQ_BENCH_ISA"  # set in a capped child: the cap it runs under (so it does not re-launch itself)

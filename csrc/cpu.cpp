@@ -40,6 +40,15 @@ bool use_vnni() {
   return __builtin_cpu_supports("avx512vnni") && (s == nullptr || strcmp(s, "0") != 0);
 }
 
+// Whether the lut4 kernel builds bf16-rounded tables with AVX512_BF16 (lut4_linear_avx512bf16.cpp):
+// the CPU has it and TORCHQ_NATIVE_AVX512BF16 is not "0" (read at load). =0 runs the AVX-512 path
+// of CPUs without it, so an AVX512_BF16 machine tests both.
+bool use_avx512bf16() {
+  __builtin_cpu_init();
+  const char* s = getenv("TORCHQ_NATIVE_AVX512BF16");
+  return __builtin_cpu_supports("avx512bf16") && (s == nullptr || strcmp(s, "0") != 0);
+}
+
 // One table per ISA, built once at load from the kernel sets the ISA units export (constant
 // initialized, so ready before this dynamic initialization). A table is never written after.
 struct Tables {
@@ -48,6 +57,10 @@ struct Tables {
     by_isa[ISA_SCALAR] = {ISA_SCALAR, kLut4Scalar, kInt8Scalar};
     by_isa[ISA_AVX2] = {ISA_AVX2, kLut4Avx2, kInt8Avx2};
     by_isa[ISA_AVX512] = {ISA_AVX512, kLut4Avx512, kInt8Avx512};
+    if (use_avx512bf16()) {
+      by_isa[ISA_AVX512].lut4.rows_bf16 = kLut4Avx512Bf16.rows;
+      by_isa[ISA_AVX512].lut4.dequant_bf16 = kLut4Avx512Bf16.dequant;
+    }
     if (!use_vnni()) {
       by_isa[ISA_AVX512].int8.dynamic_rows = kInt8Avx2.dynamic_rows;
       by_isa[ISA_AVX512].int8.dynamic_offset = kInt8Avx2.dynamic_offset;
@@ -73,6 +86,12 @@ int active_isa() { return kernels().isa; }
 
 TQ_API int tq_abi_version() { return TQ_ABI_VERSION; }
 TQ_API int tq_supported_isa() { return tq::g_supported; }
+// The optional kernels the AVX-512 table uses (fixed at load): bit 0 the int8 VNNI kernels
+// (TORCHQ_NATIVE_VNNI), bit 1 the lut4 bf16 pair tables (TORCHQ_NATIVE_AVX512BF16).
+TQ_API int tq_features() {
+  const tq::KernelTable& t = tq::g_tables.by_isa[tq::ISA_AVX512];
+  return (t.int8.dynamic_rows != tq::kInt8Avx2.dynamic_rows ? 1 : 0) | (t.lut4.rows_bf16 ? 2 : 0);
+}
 TQ_API int tq_active_isa() { return tq::active_isa(); }
 // Use at most `isa` (clamped to what the CPU supports); returns the ISA now active.
 TQ_API int tq_set_isa(int isa) {

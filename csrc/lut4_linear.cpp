@@ -191,7 +191,8 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   p.xsums = xsums;
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + xsum_bytes + row_bytes);
   const bool gemm = p.M >= kLut4GemmMinM && lut4_gemm_active();
-  RowsJob job{p, decode ? decode : gemm ? kernels().lut4.gemm : kernels().lut4.rows};
+  const Lut4Kernels& k = kernels().lut4;
+  RowsJob job{p, decode ? decode : gemm ? k.gemm : k.rows_bf16 && lut4_bf16_pairs(p) ? k.rows_bf16 : k.rows};
   parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs, M * N * K);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
@@ -348,7 +349,8 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
 }
 
 int dequantize(const Lut4Params& p, int64_t n0, int64_t n1, void* out, bool out_bf16, int threads) {
-  DequantJob job{&p, kernels().lut4.dequant, n0, out, out_bf16};
+  const Lut4Kernels& k = kernels().lut4;
+  DequantJob job{&p, k.dequant_bf16 && lut4_bf16_pairs(p) ? k.dequant_bf16 : k.dequant, n0, out, out_bf16};
   parallel_for(n1 - n0, 1, threads, run_dequant, &job);
   return OK;
 }

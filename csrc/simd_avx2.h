@@ -19,6 +19,7 @@ struct Avx2 {
   // lut4 tiles: 16 registers, so 2 rows per fused (small-M) tile and 3 activation rows per
   // panel tile.
   static constexpr int kLut4FusedRows = 2;
+  static constexpr bool kLut4Bf16Pairs = false;  // lut4 tables in pairs (simd_avx512bf16.h)
   static constexpr int kGemmRows = 6;  // lut4 GEMM tiles: rows x 2 vectors of accumulators
   static constexpr int kLut4PanelM = 3;
   // lut4 decode tiles: weight rows per tile for one activation row (two accumulators each).

@@ -16,6 +16,7 @@ struct Avx512 {
   static constexpr int kLanes = 16;
   // lut4 tiles: rows per fused (small-M) tile; activation rows per panel tile (32 registers).
   static constexpr int kLut4FusedRows = 4;
+  static constexpr bool kLut4Bf16Pairs = false;  // lut4 tables in pairs (simd_avx512bf16.h)
   static constexpr int kGemmRows = 12;  // lut4 GEMM tiles: rows x 2 vectors of accumulators
   static constexpr int kLut4PanelM = 4;
 

@@ -3,7 +3,9 @@
 * int4 (``Int4NativeLayout``): lossless round trips through the plain form; the layout's
   pure-PyTorch dequantization equals ``dequantize_affine`` bit for bit (float, integer and no
   zero point; fp32 / bf16 / fp16 scales); one-hot activations give the exact weights on every
-  ISA and group size; random inputs stay within the fp32 accumulation bound;
+  ISA and group size; random inputs stay within the fp32 accumulation bound; bf16 scales in groups
+  of 32 (the AVX512_BF16 pair tables) with tiny, subnormal and overflowing blocks are bit-exact, and
+  bit-equal with TORCHQ_NATIVE_AVX512BF16=0;
 * int8 weight-only: the same (one-hot exact, accumulation bound);
 * int8 dynamic: bit-equal to the reference (per-token quantization, int32 accumulation, fp32
   rescale) on every ISA, for 1 and 2 threads, odd K and N, zero / constant / tiny / huge rows;
@@ -217,6 +219,94 @@ def test_int4_decode_paths_one_hot_bound_and_non_finite(isa, domain, scale_dtype
             y = run_int4(x, impl).double()
             assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
             assert torch.equal(y[y.isinf()], ref[ref.isinf()])
+
+
+def edge_scale_plain(n: int, k: int, domain: str, seed: int, overflow: bool = True) -> PlainForm:
+    """A bf16-scale g32 int4 weight whose blocks mix ordinary scales and zeros with ones the AVX512_BF16
+    pair tables must not take (magnitudes below 2^-100, bf16 subnormals: vcvtne2ps2bf16 reads fp32
+    subnormals as zero) and ones that round to inf (near the bf16 maximum), in both blocks of a pair
+    and in one of the two (``overflow=False``: none near the maximum)."""
+    plain = int4_plain(n, k, 32, domain, torch.bfloat16, seed=seed)
+    scale = plain.scale.float()
+    zero = plain.zero_point.float() if domain == "float" else None
+    edge = [2.0**-101, 2.0**-126, 2.0**-130, 1e-39, 2.0**-100, 2.0**-99] + ([3.0e38] if overflow else [])
+    g = torch.Generator().manual_seed(seed)
+    for i in range(scale.numel()):
+        if torch.rand((), generator=g) < 0.35:
+            scale.view(-1)[i] = edge[int(torch.randint(len(edge), (), generator=g))]
+        if zero is not None and torch.rand((), generator=g) < 0.35:
+            zero.view(-1)[i] = edge[int(torch.randint(len(edge), (), generator=g))] * (1 if i % 2 else -1)
+    scale = scale.to(torch.bfloat16)
+    out = PlainForm(plain.codes, scale, zero.to(torch.bfloat16) if zero is not None else plain.zero_point, plain.spec)
+    out.validate()
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("domain", ["float", "int", "none"])
+@pytest.mark.parametrize("k", [32 * 7, 32 * 8, 32 * 3 + 17])
+def test_int4_bf16_scale_edge_blocks_one_hot_and_dequantize_exactly(isa, domain, k):
+    """Blocks of 32 with bf16 scales take the AVX512_BF16 pair tables where the CPU has them
+    (``native.status().features``), pair by pair, the others the table of one block: tiny, subnormal
+    and overflowing scales / zeros, an odd number of blocks (the last alone) and padded K give the
+    reference's weights bit for bit, dequantized (with infinite weights too) and in the rows (one-hot,
+    M = 1, 3 fused; 7 panels; finite weights: 0 * inf is NaN)."""
+    plain = edge_scale_plain(19, k, domain, seed=k)
+    impl = int4_impl(plain)
+    rm, ra = impl.round_kinds
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = dequantize_int4_groupwise(impl.packed, impl.scale, impl.shift, impl.zero, k, 32, impl.code_base, rm, ra, dtype)
+        torch.testing.assert_close(ours, plain.dequantize(dtype), rtol=0, atol=0, equal_nan=True)
+    plain = edge_scale_plain(19, k, domain, seed=k, overflow=False)
+    impl = int4_impl(plain)
+    dense = plain.dequantize(torch.float32)
+    assert dense.isfinite().all()
+    for m in (1, 3, 7):
+        cols = torch.randint(0, k, (m,), generator=torch.Generator().manual_seed(m))
+        one_hot = torch.zeros(m, k)
+        one_hot[torch.arange(m), cols] = 1.0
+        torch.testing.assert_close(run_int4(one_hot, impl), dense[:, cols].T, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_native
+def test_int4_bf16_scale_tables_equal_without_avx512bf16():
+    """TORCHQ_NATIVE_AVX512BF16=0 runs the AVX-512 path of CPUs without AVX512_BF16 (on any CPU): the
+    pair tables hold the same values, so outputs and dequantized weights are bit-equal either way."""
+    code = """
+import sys, torch
+from torchq import native
+sys.path.insert(0, "tests")
+from test_native_int import int4_impl, int4_plain, edge_scale_plain, run_int4
+from torchq.ops.int4 import dequantize_int4_groupwise
+out = {"features": native.status().features}
+for domain in ("float", "int"):
+    for plain in (int4_plain(45, 576, 32, domain, torch.bfloat16, seed=3), edge_scale_plain(45, 576, domain, seed=4)):
+        impl = int4_impl(plain)
+        rm, ra = impl.round_kinds
+        out[domain, id(plain) % 2, "dq"] = dequantize_int4_groupwise(impl.packed, impl.scale, impl.shift, impl.zero, 576, 32, impl.code_base, rm, ra, torch.bfloat16)
+        for m in (1, 2, 4, 9):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).to(dtype)
+                out[domain, id(plain) % 2, m, str(dtype)] = run_int4(x, impl)
+torch.save(out, sys.argv[1])
+"""
+    import tempfile
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for flag in ("0", "1"):
+            path = os.path.join(tmp, f"out{flag}.pt")
+            env = dict(os.environ, TORCHQ_NATIVE_AVX512BF16=flag)
+            res = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True, timeout=300)
+            assert res.returncode == 0, res.stderr[-2000:]
+            results.append(torch.load(path))
+    off, on = results
+    assert "avx512_bf16" not in off.pop("features")
+    on.pop("features")
+    assert off.keys() == on.keys()
+    for key in off:
+        torch.testing.assert_close(on[key], off[key], rtol=0, atol=0, equal_nan=True, msg=str(key))
 
 
 def test_int4_weight_only_picks_the_native_layout_and_kernel():

@@ -10,6 +10,9 @@ else (and with ``TORCHQ_NATIVE_POOL=own``, and in a forked child) a small pool o
 * ``TORCHQ_NATIVE=0`` keeps it from loading; ``TORCHQ_NATIVE_ISA=avx2|scalar`` caps the ISA;
   ``TORCHQ_NATIVE_POOL=own`` selects the library's own thread pool, whose threads
   ``TORCHQ_NATIVE_SPIN_US`` lets spin that long for the next call (default 0).
+  ``TORCHQ_NATIVE_VNNI=0`` and ``TORCHQ_NATIVE_AVX512BF16=0`` turn off the optional AVX-512 kernels
+  (int8 with VNNI; int4 tables with bf16 scales built by AVX512_BF16), so a CPU that has them also
+  runs the paths of one that does not (``status().features`` lists those in use).
 * :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
 
 The loading, validation and call path (``NativeWeight``, ``run_linear`` ...) are in
@@ -26,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .backends.native_cpu.library import DISABLED, ISA_NAMES, library, load_error, loaded, threads
+from .backends.native_cpu.library import DISABLED, FEATURE_NAMES, ISA_NAMES, library, load_error, loaded, threads
 
 __all__ = ["NativeMissingWarning", "NativeStatus", "available", "disabled", "reset_warnings", "set_isa", "status", "threads",
            "warn_reference"]
@@ -42,10 +45,14 @@ class NativeStatus:
     isa: str | None  # the ISA in use
     supported_isa: str | None  # the widest the CPU has
     reason: str | None  # why it is not available
+    # optional kernels in use with the active ISA (FEATURE_NAMES: "avx512_vnni", "avx512_bf16";
+    # TORCHQ_NATIVE_VNNI=0 / TORCHQ_NATIVE_AVX512BF16=0 turn them off at load)
+    features: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if self.available:
-            return f"native CPU kernels: active ({self.isa}; CPU supports {self.supported_isa}) from {self.path}"
+            extra = f" with {', '.join(self.features)}" if self.features else ""
+            return f"native CPU kernels: active ({self.isa}{extra}; CPU supports {self.supported_isa}) from {self.path}"
         return f"native CPU kernels: not available ({self.reason}); ops run their pure-PyTorch references"
 
 
@@ -63,7 +70,9 @@ def status() -> NativeStatus:
     isa, supported = ISA_NAMES[lib.tq_active_isa()], ISA_NAMES[lib.tq_supported_isa()]
     if DISABLED.get():
         return NativeStatus(False, path, None, supported, "disabled by torchq.native.disabled()")
-    return NativeStatus(True, path, isa, supported, None)
+    bits = lib.tq_features() if isa == "avx512" else 0
+    features = tuple(name for i, name in enumerate(FEATURE_NAMES) if bits >> i & 1)
+    return NativeStatus(True, path, isa, supported, None, features)
 
 
 def set_isa(name: str) -> str:

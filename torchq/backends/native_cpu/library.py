@@ -38,6 +38,9 @@ __all__ = [
 
 ABI_VERSION = 7
 ISA_NAMES = ("scalar", "avx2", "avx512")
+# tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables (each also needs an
+# active AVX-512 ISA to run)
+FEATURE_NAMES = ("avx512_vnni", "avx512_bf16")
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 # name -> (restype, argtypes) of every exported function
@@ -45,6 +48,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_abi_version": (_c_int, []),
     "tq_supported_isa": (_c_int, []),
     "tq_active_isa": (_c_int, []),
+    "tq_features": (_c_int, []),  # bits of FEATURE_NAMES: the optional AVX-512 kernels in use
     "tq_set_isa": (_c_int, [_c_int]),
     "tq_set_lut4_paths": (_c_int, [_c_int]),  # Lut4Paths bits (negative: read)
     "tq_gemm_active": (_c_int, [_c_int]),  # weight format
