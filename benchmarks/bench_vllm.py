@@ -9,7 +9,9 @@ transformers). Every served folder is written once under ``$TORCHQ_CACHE/vllm-be
 * ``torchq <config>``: quantized with ``TorchqConfig(<config>)`` while transformers loads it, saved
   with ``save_pretrained`` (LM head and tied embedding in float, the default), served by torchq's
   plugin in fp32 (``--quant-dtypes float32,bfloat16``: in bf16 too, the dtype of the activations
-  and float layers; vLLM's compressed-tensors rows likewise);
+  and float layers; vLLM's compressed-tensors rows likewise); quantized from the fp32 model (fp32
+  scales and zero points), or with ``--quantize-from bfloat16`` from the bf16 one (bf16 scales, as
+  quantizing SmolLM2's bf16 checkpoint gives: int4's AVX512_BF16 paths serve those);
 * ``torchq <config> +head``: the same with the tied LM head / token embedding quantized too
   (``modules_to_not_convert=[]``): SmolLM2's head is 28M of its 135M parameters, the largest read
   of every decode step once the other linears are 4- or 8-bit;
@@ -73,19 +75,21 @@ def _float_folder(dtype: str) -> Path:
     return out
 
 
-def _torchq_folder(cfg: str, head: str) -> Path:
+def _torchq_folder(cfg: str, head: str, source: str = "float32") -> Path:
     """``head``: ``float`` keeps the tied LM head / token embedding in float (transformers' default);
-    ``quantized`` quantizes it with the same config (``modules_to_not_convert=[]``)."""
+    ``quantized`` quantizes it with the same config (``modules_to_not_convert=[]``). ``source``: the
+    dtype the model is loaded in to be quantized (the scales' and zero points' dtype: a bf16 model's
+    are bf16, as a user quantizing SmolLM2's bf16 checkpoint gets)."""
     import torch
     import transformers
 
     from examples.hf_models import smollm_folder
     from torchq.hf import TorchqConfig
 
-    out = _cache() / (f"torchq-{cfg}" if head == "float" else f"torchq-{cfg}-qhead")
+    out = _cache() / ((f"torchq-{cfg}" if head == "float" else f"torchq-{cfg}-qhead") + ("" if source == "float32" else f"-from-{source}"))
     if not (out / "config.json").is_file():
         qcfg = TorchqConfig(cfg) if head == "float" else TorchqConfig(cfg, modules_to_not_convert=[])
-        model = transformers.AutoModelForCausalLM.from_pretrained(smollm_folder(), dtype=torch.float32,
+        model = transformers.AutoModelForCausalLM.from_pretrained(smollm_folder(), dtype=getattr(torch, source),
                                                                   quantization_config=qcfg)
         model.save_pretrained(out)
     return out
@@ -184,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--float-dtypes", default="float32,bfloat16")
     ap.add_argument("--quant-dtypes", default="float32",
                     help="the model dtype (activations, float layers) of the torchq and compressed-tensors folders")
+    ap.add_argument("--quantize-from", default="float32",
+                    help="comma-separated dtypes the torchq folders are quantized from (float32: fp32 scales and zero points; "
+                    "bfloat16: bf16 ones, as quantizing SmolLM2's bf16 checkpoint gives)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="vLLM's torch.compile (its default; about 3 minutes more per model to start)")
     ap.add_argument("--cores", help="VLLM_CPU_OMP_THREADS_BIND for the worker, e.g. 0-1 (default: vLLM's, all cores but one)")
@@ -197,11 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [h for h in heads if h not in ("float", "quantized")]:
         ap.error(f"--heads: expected float and/or quantized, got {bad}")
     qdtypes = [d for d in args.quant_dtypes.split(",") if d]
+    sources = [d for d in args.quantize_from.split(",") if d]
+    if bad := [d for d in sources if d not in ("float32", "bfloat16")]:
+        ap.error(f"--quantize-from: expected float32 and/or bfloat16, got {bad}")
     jobs: list[tuple[str, object, str]] = [(f"float {d}", lambda d=d: _float_folder(d), d) for d in args.float_dtypes.split(",") if d]
     for cfg in filter(None, args.configs.split(",")):
         for head in heads:
-            jobs += [(f"torchq {cfg}" + (" +head" if head == "quantized" else ""), lambda c=cfg, h=head: _torchq_folder(c, h), d)
-                     for d in qdtypes]
+            jobs += [(f"torchq {cfg}" + (" +head" if head == "quantized" else "") + ("" if s == "float32" else f" (from {s})"),
+                      lambda c=cfg, h=head, s=s: _torchq_folder(c, h, s), d)
+                     for s in sources for d in qdtypes]
     alts = [a for a in args.alternatives.split(",") if a and a != "none"]
     for alt in alts:
         if alt != "gguf":

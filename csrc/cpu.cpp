@@ -60,6 +60,7 @@ struct Tables {
     if (use_avx512bf16()) {
       by_isa[ISA_AVX512].lut4.rows_bf16 = kLut4Avx512Bf16.rows;
       by_isa[ISA_AVX512].lut4.dequant_bf16 = kLut4Avx512Bf16.dequant;
+      by_isa[ISA_AVX512].lut4.dot_bf16 = kLut4Avx512Bf16.dot_bf16;
     }
     if (!use_vnni()) {
       by_isa[ISA_AVX512].int8.dynamic_rows = kInt8Avx2.dynamic_rows;

@@ -146,6 +146,37 @@ void prepare_row(void* ctx, int64_t m, float* row) {
       }
 }
 
+// Whether activations (n values) may take the bf16 dot path (lut4_linear.h): finite, below 2^64,
+// and each 0 or of magnitude >= 2^-59.
+bool dot_activations(const float* x, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = __builtin_fabsf(x[i]);
+    ok &= (a < 0x1p64f) & ((a >= 0x1p-59f) | (a == 0.0f));  // false for NaN
+  }
+  return ok;
+}
+
+// A bf16 activation row in the table path's order (xp: per 32, the 16 even positions then the 16
+// odd ones) into the bf16 dot path's (per 64, the 32 odd positions then the 32 even ones; zero
+// past K). The values are bf16 (x was), so the high halves are exact.
+void to_dot_order(const float* xp, int64_t K, uint16_t* dst) {
+  auto bf16 = [](float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return static_cast<uint16_t>(u >> 16);
+  };
+  for (int64_t k = 0; k < K; k += 64) {
+    const bool second = k + 32 < K;  // K is a multiple of 32
+    for (int j = 0; j < 16; ++j) {
+      dst[k + j] = bf16(xp[k + 16 + j]);
+      dst[k + 16 + j] = second ? bf16(xp[k + 48 + j]) : 0;
+      dst[k + 32 + j] = bf16(xp[k + j]);
+      dst[k + 48 + j] = second ? bf16(xp[k + 32 + j]) : 0;
+    }
+  }
+}
+
 // out = x @ W.T (+ bias), x [M, K_in] and out [M, N] of `dtype`: converts and zero-pads the
 // activations to fp32 rows of p.K and permutes them for the chosen path (see lut4_linear.h), runs
 // the rows into an fp32 output, then rounds it to `dtype` (once, at the end).
@@ -192,9 +223,22 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + xp_bytes + xsum_bytes + row_bytes);
   const bool gemm = p.M >= kLut4GemmMinM && lut4_gemm_active();
   const Lut4Kernels& k = kernels().lut4;
-  RowsJob job{p, decode ? decode : gemm ? k.gemm : k.rows_bf16 && lut4_bf16_pairs(p) ? k.rows_bf16 : k.rows};
+  const bool pairs = k.rows_bf16 && lut4_bf16_pairs(p);
+  Lut4RowsFn rows = decode ? decode : gemm ? k.gemm : pairs ? k.rows_bf16 : k.rows;
+  uint16_t* xb = nullptr;
+  if (pairs && k.dot_bf16 && dtype == DT_BF16 && !decode && M >= kLut4DotMinM && M <= kLut4DotMaxM && dot_activations(xp, M * K)) {
+    p.kx = (K + 63) / 64 * 64;
+    xb = static_cast<uint16_t*>(aligned_alloc(64, (M * p.kx * sizeof(uint16_t) + 63) / 64 * 64));
+    if (xb) {
+      for (int64_t m = 0; m < M; ++m) to_dot_order(xp + m * K, K, xb + m * p.kx);
+      p.xb = xb;
+      rows = k.dot_bf16;
+    }
+  }
+  RowsJob job{p, rows};
   parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs, M * N * K);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
+  free(xb);
   free(buf);
   return OK;
 }
@@ -381,6 +425,11 @@ int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
   if (!valid_lut4(w)) return BAD_ARGUMENT;
   if (w.format == TQ_FORMAT_LUT4_INT8ACT) return linear_q8(params(w, M, bias), x, dtype, w.k, out, threads);
   return linear(params(w, M, bias), x, dtype, w.k, out, threads);
+}
+
+int lut4_dot_max_m(const tq_weight& w) {
+  if (!valid_lut4(w) || !kernels().lut4.dot_bf16) return 0;
+  return lut4_bf16_pairs(params(w, 0, nullptr)) ? static_cast<int>(kLut4DotMaxM) : 0;
 }
 
 int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads) {

@@ -55,6 +55,21 @@
 // could be subnormal, take the one-block tables), so the same outputs. SmolLM2's 3072 x 576 at
 // M = 1 on one Zen 4 core: 217 -> 181 us.
 //
+// bf16 dot path (Lut4Kernels.dot_bf16, kLut4DotMinM <= M <= kLut4DotMaxM, bf16 activations,
+// lut4_bf16_pairs weights, AVX512_BF16): those weights are bf16 values (their tables are rounded
+// to bf16), so a pair of blocks' [A | B] table becomes 32 bf16 words (vcvtne2ps2bf16), 64 weights
+// at a time come out of two vpermw lookups as bf16, and vdpbf16ps multiplies them with the bf16
+// activations: the products are exact in fp32 as on the table path, summed in fp32 in another
+// order (the same bound). vdpbf16ps reads subnormals as zero and flushes them, so a call takes it
+// only where every activation is finite, below 2^64 and 0 or of magnitude >= 2^-59 (else the
+// table path), and a tile of weight rows only where each scale and zero is 0, inf, NaN or of
+// magnitude >= 2^-59 (else the tile takes the table path): every weight is then 0 or at least
+// 2^-66 and every product 0 or normal. Each weight is decoded once per call for all rows, so from
+// 5 rows it also replaces dequantized bf16 tiles + torch.mm (tq_dot_max_m tells the caller). One
+// Zen 4 core, SmolLM2's 3072 x 576: M = 2 245 -> 190 us, M = 4 478 -> 226, M = 16 (tiles before)
+// 800 -> 570 (bf16 F.linear 365); at M = 1 it measured no faster than the pair tables (177
+// against 181 us) and is not taken.
+//
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not);
 // for DECODE_AFFINE also nonzero ones below 2^-102 (their prescaled x 16^-6 could lose bits).
@@ -111,6 +126,10 @@ struct Lut4Params {
   int q8_affine;             // 1: affine codebook (offset term), 0: int8 codebook q8_table
   int8_t q8_table[16];       // codebook kind: rint(127 codebook[c] / cmax)
   float q8_unit;             // codebook kind: cmax / 127
+  // bf16 dot path (Lut4Kernels.dot_bf16): [M, kx] bf16 activations, per 64 positions the 32 odd
+  // ones then the 32 even ones (kx = K rounded up to 64, zero-padded)
+  const uint16_t* xb;
+  int64_t kx;
 };
 
 enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
@@ -192,7 +211,12 @@ struct Lut4Kernels {
   // (AVX512_BF16: simd_avx512bf16.h); null: rows / dequant serve them.
   Lut4RowsFn rows_bf16;
   Lut4DequantFn dequant_bf16;
+  // bf16 activations, kLut4DotMinM <= M <= kLut4DotMaxM, weights that lut4_bf16_pairs allows
+  // (AVX512_BF16): the bf16 weights from the pair tables into vdpbf16ps against p.xb; null where
+  // the ISA has none.
+  Lut4RowsFn dot_bf16;
 };
+static constexpr int64_t kLut4DotMinM = 2, kLut4DotMaxM = 16;
 
 // Which of the decode and GEMM paths calls may take (bits; LUT4_GEMM also switches the GEMM forms
 // of the int8-activation path and of the int8 dynamic kernel, int8_linear.h), and whether the

@@ -1,12 +1,148 @@
-// The lut4 kernel (lut4_linear_body.h) for AVX-512 with AVX512_BF16: the AVX-512 kernel whose
-// bf16-rounded tables (int4 with bf16 scales and zeros) are built two blocks at a time with
-// vcvtne2ps2bf16 (simd_avx512bf16.h). cpu.cpp puts its rows and dequant into the AVX-512 table's
-// rows_bf16 / dequant_bf16 on CPUs with AVX512_BF16 unless TORCHQ_NATIVE_AVX512BF16=0. Linkage: as lut4_linear_avx2.cpp.
+// The lut4 kernels for AVX-512 with AVX512_BF16 (see lut4_linear.h): the AVX-512 kernel body
+// (lut4_linear_body.h) whose bf16-rounded tables (int4 with bf16 scales and zeros in blocks of 32)
+// are built two blocks at a time with vcvtne2ps2bf16 (simd_avx512bf16.h), and the bf16 dot path
+// for up to kLut4DotMaxM bf16 activation rows. cpu.cpp puts them into the AVX-512 table's
+// rows_bf16 / dequant_bf16 / dot_bf16 on CPUs with AVX512_BF16 unless TORCHQ_NATIVE_AVX512BF16=0.
+// Linkage: as lut4_linear_avx2.cpp.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
 #include "simd_avx512bf16.h"
 #include "lut4_linear_body.h"
 
 namespace tq {
-// Only rows and dequant are used (cpu.cpp: rows_bf16 / dequant_bf16 of the AVX-512 table).
-extern const Lut4Kernels kLut4Avx512Bf16 = {&Lut4Kernel<Avx512Bf16>::rows, &Lut4Kernel<Avx512Bf16>::dequant, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+namespace {
+
+using Body = Lut4Kernel<Avx512Bf16>;
+
+// The bf16 dot path (lut4_linear.h): tiles of NT weight rows x all M (<= kLut4DotMaxM) rows.
+struct Lut4Dot {
+  using F = __m512;
+  using I = __m512i;
+
+  // Whether every value of v[0..count) is 0, inf, NaN or of magnitude >= 2^-59.
+  static bool dot_safe(const float* v, int64_t count) {
+    constexpr uint32_t kTiny = (127u - 59u) << 23;  // the bits of 2^-59
+    bool ok = true;
+    for (int64_t i = 0; i < count; ++i) {
+      uint32_t u;
+      memcpy(&u, v + i, sizeof u);
+      ok &= ((u & 0x7FFFFFFFu) - 1u) >= kTiny - 1u;
+    }
+    return ok;
+  }
+
+  // The bf16 words of blocks i and i + 1 (flat block indices of one row; i + 1 only if `pair`,
+  // else B's half is zero): [A's 16 entries | B's 16], rounded as Body::entries rounds them.
+  __attribute__((always_inline)) static I tables(const Lut4Params& p, F code, int64_t i, bool pair) {
+    const F zero = _mm512_setzero_ps();
+    F a = code, b = code;
+    if (p.shifts) {
+      a = _mm512_add_ps(a, _mm512_set1_ps(p.shifts[i]));
+      b = pair ? _mm512_add_ps(b, _mm512_set1_ps(p.shifts[i + 1])) : zero;
+    }
+    a = _mm512_mul_ps(a, _mm512_set1_ps(p.absmax[i]));
+    b = pair ? _mm512_mul_ps(b, _mm512_set1_ps(p.absmax[i + 1])) : zero;
+    I r = (I)_mm512_cvtne2ps_pbh(b, a);
+    if (p.zeros) {
+      const I spread_lo = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+      const I spread_hi = _mm512_add_epi16(spread_lo, _mm512_set1_epi16(16));
+      a = _mm512_add_ps(_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread_lo, r)), _mm512_set1_ps(p.zeros[i]));
+      b = pair ? _mm512_add_ps(_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread_hi, r)), _mm512_set1_ps(p.zeros[i + 1])) : zero;
+      r = (I)_mm512_cvtne2ps_pbh(b, a);
+    }
+    return r;
+  }
+
+  // 32 packed bytes (blocks A, B: 16 each; B's may be zero) -> the 64 weights as bf16 from tab:
+  // lo = the low nibbles (odd positions), hi = the high nibbles (even positions), word j of each
+  // from byte j (A's bytes, then B's, which index B's half of tab).
+  __attribute__((always_inline)) static void weights(I bytes16, I tab, I& lo, I& hi) {
+    const I bsel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+    const I low = _mm512_ternarylogic_epi32(bytes16, _mm512_set1_epi16(15), bsel, 0xEA);  // (v & 15) | bsel
+    const I high = _mm512_or_si512(_mm512_srli_epi16(bytes16, 4), bsel);
+    lo = _mm512_permutexvar_epi16(low, tab);
+    hi = _mm512_permutexvar_epi16(high, tab);
+  }
+
+  template <int NT, int MT>
+  TQ_TILE static void tile(const Lut4Params& p, int64_t n) {
+    const int64_t G = p.blocks_per_row, K = p.K;
+    const F code = _mm512_loadu_ps(p.codebook);
+    F acc[NT][MT];
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) acc[t][m] = _mm512_setzero_ps();
+    const uint8_t* w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = p.packed + (n + t) * (K / 2);
+    Body::prefetch_block_values(p, n + NT, NT);
+    const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));
+    const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {  // 64 positions: one line of each row, two of the next tile's
+      if (ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
+      if (ahead + 64 < ahead_end) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      ahead += 32 * NT;
+      for (int t = 0; t < NT; ++t) {
+        const I tab = tables(p, code, (n + t) * G + g, true);
+        const I v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[t] + g * 16)));
+        I lo, hi;
+        weights(v, tab, lo, hi);
+        for (int m = 0; m < MT; ++m) {
+          const uint16_t* x = p.xb + m * p.kx + g * 32;
+          acc[t][m] = _mm512_dpbf16_ps(acc[t][m], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x));
+          acc[t][m] = _mm512_dpbf16_ps(acc[t][m], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32));
+        }
+      }
+    }
+    if (g < G) {  // the last block alone: B's bytes and table words zero (as its padded activations)
+      for (int t = 0; t < NT; ++t) {
+        const I tab = tables(p, code, (n + t) * G + g, false);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[t] + g * 16));
+        const I v = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(bytes));
+        I lo, hi;
+        weights(v, tab, lo, hi);
+        for (int m = 0; m < MT; ++m) {
+          const uint16_t* x = p.xb + m * p.kx + g * 32;
+          acc[t][m] = _mm512_dpbf16_ps(acc[t][m], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x));
+          acc[t][m] = _mm512_dpbf16_ps(acc[t][m], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32));
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) {
+        const float s = Avx512::hsum(acc[t][m]);
+        p.out[m * p.N + n + t] = p.bias ? s + p.bias[n + t] : s;
+      }
+  }
+
+  // Tiles of NT weight rows: 4 for up to 4 activation rows, 2 up to 8, else 1 (NT x M <= 16
+  // accumulators). A tile with a scale or zero that could make a product subnormal runs the table
+  // path (p.xp is prepared too).
+  template <int NT, int MT>
+  static void rows_m(const Lut4Params& p, int64_t n0, int64_t n1) {
+    const int64_t G = p.blocks_per_row;
+    tiles_then_singles<NT>(n0, n1, [&](auto nt, int64_t n) {
+      constexpr int R = decltype(nt)::value;
+      const bool safe = dot_safe(p.absmax + n * G, R * G) && (!p.zeros || dot_safe(p.zeros + n * G, R * G));
+      if (safe) tile<R, MT>(p, n);
+      else Body::rows(p, n, n + R);
+    });
+  }
+
+  static void rows(const Lut4Params& p, int64_t n0, int64_t n1) {
+    switch (p.M) {
+#define TQ_DOT_CASE(m) \
+  case m: return rows_m<(m <= 4 ? 4 : m <= 8 ? 2 : 1), m>(p, n0, n1);
+      TQ_DOT_CASE(1) TQ_DOT_CASE(2) TQ_DOT_CASE(3) TQ_DOT_CASE(4) TQ_DOT_CASE(5) TQ_DOT_CASE(6) TQ_DOT_CASE(7) TQ_DOT_CASE(8)
+      TQ_DOT_CASE(9) TQ_DOT_CASE(10) TQ_DOT_CASE(11) TQ_DOT_CASE(12) TQ_DOT_CASE(13) TQ_DOT_CASE(14) TQ_DOT_CASE(15) TQ_DOT_CASE(16)
+#undef TQ_DOT_CASE
+      default: return Body::rows(p, n0, n1);  // not reached: the caller takes it for M <= kLut4DotMaxM
+    }
+  }
+};
+static_assert(kLut4DotMaxM == 16, "Lut4Dot::rows has a case per M");
+
+}  // namespace
+
+// Only rows, dequant and dot_bf16 are used (cpu.cpp: rows_bf16 / dequant_bf16 / dot_bf16 of the
+// AVX-512 table).
+extern const Lut4Kernels kLut4Avx512Bf16 = {&Body::rows, &Body::dequant, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &Lut4Dot::rows};
 }  // namespace tq

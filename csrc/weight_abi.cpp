@@ -74,6 +74,15 @@ TQ_API int tq_gemm_active(int format) {
   return 0;
 }
 
+// The most activation rows of `x_dtype` for which tq_linear runs w's bf16 dot path on the active
+// kernels (lut4_linear.h: bf16 activations, int4 with bf16 scales in blocks of 32, AVX512_BF16),
+// so that callers pass it those rows instead of dequantized tiles; 0 where it has none.
+TQ_API int tq_dot_max_m(const tq_weight* w, int x_dtype) {
+  using namespace tq;
+  if (!valid_weight(w) || w->format != TQ_FORMAT_LUT4 || x_dtype != DT_BF16) return 0;
+  return lut4_dot_max_m(*w);
+}
+
 // Weight rows [n0, n1), dequantized into dst ([n1 - n0, row_length], contiguous) as fp32
 // (dst_bf16 = 0) or bf16 (1, rounded to nearest even): exactly the reference's values.
 TQ_API int tq_dequantize_rows(const tq_weight* w, int64_t n0, int64_t n1, void* dst, int dst_bf16, int threads) {

@@ -75,6 +75,7 @@ namespace tq {
 // its own fields and returns a Status.
 int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const float* bias, void* out, int threads);
 int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads);
+int lut4_dot_max_m(const tq_weight& w);  // see tq_dot_max_m
 int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const float* bias, void* out, int threads);
 int int8_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads);
 

@@ -52,6 +52,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_set_isa": (_c_int, [_c_int]),
     "tq_set_lut4_paths": (_c_int, [_c_int]),  # Lut4Paths bits (negative: read)
     "tq_gemm_active": (_c_int, [_c_int]),  # weight format
+    "tq_dot_max_m": (_c_int, [_ptr, _c_int]),  # weight, x dtype: the most rows its bf16 dot path takes (0: none)
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
     "tq_weight_size": (_c_int64, []),
     "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
@@ -247,6 +248,7 @@ def eager_cpu(x: torch.Tensor) -> bool:
 
 # The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DOT_MAX_M = 16  # kLut4DotMaxM (csrc/lut4_linear.h): the most rows of any weight's bf16 dot path
 
 
 def checked_ptr(name: str, t: torch.Tensor | None, dtype: torch.dtype, numel: int, op: str = "native call") -> int | None:
@@ -361,6 +363,14 @@ class NativeWeight:
         self._dynamic: dict[tuple, NativeWeight] = {}
         self._codes: weakref.ref | None = None  # an int8 weight's codes (int8_weight), for its row sums
         self._row_sums: RowSums | None = None  # an int8 weight's, once a static form is built (shared with those)
+
+    def dot_max_m(self, dtype: torch.dtype) -> int:
+        """The most activation rows of ``dtype`` the fused kernel takes for this weight on its bf16
+        dot path (bf16 activations, int4 with bf16 scales in groups of 32, AVX512_BF16: no dequantized
+        tiles up to that many rows); 0 where it has none (asked per call: the ISA may change)."""
+        if dtype != torch.bfloat16 or self.format != abi.FORMAT_LUT4 or _LIB is None:
+            return 0
+        return int(_LIB.tq_dot_max_m(self.address, DTYPE_CODES[dtype]))
 
     def dynamic(self, quant_min: int, quant_max: int, eps: float) -> NativeWeight:
         """This int8 weight with activations quantized per row into ``[quant_min, quant_max]``
@@ -579,7 +589,7 @@ def takes_fused(weight: NativeWeight, x: torch.Tensor) -> bool:
     if m <= 0:
         return False
     if weight.format in (abi.FORMAT_LUT4, abi.FORMAT_INT8):  # decode-sized: fused whatever the GEMM switch (no C call to ask)
-        return m <= FUSED_MAX_M or not use_tiles(m, x.dtype, gemm_active(weight.format))
+        return m <= FUSED_MAX_M or not use_tiles(m, x.dtype, gemm_active(weight.format)) or m <= weight.dot_max_m(x.dtype)
     return True
 
 
@@ -619,8 +629,13 @@ def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], Nati
     if _LIB is None or DISABLED.get():
         return None
     m = x.numel() // owner.shape[1]
-    if not m or use_tiles(m, x.dtype):
+    if not m:
         return None
+    if use_tiles(m, x.dtype):  # unless the weight's bf16 dot path takes these rows
+        if x.dtype != torch.bfloat16 or m > DOT_MAX_M:
+            return None
+        weight = weight_args(owner, build)
+        return weight if weight is not None and m <= weight.dot_max_m(x.dtype) else None
     return weight_args(owner, build)
 
 
@@ -634,10 +649,7 @@ def decode_linear(owner: object, x: torch.Tensor, bias: torch.Tensor | None, bui
     every decode-sized layer's path."""
     if _LIB is None or DISABLED.get() or not x.is_cpu or traced(x):
         return None
-    m = x.numel() // owner.shape[1]
-    if not m or use_tiles(m, x.dtype):
-        return None
-    weight = weight_args(owner, build)
+    weight = decode_weight(owner, x, build)
     if weight is None:
         return None
     if dynamic is not None:
@@ -729,7 +741,8 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
     elif static is not None:
         weight = weight.static(*static)
     held = tuple(v for v in vars(owner).values() if isinstance(v, torch.Tensor))
-    return BoundLinear(weight, owner.shape, x, recheck_tiles=not int8_activations and m > FUSED_MAX_M, held=held)
+    recheck = not int8_activations and m > FUSED_MAX_M and m > weight.dot_max_m(x.dtype)
+    return BoundLinear(weight, owner.shape, x, recheck_tiles=recheck, held=held)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
