@@ -63,6 +63,19 @@ struct Lut4Dot {
     hi = _mm512_permutexvar_epi16(high, tab);
   }
 
+  // The 64 positions from block g: weights from `bytes` (32 packed bytes as words) and tab into
+  // every activation row's accumulator.
+  template <int MT>
+  __attribute__((always_inline)) static void dot(const Lut4Params& p, I tab, I bytes, int64_t g, F (&acc)[MT]) {
+    I lo, hi;
+    weights(bytes, tab, lo, hi);
+    for (int m = 0; m < MT; ++m) {
+      const uint16_t* x = p.xb + m * p.kx + g * 32;
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x));
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32));
+    }
+  }
+
   template <int NT, int MT>
   TQ_TILE static void tile(const Lut4Params& p, int64_t n) {
     const int64_t G = p.blocks_per_row, K = p.K;
@@ -81,29 +94,14 @@ struct Lut4Dot {
       if (ahead + 64 < ahead_end) _mm_prefetch(ahead + 64, _MM_HINT_T0);
       ahead += 32 * NT;
       for (int t = 0; t < NT; ++t) {
-        const I tab = tables(p, code, (n + t) * G + g, true);
-        const I v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[t] + g * 16)));
-        I lo, hi;
-        weights(v, tab, lo, hi);
-        for (int m = 0; m < MT; ++m) {
-          const uint16_t* x = p.xb + m * p.kx + g * 32;
-          acc[t][m] = _mm512_dpbf16_ps(acc[t][m], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x));
-          acc[t][m] = _mm512_dpbf16_ps(acc[t][m], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32));
-        }
+        const I bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[t] + g * 16)));
+        dot<MT>(p, tables(p, code, (n + t) * G + g, true), bytes, g, acc[t]);
       }
     }
     if (g < G) {  // the last block alone: B's bytes and table words zero (as its padded activations)
       for (int t = 0; t < NT; ++t) {
-        const I tab = tables(p, code, (n + t) * G + g, false);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[t] + g * 16));
-        const I v = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(bytes));
-        I lo, hi;
-        weights(v, tab, lo, hi);
-        for (int m = 0; m < MT; ++m) {
-          const uint16_t* x = p.xb + m * p.kx + g * 32;
-          acc[t][m] = _mm512_dpbf16_ps(acc[t][m], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x));
-          acc[t][m] = _mm512_dpbf16_ps(acc[t][m], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32));
-        }
+        const __m128i b16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[t] + g * 16));
+        dot<MT>(p, tables(p, code, (n + t) * G + g, false), _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(b16)), g, acc[t]);
       }
     }
     for (int t = 0; t < NT; ++t)
