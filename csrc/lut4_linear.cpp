@@ -226,7 +226,7 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   const bool pairs = k.rows_bf16 && lut4_bf16_pairs(p);
   Lut4RowsFn rows = decode ? decode : gemm ? k.gemm : pairs ? k.rows_bf16 : k.rows;
   uint16_t* xb = nullptr;
-  if (pairs && k.dot_bf16 && dtype == DT_BF16 && !decode && M >= kLut4DotMinM && M <= kLut4DotMaxM && dot_activations(xp, M * K)) {
+  if (pairs && k.dot_bf16 && (lut4_paths() & LUT4_DECODE) && dtype == DT_BF16 && !decode && M >= kLut4DotMinM && M <= kLut4DotMaxM && dot_activations(xp, M * K)) {
     p.kx = (K + 63) / 64 * 64;
     xb = static_cast<uint16_t*>(aligned_alloc(64, (M * p.kx * sizeof(uint16_t) + 63) / 64 * 64));
     if (xb) {
@@ -428,7 +428,7 @@ int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
 }
 
 int lut4_dot_max_m(const tq_weight& w) {
-  if (!valid_lut4(w) || !kernels().lut4.dot_bf16) return 0;
+  if (!valid_lut4(w) || !kernels().lut4.dot_bf16 || !(lut4_paths() & LUT4_DECODE)) return 0;
   return lut4_bf16_pairs(params(w, 0, nullptr)) ? static_cast<int>(kLut4DotMaxM) : 0;
 }
 

@@ -218,7 +218,8 @@ struct Lut4Kernels {
 };
 static constexpr int64_t kLut4DotMinM = 2, kLut4DotMaxM = 16;
 
-// Which of the decode and GEMM paths calls may take (bits; LUT4_GEMM also switches the GEMM forms
+// Which of the decode and GEMM paths calls may take (bits; LUT4_DECODE also switches the bf16 dot
+// path, which likewise sums few rows in another order; LUT4_GEMM also switches the GEMM forms
 // of the int8-activation path and of the int8 dynamic kernel, int8_linear.h), and whether the
 // active ISA's table has a GEMM path that is allowed (then the native rows beat dequantized tiles +
 // torch.mm at every M).

@@ -339,6 +339,8 @@ def test_int4_bf16_dot_path_rows_one_hot_bound_and_fallbacks(k):
             assert_within_bound(run_int4(tiny, impl), tiny, dense, None, torch.bfloat16, term_magnitudes(plain))
         assert weight.dot_max_m(torch.bfloat16) == (16 if "avx512_bf16" in features and native.status().isa == "avx512" else 0)
         assert weight.dot_max_m(torch.float32) == 0
+        with library.lut4_paths(decode=False):  # the switch of the reordering small-M paths turns it off
+            assert weight.dot_max_m(torch.bfloat16) == 0
     # the layout's eager path (decode_linear, and its bound form) takes the same kernel as the op
     lin = torch.nn.Linear(k, 45, bias=False).to(torch.bfloat16)
     torchq.quantize_(lin, torchq.int4_weight_only(group_size=32))
