@@ -332,7 +332,11 @@ def test_int4_bf16_dot_path_rows_one_hot_bound_and_fallbacks(k):
             cols = torch.randint(0, k, (m,), generator=torch.Generator().manual_seed(m))
             one_hot = torch.zeros(m, k, dtype=torch.bfloat16)
             one_hot[torch.arange(m), cols] = 1.0
-            assert torch.equal(run_int4(one_hot, impl), dense[:, cols].T.to(torch.bfloat16))
+            want, got = dense[:, cols].T.to(torch.bfloat16), run_int4(one_hot, impl)
+            # bf16 tiles + torch.mm (where no dot path runs) may flush subnormal weights to zero
+            subnormal = (want != 0) & (want.abs() < 2.0**-126)
+            assert torch.equal(got[~subnormal], want[~subnormal])
+            assert bool(((got[subnormal] == want[subnormal]) | (got[subnormal] == 0)).all())
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).to(torch.bfloat16)
             assert_within_bound(run_int4(x, impl), x, dense, None, torch.bfloat16, term_magnitudes(plain))
             tiny = x * 2.0**-70  # below 2^-59: the table path, exact products of the same weights
