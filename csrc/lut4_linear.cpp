@@ -64,6 +64,10 @@ std::atomic<int> g_paths{[] {
 // The decode path for this call (p.decode, and its function and lane width), or DECODE_NONE.
 int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
   const Lut4Kernels& ks = kernels().lut4;
+  if ((lut4_paths() & LUT4_DECODE) && ks.lookup && p.M == 1 && lut4_lookup_allowed(p)) {
+    *fn = ks.lookup;
+    return DECODE_LOOKUP;
+  }
   if (!(lut4_paths() & LUT4_DECODE) || p.M > kLut4DecodeMaxM || !ks.decode) return DECODE_NONE;
   const int kind = lut4_decode_kind(p);
   if (kind == DECODE_NONE) return DECODE_NONE;
@@ -122,6 +126,7 @@ struct PrepJob {
   bool affine_sums;
   int64_t span;
   int lanes;
+  int64_t sum_block;  // the lookup path with zeros: each block's sum of x (in double, rounded once) into xsums
 };
 
 void prepare_row(void* ctx, int64_t m, float* row) {
@@ -138,6 +143,12 @@ void prepare_row(void* ctx, int64_t m, float* row) {
           for (int v = 0; v < 8; ++v) sum += dst[k + v * j.lanes + l];
         j.xsums[(m * (K / j.span) + k0 / j.span) * j.lanes + l] = static_cast<float>(sum);
       }
+  if (j.sum_block)
+    for (int64_t b = 0; b < K / j.sum_block; ++b) {
+      double sum = 0.0;
+      for (int64_t k = b * j.sum_block; k < (b + 1) * j.sum_block; ++k) sum += dst[k];
+      j.xsums[m * (K / j.sum_block) + b] = static_cast<float>(sum);
+    }
   if (j.affine_sums)  // vector v of a chunk meets the nibbles in place (c 16^v): x 16^-v, exact
     for (int64_t k = 0; k < K; k += j.chunk)
       for (int v = 1; v < 7; ++v) {
@@ -187,8 +198,9 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   p.decode = choose_decode(p, &decode, &lanes);
   const size_t esize = dtype_size(dtype);
   const size_t xp_bytes = (M * K * sizeof(float) + 63) / 64 * 64;
-  const int64_t span = p.decode ? (p.block > 8 * lanes ? p.block : 8 * lanes) : 0;
-  const size_t xsum_bytes = p.decode == DECODE_AFFINE ? (M * (K / span) * lanes * sizeof(float) + 63) / 64 * 64 : 0;
+  const int64_t span = lanes ? (p.block > 8 * lanes ? p.block : 8 * lanes) : 0;  // the lane-order paths
+  const size_t xsum_bytes = p.decode == DECODE_AFFINE ? (M * (K / span) * lanes * sizeof(float) + 63) / 64 * 64
+                            : p.decode == DECODE_LOOKUP && p.zeros ? (M * (K / p.block) * sizeof(float) + 63) / 64 * 64 : 0;
   const size_t row_bytes = (K * sizeof(float) + 63) / 64 * 64;
   const size_t out_bytes = dtype == DT_F32 ? 0 : (M * N * sizeof(float) + 63) / 64 * 64;
   char* buf = static_cast<char*>(aligned_alloc(64, xp_bytes + xsum_bytes + row_bytes + out_bytes + 64));
@@ -211,9 +223,12 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
         }
     }
   }
-  PrepJob prep{K, p.decode ? 8 * lanes : 32, {}, xp, xsums, p.decode == DECODE_AFFINE, span, lanes};
+  // the lane order of DECODE_AFFINE / DECODE_CODEBOOK, else the table path's (also DECODE_LOOKUP's)
+  const bool lane_order = p.decode == DECODE_AFFINE || p.decode == DECODE_CODEBOOK;
+  PrepJob prep{K, lane_order ? 8 * lanes : 32, {}, xp, xsums, p.decode == DECODE_AFFINE, span, lanes,
+               p.decode == DECODE_LOOKUP && p.zeros ? p.block : 0};
   for (int64_t i = 0; i < prep.chunk; ++i)
-    prep.order[i] = static_cast<int16_t>(p.decode ? lut4_decode_element(lanes, i) : i < 16 ? 2 * i : 2 * (i - 16) + 1);
+    prep.order[i] = static_cast<int16_t>(lane_order ? lut4_decode_element(lanes, i) : i < 16 ? 2 * i : 2 * (i - 16) + 1);
   if (!for_each_f32_row(x, dtype, M, K_in, K, threads, M * K * 8, prepare_row, &prep)) {
     free(buf);
     return OUT_OF_MEMORY;

@@ -482,6 +482,56 @@ struct Lut4Kernel {
     else rows(p, n0, n1);  // not reached: the caller permutes for a decode kind
   }
 
+  // ---- lookup path (DECODE_LOOKUP, M = 1, blocks of 32: lut4_linear.h; ISAs with T::load_partial) ----
+  // out[0, n..n+NT]: per block, the table path's lookups into the unscaled codebook (no table to
+  // build) summed against x, times the block's scale; then the zeros' term sum_b z_b X_b.
+  template <int NT>
+  TQ_TILE static void lookup_tile(const Lut4Params& p, int64_t n) {
+    const int64_t K = p.K, G = p.blocks_per_row;
+    const Table code = load_code(p.codebook);
+    const uint8_t* w[NT];
+    const float* s[NT];
+    for (int t = 0; t < NT; ++t) {
+      w[t] = p.packed + (n + t) * (K / 2);
+      s[t] = p.absmax + (n + t) * G;
+    }
+    prefetch_block_values(p, n + NT, NT);  // as fused_tile
+    const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));
+    const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
+    F tot[NT];
+    for (int t = 0; t < NT; ++t) tot[t] = T::zero();
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k = g * 32;
+      if (ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
+      ahead += 16 * NT;
+      F xv[kChunk];
+      for (int i = 0; i < kChunk; ++i) xv[i] = T::loadu(p.xp + k + W * i);
+      for (int t = 0; t < NT; ++t) {
+        F wv[kChunk];
+        T::lut4_unpack(code.v, w[t] + k / 2, wv);
+        F a = T::mul(wv[0], xv[0]);
+        for (int i = 1; i < kChunk; ++i) a = T::fmadd(wv[i], xv[i], a);
+        tot[t] = T::fmadd(a, T::set1(s[t][g]), tot[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      float v = T::hsum(tot[t]);
+      if (p.zeros) {  // sum_b z_b X_b, X_b the block's activation sum (p.xsums)
+        const float* z = p.zeros + (n + t) * G;
+        F zt = T::zero();
+        int64_t g = 0;
+        for (; g + W <= G; g += W) zt = T::fmadd(T::loadu(z + g), T::loadu(p.xsums + g), zt);
+        if (g < G) zt = T::fmadd(T::load_partial(z + g, G - g), T::load_partial(p.xsums + g, G - g), zt);
+        v += T::hsum(zt);
+      }
+      p.out[n + t] = p.bias ? v + p.bias[n + t] : v;
+    }
+  }
+
+  static void lookup_rows(const Lut4Params& p, int64_t n0, int64_t n1) {
+    tiles_then_singles<T::kLut4FusedRows>(n0, n1, [&](auto nt, int64_t n) { lookup_tile<decltype(nt)::value>(p, n); });
+  }
+
   static void dequant(const Lut4Params& p, int64_t n0, int64_t n1, void* dst, bool bf16) {
     const int64_t K = p.K, B = p.block, G = K / B;
     const Table code = load_code(p.codebook);

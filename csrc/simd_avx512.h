@@ -24,6 +24,9 @@ struct Avx512 {
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F load(const float* p) { return _mm512_load_ps(p); }
   static F loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static F load_partial(const float* p, int64_t count) {  // p[0..count), count < 16; the other lanes 0
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), p);
+  }
   static void store(float* p, F v) { _mm512_store_ps(p, v); }
   static void storeu(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }

@@ -211,16 +211,66 @@ def test_int4_decode_paths_one_hot_bound_and_non_finite(isa, domain, scale_dtype
             # scaling a row by a power of two scales the output exactly (here to |x| >= 2^-101).
             xe = x.sign() * x.abs().clamp_min(2.0**-11)
             assert torch.equal(run_int4(xe * 2.0**-90, impl), run_int4(xe, impl) * 2.0**-90)
-            # Below 2^-102 (here |x| >= 2^-110) the call takes the table path, as with decode off.
-            with library.lut4_paths(decode=False):
-                table = run_int4(xe * 2.0**-99, impl)
-            assert torch.equal(run_int4(xe * 2.0**-99, impl), table)
+            if lookup_path(isa, m, g, domain, scale_dtype):  # no prescaled activations: exact further down
+                assert torch.equal(run_int4(xe * 2.0**-99, impl), run_int4(xe, impl) * 2.0**-99)
+            else:  # below 2^-102 (here |x| >= 2^-110) the call takes the table path, as with decode off
+                with library.lut4_paths(decode=False):
+                    table = run_int4(xe * 2.0**-99, impl)
+                assert torch.equal(run_int4(xe * 2.0**-99, impl), table)
             x[0, 3] = float("inf")
             x[m - 1, k - 1] = float("nan") if m > 1 else x[m - 1, k - 1]
             ref = x.double() @ dense.double().T
             y = run_int4(x, impl).double()
             assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
             assert torch.equal(y[y.isinf()], ref[ref.isinf()])
+
+
+def lookup_path(isa: str, m: int, g: int, domain: str, scale_dtype: torch.dtype) -> bool:
+    """Whether a call takes the lookup path (lut4_linear.h, DECODE_LOOKUP): AVX-512, one row, groups
+    of 32, fp32 scales and zeros, no integer zero point."""
+    return isa == "avx512" and m == 1 and g == 32 and scale_dtype == torch.float32 and domain != "int"
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("domain", ["float", "none"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_int4_g32_one_row_lookup_path(isa, threads, domain, dtype):
+    """One row of int4 g32 with fp32 scales on AVX-512 takes the lookup path: per block the
+    unscaled codebook values against x, times the block's scale, then sum_b z_b X_b. K = 224
+    (7 blocks: the zeros' term in one partial vector), 576 (SmolLM2's: one whole vector and a
+    partial one) and 1024; N = 23 ends in single rows. One-hot rows give the exact weights, random
+    rows stay within the bound (with bias, in every activation dtype), a power-of-two scaling
+    down to 2^-99 is exact, inf / NaN rows give the reference's, and with the decode switch off
+    (the table path) one-hot rows agree."""
+    n = 23
+    for k in (224, 576, 1024):
+        plain = int4_plain(n, k, 32, domain, torch.float32, seed=k)
+        impl = int4_impl(plain)
+        dense = plain.dequantize(torch.float32)
+        for col in (0, 1, 30, 31, 32, 33, k // 2, k - 1):
+            one_hot = torch.zeros(1, k)
+            one_hot[0, col] = 1.0
+            assert torch.equal(run_int4(one_hot, impl), dense[:, col:col + 1].T), (k, col)
+            with library.lut4_paths(decode=False):
+                assert torch.equal(run_int4(one_hot, impl), dense[:, col:col + 1].T)
+        gen = torch.Generator().manual_seed(k + 1)
+        x = torch.randn(1, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        for magnitude in (1.0, 2.0**-10, 100.0) if dtype == torch.float16 else (1.0, 1e-30, 1e18):
+            xm = (x * magnitude).to(dtype)
+            bm = bias.to(dtype)
+            assert_within_bound(run_int4(xm, impl, bm), xm.float(), dense, bm.float(), dtype, term_magnitudes(plain))
+        xe = x.sign() * x.abs().clamp_min(2.0**-11)
+        if lookup_path(isa, 1, 32, domain, torch.float32):
+            assert torch.equal(run_int4(xe * 2.0**-99, impl), run_int4(xe, impl) * 2.0**-99)
+        x[0, 3] = float("inf")
+        x[0, k - 1] = float("nan") if domain == "none" else x[0, k - 1]
+        ref = x.double() @ dense.double().T
+        y = run_int4(x, impl).double()
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+        assert torch.equal(y[y.isinf()], ref[ref.isinf()])
 
 
 def edge_scale_plain(n: int, k: int, domain: str, seed: int, overflow: bool = True) -> PlainForm:
