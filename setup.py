@@ -28,6 +28,13 @@ class BuildNative(build_ext):
 
     def build_extension(self, ext):
         print(f"torchq: building native CPU kernels {ext.name} from {len(ext.sources)} sources ({', '.join(ext.sources)})")
+        # The build is optional: were it to fail, a library left by an earlier build (an editable
+        # install's, in the source tree) would load with the old kernels. Remove it first.
+        target = Path(self.get_ext_fullpath(ext.name))
+        for old in {target, Path(__file__).resolve().parent / "torchq" / target.name}:
+            if old.is_file():
+                old.unlink()
+                print(f"torchq: removed the earlier build {old}")
         if self._openmp_works():  # parallel ranges on PyTorch's own OpenMP threads (csrc/threadpool.cpp)
             ext.extra_compile_args = [*ext.extra_compile_args, "-fopenmp"]
             ext.extra_link_args = [*ext.extra_link_args, "-fopenmp"]
