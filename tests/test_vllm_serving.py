@@ -39,14 +39,15 @@ pytestmark = pytest.mark.slow
 
 
 def serve(folder: Path, prompts: list[list[int]], *, tp: int = 1, check: bool = True,
-          eager: bool = True) -> dict | subprocess.CompletedProcess:
-    """Greedy tokens of ``folder`` served by vLLM in a fresh process (or the finished process when
-    ``check`` is False); ``eager``: without vLLM's torch.compile (half a minute less to start)."""
+          eager: bool = True, dtype: str = "float32") -> dict | subprocess.CompletedProcess:
+    """Greedy tokens of ``folder`` served by vLLM in ``dtype`` in a fresh process (or the finished
+    process when ``check`` is False); ``eager``: without vLLM's torch.compile (half a minute less to
+    start)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "VLLM_CPU_KVCACHE_SPACE": "1"}
     if tp > 1:  # one OpenMP thread set per rank; vLLM's automatic binding wants a NUMA node per rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     cmd = [sys.executable, "-m", "examples.vllm_serve", str(folder), "--prompts", json.dumps(prompts),
-           "--tokens", str(TOKENS), "--tp", str(tp), *(["--eager"] if eager else [])]
+           "--tokens", str(TOKENS), "--tp", str(tp), "--dtype", dtype, *(["--eager"] if eager else [])]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if not check:
         return proc
@@ -160,6 +161,44 @@ def test_tiny_llama_quantized_lm_head(tiny_folder: Path, tmp_path: Path) -> None
         header = json.loads(f.metadata()["torchq"])
     assert "lm_head.weight" in header["quantized"]
     assert serve(folder, TINY_PROMPTS)["tokens"] == reference(folder, TINY_PROMPTS)
+
+
+@pytest.mark.parametrize("cfg", ["int8dq", "int4a8"])
+def test_tiny_llama_bf16_with_no_float_linear(tiny_folder: Path, tmp_path: Path, cfg: str) -> None:
+    """Served in bf16 with every linear a torchq kernel (the LM head too), so no oneDNN GEMM runs:
+    on CPUs with AMX nothing else asks Linux for the AMX tile state before vLLM's bf16 attention
+    runs AMX instructions, and the engine died with SIGILL at the first token until torchq.vllm
+    asked (``allow_amx_on_cpu``). On CPUs without AMX this is a bf16 serving test."""
+    folder = quantized_folder(tiny_folder, cfg, tmp_path / cfg, modules_to_not_convert=[])
+    tokens = serve(folder, TINY_PROMPTS, dtype="bfloat16")["tokens"]
+    assert [len(t) for t in tokens] == [TOKENS] * len(TINY_PROMPTS)
+    assert all(0 <= i < 512 for t in tokens for i in t)
+
+
+def test_amx_permission_is_asked_once_where_the_cpu_has_amx(monkeypatch) -> None:
+    """allow_amx_on_cpu, on any CPU: asks only where AMX exists, once, and warns when refused."""
+    import warnings
+
+    from torchq.vllm.method import allow_amx_on_cpu
+
+    asked = []
+
+    def init_amx(granted: bool):
+        return lambda: asked.append(granted) or granted
+
+    for has_amx, granted, expect in [(False, True, False), (True, True, True), (True, False, False)]:
+        allow_amx_on_cpu.cache_clear()
+        asked.clear()
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda h=has_amx: h)
+        monkeypatch.setattr(torch.cpu, "_init_amx", init_amx(granted))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert allow_amx_on_cpu() is expect
+            assert allow_amx_on_cpu() is expect  # cached: asked once
+        assert asked == ([granted] if has_amx else [])
+        refused = [w for w in caught if "refused this process the AMX tile state" in str(w.message)]
+        assert len(refused) == (1 if has_amx and not granted else 0)
+    allow_amx_on_cpu.cache_clear()
 
 
 def test_tiny_llama_compiled(tiny_folder: Path, tmp_path: Path) -> None:

@@ -30,7 +30,9 @@ is that embedding's weight too (``embedding`` looks rows up, dequantizing only t
 
 from __future__ import annotations
 
+import functools
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -53,6 +55,27 @@ __all__ = ["QUANT_METHOD", "TorchqVllmConfig", "TorchqLinearMethod", "TorchqEmbe
 QUANT_METHOD = "torchq"
 PARAM_PREFIX = "tq_"
 _PART_KEY = re.compile(r"\.weight:(codes|scale|zero_point|scale_codes|scale_absmax|scale_offset|input_scale|input_perm)$")
+
+
+@functools.cache
+def allow_amx_on_cpu() -> bool:
+    """Ask Linux, once per process, for the AMX tile state (``torch.cpu._init_amx``: arch_prctl
+    ``ARCH_REQ_XCOMP_PERM``) on CPUs that have AMX; returns whether this process may run AMX.
+
+    vLLM's CPU attention and other kernels of its own run AMX instructions whenever the CPU has
+    them, but a process gets the permission only by asking. oneDNN asks the first time it runs an
+    AMX GEMM, which vLLM's float linears do; a model whose every linear is a torchq kernel (int8
+    dynamic, int4a8, a quantized LM head) never runs one, and its first bf16 attention call died
+    with SIGILL. Where the permission is refused, warn: vLLM's AMX kernels will fail."""
+    cpu = getattr(torch, "cpu", None)
+    if not getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return False
+    if cpu._init_amx():
+        return True
+    warnings.warn("torchq.vllm: this CPU has AMX but Linux refused this process the AMX tile state "
+                  "(arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's AMX kernels (its bf16 CPU attention) will fail "
+                  "with an illegal instruction", RuntimeWarning, stacklevel=2)
+    return False
 
 
 class TorchqVllmConfig(QuantizationConfig):
@@ -209,6 +232,8 @@ class TorchqLinearMethod(LinearMethodBase):
         plan = state.plan
         if state.weight is None:
             state.weight = Parameter(self._build(layer, state), requires_grad=False)
+        if state.weight.device.type == "cpu":
+            allow_amx_on_cpu()
         for p in plan.parts:  # a tied LM head shares these parameters (and the weight) with the embedding
             delattr(layer, PARAM_PREFIX + p.name)
         del layer.torchq_state
