@@ -64,7 +64,9 @@ std::atomic<int> g_paths{[] {
 // The decode path for this call (p.decode, and its function and lane width), or DECODE_NONE.
 int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
   const Lut4Kernels& ks = kernels().lut4;
-  if ((lut4_paths() & LUT4_DECODE) && ks.lookup && p.M == 1 && lut4_lookup_allowed(p)) {
+  const int paths = lut4_paths();
+  if ((paths & LUT4_DECODE) && ks.lookup && (ks.lookup_preferred || (paths & LUT4_LOOKUP_ANY_ISA)) && p.M == 1 &&
+      lut4_lookup_allowed(p)) {
     *fn = ks.lookup;
     return DECODE_LOOKUP;
   }
@@ -457,4 +459,4 @@ int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool 
 
 // Allow the lut4 paths in `paths` (Lut4Paths bits), forbid the others; returns the previous
 // bits (a negative `paths` only reads them).
-TQ_API int tq_set_lut4_paths(int paths) { return paths < 0 ? tq::lut4_paths() : tq::g_paths.exchange(paths & 3); }
+TQ_API int tq_set_lut4_paths(int paths) { return paths < 0 ? tq::lut4_paths() : tq::g_paths.exchange(paths & 7); }

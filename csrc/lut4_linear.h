@@ -54,7 +54,9 @@
 // takes inf / NaN and huge activations to the table path like them, none for being tiny (no
 // prescaling). SmolLM2's 30 layers + tied head at M = 1 streamed from memory, one Zen 4 core:
 // 11.3 -> 8.6 ms (NF4: 8.5). From 2 rows the table path (each table serves every row). Under the
-// LUT4_DECODE switch.
+// LUT4_DECODE switch. The AVX2 instantiation runs only under LUT4_LOOKUP_ANY_ISA (tests: CI's
+// AVX2-only machines run the body): AVX2 looks up 8 weights with two vpermps and a blend, and
+// the affine decode path is faster there (3072x576: 310 against 458 us, one core).
 //
 // GEMM path (M >= kLut4GemmMinM, AVX2 and AVX-512; Lut4Kernels.gemm): weight panels of 2W rows x 256
 // positions unpack to their exact values into an L1-resident, k-major buffer (a block of panels in
@@ -225,6 +227,9 @@ struct Lut4Kernels {
   Lut4DecodeFn decode;  // null where the table path is faster at every M (AVX-512)
   int decode_lanes;     // W of decode's lane order: it needs K to be a multiple of 8 * decode_lanes
   Lut4RowsFn lookup;    // the lookup path (one row, lut4_lookup_allowed weights); null where the ISA has none
+  // Whether calls take it by default; else only with LUT4_LOOKUP_ANY_ISA (AVX2: its two 8-entry
+  // vpermps and a blend per 8 weights measured 1.4-1.9x slower than the affine decode path).
+  bool lookup_preferred;
   Lut4RowsFn gemm;      // M >= kLut4GemmMinM (table-path activation order); null where not faster
   Lut4RowsFn q8;        // the int8-activation path (every ISA)
   Lut4RowsFn q8_gemm;   // its GEMM form (M > kLut4Q8MaxM, block % 32 == 0); null: none
@@ -244,8 +249,9 @@ static constexpr int64_t kLut4DotMinM = 2, kLut4DotMaxM = 16;
 // path, which likewise sums few rows in another order; LUT4_GEMM also switches the GEMM forms
 // of the int8-activation path and of the int8 dynamic kernel, int8_linear.h), and whether the
 // active ISA's table has a GEMM path that is allowed (then the native rows beat dequantized tiles +
-// torch.mm at every M).
-enum Lut4Paths : int { LUT4_DECODE = 1, LUT4_GEMM = 2 };
+// torch.mm at every M). LUT4_LOOKUP_ANY_ISA (off by default, for tests) lets the lookup path run
+// on ISAs where it is not preferred (AVX2), so that its body runs on machines without AVX-512.
+enum Lut4Paths : int { LUT4_DECODE = 1, LUT4_GEMM = 2, LUT4_LOOKUP_ANY_ISA = 4 };
 int lut4_paths();
 bool lut4_gemm_active();
 extern const Lut4Kernels kLut4Scalar, kLut4Avx2, kLut4Avx512, kLut4Avx512Bf16;

@@ -29,6 +29,10 @@ struct Avx2 {
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_load_ps(p); }
   static F loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static F load_partial(const float* p, int64_t count) {  // p[0..count), count < 8; the other lanes 0 (not read)
+    const I lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lanes));
+  }
   static void store(float* p, F v) { _mm256_store_ps(p, v); }
   static void storeu(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }

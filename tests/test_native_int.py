@@ -225,10 +225,12 @@ def test_int4_decode_paths_one_hot_bound_and_non_finite(isa, domain, scale_dtype
             assert torch.equal(y[y.isinf()], ref[ref.isinf()])
 
 
-def lookup_path(isa: str, m: int, g: int, domain: str, scale_dtype: torch.dtype) -> bool:
-    """Whether a call takes the lookup path (lut4_linear.h, DECODE_LOOKUP): AVX-512, one row, groups
-    of 32, fp32 scales and zeros, no integer zero point."""
-    return isa == "avx512" and m == 1 and g == 32 and scale_dtype == torch.float32 and domain != "int"
+def lookup_path(isa: str, m: int, g: int, domain: str, scale_dtype: torch.dtype, any_isa: bool = False) -> bool:
+    """Whether a call takes the lookup path (lut4_linear.h, DECODE_LOOKUP): AVX-512 (or AVX2 under
+    ``lut4_paths(lookup_any_isa=True)``), one row, groups of 32, fp32 scales and zeros, no integer
+    zero point."""
+    isas = ("avx512", "avx2") if any_isa else ("avx512",)
+    return isa in isas and m == 1 and g == 32 and scale_dtype == torch.float32 and domain != "int"
 
 
 @needs_native
@@ -236,14 +238,23 @@ def lookup_path(isa: str, m: int, g: int, domain: str, scale_dtype: torch.dtype)
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("domain", ["float", "none"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_int4_g32_one_row_lookup_path(isa, threads, domain, dtype):
+@pytest.mark.parametrize("any_isa", [False, True], ids=["preferred", "any_isa"])
+def test_int4_g32_one_row_lookup_path(isa, threads, domain, dtype, any_isa):
     """One row of int4 g32 with fp32 scales on AVX-512 takes the lookup path: per block the
     unscaled codebook values against x, times the block's scale, then sum_b z_b X_b. K = 224
     (7 blocks: the zeros' term in one partial vector), 576 (SmolLM2's: one whole vector and a
     partial one) and 1024; N = 23 ends in single rows. One-hot rows give the exact weights, random
     rows stay within the bound (with bias, in every activation dtype), a power-of-two scaling
     down to 2^-99 is exact, inf / NaN rows give the reference's, and with the decode switch off
-    (the table path) one-hot rows agree."""
+    (the table path) one-hot rows agree. ``any_isa``: the AVX2 instantiation as well
+    (``lut4_paths(lookup_any_isa=True)``), which AVX2 machines run only so."""
+    if any_isa and isa != "avx2":
+        pytest.skip(f"any_isa runs the AVX2 instantiation (here {isa}: the preferred case covers AVX-512)")
+    with library.lut4_paths(lookup_any_isa=any_isa):
+        _one_row_lookup_cases(isa, domain, dtype, any_isa)
+
+
+def _one_row_lookup_cases(isa, domain, dtype, any_isa):
     n = 23
     for k in (224, 576, 1024):
         plain = int4_plain(n, k, 32, domain, torch.float32, seed=k)
@@ -263,7 +274,7 @@ def test_int4_g32_one_row_lookup_path(isa, threads, domain, dtype):
             bm = bias.to(dtype)
             assert_within_bound(run_int4(xm, impl, bm), xm.float(), dense, bm.float(), dtype, term_magnitudes(plain))
         xe = x.sign() * x.abs().clamp_min(2.0**-11)
-        if lookup_path(isa, 1, 32, domain, torch.float32):
+        if lookup_path(isa, 1, 32, domain, torch.float32, any_isa):
             assert torch.equal(run_int4(xe * 2.0**-99, impl), run_int4(xe, impl) * 2.0**-99)
         x[0, 3] = float("inf")
         x[0, k - 1] = float("nan") if domain == "none" else x[0, k - 1]

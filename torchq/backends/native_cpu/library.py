@@ -176,16 +176,18 @@ def threads() -> int:
 
 
 @contextlib.contextmanager
-def lut4_paths(decode: bool = True, gemm: bool = True) -> Iterator[None]:
+def lut4_paths(decode: bool = True, gemm: bool = True, lookup_any_isa: bool = False) -> Iterator[None]:
     """Allow or forbid the lut4 kernel's decode paths (AVX2, M <= 4; with them the AVX-512 lookup path,
     M = 1 int4 g32 with fp32 scales, and the AVX512_BF16 bf16 dot path, 2-16 bf16 rows) and GEMM
     (M >= 64) paths (see csrc/lut4_linear.h) within the block, process-wide: for tests and benchmarks
     that compare them with the table and panel paths (and tiles). ``gemm`` also switches the GEMM
-    forms of the int8-activation 4-bit kernel (M > 8) and of the int8 dynamic kernel (M >= 32)."""
+    forms of the int8-activation 4-bit kernel (M > 8) and of the int8 dynamic kernel (M >= 32).
+    ``lookup_any_isa`` (with ``decode``) sends the lookup path's calls to it on AVX2 too, where the
+    affine decode path is faster: tests run its body on machines without AVX-512."""
     if _LIB is None:
         yield
         return
-    before = _LIB.tq_set_lut4_paths(int(decode) | 2 * int(gemm))
+    before = _LIB.tq_set_lut4_paths(int(decode) | 2 * int(gemm) | 4 * int(lookup_any_isa))
     try:
         yield
     finally:
