@@ -88,10 +88,12 @@ int active_isa() { return kernels().isa; }
 TQ_API int tq_abi_version() { return TQ_ABI_VERSION; }
 TQ_API int tq_supported_isa() { return tq::g_supported; }
 // The optional kernels the AVX-512 table uses (fixed at load): bit 0 the int8 VNNI kernels
-// (TORCHQ_NATIVE_VNNI), bit 1 the lut4 bf16 pair tables (TORCHQ_NATIVE_AVX512BF16).
+// (TORCHQ_NATIVE_VNNI), bit 1 the lut4 bf16 pair tables (TORCHQ_NATIVE_AVX512BF16), bit 2 the AMX
+// int8 GEMM (the CPU has it and Linux granted it; tq_set_int8_amx switches it).
 TQ_API int tq_features() {
   const tq::KernelTable& t = tq::g_tables.by_isa[tq::ISA_AVX512];
-  return (t.int8.dynamic_rows != tq::kInt8Avx2.dynamic_rows ? 1 : 0) | (t.lut4.rows_bf16 ? 2 : 0);
+  return (t.int8.dynamic_rows != tq::kInt8Avx2.dynamic_rows ? 1 : 0) | (t.lut4.rows_bf16 ? 2 : 0) |
+         (tq::amx_int8_supported() ? 4 : 0);
 }
 TQ_API int tq_active_isa() { return tq::active_isa(); }
 // Use at most `isa` (clamped to what the CPU supports); returns the ISA now active.

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
+
 #include "common.h"
 #include "kernels.h"
 #include "weight_abi.h"
@@ -27,6 +29,12 @@ void run_rows(void* ctx, int64_t n0, int64_t n1) {
   const RowsJob& j = *static_cast<const RowsJob*>(ctx);
   j.rows(j.p, n0, n1);
 }
+
+// The AMX mode (Int8Amx): on unless TORCHQ_NATIVE_AMX=0 at load; tq_set_int8_amx sets it.
+std::atomic<int> g_amx{[] {
+  const char* s = getenv("TORCHQ_NATIVE_AMX");
+  return s && strcmp(s, "0") == 0 ? INT8_AMX_OFF : INT8_AMX_ON;
+}()};
 
 struct QuantJob {
   Int8QuantizeFn quantize;
@@ -110,10 +118,14 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const int64_t K = w.k, N = w.n, Kp = padded(K);
   const int qmin = w.act_qmin, qmax = w.act_qmax;
   const Int8Kernels& kern = kernels().int8;
+  // a zero point's correction; none for the dynamic format (and none needed for z = 0)
+  const bool correct = is_static && w.act_zero_point != 0;
+  const bool gemm_allowed = (lut4_paths() & LUT4_GEMM) && !(correct && K > kInt8StaticGemmMaxK);  // the int32 correction could wrap
+  const Int8RowsFn amx = gemm_allowed && M >= kInt8AmxMinM ? int8_amx_gemm() : nullptr;
   // Narrow kernels from kInt8NarrowGemmMinM rows only: below, the row sums they need cost as much
   // as the sign trick they save.
-  const bool narrow = qmin >= kNarrowMin && qmax <= kNarrowMax && kern.narrow_rows && M >= kInt8NarrowGemmMinM;
-  const int offset = narrow ? kNarrowOffset : kern.dynamic_offset;
+  const bool narrow = !amx && qmin >= kNarrowMin && qmax <= kNarrowMax && kern.narrow_rows && M >= kInt8NarrowGemmMinM;
+  const int offset = amx ? 0 : narrow ? kNarrowOffset : kern.dynamic_offset;
   const bool offset_codes = offset != 0;
   const size_t codes_bytes = (M * Kp + 63) / 64 * 64, xs_bytes = (M * sizeof(float) + 63) / 64 * 64;
   const size_t xf_bytes = dtype == DT_F32 ? 0 : M * K * sizeof(float);
@@ -133,15 +145,12 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const Int8Quant quant{w.act_denom, w.act_eps, qmin, qmax, w.act_scale, w.act_zero_point};
   QuantJob q{is_static ? kern.quantize_static_rows : kern.quantize_rows, xf, K, Kp, quant, offset, buf, xs};
   parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
-  // a zero point's correction; none for the dynamic format (and none needed for z = 0)
-  const bool correct = is_static && w.act_zero_point != 0;
   const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
                      offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, w.codes, w.scales, nullptr, o.f32,
                      correct ? w.row_sums : nullptr, correct ? w.act_zero_point : 0};
   const Int8RowsFn gemm_fn = narrow ? kern.narrow_gemm : kern.dynamic_gemm;
-  const bool gemm = (narrow || M >= kern.dynamic_gemm_min_m) && gemm_fn && (lut4_paths() & LUT4_GEMM) &&
-                    !(correct && K > kInt8StaticGemmMaxK);  // the GEMM's int32 correction could wrap
-  RowsJob job{p, gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows};
+  const bool gemm = amx || ((narrow || M >= kern.dynamic_gemm_min_m) && gemm_fn && gemm_allowed);
+  RowsJob job{p, amx ? amx : gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole panels
   o.finish(out, dtype, M * N);
   free(buf);
@@ -171,6 +180,12 @@ int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
   return activation_linear(w, x, dtype, M, out, threads);
 }
 
+Int8RowsFn int8_amx_gemm() {
+  const int mode = g_amx.load(std::memory_order_relaxed);
+  if (mode == INT8_AMX_EMULATED) return amx_int8_emulated_gemm_fn();
+  return mode == INT8_AMX_ON && active_isa() == ISA_AVX512 ? amx_int8_gemm_fn() : nullptr;
+}
+
 bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().int8.weight_gemm; }
 
 // Rows [n0, n1) of the weight, q * s, into dst ([n1 - n0, K]) as fp32 or bf16.
@@ -182,3 +197,12 @@ int int8_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool 
 }
 
 }  // namespace tq
+
+// The AMX mode (tq::Int8Amx; negative: read); returns the mode before. INT8_AMX_ON where the CPU
+// has no AMX (or refuses it) leaves the VNNI / AVX2 kernels serving every call.
+TQ_API int tq_set_int8_amx(int mode) {
+  if (mode < 0) return tq::g_amx.load();
+  return tq::g_amx.exchange(mode == tq::INT8_AMX_EMULATED ? tq::INT8_AMX_EMULATED : mode ? tq::INT8_AMX_ON : tq::INT8_AMX_OFF);
+}
+// Whether this process may run the AMX int8 kernel (the CPU has AMX-INT8, Linux granted the tile state).
+TQ_API int tq_int8_amx_supported() { return tq::amx_int8_supported() ? 1 : 0; }

@@ -112,6 +112,21 @@ constexpr int64_t kInt8NarrowGemmMinM = 8;
 // are twice as wide, so the panels' unpacking weighs twice as much: at M = 16 4096^2 6.1 vs 3.5
 // ms, 1536 x 576 0.24 vs 0.21; at M = 64 16.5 vs 21.3 (dequantized tiles + GEMM), 0.72 vs 1.14.
 constexpr int64_t kInt8WeightGemmMinMAvx2 = 16, kInt8WeightGemmMinMAvx512 = 64;
+// The AMX GEMM form of the dynamic and static kernels (int8_amx_body.h): from kInt8AmxMinM rows
+// on CPUs with AMX-INT8 (and the AVX-512 ISA active), int8 x int8 tiles summed exactly in int32
+// (tdpbssd) on offset-0 codes: the same bits. INT8_AMX_EMULATED runs its body on emulated tiles
+// on any ISA (tests); TORCHQ_NATIVE_AMX=0 (at load) or tq_set_int8_amx turn it off.
+enum Int8Amx : int { INT8_AMX_OFF = 0, INT8_AMX_ON = 1, INT8_AMX_EMULATED = 2 };
+// From 8 rows (one Emerald Rapids core, bf16 activations, 20 distinct weights, AMX against the
+// VNNI kernels: 3072 x 576 M = 4 209 vs 168 us, M = 8 301 vs 327, M = 16 336 vs 474, M = 64 591
+// vs 1238, M = 256 1849 vs 4544; 576 x 1536 M = 16 280 vs 432, M = 256 1359 vs 2502).
+constexpr int64_t kInt8AmxMinM = 8;
+bool amx_int8_supported();          // the CPU has AMX-INT8 and Linux let this process use it (asked once)
+Int8RowsFn amx_int8_gemm_fn();      // null without AMX (or a compiler without its intrinsics)
+Int8RowsFn amx_int8_emulated_gemm_fn();
+// The AMX GEMM for this call's ISA and mode, or null.
+Int8RowsFn int8_amx_gemm();
+
 // kInt8Avx512 runs the VNNI dynamic kernel; an AVX-512 CPU without VNNI (or with
 // TORCHQ_NATIVE_VNNI=0) takes kInt8Avx2's dynamic kernel instead (cpu.cpp).
 extern const Int8Kernels kInt8Scalar, kInt8Avx2, kInt8Avx512;

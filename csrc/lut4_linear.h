@@ -114,6 +114,7 @@
 // kind), 4 copies each; xblk [M, K / block] sum_{j in b} a_j Q_j.
 #pragma once
 #include <stdint.h>
+#include <string.h>
 
 namespace tq {
 
@@ -172,6 +173,14 @@ static inline int lut4_decode_kind(const Lut4Params& p) {
 
 // Whether p's weight allows the lookup path (DECODE_LOOKUP, above): blocks of 32, plain fp32
 // scales, unrounded products and sums, no shifts.
+// Whether *v is 0, inf, NaN, or of magnitude >= the power of two whose fp32 bits are `tiny` (the
+// pair tables' and the dot path's guards against subnormal intermediates).
+static inline bool lut4_zero_or_not_below(const float* v, uint32_t tiny) {
+  uint32_t u;
+  memcpy(&u, v, sizeof u);
+  return ((u & 0x7FFFFFFFu) - 1u) >= tiny - 1u;
+}
+
 static inline bool lut4_lookup_allowed(const Lut4Params& p) {
   return p.block == 32 && p.absmax && !p.shifts && p.round_mul == ROUND_NONE && (!p.zeros || p.round_add == ROUND_NONE);
 }

@@ -22,11 +22,7 @@ struct Lut4Dot {
   static bool dot_safe(const float* v, int64_t count) {
     constexpr uint32_t kTiny = (127u - 59u) << 23;  // the bits of 2^-59
     bool ok = true;
-    for (int64_t i = 0; i < count; ++i) {
-      uint32_t u;
-      memcpy(&u, v + i, sizeof u);
-      ok &= ((u & 0x7FFFFFFFu) - 1u) >= kTiny - 1u;
-    }
+    for (int64_t i = 0; i < count; ++i) ok &= lut4_zero_or_not_below(v + i, kTiny);
     return ok;
   }
 
@@ -41,15 +37,9 @@ struct Lut4Dot {
     }
     a = _mm512_mul_ps(a, _mm512_set1_ps(p.absmax[i]));
     b = pair ? _mm512_mul_ps(b, _mm512_set1_ps(p.absmax[i + 1])) : zero;
-    I r = (I)_mm512_cvtne2ps_pbh(b, a);
-    if (p.zeros) {
-      const I spread_lo = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
-      const I spread_hi = _mm512_add_epi16(spread_lo, _mm512_set1_epi16(16));
-      a = _mm512_add_ps(_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread_lo, r)), _mm512_set1_ps(p.zeros[i]));
-      b = pair ? _mm512_add_ps(_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread_hi, r)), _mm512_set1_ps(p.zeros[i + 1])) : zero;
-      r = (I)_mm512_cvtne2ps_pbh(b, a);
-    }
-    return r;
+    const I r = (I)_mm512_cvtne2ps_pbh(b, a);
+    // without a pair, B's words are +0 and stay +0 plus +0
+    return p.zeros ? Avx512Bf16::plus_then_bf16(r, _mm512_set1_ps(p.zeros[i]), pair ? _mm512_set1_ps(p.zeros[i + 1]) : zero) : r;
   }
 
   // 32 packed bytes (blocks A, B: 16 each; B's may be zero) -> the 64 weights as bf16 from tab:

@@ -86,10 +86,8 @@ struct Lut4Kernel {
 
   // Whether v[0] and v[1] are each 0, NaN, or of magnitude >= 2^-100 (see Pairs).
   __attribute__((always_inline)) static bool pair_not_tiny(const float* v) {
-    uint32_t u[2];
-    memcpy(u, v, sizeof u);
     constexpr uint32_t kTiny = 27u << 23;  // the bits of 2^-100
-    return ((u[0] & 0x7FFFFFFFu) - 1u) >= kTiny - 1u && ((u[1] & 0x7FFFFFFFu) - 1u) >= kTiny - 1u;
+    return lut4_zero_or_not_below(v, kTiny) && lut4_zero_or_not_below(v + 1, kTiny);
   }
   __attribute__((always_inline)) static bool pair_integral(const float* v) { return v[0] == __builtin_truncf(v[0]) && v[1] == __builtin_truncf(v[1]); }
 

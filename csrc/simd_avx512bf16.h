@@ -22,6 +22,19 @@ struct Avx512Bf16 : Avx512 {
     return _mm512_castpd_ps(_mm512_set1_pd(d));
   }
 
+  // The zeros' step of the bf16 tables (lut4_bf16_table_pair, the dot path's): bf16 words 0..15 of
+  // r back to fp32 plus z_lo, words 16..31 plus z_hi, each lane rounded to bf16 again (nearest
+  // even; words 0..15 from the first sum, 16..31 from the second).
+  __attribute__((always_inline)) static I plus_then_bf16(I r, F z_lo, F z_hi) {
+    // word i of r to fp32 lane i (its high half), for words 0..15 and 16..31
+    const I spread_lo = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    const I spread_hi = _mm512_add_epi16(spread_lo, _mm512_set1_epi16(16));
+    const __mmask32 high_words = 0xAAAAAAAAu;
+    const F lo = _mm512_add_ps(_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(high_words, spread_lo, r)), z_lo);
+    const F hi = _mm512_add_ps(_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(high_words, spread_hi, r)), z_hi);
+    return (I)(_mm512_cvtne2ps_pbh(hi, lo));
+  }
+
   // The 16-entry tables of blocks A and B (adjacent: s2, sh2, z2 point at A's value, B's follows)
   // for weights R(R((codebook[c] + shift) * s) + z), R = round to bf16 (nearest even), as
   // Lut4Kernel::entries computes them. lo / hi: codebook entries 0..7 / 8..15, each twice, so that
@@ -38,16 +51,7 @@ struct Avx512Bf16 : Avx512 {
     }
     const F s = pair(s2);
     I r = (I)(_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s)));  // words: lo's lanes, hi's
-    if (z2) {
-      // word i of r back to fp32 lane i (its high half), for lo (words 0..15) and hi (16..31)
-      const I spread_lo = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
-      const I spread_hi = _mm512_add_epi16(spread_lo, _mm512_set1_epi16(16));
-      const __mmask32 high_words = 0xAAAAAAAAu;
-      const F z = pair(z2);
-      lo = _mm512_add_ps(_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(high_words, spread_lo, r)), z);
-      hi = _mm512_add_ps(_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(high_words, spread_hi, r)), z);
-      r = (I)(_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    if (z2) r = plus_then_bf16(r, pair(z2), pair(z2));
     a = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
     b = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }

@@ -13,6 +13,8 @@ else (and with ``TORCHQ_NATIVE_POOL=own``, and in a forked child) a small pool o
   ``TORCHQ_NATIVE_VNNI=0`` and ``TORCHQ_NATIVE_AVX512BF16=0`` turn off the optional AVX-512 kernels
   (int8 with VNNI; int4 tables with bf16 scales built by AVX512_BF16), so a CPU that has them also
   runs the paths of one that does not (``status().features`` lists those in use).
+  ``TORCHQ_NATIVE_AMX=0`` turns off the AMX GEMM form of the int8 dynamic / static kernels (from
+  8 rows on CPUs with AMX-INT8; ``library.int8_amx`` switches it within a block).
 * :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
 
 The loading, validation and call path (``NativeWeight``, ``run_linear`` ...) are in
@@ -45,7 +47,7 @@ class NativeStatus:
     isa: str | None  # the ISA in use
     supported_isa: str | None  # the widest the CPU has
     reason: str | None  # why it is not available
-    # optional kernels in use with the active ISA (FEATURE_NAMES: "avx512_vnni", "avx512_bf16";
+    # optional kernels in use with the active ISA (FEATURE_NAMES: "avx512_vnni", "avx512_bf16", "amx_int8";
     # TORCHQ_NATIVE_VNNI=0 / TORCHQ_NATIVE_AVX512BF16=0 turn them off at load)
     features: tuple[str, ...] = ()
 

@@ -32,15 +32,16 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "gemm_active", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "gemm_active", "int8_amx", "int8_amx_supported", "INT8_AMX_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
 ]
 
 ABI_VERSION = 7
 ISA_NAMES = ("scalar", "avx2", "avx512")
-# tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables (each also needs an
-# active AVX-512 ISA to run)
-FEATURE_NAMES = ("avx512_vnni", "avx512_bf16")
+# tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM
+# (each also needs an active AVX-512 ISA to run)
+FEATURE_NAMES = ("avx512_vnni", "avx512_bf16", "amx_int8")
+INT8_AMX_MODES = ("off", "on", "emulated")  # tq_set_int8_amx
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 # name -> (restype, argtypes) of every exported function
@@ -51,6 +52,8 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_features": (_c_int, []),  # bits of FEATURE_NAMES: the optional AVX-512 kernels in use
     "tq_set_isa": (_c_int, [_c_int]),
     "tq_set_lut4_paths": (_c_int, [_c_int]),  # Lut4Paths bits (negative: read)
+    "tq_set_int8_amx": (_c_int, [_c_int]),  # index into INT8_AMX_MODES (negative: read)
+    "tq_int8_amx_supported": (_c_int, []),
     "tq_gemm_active": (_c_int, [_c_int]),  # weight format
     "tq_dot_max_m": (_c_int, [_ptr, _c_int]),  # weight, x dtype: the most rows its bf16 dot path takes (0: none)
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
@@ -192,6 +195,30 @@ def lut4_paths(decode: bool = True, gemm: bool = True, lookup_any_isa: bool = Fa
         yield
     finally:
         _LIB.tq_set_lut4_paths(before)
+
+
+@contextlib.contextmanager
+def int8_amx(mode: str) -> Iterator[None]:
+    """Within the block (process-wide), the AMX GEMM form of the int8 dynamic and static kernels
+    (``csrc/int8_amx_body.h``, from 8 activation rows): ``"on"`` (the default, unless
+    ``TORCHQ_NATIVE_AMX=0``) uses it on CPUs with AMX-INT8 whose AVX-512 ISA is active, ``"off"``
+    never, ``"emulated"`` runs its body on emulated tiles on any CPU (for tests: the same bits)."""
+    if mode not in INT8_AMX_MODES:
+        raise ValueError(f"mode: expected one of {INT8_AMX_MODES}, got {mode!r}")
+    if _LIB is None:
+        yield
+        return
+    before = _LIB.tq_set_int8_amx(INT8_AMX_MODES.index(mode))
+    try:
+        yield
+    finally:
+        _LIB.tq_set_int8_amx(before)
+
+
+def int8_amx_supported() -> bool:
+    """Whether this process runs the AMX int8 GEMM: the CPU has AMX-INT8 and Linux granted the tile
+    state (asked once, by the library)."""
+    return _LIB is not None and bool(_LIB.tq_int8_amx_supported())
 
 
 def lut4_gemm_active() -> bool:

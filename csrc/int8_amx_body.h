@@ -1,0 +1,131 @@
+// The int8 x int8 GEMM on tiles (AMX's tdpbssd, or its emulation) for the dynamic and static int8
+// kernels' many-row calls, written once over a Tiles trait (int8_amx.cpp: the AMX instructions;
+// int8_amx_emulated.cpp: the same operations in portable C++, which tests run on every machine).
+//
+// Operands (tdpbssd: C[16 x 16 int32] += A[16 x 64 int8] . B[16 x 64 int8 as 16 x 16 quads]):
+//  * A: 16 weight rows x 64 positions of p.w, loaded in place (row stride K) where all 16 rows and
+//    64 positions exist; else (a panel's partial last step, the last panel's missing rows) the
+//    rows are copied into a zeroed 16 x 64 scratch first, so positions past K weigh 0 (the
+//    activation codes are padded with z there, the static format's zero point);
+//  * B: per 16 activation rows and 64-position step, row q holds positions 4q .. 4q + 3 of the 16
+//    rows, 4 bytes each (pack_activations, from p.xq: offset-0 codes);
+//  * C[t][r]: the exact int32 sum sum_k w[n + t, k] x_q[m + r, k] (|sum| < 2^31 for K < 2^17:
+//    127 * 128 * K).
+// Output: out[m, n] = (float(sum - z * row_sums[n]) * xs[m]) * scale[n], the subtraction modulo
+// 2^32 as the other GEMM forms (exact while kInt8StaticGemmMaxK bounds K), the same bits as the
+// reference (int8_linear.h).
+#pragma once
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <type_traits>
+
+#include "int8_linear.h"
+
+namespace tq {
+namespace {
+
+constexpr int kAmxTile = 16;  // weight rows per A tile, activation rows per B tile
+constexpr int kAmxStep = 64;  // positions per tile step
+constexpr int kAmxCTiles = 4;  // C tiles per pass over a panel: 64 activation rows (tiles 0..3; A is 4, B 5)
+constexpr int64_t kAmxTileBytes = kAmxTile * 64;
+
+// The B tiles of all M activation rows: block i (rows 16 i ..), step s at b + (i * steps + s) *
+// 1024; rows past M are zero.
+inline void pack_activations(const Int8Params& p, int8_t* b) {
+  const int64_t steps = p.Kp / kAmxStep, blocks = (p.M + kAmxTile - 1) / kAmxTile;
+  for (int64_t i = 0; i < blocks; ++i)
+    for (int64_t s = 0; s < steps; ++s) {
+      int8_t* dst = b + (i * steps + s) * kAmxTileBytes;
+      for (int r = 0; r < kAmxTile; ++r) {
+        const int64_t m = i * kAmxTile + r;
+        for (int q = 0; q < kAmxTile; ++q) {
+          if (m < p.M) memcpy(dst + q * 64 + 4 * r, p.xq + m * p.Kp + s * kAmxStep + 4 * q, 4);
+          else memset(dst + q * 64 + 4 * r, 0, 4);
+        }
+      }
+    }
+}
+
+// Calls f(std::integral_constant<int, i>) for i in [0, count), count <= kAmxCTiles (tile numbers
+// are immediates of the AMX instructions).
+template <class Fn>
+__attribute__((always_inline)) inline void for_c_tiles(int count, Fn&& f) {
+  f(std::integral_constant<int, 0>{});
+  if (count > 1) f(std::integral_constant<int, 1>{});
+  if (count > 2) f(std::integral_constant<int, 2>{});
+  if (count > 3) f(std::integral_constant<int, 3>{});
+}
+
+// Output rows [n0, n1) (whole panels of 16 but the call's last) for all p.M activation rows.
+// fallback(p, n0, n1): a row kernel that reads p.xq, for a failed scratch allocation.
+template <class Tiles>
+void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallback) {
+  const int64_t K = p.K, N = p.N, M = p.M, steps = p.Kp / kAmxStep, blocks = (M + kAmxTile - 1) / kAmxTile;
+  int8_t* b = static_cast<int8_t*>(aligned_alloc(64, static_cast<size_t>(blocks * steps) * kAmxTileBytes));
+  if (!b) {
+    fallback(p, n0, n1);
+    return;
+  }
+  pack_activations(p, b);
+  alignas(64) int32_t c[kAmxTile][kAmxTile];
+  alignas(64) float o[kAmxTile][kAmxTile], xs[kAmxTile];  // a C tile's outputs (transposed), its rows' scales
+  alignas(64) int8_t edge[kAmxTile][64];  // a weight tile that would read past the buffer
+  int32_t correction[kAmxTile];
+  float scale[kAmxTile];
+  Tiles::configure();
+  for (int64_t n = n0; n < n1; n += kAmxTile) {
+    const int64_t cols = n1 - n < kAmxTile ? n1 - n : kAmxTile;
+    for (int64_t t = 0; t < kAmxTile; ++t) {  // modulo 2^32, as the int32 sums
+      correction[t] = p.row_sums && t < cols
+                          ? static_cast<int32_t>(static_cast<uint32_t>(p.zero_point) * static_cast<uint32_t>(p.row_sums[n + t]))
+                          : 0;
+      scale[t] = t < cols ? p.scale[n + t] : 0.0f;
+    }
+    // the weight tile of step s: in place, or (a partial step or panel) copied into edge
+    auto load_weights = [&](int64_t s) __attribute__((always_inline)) {
+      const int64_t k0 = s * kAmxStep;
+      if (cols == kAmxTile && k0 + kAmxStep <= K) {
+        Tiles::template load<4>(p.w + n * K + k0, K);
+        return;
+      }
+      memset(edge, 0, sizeof edge);
+      const int64_t len = K - k0 < kAmxStep ? K - k0 : kAmxStep;
+      for (int64_t t = 0; t < cols; ++t) memcpy(edge[t], p.w + (n + t) * K + k0, static_cast<size_t>(len));
+      Tiles::template load<4>(&edge[0][0], 64);
+    };
+    for (int64_t i0 = 0; i0 < blocks; i0 += kAmxCTiles) {
+      const int tiles = blocks - i0 < kAmxCTiles ? static_cast<int>(blocks - i0) : kAmxCTiles;
+      for_c_tiles(tiles, [&](auto i) { Tiles::template zero<decltype(i)::value>(); });
+      for (int64_t s = 0; s < steps; ++s) {
+        load_weights(s);
+        for_c_tiles(tiles, [&](auto i) {
+          constexpr int I = decltype(i)::value;
+          Tiles::template load<5>(b + ((i0 + I) * steps + s) * kAmxTileBytes, 64);
+          Tiles::template dot<I, 4, 5>();
+        });
+      }
+      for_c_tiles(tiles, [&](auto i) {
+        constexpr int I = decltype(i)::value;
+        Tiles::template store<I>(&c[0][0], kAmxTile * sizeof(int32_t));
+        const int64_t first = (i0 + I) * kAmxTile, rows = M - first < kAmxTile ? M - first : kAmxTile;
+        for (int r = 0; r < kAmxTile; ++r) xs[r] = r < rows ? p.xs[first + r] : 0.0f;
+        for (int t = 0; t < kAmxTile; ++t)  // along the activation rows of c[t]: vectorizes
+          for (int r = 0; r < kAmxTile; ++r) {
+            const int32_t v = static_cast<int32_t>(static_cast<uint32_t>(c[t][r]) - static_cast<uint32_t>(correction[t]));
+            o[t][r] = (static_cast<float>(v) * xs[r]) * scale[t];
+          }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* out = p.out + (first + r) * N + n;
+          for (int64_t t = 0; t < cols; ++t) out[t] = o[t][r];
+        }
+      });
+    }
+  }
+  Tiles::release();
+  free(b);
+}
+
+}  // namespace
+}  // namespace tq

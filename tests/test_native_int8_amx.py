@@ -1,0 +1,125 @@
+"""The AMX GEMM form of the native int8 dynamic and static kernels (``csrc/int8_amx_body.h``).
+
+From 8 activation rows on CPUs with AMX-INT8, int8 x int8 tiles (``tdpbssd``) sum the products
+exactly in int32: the outputs must be the reference's bits, as on every other path. Its body runs
+here twice: on emulated tiles (``library.int8_amx("emulated")``, every machine, CI's AVX2-only
+ones included) and on the AMX instructions where this CPU has them (skipped elsewhere). Shapes
+cover partial 64-position steps, partial 16-row weight panels (the copied edge tiles), partial
+16-row activation tiles and more than four of them (several passes over a panel), one and two
+threads (panels split between them), zero points, ±inf / NaN rows and every activation dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_native_blockwise import NATIVE, needs_native
+from test_native_int8_static import QCASES, activations, assert_same_bits, ref, weight
+
+from torchq import native
+from torchq.backends.native_cpu import library
+from torchq.ops.int8 import int8_dynamic_linear, int8_static_linear
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+MS = [8, 15, 16, 17, 63, 64, 65, 130]
+SHAPES = [(1, 17), (64, 16), (100, 33), (576, 40), (130, 1), (4099, 19)]  # (K, N)
+HARDWARE = NATIVE and library.int8_amx_supported()
+
+
+@pytest.fixture(params=["emulated", "hardware"])
+def amx(request):
+    """The AMX mode for one test: its body on emulated tiles, or on AMX (where the CPU has it)."""
+    if request.param == "hardware":
+        if not HARDWARE:
+            pytest.skip("no AMX-INT8 on this CPU (or Linux refused it)")
+        saved = native.status().isa
+        native.set_isa("avx512")
+        with library.int8_amx("on"):
+            yield request.param
+        native.set_isa(saved)
+    else:
+        with library.int8_amx("emulated"):
+            yield request.param
+
+
+def dynamic_reference(x, codes, scale, qmin=-127, qmax=127, bias=None):
+    with native.disabled():
+        return int8_dynamic_linear(x, codes, scale, qmin, qmax, 1e-5, bias)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("m", MS)
+def test_dynamic_is_bit_equal_to_the_reference(amx, threads, m):
+    for i, (k, n) in enumerate(SHAPES):
+        codes, scale = weight(n, k, seed=i)
+        for dtype in FLOATS:
+            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + i)) * 3).to(dtype)
+            bias = torch.randn(n).to(dtype)
+            y = int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5, bias)
+            assert_same_bits(y, dynamic_reference(x, codes, scale, bias=bias), (amx, m, k, n, dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("m", [8, 33, 70])
+def test_static_with_zero_points_is_bit_equal(amx, m):
+    """Static activations pad their codes with the zero point past K: the edge tiles' zero weights
+    must cancel them; the zero point's correction z * rowsum(w) is subtracted modulo 2^32."""
+    for i, (k, n) in enumerate(SHAPES[:5]):
+        codes, scale = weight(n, k, seed=i)
+        for j, (z, qmin, qmax) in enumerate(QCASES):
+            s = (0.03, 0.25, 1e5, 0.5)[(i + j) % 4]
+            for dtype in FLOATS:
+                x = activations(m, k, dtype, s, seed=i + j)
+                y = int8_static_linear(x, codes, scale, s, z, qmin, qmax)
+                assert_same_bits(y, ref(x, codes, scale, s, z, qmin, qmax), (amx, m, k, n, z, qmin, qmax, s, dtype))
+
+
+@needs_native
+def test_non_finite_rows_match_the_reference(amx):
+    codes, scale = weight(21, 100, seed=5)
+    x = torch.randn(40, 100)
+    x[1, 5] = float("nan")
+    x[17, 7] = float("inf")
+    x[39, 0] = -float("inf")
+    y, expected = int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5), dynamic_reference(x, codes, scale)
+    assert_same_bits(y, expected)
+
+
+@needs_native
+def test_below_eight_rows_and_with_the_gemm_forms_off_it_does_not_run():
+    """Under 8 rows (or with the GEMM switch off) the VNNI / AVX2 row kernels serve the call: a
+    broken tile would not show there, so the emulated body is swapped in and the bits compared."""
+    codes, scale = weight(33, 100, seed=2)
+    for m in (1, 7, 8):
+        x = torch.randn(m, 100)
+        expected = dynamic_reference(x, codes, scale)
+        with library.int8_amx("emulated"):
+            assert_same_bits(int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5), expected)
+            with library.lut4_paths(gemm=False):
+                assert_same_bits(int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5), expected)
+
+
+@needs_native
+def test_the_mode_switch_checks_its_argument():
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        with library.int8_amx("fast"):
+            pass
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(1, 300), m=st.integers(8, 80), dtype=st.sampled_from(FLOATS),
+       qcase=st.sampled_from(QCASES + [None]), seed=st.integers(0, 2**16))
+def test_random_shapes_on_emulated_tiles(n, k, m, dtype, qcase, seed):
+    codes, scale = weight(n, k, seed=seed)
+    with library.int8_amx("emulated"):
+        if qcase is None:
+            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 5).to(dtype)
+            assert_same_bits(int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5), dynamic_reference(x, codes, scale))
+        else:
+            z, qmin, qmax = qcase
+            x = activations(m, k, dtype, 0.25, seed=seed)
+            assert_same_bits(int8_static_linear(x, codes, scale, 0.25, z, qmin, qmax), ref(x, codes, scale, 0.25, z, qmin, qmax))
