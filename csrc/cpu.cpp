@@ -2,6 +2,11 @@
 // kernel table of the active ISA (kernels.h).
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <atomic>
 
@@ -81,6 +86,24 @@ std::atomic<const KernelTable*> g_active{&g_tables.by_isa[from_environment(g_sup
 
 const KernelTable& kernels() { return *g_active.load(std::memory_order_relaxed); }
 
+// CPUID leaf 7's AMX-TILE and AMX-INT8 bits, then Linux's permission for the tile data state
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without it AMX instructions raise SIGILL.
+// Compiled without target flags: it runs on every CPU.
+bool amx_int8_supported() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!kInt8AmxGemm || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 int active_isa() { return kernels().isa; }
 
 }  // namespace tq
@@ -89,11 +112,11 @@ TQ_API int tq_abi_version() { return TQ_ABI_VERSION; }
 TQ_API int tq_supported_isa() { return tq::g_supported; }
 // The optional kernels the AVX-512 table uses (fixed at load): bit 0 the int8 VNNI kernels
 // (TORCHQ_NATIVE_VNNI), bit 1 the lut4 bf16 pair tables (TORCHQ_NATIVE_AVX512BF16), bit 2 the AMX
-// int8 GEMM (the CPU has it and Linux granted it; tq_set_int8_amx switches it).
+// int8 GEMM (the CPU has it, Linux granted it and tq_set_int8_amx leaves it on).
 TQ_API int tq_features() {
   const tq::KernelTable& t = tq::g_tables.by_isa[tq::ISA_AVX512];
   return (t.int8.dynamic_rows != tq::kInt8Avx2.dynamic_rows ? 1 : 0) | (t.lut4.rows_bf16 ? 2 : 0) |
-         (tq::amx_int8_supported() ? 4 : 0);
+         (tq::kInt8AmxGemm && tq::int8_amx_gemm() == tq::kInt8AmxGemm ? 4 : 0);
 }
 TQ_API int tq_active_isa() { return tq::active_isa(); }
 // Use at most `isa` (clamped to what the CPU supports); returns the ISA now active.

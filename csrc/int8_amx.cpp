@@ -1,25 +1,21 @@
 // The int8 GEMM on AMX tiles (tdpbssd; int8_amx_body.h) for CPUs with AMX-INT8 (Sapphire Rapids
-// and later), and the AMX permission: Linux lets a process run AMX instructions only after it
-// asks for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM), which amx_int8_supported() does
-// once. Built only by compilers with the AMX intrinsics (GCC 11, clang 12); else the CPU is
-// treated as having no AMX. Linkage: as lut4_linear_avx2.cpp (everything internal but the
-// exported functions).
-#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12)
-#define TQ_HAVE_AMX 1
-#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+// and later). This unit compiles with AMX and AVX-512 flags, so it exports only data (the kernel's
+// address): the detection and Linux's permission, which run on every CPU, live in cpu.cpp.
+// Built only by x86-64 compilers with the AMX intrinsics (GCC 11, clang 12); else kInt8AmxGemm
+// is null and the CPU is treated as having no AMX. Linkage: as lut4_linear_avx2.cpp.
 #include "common.h"
+#include "int8_linear.h"
+
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")
+#include <immintrin.h>
+
 #include "int8_amx_body.h"
 
 namespace tq {
 namespace {
 
-#ifdef TQ_HAVE_AMX
 // Tile configuration (palette 1): tiles 0..5 of 16 rows x 64 bytes (C 0..3, A 4, B 5).
 struct AmxTiles {
   static void configure() {
@@ -50,33 +46,13 @@ struct AmxTiles {
 
 void gemm(const Int8Params& p, int64_t n0, int64_t n1) { amx_int8_gemm<AmxTiles>(p, n0, n1, kInt8Scalar.dynamic_rows); }
 
-bool detect_and_ask() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), int8 = d & (1u << 25);
-  if (!tile || !int8) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-}
-#endif
-
 }  // namespace
 
-bool amx_int8_supported() {
-#ifdef TQ_HAVE_AMX
-  static const bool ok = detect_and_ask();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-Int8RowsFn amx_int8_gemm_fn() {
-#ifdef TQ_HAVE_AMX
-  return amx_int8_supported() ? &gemm : nullptr;
-#else
-  return nullptr;
-#endif
-}
+extern const Int8RowsFn kInt8AmxGemm = &gemm;
 
 }  // namespace tq
+#else
+namespace tq {
+extern const Int8RowsFn kInt8AmxGemm = nullptr;
+}  // namespace tq
+#endif

@@ -9,8 +9,8 @@
 //    activation codes are padded with z there, the static format's zero point);
 //  * B: per 16 activation rows and 64-position step, row q holds positions 4q .. 4q + 3 of the 16
 //    rows, 4 bytes each (pack_activations, from p.xq: offset-0 codes);
-//  * C[t][r]: the exact int32 sum sum_k w[n + t, k] x_q[m + r, k] (|sum| < 2^31 for K < 2^17:
-//    127 * 128 * K).
+//  * C[t][r]: the int32 sum sum_k w[n + t, k] x_q[m + r, k], exact while |sum| < 2^31 (K < 2^17
+//    guarantees it: 127 * 128 * K); beyond, it wraps modulo 2^32 as the other forms' sums do.
 // Output: out[m, n] = (float(sum - z * row_sums[n]) * xs[m]) * scale[n], the subtraction modulo
 // 2^32 as the other GEMM forms (exact while kInt8StaticGemmMaxK bounds K), the same bits as the
 // reference (int8_linear.h).
@@ -31,7 +31,7 @@ constexpr int kAmxStep = 64;  // positions per tile step
 constexpr int kAmxCTiles = 4;  // C tiles per pass over a panel: 64 activation rows (tiles 0..3; A is 4, B 5)
 constexpr int64_t kAmxTileBytes = kAmxTile * 64;
 
-// The B tiles of all M activation rows: block i (rows 16 i ..), step s at b + (i * steps + s) *
+// The B tiles of all M activation rows (each thread's range packs its own copy: M x Kp bytes): block i (rows 16 i ..), step s at b + (i * steps + s) *
 // 1024; rows past M are zero.
 inline void pack_activations(const Int8Params& p, int8_t* b) {
   const int64_t steps = p.Kp / kAmxStep, blocks = (p.M + kAmxTile - 1) / kAmxTile;

@@ -49,6 +49,6 @@ void gemm(const Int8Params& p, int64_t n0, int64_t n1) { amx_int8_gemm<EmulatedT
 
 }  // namespace
 
-Int8RowsFn amx_int8_emulated_gemm_fn() { return &gemm; }
+extern const Int8RowsFn kInt8AmxEmulatedGemm = &gemm;
 
 }  // namespace tq

@@ -30,11 +30,13 @@ void run_rows(void* ctx, int64_t n0, int64_t n1) {
   j.rows(j.p, n0, n1);
 }
 
-// The AMX mode (Int8Amx): on unless TORCHQ_NATIVE_AMX=0 at load; tq_set_int8_amx sets it.
+// The AMX mode (Int8Amx): on unless TORCHQ_NATIVE_AMX=0 at load; tq_set_int8_amx sets it. The
+// calls that took the AMX form (either mode), for tests: tq_int8_amx_calls.
 std::atomic<int> g_amx{[] {
   const char* s = getenv("TORCHQ_NATIVE_AMX");
   return s && strcmp(s, "0") == 0 ? INT8_AMX_OFF : INT8_AMX_ON;
 }()};
+std::atomic<int64_t> g_amx_calls{0};
 
 struct QuantJob {
   Int8QuantizeFn quantize;
@@ -122,6 +124,7 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const bool correct = is_static && w.act_zero_point != 0;
   const bool gemm_allowed = (lut4_paths() & LUT4_GEMM) && !(correct && K > kInt8StaticGemmMaxK);  // the int32 correction could wrap
   const Int8RowsFn amx = gemm_allowed && M >= kInt8AmxMinM ? int8_amx_gemm() : nullptr;
+  if (amx) g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   // Narrow kernels from kInt8NarrowGemmMinM rows only: below, the row sums they need cost as much
   // as the sign trick they save.
   const bool narrow = !amx && qmin >= kNarrowMin && qmax <= kNarrowMax && kern.narrow_rows && M >= kInt8NarrowGemmMinM;
@@ -182,8 +185,8 @@ int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
 
 Int8RowsFn int8_amx_gemm() {
   const int mode = g_amx.load(std::memory_order_relaxed);
-  if (mode == INT8_AMX_EMULATED) return amx_int8_emulated_gemm_fn();
-  return mode == INT8_AMX_ON && active_isa() == ISA_AVX512 ? amx_int8_gemm_fn() : nullptr;
+  if (mode == INT8_AMX_EMULATED) return kInt8AmxEmulatedGemm;
+  return mode == INT8_AMX_ON && active_isa() == ISA_AVX512 && amx_int8_supported() ? kInt8AmxGemm : nullptr;
 }
 
 bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().int8.weight_gemm; }
@@ -198,11 +201,15 @@ int int8_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool 
 
 }  // namespace tq
 
-// The AMX mode (tq::Int8Amx; negative: read); returns the mode before. INT8_AMX_ON where the CPU
-// has no AMX (or refuses it) leaves the VNNI / AVX2 kernels serving every call.
+// The AMX mode (tq::Int8Amx; negative: read); returns the mode before, or -1 (unchanged) for a
+// mode that is not one. INT8_AMX_ON where the CPU has no AMX (or Linux refuses it) leaves the
+// VNNI / AVX2 kernels serving every call.
 TQ_API int tq_set_int8_amx(int mode) {
   if (mode < 0) return tq::g_amx.load();
-  return tq::g_amx.exchange(mode == tq::INT8_AMX_EMULATED ? tq::INT8_AMX_EMULATED : mode ? tq::INT8_AMX_ON : tq::INT8_AMX_OFF);
+  if (mode > tq::INT8_AMX_EMULATED) return -1;
+  return tq::g_amx.exchange(mode);
 }
+// How many calls have taken the AMX form (on AMX or emulated tiles) since the library loaded.
+TQ_API int64_t tq_int8_amx_calls() { return tq::g_amx_calls.load(); }
 // Whether this process may run the AMX int8 kernel (the CPU has AMX-INT8, Linux granted the tile state).
 TQ_API int tq_int8_amx_supported() { return tq::amx_int8_supported() ? 1 : 0; }

@@ -121,9 +121,11 @@ enum Int8Amx : int { INT8_AMX_OFF = 0, INT8_AMX_ON = 1, INT8_AMX_EMULATED = 2 };
 // VNNI kernels: 3072 x 576 M = 4 209 vs 168 us, M = 8 301 vs 327, M = 16 336 vs 474, M = 64 591
 // vs 1238, M = 256 1849 vs 4544; 576 x 1536 M = 16 280 vs 432, M = 256 1359 vs 2502).
 constexpr int64_t kInt8AmxMinM = 8;
-bool amx_int8_supported();          // the CPU has AMX-INT8 and Linux let this process use it (asked once)
-Int8RowsFn amx_int8_gemm_fn();      // null without AMX (or a compiler without its intrinsics)
-Int8RowsFn amx_int8_emulated_gemm_fn();
+// The AMX unit's kernel (null where the compiler lacks the intrinsics) and the emulated one.
+extern const Int8RowsFn kInt8AmxGemm, kInt8AmxEmulatedGemm;
+// Whether the CPU has AMX-INT8, the kernel was built and Linux let this process use the tiles
+// (cpu.cpp: asked once, at the first call).
+bool amx_int8_supported();
 // The AMX GEMM for this call's ISA and mode, or null.
 Int8RowsFn int8_amx_gemm();
 

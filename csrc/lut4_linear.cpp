@@ -70,7 +70,7 @@ int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
     *fn = ks.lookup;
     return DECODE_LOOKUP;
   }
-  if (!(lut4_paths() & LUT4_DECODE) || p.M > kLut4DecodeMaxM || !ks.decode) return DECODE_NONE;
+  if (!(paths & LUT4_DECODE) || p.M > kLut4DecodeMaxM || !ks.decode) return DECODE_NONE;
   const int kind = lut4_decode_kind(p);
   if (kind == DECODE_NONE) return DECODE_NONE;
   if (p.K % (8 * ks.decode_lanes) == 0) {

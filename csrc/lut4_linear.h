@@ -171,8 +171,6 @@ static inline int lut4_decode_kind(const Lut4Params& p) {
   return p.shifts || p.zeros ? DECODE_NONE : DECODE_CODEBOOK;
 }
 
-// Whether p's weight allows the lookup path (DECODE_LOOKUP, above): blocks of 32, plain fp32
-// scales, unrounded products and sums, no shifts.
 // Whether *v is 0, inf, NaN, or of magnitude >= the power of two whose fp32 bits are `tiny` (the
 // pair tables' and the dot path's guards against subnormal intermediates).
 static inline bool lut4_zero_or_not_below(const float* v, uint32_t tiny) {
@@ -181,6 +179,8 @@ static inline bool lut4_zero_or_not_below(const float* v, uint32_t tiny) {
   return ((u & 0x7FFFFFFFu) - 1u) >= tiny - 1u;
 }
 
+// Whether p's weight allows the lookup path (DECODE_LOOKUP, above): blocks of 32, plain fp32
+// scales, unrounded products and sums, no shifts.
 static inline bool lut4_lookup_allowed(const Lut4Params& p) {
   return p.block == 32 && p.absmax && !p.shifts && p.round_mul == ROUND_NONE && (!p.zeros || p.round_add == ROUND_NONE);
 }

@@ -3,7 +3,9 @@
 From 8 activation rows on CPUs with AMX-INT8, int8 x int8 tiles (``tdpbssd``) sum the products
 exactly in int32: the outputs must be the reference's bits, as on every other path. Its body runs
 here twice: on emulated tiles (``library.int8_amx("emulated")``, every machine, CI's AVX2-only
-ones included) and on the AMX instructions where this CPU has them (skipped elsewhere). Shapes
+ones included) and on the AMX instructions where this CPU has them (skipped elsewhere); a call
+counter shows which ran. The same cases with the form off run the VNNI / AVX2 GEMM forms, which
+AMX machines otherwise no longer reach from 8 rows. Shapes
 cover partial 64-position steps, partial 16-row weight panels (the copied edge tiles), partial
 16-row activation tiles and more than four of them (several passes over a panel), one and two
 threads (panels split between them), zero points, ±inf / NaN rows and every activation dtype.
@@ -16,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_native_blockwise import NATIVE, needs_native
+from test_native_int import dynamic_reference
 from test_native_int8_static import QCASES, activations, assert_same_bits, ref, weight
 
 from torchq import native
@@ -28,25 +31,23 @@ SHAPES = [(1, 17), (64, 16), (100, 33), (576, 40), (130, 1), (4099, 19)]  # (K, 
 HARDWARE = NATIVE and library.int8_amx_supported()
 
 
-@pytest.fixture(params=["emulated", "hardware"])
+@pytest.fixture(params=["emulated", "hardware", "off"])
 def amx(request):
-    """The AMX mode for one test: its body on emulated tiles, or on AMX (where the CPU has it)."""
+    """The AMX mode for one test: its body on emulated tiles, on AMX (where the CPU has it), or
+    off (the other GEMM forms). After the test, the calls from 8 rows must have taken the AMX form
+    exactly when it was on."""
+    saved = native.status().isa
     if request.param == "hardware":
-        if not HARDWARE:
-            pytest.skip("no AMX-INT8 on this CPU (or Linux refused it)")
-        saved = native.status().isa
         native.set_isa("avx512")
-        with library.int8_amx("on"):
-            yield request.param
-        native.set_isa(saved)
-    else:
-        with library.int8_amx("emulated"):
-            yield request.param
-
-
-def dynamic_reference(x, codes, scale, qmin=-127, qmax=127, bias=None):
-    with native.disabled():
-        return int8_dynamic_linear(x, codes, scale, qmin, qmax, 1e-5, bias)
+        if not HARDWARE or native.status().isa != "avx512":
+            native.set_isa(saved)
+            pytest.skip("no AMX-INT8 on this CPU (or Linux refused it, or the AVX-512 ISA is capped)")
+    before = library.int8_amx_calls()
+    with library.int8_amx({"emulated": "emulated", "hardware": "on", "off": "off"}[request.param]):
+        yield request.param
+    native.set_isa(saved)
+    ran = library.int8_amx_calls() - before
+    assert (ran > 0) == (request.param != "off"), (request.param, ran)
 
 
 @needs_native
@@ -89,17 +90,17 @@ def test_non_finite_rows_match_the_reference(amx):
 
 
 @needs_native
-def test_below_eight_rows_and_with_the_gemm_forms_off_it_does_not_run():
-    """Under 8 rows (or with the GEMM switch off) the VNNI / AVX2 row kernels serve the call: a
-    broken tile would not show there, so the emulated body is swapped in and the bits compared."""
+def test_it_runs_from_eight_rows_and_under_the_gemm_switch():
+    """From 8 rows only, and not with the GEMM forms switched off (the call counter says which
+    path ran); the bits are the reference's either way."""
     codes, scale = weight(33, 100, seed=2)
-    for m in (1, 7, 8):
+    for m, gemm, takes_amx in ((1, True, False), (7, True, False), (8, True, True), (40, True, True), (40, False, False)):
         x = torch.randn(m, 100)
         expected = dynamic_reference(x, codes, scale)
-        with library.int8_amx("emulated"):
+        with library.int8_amx("emulated"), library.lut4_paths(gemm=gemm):
+            before = library.int8_amx_calls()
             assert_same_bits(int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5), expected)
-            with library.lut4_paths(gemm=False):
-                assert_same_bits(int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5), expected)
+            assert (library.int8_amx_calls() > before) == takes_amx, (m, gemm)
 
 
 @needs_native
@@ -107,6 +108,7 @@ def test_the_mode_switch_checks_its_argument():
     with pytest.raises(ValueError, match="mode: expected one of"):
         with library.int8_amx("fast"):
             pass
+    assert library.library().tq_set_int8_amx(7) == -1  # the C entry refuses it too, unchanged
 
 
 @needs_native

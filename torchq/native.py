@@ -48,7 +48,8 @@ class NativeStatus:
     supported_isa: str | None  # the widest the CPU has
     reason: str | None  # why it is not available
     # optional kernels in use with the active ISA (FEATURE_NAMES: "avx512_vnni", "avx512_bf16", "amx_int8";
-    # TORCHQ_NATIVE_VNNI=0 / TORCHQ_NATIVE_AVX512BF16=0 turn them off at load)
+    # TORCHQ_NATIVE_VNNI=0 / TORCHQ_NATIVE_AVX512BF16=0 turn them off at load, TORCHQ_NATIVE_AMX=0 or
+    # library.int8_amx the last)
     features: tuple[str, ...] = ()
 
     def __str__(self) -> str:

@@ -32,7 +32,7 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "gemm_active", "int8_amx", "int8_amx_supported", "INT8_AMX_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
 ]
 
@@ -54,6 +54,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_set_lut4_paths": (_c_int, [_c_int]),  # Lut4Paths bits (negative: read)
     "tq_set_int8_amx": (_c_int, [_c_int]),  # index into INT8_AMX_MODES (negative: read)
     "tq_int8_amx_supported": (_c_int, []),
+    "tq_int8_amx_calls": (_c_int64, []),
     "tq_gemm_active": (_c_int, [_c_int]),  # weight format
     "tq_dot_max_m": (_c_int, [_ptr, _c_int]),  # weight, x dtype: the most rows its bf16 dot path takes (0: none)
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
@@ -184,7 +185,8 @@ def lut4_paths(decode: bool = True, gemm: bool = True, lookup_any_isa: bool = Fa
     M = 1 int4 g32 with fp32 scales, and the AVX512_BF16 bf16 dot path, 2-16 bf16 rows) and GEMM
     (M >= 64) paths (see csrc/lut4_linear.h) within the block, process-wide: for tests and benchmarks
     that compare them with the table and panel paths (and tiles). ``gemm`` also switches the GEMM
-    forms of the int8-activation 4-bit kernel (M > 8) and of the int8 dynamic kernel (M >= 32).
+    forms of the int8-activation 4-bit kernel (M > 8) and of the int8 dynamic and static kernels
+    (M >= 32 on AVX2, 8 with VNNI, and their AMX form from 8: :func:`int8_amx`).
     ``lookup_any_isa`` (with ``decode``) sends the lookup path's calls to it on AVX2 too, where the
     affine decode path is faster: tests run its body on machines without AVX-512."""
     if _LIB is None:
@@ -202,7 +204,8 @@ def int8_amx(mode: str) -> Iterator[None]:
     """Within the block (process-wide), the AMX GEMM form of the int8 dynamic and static kernels
     (``csrc/int8_amx_body.h``, from 8 activation rows): ``"on"`` (the default, unless
     ``TORCHQ_NATIVE_AMX=0``) uses it on CPUs with AMX-INT8 whose AVX-512 ISA is active, ``"off"``
-    never, ``"emulated"`` runs its body on emulated tiles on any CPU (for tests: the same bits)."""
+    never, ``"emulated"`` runs its body on emulated tiles on any CPU (for tests: the same bits).
+    ``lut4_paths(gemm=False)`` turns it off with the other GEMM forms."""
     if mode not in INT8_AMX_MODES:
         raise ValueError(f"mode: expected one of {INT8_AMX_MODES}, got {mode!r}")
     if _LIB is None:
@@ -213,6 +216,12 @@ def int8_amx(mode: str) -> Iterator[None]:
         yield
     finally:
         _LIB.tq_set_int8_amx(before)
+
+
+def int8_amx_calls() -> int:
+    """How many int8 dynamic / static calls have taken the AMX form (AMX or emulated tiles) since
+    the library loaded (for tests: which path ran)."""
+    return 0 if _LIB is None else int(_LIB.tq_int8_amx_calls())
 
 
 def int8_amx_supported() -> bool:
