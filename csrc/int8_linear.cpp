@@ -31,7 +31,7 @@ void run_rows(void* ctx, int64_t n0, int64_t n1) {
 }
 
 // The AMX mode (Int8Amx): on unless TORCHQ_NATIVE_AMX=0 at load; tq_set_int8_amx sets it. The
-// calls that took the AMX form (either mode), for tests: tq_int8_amx_calls.
+// calls that took the AMX form (either mode), for tests: tq_amx_int8_calls.
 std::atomic<int> g_amx{[] {
   const char* s = getenv("TORCHQ_NATIVE_AMX");
   return s && strcmp(s, "0") == 0 ? INT8_AMX_OFF : INT8_AMX_ON;
@@ -210,6 +210,6 @@ TQ_API int tq_set_int8_amx(int mode) {
   return tq::g_amx.exchange(mode);
 }
 // How many calls have taken the AMX form (on AMX or emulated tiles) since the library loaded.
-TQ_API int64_t tq_int8_amx_calls() { return tq::g_amx_calls.load(); }
+TQ_API int64_t tq_amx_int8_calls() { return tq::g_amx_calls.load(); }
 // Whether this process may run the AMX int8 kernel (the CPU has AMX-INT8, Linux granted the tile state).
-TQ_API int tq_int8_amx_supported() { return tq::amx_int8_supported() ? 1 : 0; }
+TQ_API int tq_amx_int8_supported() { return tq::amx_int8_supported() ? 1 : 0; }

@@ -53,8 +53,8 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_set_isa": (_c_int, [_c_int]),
     "tq_set_lut4_paths": (_c_int, [_c_int]),  # Lut4Paths bits (negative: read)
     "tq_set_int8_amx": (_c_int, [_c_int]),  # index into INT8_AMX_MODES (negative: read)
-    "tq_int8_amx_supported": (_c_int, []),
-    "tq_int8_amx_calls": (_c_int64, []),
+    "tq_amx_int8_supported": (_c_int, []),
+    "tq_amx_int8_calls": (_c_int64, []),
     "tq_gemm_active": (_c_int, [_c_int]),  # weight format
     "tq_dot_max_m": (_c_int, [_ptr, _c_int]),  # weight, x dtype: the most rows its bf16 dot path takes (0: none)
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
@@ -221,13 +221,13 @@ def int8_amx(mode: str) -> Iterator[None]:
 def int8_amx_calls() -> int:
     """How many int8 dynamic / static calls have taken the AMX form (AMX or emulated tiles) since
     the library loaded (for tests: which path ran)."""
-    return 0 if _LIB is None else int(_LIB.tq_int8_amx_calls())
+    return 0 if _LIB is None else int(_LIB.tq_amx_int8_calls())
 
 
 def int8_amx_supported() -> bool:
     """Whether this process runs the AMX int8 GEMM: the CPU has AMX-INT8 and Linux granted the tile
     state (asked once, by the library)."""
-    return _LIB is not None and bool(_LIB.tq_int8_amx_supported())
+    return _LIB is not None and bool(_LIB.tq_amx_int8_supported())
 
 
 def lut4_gemm_active() -> bool:
