@@ -10,6 +10,7 @@
 
 #include <atomic>
 
+#include "bf16_amx.h"
 #include "common.h"
 #include "kernels.h"
 #include "weight_abi.h"
@@ -86,22 +87,30 @@ std::atomic<const KernelTable*> g_active{&g_tables.by_isa[from_environment(g_sup
 
 const KernelTable& kernels() { return *g_active.load(std::memory_order_relaxed); }
 
-// CPUID leaf 7's AMX-TILE and AMX-INT8 bits, then Linux's permission for the tile data state
-// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without it AMX instructions raise SIGILL.
-// Compiled without target flags: it runs on every CPU.
-bool amx_int8_supported() {
+// CPUID leaf 7's AMX-TILE bit and the data type's (AMX-INT8 / AMX-BF16), then Linux's permission
+// for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without it AMX
+// instructions raise SIGILL. Compiled without target flags: it runs on every CPU.
+static bool amx_granted(unsigned type_bit) {
 #if defined(__x86_64__) && defined(__linux__)
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!kInt8AmxGemm || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  }();
-  return ok;
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 24)) || !(d & (1u << type_bit))) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
 #else
+  (void)type_bit;
   return false;
 #endif
+}
+
+bool amx_int8_supported() {
+  static const bool ok = kInt8AmxGemm && amx_granted(25);
+  return ok;
+}
+
+bool amx_bf16_supported() {
+  static const bool ok = kBf16AmxGemm && amx_granted(22);
+  return ok;
 }
 
 int active_isa() { return kernels().isa; }
@@ -112,11 +121,13 @@ TQ_API int tq_abi_version() { return TQ_ABI_VERSION; }
 TQ_API int tq_supported_isa() { return tq::g_supported; }
 // The optional kernels the AVX-512 table uses (fixed at load): bit 0 the int8 VNNI kernels
 // (TORCHQ_NATIVE_VNNI), bit 1 the lut4 bf16 pair tables (TORCHQ_NATIVE_AVX512BF16), bit 2 the AMX
-// int8 GEMM (the CPU has it, Linux granted it and tq_set_int8_amx leaves it on).
+// int8 GEMM (the CPU has it, Linux granted it and tq_set_int8_amx leaves it on), bit 3 the AMX
+// bf16 GEMM (likewise, tq_set_bf16_amx).
 TQ_API int tq_features() {
   const tq::KernelTable& t = tq::g_tables.by_isa[tq::ISA_AVX512];
   return (t.int8.dynamic_rows != tq::kInt8Avx2.dynamic_rows ? 1 : 0) | (t.lut4.rows_bf16 ? 2 : 0) |
-         (tq::kInt8AmxGemm && tq::int8_amx_gemm() == tq::kInt8AmxGemm ? 4 : 0);
+         (tq::kInt8AmxGemm && tq::int8_amx_gemm() == tq::kInt8AmxGemm ? 4 : 0) |
+         (tq::bf16_amx_mode() == tq::BF16_AMX_ON && tq::bf16_amx_active() ? 8 : 0);
 }
 TQ_API int tq_active_isa() { return tq::active_isa(); }
 // Use at most `isa` (clamped to what the CPU supports); returns the ISA now active.

@@ -9,6 +9,7 @@
 
 #include <atomic>
 
+#include "bf16_amx.h"
 #include "common.h"
 #include "kernels.h"
 #include "weight_abi.h"
@@ -91,8 +92,64 @@ struct Output {
 
 // out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), int8 codes
 // [N, K], fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end.
+// The bf16 AMX GEMM (bf16_amx.h) on an int8 weight-only weight: rows q * s as bf16, exactly as the
+// dequantized tiles hold them, zero-padded to Kp.
+struct AmxDecode {
+  const int8_t* codes;
+  const float* scale;
+  int64_t K, Kp;
+};
+
+void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
+  const AmxDecode& d = *static_cast<const AmxDecode*>(ctx);
+  const Int8DequantFn dequant = kernels().int8.dequant_rows;
+  for (int64_t n = n0; n < n1; ++n) {
+    uint16_t* row = dst + (n - n0) * d.Kp;
+    dequant(d.codes, d.scale, d.K, n, n + 1, row, true);
+    memset(row + d.K, 0, static_cast<size_t>(d.Kp - d.K) * 2);
+  }
+}
+
+struct AmxJob {
+  Bf16AmxGemm g;
+  Bf16AmxGemmFn gemm;
+};
+
+void run_amx(void* ctx, int64_t n0, int64_t n1) {
+  const AmxJob& j = *static_cast<const AmxJob*>(ctx);
+  j.gemm(j.g, n0, n1);
+}
+
+// weight_only_linear's bf16 calls of kBf16AmxMinM to kBf16AmxMaxM rows on AMX tiles: OK, or -1 where the
+// call is not the GEMM's (an activation it cannot take, scratch it could not get).
+int weight_only_amx(const uint16_t* x, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
+                    const float* bias, void* out, int threads) {
+  const int64_t Kp = (K + 31) / 32 * 32;
+  const size_t xt_bytes = static_cast<size_t>(bf16_amx_packed_bytes(M, Kp)), out_bytes = (M * N * sizeof(float) + 63) / 64 * 64;
+  char* buf = static_cast<char*>(aligned_alloc(64, xt_bytes + out_bytes));
+  if (!buf) return -1;
+  uint16_t* xt = reinterpret_cast<uint16_t*>(buf);
+  float* y = reinterpret_cast<float*>(buf + xt_bytes);
+  const Bf16AmxGemmFn gemm = bf16_amx_pack(x, M, K, Kp, xt) ? bf16_amx_gemm() : nullptr;
+  if (!gemm) {
+    free(buf);
+    return -1;
+  }
+  const AmxDecode decode{codes, scale, K, Kp};
+  int failed = 0;
+  AmxJob job{{M, N, Kp, xt, y, bias, amx_decode, &decode, &failed}, gemm};
+  parallel_for(N, 16, threads, run_amx, &job, kSpinUs, N * K + M * N * K / 16);
+  if (!failed) from_f32_row(y, M * N, DT_BF16, out);
+  free(buf);
+  return failed ? -1 : OK;
+}
+
 int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
                        const float* bias, void* out, int threads) {
+  if (dtype == DT_BF16 && M >= kBf16AmxMinM && M <= kBf16AmxMaxM && bf16_amx_active()) {
+    const int status = weight_only_amx(static_cast<const uint16_t*>(x), M, K, codes, N, scale, bias, out, threads);
+    if (status >= 0) return status;
+  }
   const int64_t Kp = padded(K);
   float* xp = static_cast<float*>(aligned_alloc(64, M * Kp * sizeof(float)));
   Output o;

@@ -3,6 +3,7 @@
 
 #include <type_traits>
 
+#include "bf16_amx.h"
 #include "common.h"
 #include "kernels.h"
 
@@ -74,12 +75,16 @@ TQ_API int tq_gemm_active(int format) {
   return 0;
 }
 
-// The most activation rows of `x_dtype` for which tq_linear runs w's bf16 dot path on the active
-// kernels (lut4_linear.h: bf16 activations, int4 with bf16 scales in blocks of 32, AVX512_BF16),
-// so that callers pass it those rows instead of dequantized tiles; 0 where it has none.
+// The most activation rows of `x_dtype` for which tq_linear runs a path of its own above the
+// decode-sized ones on the active kernels, so that callers pass it those rows instead of
+// dequantized tiles: kBf16AmxMaxM where the bf16 AMX GEMM is on (bf16_amx.h: bf16 activations,
+// lut4 and int8 weight-only weights), else lut4's bf16 dot path's kLut4DotMaxM (lut4_linear.h:
+// int4 with bf16 scales in blocks of 32, AVX512_BF16); 0 where it has none.
 TQ_API int tq_dot_max_m(const tq_weight* w, int x_dtype) {
   using namespace tq;
-  if (!valid_weight(w) || w->format != TQ_FORMAT_LUT4 || x_dtype != DT_BF16) return 0;
+  if (!valid_weight(w) || x_dtype != DT_BF16) return 0;
+  if (w->format == TQ_FORMAT_INT8) return bf16_amx_active() ? static_cast<int>(kBf16AmxMaxM) : 0;
+  if (w->format != TQ_FORMAT_LUT4) return 0;
   return lut4_dot_max_m(*w);
 }
 

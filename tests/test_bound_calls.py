@@ -265,13 +265,31 @@ def test_a_bound_call_asks_the_tile_switch_again_above_the_fused_rows(fast_bf16,
 
     m = quantized("int8wo", torch.bfloat16)
     x = torch.randn(8, K, dtype=torch.bfloat16)  # fused on CPUs without fast bf16 matmul, tiles on those with it
-    with torch.no_grad():
+    with torch.no_grad(), library.bf16_amx("off"):  # on AMX-BF16 CPUs the fused kernel takes every bf16 row count
         fused = m(x)
         plan = plan_of(m, x)
         assert plan.bound is not None and torch.equal(plan.bound(x, m.weight, m.bias), fused)
         monkeypatch.setattr(prefill, "FAST_BF16_MATMUL", True)
         assert plan.bound(x, m.weight, m.bias) is None  # the impl decides: bf16 tiles now
         assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
+
+
+@needs_native
+@pytest.mark.parametrize("fast_bf16", [True], indirect=True)
+@pytest.mark.parametrize("config", ["int8wo", "nf4"])
+def test_a_bound_call_asks_the_bf16_amx_mode_again(fast_bf16, config):
+    """bf16 rows above the fused ones: the fused kernel's while the bf16 AMX GEMM may run (emulated
+    here, so on every CPU), dequantized tiles once it is off, per call as the impl decides."""
+    m = quantized(config, torch.bfloat16)
+    x = torch.randn(8, K, dtype=torch.bfloat16)
+    with torch.no_grad():
+        with library.bf16_amx("emulated"):
+            expected = m(x)
+            plan = plan_of(m, x)
+            assert plan.bound is not None and torch.equal(plan.bound(x, m.weight, m.bias), expected)
+        with library.bf16_amx("off"):
+            assert plan.bound(x, m.weight, m.bias) is None
+            assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
 
 
 @needs_native

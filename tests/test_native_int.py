@@ -382,7 +382,13 @@ def test_int4_bf16_dot_path_rows_one_hot_bound_and_fallbacks(k):
     bf16 dot path (lut4_linear.h), also for 5..16 rows that would otherwise take dequantized tiles.
     One-hot rows give the weights (rounded once to the bf16 output), random rows stay within the
     bound, and tiles with tiny scales or zeros, and activations below 2^-59, take the table path
-    (bit-exact one-hot). Elsewhere: the same checks on the paths the CPU has."""
+    (bit-exact one-hot). Elsewhere: the same checks on the paths the CPU has. With the bf16 AMX
+    GEMM off: on AMX-BF16 CPUs it takes the rows from 5 (tests/test_native_bf16_amx.py)."""
+    with library.bf16_amx("off"):
+        _dot_path_checks(k)
+
+
+def _dot_path_checks(k: int) -> None:
     features = native.status().features
     for plain in (int4_plain(45, k, 32, "float", torch.bfloat16, seed=k), int4_plain(45, k, 32, "int", torch.bfloat16, seed=k + 1),
                   edge_scale_plain(45, k, "float", seed=k + 2, overflow=False)):

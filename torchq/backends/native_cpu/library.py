@@ -32,7 +32,7 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
 ]
 
@@ -40,8 +40,9 @@ ABI_VERSION = 7
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM
 # (each also needs an active AVX-512 ISA to run)
-FEATURE_NAMES = ("avx512_vnni", "avx512_bf16", "amx_int8")
+FEATURE_NAMES = ("avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 INT8_AMX_MODES = ("off", "on", "emulated")  # tq_set_int8_amx
+BF16_AMX_MODES = ("off", "on", "emulated")  # tq_set_bf16_amx
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 # name -> (restype, argtypes) of every exported function
@@ -55,6 +56,9 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_set_int8_amx": (_c_int, [_c_int]),  # index into INT8_AMX_MODES (negative: read)
     "tq_amx_int8_supported": (_c_int, []),
     "tq_amx_int8_calls": (_c_int64, []),
+    "tq_set_bf16_amx": (_c_int, [_c_int]),  # index into BF16_AMX_MODES (negative: read)
+    "tq_amx_bf16_supported": (_c_int, []),
+    "tq_amx_bf16_calls": (_c_int64, []),
     "tq_gemm_active": (_c_int, [_c_int]),  # weight format
     "tq_dot_max_m": (_c_int, [_ptr, _c_int]),  # weight, x dtype: the most rows its bf16 dot path takes (0: none)
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
@@ -108,6 +112,8 @@ def validate(lib: ctypes.CDLL, name: str) -> tuple[type[ctypes.Structure] | None
 
 
 _LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
+# The bf16 AMX GEMM's mode as the library has it (TORCHQ_NATIVE_AMX at load; bf16_amx changes it).
+_BF16_AMX_MODE = "off" if _LIB is None else BF16_AMX_MODES[_LIB.tq_set_bf16_amx(-1)]
 
 
 def _python_entry(lib: ctypes.CDLL | None) -> Callable[..., int] | None:
@@ -230,6 +236,49 @@ def int8_amx_supported() -> bool:
     return _LIB is not None and bool(_LIB.tq_amx_int8_supported())
 
 
+@contextlib.contextmanager
+def bf16_amx(mode: str) -> Iterator[None]:
+    """Within the block (process-wide), the bf16 AMX GEMM of the weight-only kernels (lut4: int4,
+    NF4, FP4; int8) for 5 to ``BF16_AMX_MAX_M`` rows of bf16 activations (``csrc/bf16_amx.h``): ``"on"`` (the
+    default, unless ``TORCHQ_NATIVE_AMX=0``) uses it on CPUs with AMX-BF16 whose AVX-512 ISA is
+    active, ``"off"`` never (dequantized tiles + ``torch.mm`` or the bf16 dot path serve those rows),
+    ``"emulated"`` runs its body on emulated tiles on any CPU (for tests)."""
+    global _BF16_AMX_MODE
+    if mode not in BF16_AMX_MODES:
+        raise ValueError(f"mode: expected one of {BF16_AMX_MODES}, got {mode!r}")
+    if _LIB is None:
+        yield
+        return
+    before = _LIB.tq_set_bf16_amx(BF16_AMX_MODES.index(mode))
+    _BF16_AMX_MODE = mode
+    try:
+        yield
+    finally:
+        _LIB.tq_set_bf16_amx(before)
+        _BF16_AMX_MODE = BF16_AMX_MODES[before]
+
+
+def bf16_amx_calls() -> int:
+    """How many weight-only calls have taken the bf16 AMX GEMM (AMX or emulated tiles) since the
+    library loaded (for tests: which path ran)."""
+    return 0 if _LIB is None else int(_LIB.tq_amx_bf16_calls())
+
+
+def bf16_amx_supported() -> bool:
+    """Whether this process runs the AMX bf16 GEMM: the CPU has AMX-BF16 and Linux granted the tile
+    state (asked once, by the library)."""
+    return _LIB is not None and bool(_LIB.tq_amx_bf16_supported())
+
+
+def _bf16_native_max_m() -> int:
+    """The most bf16 activation rows any weight-only weight's fused kernel may take above the
+    decode-sized ones: the bf16 AMX GEMM's while it may run, else the bf16 dot path's (each weight
+    says which it takes: :meth:`NativeWeight.dot_max_m`)."""
+    if _BF16_AMX_MODE == "emulated" or (_BF16_AMX_MODE == "on" and bf16_amx_supported()):
+        return max(BF16_AMX_MAX_M, DOT_MAX_M)
+    return DOT_MAX_M
+
+
 def lut4_gemm_active() -> bool:
     """Whether lut4 calls of many rows run the native GEMM path (AVX2 / AVX-512, allowed): then the native
     kernel beats dequantized tiles + torch.mm at every M (:func:`torchq.prefill.use_tiles`)."""
@@ -288,6 +337,7 @@ def eager_cpu(x: torch.Tensor) -> bool:
 # The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DOT_MAX_M = 16  # kLut4DotMaxM (csrc/lut4_linear.h): the most rows of any weight's bf16 dot path
+BF16_AMX_MAX_M = 64  # kBf16AmxMaxM (csrc/bf16_amx.h): the most rows of the bf16 AMX GEMM
 
 
 def checked_ptr(name: str, t: torch.Tensor | None, dtype: torch.dtype, numel: int, op: str = "native call") -> int | None:
@@ -404,10 +454,12 @@ class NativeWeight:
         self._row_sums: RowSums | None = None  # an int8 weight's, once a static form is built (shared with those)
 
     def dot_max_m(self, dtype: torch.dtype) -> int:
-        """The most activation rows of ``dtype`` the fused kernel takes for this weight on its bf16
-        dot path (bf16 activations, int4 with bf16 scales in groups of 32, AVX512_BF16: no dequantized
-        tiles up to that many rows); 0 where it has none (asked per call: the ISA may change)."""
-        if dtype != torch.bfloat16 or self.format != abi.FORMAT_LUT4 or _LIB is None:
+        """The most activation rows of ``dtype`` the fused kernel takes for this weight above the
+        decode-sized ones, instead of dequantized tiles: the bf16 AMX GEMM's (up to
+        ``BF16_AMX_MAX_M``: bf16 activations, lut4 and int8 weight-only weights: :func:`bf16_amx`), else its bf16 dot path's
+        (int4 with bf16 scales in groups of 32, AVX512_BF16); 0 where it has neither (asked per
+        call: the ISA and modes may change)."""
+        if dtype != torch.bfloat16 or self.format not in (abi.FORMAT_LUT4, abi.FORMAT_INT8) or _LIB is None:
             return 0
         return int(_LIB.tq_dot_max_m(self.address, DTYPE_CODES[dtype]))
 
@@ -671,7 +723,7 @@ def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], Nati
     if not m:
         return None
     if use_tiles(m, x.dtype):  # unless the weight's bf16 dot path takes these rows
-        if x.dtype != torch.bfloat16 or m > DOT_MAX_M:
+        if x.dtype != torch.bfloat16 or m > _bf16_native_max_m():
             return None
         weight = weight_args(owner, build)
         return weight if weight is not None and m <= weight.dot_max_m(x.dtype) else None
@@ -726,14 +778,14 @@ class BoundLinear:
         # a static weight's row sums: refreshed per call (RowSums)
         self.row_sums = weight._row_sums if weight.format == abi.FORMAT_INT8_STATIC else None
         # rows above FUSED_MAX_M: whether tiles + GEMM take them reads global state (the bf16 tile
-        # switch), so it is asked again per call, as the impl asks it
+        # switch, the bf16 AMX mode), so it is asked again per call, as the impl asks it
         self.recheck_tiles = recheck_tiles
 
     def __call__(self, x: torch.Tensor, quantized_weight: Any, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the signature (dtype, shape, CPU; the bias's dtype and shape) is the dispatch key's
         if (quantized_weight.tensor_impl.shape != self.shape or _data_pointers(self.held) != self.pointers or not x.is_contiguous()
                 or x.storage_offset() * self.element_size + self.nbytes > x.untyped_storage().nbytes()
-                or (self.recheck_tiles and use_tiles(self.m, self.dtype))):
+                or (self.recheck_tiles and use_tiles(self.m, self.dtype) and self.m > self.weight.dot_max_m(self.dtype))):
             return None
         bp = None
         if bias is not None and not self.bias_after:
@@ -780,7 +832,7 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
     elif static is not None:
         weight = weight.static(*static)
     held = tuple(v for v in vars(owner).values() if isinstance(v, torch.Tensor))
-    recheck = not int8_activations and m > FUSED_MAX_M and m > weight.dot_max_m(x.dtype)
+    recheck = not int8_activations and m > FUSED_MAX_M
     return BoundLinear(weight, owner.shape, x, recheck_tiles=recheck, held=held)
 
 

@@ -1,0 +1,229 @@
+"""The bf16 AMX GEMM of the native weight-only kernels (``csrc/bf16_amx.h``).
+
+For 5 to 64 bf16 activation rows on CPUs with AMX-BF16, the lut4 (int4 of every zero-point domain,
+NF4, FP4, double-quantized NF4) and int8 weight-only kernels decode each panel of weight rows
+into exactly the bf16 values their dequantized tiles hold, and ``tdpbf16ps`` multiplies them with
+the activations: every product exact, fp32 sums in an order of their own. So the outputs must be
+within the fp32 sum bound of the reference (the bf16 weights times the bf16 activations), exactly
+the weight for a one-hot row, and the calls it cannot take (activations that are not finite, huge
+or tiny; fp32 activations; fewer rows) must go elsewhere. Its body runs here on emulated tiles
+(every machine, CI's AVX2-only ones included) and on the AMX instructions where this CPU has them
+(skipped elsewhere); with it off the same cases run the tiles + ``torch.mm`` / dot paths. A call
+counter shows which ran. Shapes cover partial 16-row weight panels and passes of 1, 2 and 4 panels
+(1, 2-3 and 4+ activation blocks), partial activation blocks, K not a multiple of 32 (int8), one
+and two threads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_native_blockwise import NATIVE, needs_native
+
+import torchq
+from torchq import native
+from torchq.backends.native_cpu import library
+from torchq.configs import config_from_name
+
+HARDWARE = NATIVE and library.bf16_amx_supported()
+CONFIGS = ["int4-g32", "int4-g64-fp32", "int4-g128", "nf4", "fp4-b64", "nf4-b64", "int8wo"]
+MS = [5, 16, 17, 33, 48, 64]
+SHAPES = [(128, 1), (256, 17), (640, 40), (384, 130)]  # (K, N); K a multiple of every block size above
+
+
+def quantized(name: str, n: int, k: int, seed: int = 0, scale: float = 1.0, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
+    lin.weight.data.mul_(scale)
+    if name.startswith("int4") and "zint" in name:  # the integer zero-point domain
+        from torchq.primitives import ZeroPointDomain
+
+        cfg = torchq.int4_weight_only(group_size=int(name.split("-g")[1].split("-")[0]), zero_point_domain=ZeroPointDomain.INT)
+    elif name == "int4-none-g32":
+        from torchq.primitives import ZeroPointDomain
+
+        cfg = torchq.int4_weight_only(group_size=32, zero_point_domain=ZeroPointDomain.NONE)
+    else:
+        cfg = config_from_name(name)
+    model = torch.nn.Sequential(lin)
+    torchq.quantize_(model, cfg)
+    assert isinstance(model[0].weight, torchq.AffineQuantizedTensor), (name, n, k)
+    return model[0]
+
+
+def bf16_weight(layer: torch.nn.Linear) -> torch.Tensor:
+    """The reference's weight in a bf16 model: the dequantized tiles' bf16 values."""
+    return layer.weight.dequantize().to(torch.bfloat16)
+
+
+def check_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, where) -> None:
+    """|y - (sum_k w_k x_k + b)| within the fp32 sum bound plus the output's bf16 roundings (the
+    product's, and the sum's with the bias: F.linear in bf16 rounds both)."""
+    xd, wd = x.double(), w.double()
+    product = xd @ wd.t()
+    b = torch.zeros(()) if bias is None else bias.detach().double()
+    exact = product + b
+    mags = xd.abs() @ wd.abs().t()
+    k = x.shape[-1]
+    allowed = (product.abs() + b.abs() + exact.abs()) * 2.0**-8 + mags * (k + 2) * 2.0**-23 + 1e-30
+    err = (y.detach().double() - exact).abs()
+    assert bool((err <= allowed).all()), (where, float((err - allowed).max()))
+
+
+@pytest.fixture(params=["emulated", "hardware", "off"])
+def amx(request):
+    """The bf16 AMX mode for one test; afterwards the counter must show the GEMM ran exactly when
+    it was on (each test runs at least one call it takes)."""
+    saved = native.status().isa
+    if request.param == "hardware":
+        native.set_isa("avx512")
+        if not HARDWARE or native.status().isa != "avx512":
+            native.set_isa(saved)
+            pytest.skip("no AMX-BF16 on this CPU (or Linux refused it, or the AVX-512 ISA is capped)")
+    before = library.bf16_amx_calls()
+    with library.bf16_amx({"emulated": "emulated", "hardware": "on", "off": "off"}[request.param]):
+        yield request.param
+    native.set_isa(saved)
+    ran = library.bf16_amx_calls() - before
+    assert (ran > 0) == (request.param != "off"), (request.param, ran)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("name", CONFIGS + ["int4-zint-g32", "int4-none-g32"])
+def test_outputs_are_within_the_sum_bound_of_the_bf16_reference(amx, threads, name):
+    for i, (k, n) in enumerate(SHAPES):
+        layer = quantized(name, n, k, seed=i)
+        w = bf16_weight(layer)
+        for m in MS:
+            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + i)) * 3).to(torch.bfloat16)
+            y = F.linear(x, layer.weight, layer.bias)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            check_bound(y, x, w, layer.bias, (amx, name, m, k, n))
+
+
+@needs_native
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_one_hot_row_gives_exactly_the_weight(amx, name):
+    k, n = 128, 40
+    layer = quantized(name, n, k, bias=False)
+    w = bf16_weight(layer)
+    cols = torch.tensor([0, 1, 31, 32, 33, 63, 64, 127, 7, 50, 17, 88, 2, 3, 90, 45, 126])
+    x = torch.zeros(len(cols), k, dtype=torch.bfloat16)
+    x[torch.arange(len(cols)), cols] = 1.0
+    assert torch.equal(F.linear(x, layer.weight), w[:, cols].t().contiguous())
+
+
+@needs_native
+def test_int8_rows_of_any_length(amx):
+    """int8 weight-only K is any length: panels decode zero-padded to a multiple of 32."""
+    for k in (1, 17, 33, 100):
+        layer = quantized("int8wo", 23, k, seed=k)
+        x = torch.randn(21, k, dtype=torch.bfloat16)
+        check_bound(F.linear(x, layer.weight, layer.bias), x, bf16_weight(layer), layer.bias, (amx, k))
+
+
+@needs_native
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 2.0**70, 2.0**-70])
+@pytest.mark.parametrize("name", ["int4-g32", "nf4", "int8wo"])
+def test_activations_it_cannot_take_go_to_the_other_paths(value, name):
+    """A non-finite, huge (>= 2^64) or tiny (< 2^-59, nonzero) activation: AMX could overflow or
+    flush where the reference does not, so the call runs the fused kernel's table path (the
+    decode-sized paths' numerics: the same infinities and NaNs as the mode off, the finite outputs
+    within the bf16 roundings of its)."""
+    layer = quantized(name, 40, 128)
+    x = torch.randn(9, 128, dtype=torch.bfloat16)
+    x[3, 5] = value
+    with library.bf16_amx("off"):
+        expected = F.linear(x, layer.weight, layer.bias)
+    before = library.bf16_amx_calls()
+    with library.bf16_amx("emulated"):
+        y = F.linear(x, layer.weight, layer.bias)
+        ok = F.linear(x.nan_to_num(0.0).clamp(-4, 4).masked_fill(x.abs() < 1e-10, 0.0), layer.weight, layer.bias)
+    assert library.bf16_amx_calls() - before == 1  # only the clean call
+    assert torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.isinf(), expected.isinf())
+    finite = expected.isfinite()
+    assert torch.allclose(y[finite].float(), expected[finite].float(), rtol=2.0**-6, atol=expected[finite].abs().max().item() * 2.0**-7)
+    assert ok.isfinite().all()
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["nf4", "fp4-b64"])
+def test_panels_with_tiny_weights_sum_without_tiles(amx, name):
+    """Scales of 2^-100: the weights (and products) would be subnormal for AMX, which flushes them;
+    such panels take the portable loop over the same weights, so the outputs keep them. (int4 and
+    int8 quantizers clamp their scales at 1e-6 and fp32's eps, so only blockwise absmax gets there.)"""
+    n, k = 40, 128
+    layer = quantized(name, n, k, scale=2.0**-100, bias=False)
+    w = bf16_weight(layer)
+    assert w.abs().max() < 2.0**-90 and (w != 0).any()
+    x = torch.randn(17, k, dtype=torch.bfloat16) * 2.0**30
+    y = F.linear(x, layer.weight)
+    exact = x.double() @ w.double().t()
+    assert (y != 0).any()
+    check_bound(y, x, w, None, (amx, name))
+    assert torch.equal(y == 0, exact.to(torch.bfloat16) == 0)
+
+
+@needs_native
+def test_calls_it_does_not_serve():
+    """fp32 / fp16 activations (AMX would round them to bf16), fewer than 5 rows, more than
+    BF16_AMX_MAX_M (dequantized tiles + torch.mm), and the mode off."""
+    layer = quantized("nf4", 40, 128)
+    with library.bf16_amx("emulated"):
+        before = library.bf16_amx_calls()
+        F.linear(torch.randn(library.BF16_AMX_MAX_M, 128, dtype=torch.bfloat16), layer.weight)
+        assert library.bf16_amx_calls() == before + 1
+    before = library.bf16_amx_calls()
+    with library.bf16_amx("emulated"):
+        F.linear(torch.randn(16, 128), layer.weight)
+        F.linear(torch.randn(16, 128, dtype=torch.float16), layer.weight)
+        F.linear(torch.randn(4, 128, dtype=torch.bfloat16), layer.weight)
+        F.linear(torch.randn(library.BF16_AMX_MAX_M + 1, 128, dtype=torch.bfloat16), layer.weight)
+    with library.bf16_amx("off"):
+        F.linear(torch.randn(16, 128, dtype=torch.bfloat16), layer.weight)
+    assert library.bf16_amx_calls() == before
+
+
+@needs_native
+def test_the_compiled_op_takes_it_too():
+    """Through the dispatcher (torch.compile's path) the op's kernel runs the fused call too."""
+    layer = quantized("int4-g32", 40, 128)
+    x = torch.randn(24, 128, dtype=torch.bfloat16)
+    with library.bf16_amx("off"):
+        expected = F.linear(x, layer.weight, layer.bias)
+    with library.bf16_amx("emulated"):
+        before = library.bf16_amx_calls()
+        compiled = torch.compile(lambda t: F.linear(t, layer.weight, layer.bias), fullgraph=True)
+        y = compiled(x)
+        assert library.bf16_amx_calls() > before
+    check_bound(y, x, bf16_weight(layer), layer.bias, "compiled")
+    assert (y.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2.0**-7
+
+
+def test_modes_are_checked():
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        with library.bf16_amx("fast"):
+            pass
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(CONFIGS), m=st.integers(5, library.BF16_AMX_MAX_M), n=st.integers(1, 90), k_blocks=st.integers(1, 6),
+       seed=st.integers(0, 2**16), magnitude=st.sampled_from([2.0**-40, 1.0, 2.0**40]))
+def test_random_shapes_on_emulated_tiles(name, m, n, k_blocks, seed, magnitude):
+    k = 128 * k_blocks
+    layer = quantized(name, n, k, seed=seed)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * magnitude).to(torch.bfloat16)
+    before = library.bf16_amx_calls()
+    with library.bf16_amx("emulated"):
+        y = F.linear(x, layer.weight, layer.bias)
+    a = x.float().abs()
+    admissible = bool(((a == 0) | ((a >= 2.0**-59) & (a < 2.0**64))).all())  # else the table path
+    assert library.bf16_amx_calls() == before + int(admissible)
+    check_bound(y, x, bf16_weight(layer), layer.bias, (name, m, n, k))
