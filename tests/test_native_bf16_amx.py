@@ -227,3 +227,14 @@ def test_random_shapes_on_emulated_tiles(name, m, n, k_blocks, seed, magnitude):
     admissible = bool(((a == 0) | ((a >= 2.0**-59) & (a < 2.0**64))).all())  # else the table path
     assert library.bf16_amx_calls() == before + int(admissible)
     check_bound(y, x, bf16_weight(layer), layer.bias, (name, m, n, k))
+
+
+@needs_native
+def test_status_lists_it_while_it_runs_on_amx():
+    if not HARDWARE or native.status().isa != "avx512":
+        pytest.skip("no AMX-BF16 here (or the AVX-512 ISA is capped)")
+    with library.bf16_amx("on"):
+        assert "amx_bf16" in native.status().features
+    for mode in ("off", "emulated"):
+        with library.bf16_amx(mode):
+            assert "amx_bf16" not in native.status().features

@@ -14,7 +14,8 @@ else (and with ``TORCHQ_NATIVE_POOL=own``, and in a forked child) a small pool o
   (int8 with VNNI; int4 tables with bf16 scales built by AVX512_BF16), so a CPU that has them also
   runs the paths of one that does not (``status().features`` lists those in use).
   ``TORCHQ_NATIVE_AMX=0`` turns off the AMX GEMM form of the int8 dynamic / static kernels (from
-  8 rows on CPUs with AMX-INT8; ``library.int8_amx`` switches it within a block).
+  8 rows on CPUs with AMX-INT8; ``library.int8_amx`` switches it within a block) and the bf16 AMX
+  GEMM of the weight-only kernels (5-64 bf16 rows on CPUs with AMX-BF16; ``library.bf16_amx``).
 * :func:`disabled` (a context manager) routes calls to the references, for tests and benchmarks.
 
 The loading, validation and call path (``NativeWeight``, ``run_linear`` ...) are in
@@ -47,9 +48,9 @@ class NativeStatus:
     isa: str | None  # the ISA in use
     supported_isa: str | None  # the widest the CPU has
     reason: str | None  # why it is not available
-    # optional kernels in use with the active ISA (FEATURE_NAMES: "avx512_vnni", "avx512_bf16", "amx_int8";
-    # TORCHQ_NATIVE_VNNI=0 / TORCHQ_NATIVE_AVX512BF16=0 turn them off at load, TORCHQ_NATIVE_AMX=0 or
-    # library.int8_amx the last)
+    # optional kernels in use with the active ISA (FEATURE_NAMES: "avx512_vnni", "avx512_bf16", "amx_int8",
+    # "amx_bf16"; TORCHQ_NATIVE_VNNI=0 / TORCHQ_NATIVE_AVX512BF16=0 turn them off at load, TORCHQ_NATIVE_AMX=0
+    # or library.int8_amx / library.bf16_amx the AMX ones)
     features: tuple[str, ...] = ()
 
     def __str__(self) -> str:

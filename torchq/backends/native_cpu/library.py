@@ -38,7 +38,7 @@ __all__ = [
 
 ABI_VERSION = 7
 ISA_NAMES = ("scalar", "avx2", "avx512")
-# tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM
+# tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
 FEATURE_NAMES = ("avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 INT8_AMX_MODES = ("off", "on", "emulated")  # tq_set_int8_amx
