@@ -19,7 +19,10 @@
 // (bf16_amx_activations_ok), and a panel only where every decoded weight is 0, inf, NaN or of
 // magnitude >= 2^-66: every product is then 0 or normal. Other panels (scales that small) take a
 // portable loop over the same decoded weights and activations (the products exact, summed in
-// order, with the CPU's own subnormals).
+// order, with the CPU's own subnormals). What remains: a partial sum that cancels into the
+// subnormal range is flushed (an error below 2^-126 each), and products or sums overflow to
+// infinity as the reference's do (the 2^64 cap on activations is the bf16 dot path's, kept so
+// that both paths decline the same calls).
 #pragma once
 #include <stdint.h>
 
@@ -39,6 +42,7 @@ struct Bf16AmxGemm {
 typedef void (*Bf16AmxGemmFn)(const Bf16AmxGemm& g, int64_t n0, int64_t n1);
 
 // The AMX mode of the bf16 GEMM: on unless TORCHQ_NATIVE_AMX=0 at load; tq_set_bf16_amx sets it.
+// The GEMM switch (LUT4_GEMM: TORCHQ_NATIVE_GEMM=0, tq_set_lut4_paths) turns it off in any mode.
 // BF16_AMX_EMULATED runs its body on emulated tiles on any ISA (tests).
 enum Bf16Amx : int { BF16_AMX_OFF = 0, BF16_AMX_ON = 1, BF16_AMX_EMULATED = 2 };
 // Rows from which calls take it (below, the decode-sized paths: lut4's tables and bf16 dot path,

@@ -9,6 +9,7 @@
 
 #include "bf16_amx_body.h"
 #include "common.h"
+#include "lut4_linear.h"  // lut4_paths(): the GEMM switch
 
 namespace tq {
 namespace {
@@ -22,11 +23,14 @@ struct EmulatedTiles {
     static thread_local State s;
     return s;
   }
-  static float word(const uint8_t* row, int i) {  // bf16 word i of a tile row as fp32 (exact)
+  // bf16 word i of a tile row as fp32 (exact), subnormals read as zero (as AMX reads them)
+  static float word(const uint8_t* row, int i) {
     uint16_t h;
     memcpy(&h, row + 2 * i, 2);
-    return bf16_value(h);
+    return (h & 0x7F80u) == 0 ? 0.0f : bf16_value(h);
   }
+  // a subnormal result flushed to zero (as AMX flushes them)
+  static float flush(float v) { return __builtin_fabsf(v) < 0x1p-126f ? 0.0f * v : v; }
   static void configure() {}
   template <int T>
   static void zero() { memset(state().t[T], 0, sizeof state().t[T]); }
@@ -35,7 +39,9 @@ struct EmulatedTiles {
     for (int r = 0; r < 16; ++r) memcpy(state().t[T][r], static_cast<const char*>(p) + r * stride, 64);
   }
   // tdpbf16ps as Intel's pseudocode orders it: C[m][n] += A[m][2k] B[k][2n], then
-  // += A[m][2k + 1] B[k][2n + 1], for k = 0..15 (fp32 products of bf16 values are exact).
+  // += A[m][2k + 1] B[k][2n + 1], for k = 0..15 (fp32 products of bf16 values are exact), with
+  // AMX's treatment of subnormals: inputs read as zero, products and sums flushed, so that the
+  // callers' guards against them are tested on every machine.
   template <int C, int A, int B>
   static void dot() {
     State& s = state();
@@ -44,8 +50,8 @@ struct EmulatedTiles {
         float acc;
         memcpy(&acc, &s.t[C][m][4 * n], 4);
         for (int k = 0; k < 16; ++k) {
-          acc += word(s.t[A][m], 2 * k) * word(s.t[B][k], 2 * n);
-          acc += word(s.t[A][m], 2 * k + 1) * word(s.t[B][k], 2 * n + 1);
+          acc = flush(acc + flush(word(s.t[A][m], 2 * k) * word(s.t[B][k], 2 * n)));
+          acc = flush(acc + flush(word(s.t[A][m], 2 * k + 1) * word(s.t[B][k], 2 * n + 1)));
         }
         memcpy(&s.t[C][m][4 * n], &acc, 4);
       }
@@ -72,15 +78,20 @@ extern const Bf16AmxGemmFn kBf16AmxEmulatedGemm = &gemm;
 
 int bf16_amx_mode() { return g_mode.load(std::memory_order_relaxed); }
 
-bool bf16_amx_active() {
-  const int mode = g_mode.load(std::memory_order_relaxed);
-  return mode == BF16_AMX_EMULATED || (mode == BF16_AMX_ON && active_isa() == ISA_AVX512 && amx_bf16_supported());
+// The kernel for `mode` now, or null (one read of the mode decides both whether and which). A GEMM
+// form: the GEMM switch (lut4_paths' LUT4_GEMM, TORCHQ_NATIVE_GEMM=0) turns it off with the others.
+static Bf16AmxGemmFn gemm_for(int mode) {
+  if (!(lut4_paths() & LUT4_GEMM)) return nullptr;
+  if (mode == BF16_AMX_EMULATED) return kBf16AmxEmulatedGemm;
+  return mode == BF16_AMX_ON && active_isa() == ISA_AVX512 && amx_bf16_supported() ? kBf16AmxGemm : nullptr;
 }
 
+bool bf16_amx_active() { return gemm_for(g_mode.load(std::memory_order_relaxed)) != nullptr; }
+
 Bf16AmxGemmFn bf16_amx_gemm() {
-  if (!bf16_amx_active()) return nullptr;
-  g_calls.fetch_add(1, std::memory_order_relaxed);
-  return g_mode.load(std::memory_order_relaxed) == BF16_AMX_EMULATED ? kBf16AmxEmulatedGemm : kBf16AmxGemm;
+  const Bf16AmxGemmFn fn = gemm_for(g_mode.load(std::memory_order_relaxed));
+  if (fn) g_calls.fetch_add(1, std::memory_order_relaxed);
+  return fn;
 }
 
 int64_t bf16_amx_packed_bytes(int64_t M, int64_t K) {

@@ -212,7 +212,7 @@ void run_amx(void* ctx, int64_t n0, int64_t n1) {
   j.gemm(j.g, n0, n1);
 }
 
-// out = x @ W.T (+ bias) for bf16 x [M, K_in] on AMX tiles: OK, OUT_OF_MEMORY, or -1 where the
+// out = x @ W.T (+ bias) for bf16 x [M, K_in] on AMX tiles: OK, or -1 where the
 // call is not the GEMM's (an activation it cannot take, scratch it could not get): the caller's
 // paths then serve it.
 int linear_amx(const Lut4Params& p, const uint16_t* x, int64_t K_in, void* out, int threads) {

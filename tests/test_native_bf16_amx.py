@@ -61,16 +61,19 @@ def bf16_weight(layer: torch.nn.Linear) -> torch.Tensor:
     return layer.weight.dequantize().to(torch.bfloat16)
 
 
-def check_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, where) -> None:
+def check_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, where,
+                fp32_weights: bool = False) -> None:
     """|y - (sum_k w_k x_k + b)| within the fp32 sum bound plus the output's bf16 roundings (the
-    product's, and the sum's with the bias: F.linear in bf16 rounds both)."""
+    product's, and the sum's with the bias: F.linear in bf16 rounds both). ``fp32_weights``: the
+    call may have run a path whose weights are the fp32 values before their bf16 rounding (the
+    fused table paths, fp32 tiles where the tile switch is off): each within 2^-8 of w."""
     xd, wd = x.double(), w.double()
     product = xd @ wd.t()
     b = torch.zeros(()) if bias is None else bias.detach().double()
     exact = product + b
     mags = xd.abs() @ wd.abs().t()
     k = x.shape[-1]
-    allowed = (product.abs() + b.abs() + exact.abs()) * 2.0**-8 + mags * (k + 2) * 2.0**-23 + 1e-30
+    allowed = (product.abs() + b.abs() + exact.abs()) * 2.0**-8 + mags * ((k + 2) * 2.0**-23 + (2.0**-8 if fp32_weights else 0)) + 1e-30
     err = (y.detach().double() - exact).abs()
     assert bool((err <= allowed).all()), (where, float((err - allowed).max()))
 
@@ -104,7 +107,7 @@ def test_outputs_are_within_the_sum_bound_of_the_bf16_reference(amx, threads, na
             x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + i)) * 3).to(torch.bfloat16)
             y = F.linear(x, layer.weight, layer.bias)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-            check_bound(y, x, w, layer.bias, (amx, name, m, k, n))
+            check_bound(y, x, w, layer.bias, (amx, name, m, k, n), fp32_weights=amx == "off")
 
 
 @needs_native
@@ -125,7 +128,7 @@ def test_int8_rows_of_any_length(amx):
     for k in (1, 17, 33, 100):
         layer = quantized("int8wo", 23, k, seed=k)
         x = torch.randn(21, k, dtype=torch.bfloat16)
-        check_bound(F.linear(x, layer.weight, layer.bias), x, bf16_weight(layer), layer.bias, (amx, k))
+        check_bound(F.linear(x, layer.weight, layer.bias), x, bf16_weight(layer), layer.bias, (amx, k), fp32_weights=amx == "off")
 
 
 @needs_native
@@ -153,20 +156,32 @@ def test_activations_it_cannot_take_go_to_the_other_paths(value, name):
 
 
 @needs_native
+@pytest.mark.parametrize("mode", ["emulated", "hardware"])
 @pytest.mark.parametrize("name", ["nf4", "fp4-b64"])
-def test_panels_with_tiny_weights_sum_without_tiles(amx, name):
-    """Scales of 2^-100: the weights (and products) would be subnormal for AMX, which flushes them;
-    such panels take the portable loop over the same weights, so the outputs keep them. (int4 and
-    int8 quantizers clamp their scales at 1e-6 and fp32's eps, so only blockwise absmax gets there.)"""
+def test_panels_with_tiny_weights_sum_without_tiles(mode, name):
+    """Weights near 2^-80 times activations near 2^-50 (admissible): products near 2^-130, which
+    AMX would flush to zero (the emulated tiles do as AMX does). Such panels take the portable loop
+    over the same weights, so the outputs keep them; without the guard the emulated tiles' flushing
+    would zero them and this test would fail. (int4 and int8 quantizers clamp their scales
+    at 1e-6 and fp32's eps, so only blockwise absmax gets there; the tiles path's oneDNN GEMM may
+    flush them on AMX machines itself, so the mode off is not compared.)"""
+    if mode == "hardware" and not (HARDWARE and native.status().isa == "avx512"):
+        pytest.skip("no AMX-BF16 here (or the AVX-512 ISA is capped)")
     n, k = 40, 128
-    layer = quantized(name, n, k, scale=2.0**-100, bias=False)
+    layer = quantized(name, n, k, scale=2.0**-78, bias=False)
     w = bf16_weight(layer)
-    assert w.abs().max() < 2.0**-90 and (w != 0).any()
-    x = torch.randn(17, k, dtype=torch.bfloat16) * 2.0**30
-    y = F.linear(x, layer.weight)
+    assert w.abs().max() < 2.0**-66 and (w != 0).any()
+    g = torch.Generator().manual_seed(5)
+    signs = torch.randint(0, 2, (17, k), generator=g) * 2 - 1
+    x = ((torch.rand(17, k, generator=g) + 0.5) * signs * 2.0**-48).to(torch.bfloat16)  # |x| in [2^-49, 1.5 * 2^-48]
+    assert bool(((x.float().abs() >= 2.0**-59) | (x == 0)).all())
     exact = x.double() @ w.double().t()
-    assert (y != 0).any()
-    check_bound(y, x, w, None, (amx, name))
+    assert exact.abs().max() > 2.0**-126 and (x.double().abs() @ w.double().abs().t()).min() > 0
+    before = library.bf16_amx_calls()
+    with library.bf16_amx("on" if mode == "hardware" else "emulated"):
+        y = F.linear(x, layer.weight)
+    assert library.bf16_amx_calls() == before + 1
+    check_bound(y, x, w, None, (mode, name))
     assert torch.equal(y == 0, exact.to(torch.bfloat16) == 0)
 
 
@@ -226,7 +241,7 @@ def test_random_shapes_on_emulated_tiles(name, m, n, k_blocks, seed, magnitude):
     a = x.float().abs()
     admissible = bool(((a == 0) | ((a >= 2.0**-59) & (a < 2.0**64))).all())  # else the table path
     assert library.bf16_amx_calls() == before + int(admissible)
-    check_bound(y, x, bf16_weight(layer), layer.bias, (name, m, n, k))
+    check_bound(y, x, bf16_weight(layer), layer.bias, (name, m, n, k), fp32_weights=not admissible)
 
 
 @needs_native

@@ -21,8 +21,7 @@ from ...ops.int8 import (
     int8_weight_linear,
     int8_weight_reference,
 )
-from ...prefill import tile_dtype, tiled_linear, use_tiles
-from . import abi
+from ...prefill import tile_dtype, tiled_linear
 from . import library as native_library
 from .registration import register_cpu_kernel
 
@@ -63,7 +62,7 @@ def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     n, k = codes.shape
     m = x.numel() // k
     weight = _int8_weight("int8_weight_linear", codes, scale, n, k)
-    if use_tiles(m, x.dtype, native_library.gemm_active(abi.FORMAT_INT8)):
+    if not native_library.takes_fused(weight, x):
         b = native_library.checked_bias(bias, n, "int8_weight_linear")
         out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -60,7 +60,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_amx_bf16_supported": (_c_int, []),
     "tq_amx_bf16_calls": (_c_int64, []),
     "tq_gemm_active": (_c_int, [_c_int]),  # weight format
-    "tq_dot_max_m": (_c_int, [_ptr, _c_int]),  # weight, x dtype: the most rows its bf16 dot path takes (0: none)
+    "tq_dot_max_m": (_c_int, [_ptr, _c_int]),  # weight, x dtype: the most rows its bf16 AMX GEMM or dot path takes (0: none)
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
     "tq_weight_size": (_c_int64, []),
     "tq_linear": (_c_int, [_ptr, _ptr, _c_int, _c_int64, _ptr, _ptr, _c_int]),  # weight, x, x dtype, M, bias, out, threads
@@ -241,8 +241,10 @@ def bf16_amx(mode: str) -> Iterator[None]:
     """Within the block (process-wide), the bf16 AMX GEMM of the weight-only kernels (lut4: int4,
     NF4, FP4; int8) for 5 to ``BF16_AMX_MAX_M`` rows of bf16 activations (``csrc/bf16_amx.h``): ``"on"`` (the
     default, unless ``TORCHQ_NATIVE_AMX=0``) uses it on CPUs with AMX-BF16 whose AVX-512 ISA is
-    active, ``"off"`` never (dequantized tiles + ``torch.mm`` or the bf16 dot path serve those rows),
-    ``"emulated"`` runs its body on emulated tiles on any CPU (for tests)."""
+    active, ``"off"`` never (the paths of other CPUs serve those rows: dequantized tiles +
+    ``torch.mm``, the bf16 dot path, or the fused fp32 paths where the tile switch is off),
+    ``"emulated"`` runs its body on emulated tiles on any CPU (for tests). A GEMM form:
+    ``lut4_paths(gemm=False)`` turns it off in every mode."""
     global _BF16_AMX_MODE
     if mode not in BF16_AMX_MODES:
         raise ValueError(f"mode: expected one of {BF16_AMX_MODES}, got {mode!r}")
@@ -679,7 +681,7 @@ def takes_fused(weight: NativeWeight, x: torch.Tensor) -> bool:
     m = x.numel() // weight.k
     if m <= 0:
         return False
-    if weight.format in (abi.FORMAT_LUT4, abi.FORMAT_INT8):  # decode-sized: fused whatever the GEMM switch (no C call to ask)
+    if weight.format in (abi.FORMAT_LUT4, abi.FORMAT_INT8):  # decode-sized: fused whatever the GEMM switch
         return m <= FUSED_MAX_M or not use_tiles(m, x.dtype, gemm_active(weight.format)) or m <= weight.dot_max_m(x.dtype)
     return True
 
@@ -832,7 +834,9 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
     elif static is not None:
         weight = weight.static(*static)
     held = tuple(v for v in vars(owner).values() if isinstance(v, torch.Tensor))
-    recheck = not int8_activations and m > FUSED_MAX_M
+    # weight-only formats above the fused rows: tiles + GEMM may take them (the int8 dynamic / static
+    # and int8-activation formats run the fused kernel at every row count)
+    recheck = not int8_activations and dynamic is None and static is None and m > FUSED_MAX_M
     return BoundLinear(weight, owner.shape, x, recheck_tiles=recheck, held=held)
 
 

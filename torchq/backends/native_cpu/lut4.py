@@ -49,7 +49,7 @@ from ...ops.int8act import (
     int4_a8_reference,
     int4_groupwise_linear_a8,
 )
-from ...prefill import tile_dtype, tiled_linear, use_tiles
+from ...prefill import tile_dtype, tiled_linear
 from . import library as native_library
 from .registration import register_cpu_kernel
 
@@ -95,11 +95,12 @@ def _blockwise_weight(packed, table, absmax, nested_codes, nested_absmax, nested
 
 
 def _native_linear(x, packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize, bias) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias): fused kernel for small M (fp32 arithmetic, one rounding to
-    x's dtype), dequantized tiles + torch.mm (see torchq.prefill.use_tiles)."""
+    """x [..., K] @ W.T (+ bias): the fused kernel where it takes these rows (small M, fp32
+    arithmetic, one rounding to x's dtype; the bf16 AMX GEMM: :func:`library.takes_fused`), else
+    dequantized tiles + torch.mm (see torchq.prefill.use_tiles)."""
     weight = _blockwise_weight(packed, table, absmax, nested_codes, nested_absmax, nested_offset, n, k, blocksize)
     m = x.numel() // k
-    if not use_tiles(m, x.dtype, native_library.lut4_gemm_active()):
+    if native_library.takes_fused(weight, x):
         return native_library.run_linear(weight, x, bias)
     b = native_library.checked_bias(bias, n, "blockwise_4bit_linear")
     out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
@@ -203,7 +204,7 @@ def _int4_codebook(code_base: float) -> torch.Tensor:
 @register_cpu_kernel(int4_groupwise_linear)
 def int4_groupwise_linear_cpu(x, packed, scale, shift, zero, shape, group_size, code_base, round_mul, round_add, bias=None):
     """Native: fused dequantize + dot in fp32 (weights exactly the reference's values, one
-    rounding to x's dtype at the end), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
+    rounding to x's dtype at the end; :func:`library.takes_fused`), or dequantized tiles + torch.mm (:func:`torchq.prefill.use_tiles`)."""
     weight = native_library.cached_op_weight(packed, (scale, shift, zero), ("int4", *shape, group_size, code_base, round_mul, round_add))
     if weight is not None and native_library.takes_fused(weight, x):  # a compiled graph's call: checked when built
         return native_library.run_linear(weight, x, bias)
@@ -244,7 +245,7 @@ def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, 
         return int4_groupwise_reference(x, packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add, bias)
     weight = _int4_weight(packed, scale, shift, zero, n, k, group_size, code_base, round_mul, round_add)
     m = x.numel() // k
-    if not use_tiles(m, x.dtype, native_library.lut4_gemm_active()):
+    if native_library.takes_fused(weight, x):
         return native_library.run_linear(weight, x, bias)
     kp = weight.row_length
 
