@@ -61,6 +61,12 @@ Bf16AmxGemmFn bf16_amx_gemm();
 int bf16_amx_mode();
 // Whether bf16 calls of kBf16AmxMinM to kBf16AmxMaxM rows take the GEMM now (mode, CPU, ISA).
 bool bf16_amx_active();
+// out = x @ W.T (+ bias) for bf16 x [M, K_in] and out [M, N] through the GEMM, W's rows from
+// `decode` (K: their length, a multiple of 32, >= K_in): OK, or -1 where the call is not the GEMM's
+// (the mode, an activation it cannot take, scratch it could not get): the caller's paths serve it.
+int bf16_amx_linear(const uint16_t* x, int64_t M, int64_t K_in, int64_t K, int64_t N, const float* bias,
+                    void (*decode)(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst), const void* ctx, void* out,
+                    int threads, int spin_us);
 // Bytes of the B tiles of M rows of K positions (K a multiple of 32).
 int64_t bf16_amx_packed_bytes(int64_t M, int64_t K);
 // x: [M, K_in] bf16 rows (K_in <= K) into the B tiles at dst (bf16_amx_packed_bytes): m-block i,

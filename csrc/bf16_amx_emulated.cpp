@@ -8,21 +8,14 @@
 #include <stdlib.h>
 
 #include "bf16_amx_body.h"
+#include "amx_emulated_tiles.h"
 #include "common.h"
 #include "lut4_linear.h"  // lut4_paths(): the GEMM switch
 
 namespace tq {
 namespace {
 
-// Eight tiles of 16 rows x 64 bytes, per thread (as the AMX tile registers are).
-struct EmulatedTiles {
-  struct State {
-    alignas(64) uint8_t t[8][16][64];
-  };
-  static State& state() {
-    static thread_local State s;
-    return s;
-  }
+struct EmulatedTiles : EmulatedTileOps<8> {
   // bf16 word i of a tile row as fp32 (exact), subnormals read as zero (as AMX reads them)
   static float word(const uint8_t* row, int i) {
     uint16_t h;
@@ -31,13 +24,6 @@ struct EmulatedTiles {
   }
   // a subnormal result flushed to zero (as AMX flushes them)
   static float flush(float v) { return __builtin_fabsf(v) < 0x1p-126f ? 0.0f * v : v; }
-  static void configure() {}
-  template <int T>
-  static void zero() { memset(state().t[T], 0, sizeof state().t[T]); }
-  template <int T>
-  static void load(const void* p, int64_t stride) {
-    for (int r = 0; r < 16; ++r) memcpy(state().t[T][r], static_cast<const char*>(p) + r * stride, 64);
-  }
   // tdpbf16ps as Intel's pseudocode orders it: C[m][n] += A[m][2k] B[k][2n], then
   // += A[m][2k + 1] B[k][2n + 1], for k = 0..15 (fp32 products of bf16 values are exact), with
   // AMX's treatment of subnormals: inputs read as zero, products and sums flushed, so that the
@@ -56,11 +42,6 @@ struct EmulatedTiles {
         memcpy(&s.t[C][m][4 * n], &acc, 4);
       }
   }
-  template <int T>
-  static void store(void* p, int64_t stride) {
-    for (int r = 0; r < 16; ++r) memcpy(static_cast<char*>(p) + r * stride, state().t[T][r], 64);
-  }
-  static void release() {}
 };
 
 void gemm(const Bf16AmxGemm& g, int64_t n0, int64_t n1) { amx_bf16_gemm<EmulatedTiles>(g, n0, n1); }
@@ -119,6 +100,41 @@ bool bf16_amx_pack(const uint16_t* x, int64_t M, int64_t K_in, int64_t K, uint16
     }
   }
   return true;
+}
+
+namespace {
+
+struct Job {
+  Bf16AmxGemm g;
+  Bf16AmxGemmFn gemm;
+};
+
+void run_range(void* ctx, int64_t n0, int64_t n1) {
+  const Job& j = *static_cast<const Job*>(ctx);
+  j.gemm(j.g, n0, n1);
+}
+
+}  // namespace
+
+int bf16_amx_linear(const uint16_t* x, int64_t M, int64_t K_in, int64_t K, int64_t N, const float* bias,
+                    void (*decode)(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst), const void* ctx, void* out,
+                    int threads, int spin_us) {
+  const size_t xt_bytes = static_cast<size_t>(bf16_amx_packed_bytes(M, K)), out_bytes = (M * N * sizeof(float) + 63) / 64 * 64;
+  char* buf = static_cast<char*>(aligned_alloc(64, xt_bytes + out_bytes));
+  if (!buf) return -1;
+  uint16_t* xt = reinterpret_cast<uint16_t*>(buf);
+  float* y = reinterpret_cast<float*>(buf + xt_bytes);
+  const Bf16AmxGemmFn gemm = bf16_amx_pack(x, M, K_in, K, xt) ? bf16_amx_gemm() : nullptr;
+  if (!gemm) {
+    free(buf);
+    return -1;
+  }
+  int failed = 0;
+  Job job{{M, N, K, xt, y, bias, decode, ctx, &failed}, gemm};
+  parallel_for(N, kBf16Tile, threads, run_range, &job, spin_us, N * K + M * N * K / 16);  // ranges of whole panels
+  if (!failed) from_f32_row(y, M * N, DT_BF16, out);
+  free(buf);
+  return failed ? -1 : OK;
 }
 
 }  // namespace tq

@@ -11,37 +11,16 @@
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")
 #include <immintrin.h>
 
+#include "amx_tiles.h"
 #include "int8_amx_body.h"
 
 namespace tq {
 namespace {
 
-// Tile configuration (palette 1): tiles 0..5 of 16 rows x 64 bytes (C 0..3, A 4, B 5).
-struct AmxTiles {
-  static void configure() {
-    alignas(64) uint8_t cfg[64] = {};
-    cfg[0] = 1;
-    for (int t = 0; t < 6; ++t) {
-      cfg[16 + 2 * t] = 64;  // colsb (little-endian uint16)
-      cfg[48 + t] = 16;      // rows
-    }
-    _tile_loadconfig(cfg);
-  }
-  // GCC's tile intrinsics paste their tile numbers into the instruction as text, so they cannot
-  // take template arguments: the same instructions as inline asm with immediate operands.
-  template <int T>
-  static void zero() { asm volatile("tilezero %%tmm%c0" ::"i"(T)); }
-  template <int T>
-  static void load(const void* p, int64_t stride) {
-    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
-  }
+// Tiles 0..5 (C 0..3, A 4, B 5).
+struct AmxTiles : AmxTileOps<6> {
   template <int C, int A, int B>
   static void dot() { asm volatile("tdpbssd %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C)); }
-  template <int T>
-  static void store(void* p, int64_t stride) {
-    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
-  }
-  static void release() { _tile_release(); }
 };
 
 void gemm(const Int8Params& p, int64_t n0, int64_t n1) { amx_int8_gemm<AmxTiles>(p, n0, n1, kInt8Scalar.dynamic_rows); }

@@ -110,44 +110,11 @@ void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
   }
 }
 
-struct AmxJob {
-  Bf16AmxGemm g;
-  Bf16AmxGemmFn gemm;
-};
-
-void run_amx(void* ctx, int64_t n0, int64_t n1) {
-  const AmxJob& j = *static_cast<const AmxJob*>(ctx);
-  j.gemm(j.g, n0, n1);
-}
-
-// weight_only_linear's bf16 calls of kBf16AmxMinM to kBf16AmxMaxM rows on AMX tiles: OK, or -1 where the
-// call is not the GEMM's (an activation it cannot take, scratch it could not get).
-int weight_only_amx(const uint16_t* x, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
-                    const float* bias, void* out, int threads) {
-  const int64_t Kp = (K + 31) / 32 * 32;
-  const size_t xt_bytes = static_cast<size_t>(bf16_amx_packed_bytes(M, Kp)), out_bytes = (M * N * sizeof(float) + 63) / 64 * 64;
-  char* buf = static_cast<char*>(aligned_alloc(64, xt_bytes + out_bytes));
-  if (!buf) return -1;
-  uint16_t* xt = reinterpret_cast<uint16_t*>(buf);
-  float* y = reinterpret_cast<float*>(buf + xt_bytes);
-  const Bf16AmxGemmFn gemm = bf16_amx_pack(x, M, K, Kp, xt) ? bf16_amx_gemm() : nullptr;
-  if (!gemm) {
-    free(buf);
-    return -1;
-  }
-  const AmxDecode decode{codes, scale, K, Kp};
-  int failed = 0;
-  AmxJob job{{M, N, Kp, xt, y, bias, amx_decode, &decode, &failed}, gemm};
-  parallel_for(N, 16, threads, run_amx, &job, kSpinUs, N * K + M * N * K / 16);
-  if (!failed) from_f32_row(y, M * N, DT_BF16, out);
-  free(buf);
-  return failed ? -1 : OK;
-}
-
 int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
                        const float* bias, void* out, int threads) {
   if (dtype == DT_BF16 && M >= kBf16AmxMinM && M <= kBf16AmxMaxM && bf16_amx_active()) {
-    const int status = weight_only_amx(static_cast<const uint16_t*>(x), M, K, codes, N, scale, bias, out, threads);
+    const AmxDecode decode{codes, scale, K, (K + 31) / 32 * 32};
+    const int status = bf16_amx_linear(static_cast<const uint16_t*>(x), M, K, decode.Kp, N, bias, amx_decode, &decode, out, threads, kSpinUs);
     if (status >= 0) return status;
   }
   const int64_t Kp = padded(K);

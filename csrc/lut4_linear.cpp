@@ -202,48 +202,16 @@ void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
   d.dequant(*d.p, n0, n1, dst, true);
 }
 
-struct AmxJob {
-  Bf16AmxGemm g;
-  Bf16AmxGemmFn gemm;
-};
-
-void run_amx(void* ctx, int64_t n0, int64_t n1) {
-  const AmxJob& j = *static_cast<const AmxJob*>(ctx);
-  j.gemm(j.g, n0, n1);
-}
-
-// out = x @ W.T (+ bias) for bf16 x [M, K_in] on AMX tiles: OK, or -1 where the
-// call is not the GEMM's (an activation it cannot take, scratch it could not get): the caller's
-// paths then serve it.
-int linear_amx(const Lut4Params& p, const uint16_t* x, int64_t K_in, void* out, int threads) {
-  const int64_t M = p.M, K = p.K, N = p.N;
-  const size_t xt_bytes = static_cast<size_t>(bf16_amx_packed_bytes(M, K)), out_bytes = (M * N * sizeof(float) + 63) / 64 * 64;
-  char* buf = static_cast<char*>(aligned_alloc(64, xt_bytes + out_bytes));
-  if (!buf) return -1;
-  uint16_t* xt = reinterpret_cast<uint16_t*>(buf);
-  float* y = reinterpret_cast<float*>(buf + xt_bytes);
-  const Bf16AmxGemmFn gemm = bf16_amx_pack(x, M, K_in, K, xt) ? bf16_amx_gemm() : nullptr;
-  if (!gemm) {
-    free(buf);
-    return -1;
-  }
-  const Lut4Kernels& k = kernels().lut4;
-  const AmxDecode decode{&p, k.dequant_bf16 && lut4_bf16_pairs(p) ? k.dequant_bf16 : k.dequant};
-  int failed = 0;
-  AmxJob job{{M, N, K, xt, y, p.bias, amx_decode, &decode, &failed}, gemm};
-  parallel_for(N, 16, threads, run_amx, &job, kLinearSpinUs, N * K + M * N * K / 16);
-  if (!failed) from_f32_row(y, M * N, DT_BF16, out);
-  free(buf);
-  return failed ? -1 : OK;
-}
-
 // out = x @ W.T (+ bias), x [M, K_in] and out [M, N] of `dtype`: converts and zero-pads the
 // activations to fp32 rows of p.K and permutes them for the chosen path (see lut4_linear.h), runs
 // the rows into an fp32 output, then rounds it to `dtype` (once, at the end).
 int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
   const int64_t M = p.M, K = p.K, N = p.N;
   if (dtype == DT_BF16 && M >= kBf16AmxMinM && M <= kBf16AmxMaxM && bf16_amx_active()) {
-    const int status = linear_amx(p, static_cast<const uint16_t*>(x), K_in, out, threads);
+    const Lut4Kernels& k = kernels().lut4;
+    const AmxDecode decode{&p, k.dequant_bf16 && lut4_bf16_pairs(p) ? k.dequant_bf16 : k.dequant};
+    const int status = bf16_amx_linear(static_cast<const uint16_t*>(x), M, K_in, K, N, p.bias, amx_decode, &decode, out, threads,
+                                       kLinearSpinUs);
     if (status >= 0) return status;
   }
   Lut4DecodeFn decode = nullptr;
