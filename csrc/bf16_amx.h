@@ -55,7 +55,7 @@ constexpr int64_t kBf16AmxMinM = 5, kBf16AmxMaxM = 64;
 extern const Bf16AmxGemmFn kBf16AmxGemm, kBf16AmxEmulatedGemm;
 // Whether the CPU has AMX-BF16, the kernel was built and Linux let this process use the tiles.
 bool amx_bf16_supported();
-// The GEMM for this call's ISA and mode, or null (also counts the call when not null).
+// The GEMM for this call's ISA and mode, or null (bf16_amx_linear counts the calls it completes).
 Bf16AmxGemmFn bf16_amx_gemm();
 // The mode now (Bf16Amx).
 int bf16_amx_mode();

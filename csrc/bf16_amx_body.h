@@ -146,7 +146,7 @@ void amx_bf16_gemm(const Bf16AmxGemm& g, int64_t n0, int64_t n1) {
   const int64_t panels = (n1 - n0 + kBf16Tile - 1) / kBf16Tile;  // a short range: no passes over zero panels
   if (blocks >= 4) bf16_panels<Tiles, 1, 4>(g, n0, n1, w);
   else if (blocks >= 2) panels >= 2 ? bf16_panels<Tiles, 2, 2>(g, n0, n1, w) : bf16_panels<Tiles, 1, 2>(g, n0, n1, w);
-  else if (panels >= 4) bf16_panels<Tiles, 4, 1>(g, n0, n1, w);
+  else if (panels >= 3) bf16_panels<Tiles, 4, 1>(g, n0, n1, w);
   else if (panels >= 2) bf16_panels<Tiles, 2, 1>(g, n0, n1, w);
   else bf16_panels<Tiles, 1, 1>(g, n0, n1, w);
   Tiles::release();

@@ -20,10 +20,10 @@ struct EmulatedTiles : EmulatedTileOps<8> {
   static float word(const uint8_t* row, int i) {
     uint16_t h;
     memcpy(&h, row + 2 * i, 2);
-    return (h & 0x7F80u) == 0 ? 0.0f : bf16_value(h);
+    return bf16_value((h & 0x7F80u) == 0 ? static_cast<uint16_t>(h & 0x8000u) : h);
   }
   // a subnormal result flushed to zero (as AMX flushes them)
-  static float flush(float v) { return __builtin_fabsf(v) < 0x1p-126f ? 0.0f * v : v; }
+  static float flush(float v) { return __builtin_fabsf(v) < 0x1p-126f ? __builtin_copysignf(0.0f, v) : v; }
   // tdpbf16ps as Intel's pseudocode orders it: C[m][n] += A[m][2k] B[k][2n], then
   // += A[m][2k + 1] B[k][2n + 1], for k = 0..15 (fp32 products of bf16 values are exact), with
   // AMX's treatment of subnormals: inputs read as zero, products and sums flushed, so that the
@@ -69,11 +69,7 @@ static Bf16AmxGemmFn gemm_for(int mode) {
 
 bool bf16_amx_active() { return gemm_for(g_mode.load(std::memory_order_relaxed)) != nullptr; }
 
-Bf16AmxGemmFn bf16_amx_gemm() {
-  const Bf16AmxGemmFn fn = gemm_for(g_mode.load(std::memory_order_relaxed));
-  if (fn) g_calls.fetch_add(1, std::memory_order_relaxed);
-  return fn;
-}
+Bf16AmxGemmFn bf16_amx_gemm() { return gemm_for(g_mode.load(std::memory_order_relaxed)); }
 
 int64_t bf16_amx_packed_bytes(int64_t M, int64_t K) {
   return (M + kBf16Tile - 1) / kBf16Tile * (K / kBf16Step) * kBf16TileWords * 2;
@@ -132,7 +128,10 @@ int bf16_amx_linear(const uint16_t* x, int64_t M, int64_t K_in, int64_t K, int64
   int failed = 0;
   Job job{{M, N, K, xt, y, bias, decode, ctx, &failed}, gemm};
   parallel_for(N, kBf16Tile, threads, run_range, &job, spin_us, N * K + M * N * K / 16);  // ranges of whole panels
-  if (!failed) from_f32_row(y, M * N, DT_BF16, out);
+  if (!failed) {
+    from_f32_row(y, M * N, DT_BF16, out);
+    g_calls.fetch_add(1, std::memory_order_relaxed);
+  }
   free(buf);
   return failed ? -1 : OK;
 }

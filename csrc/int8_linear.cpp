@@ -90,8 +90,6 @@ struct Output {
   ~Output() { free(owned); }
 };
 
-// out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), int8 codes
-// [N, K], fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end.
 // The bf16 AMX GEMM (bf16_amx.h) on an int8 weight-only weight: rows q * s as bf16, exactly as the
 // dequantized tiles hold them, zero-padded to Kp.
 struct AmxDecode {
@@ -110,6 +108,9 @@ void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
   }
 }
 
+// out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), int8 codes
+// [N, K], fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end
+// (bf16 x of kBf16AmxMinM to kBf16AmxMaxM rows: the bf16 AMX GEMM where it runs).
 int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
                        const float* bias, void* out, int threads) {
   if (dtype == DT_BF16 && M >= kBf16AmxMinM && M <= kBf16AmxMaxM && bf16_amx_active()) {

@@ -62,20 +62,29 @@ def bf16_weight(layer: torch.nn.Linear) -> torch.Tensor:
 
 
 def check_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, where,
-                fp32_weights: bool = False) -> None:
+                fp32_weights: bool = False, floor: float = 1e-30) -> None:
     """|y - (sum_k w_k x_k + b)| within the fp32 sum bound plus the output's bf16 roundings (the
     product's, and the sum's with the bias: F.linear in bf16 rounds both). ``fp32_weights``: the
     call may have run a path whose weights are the fp32 values before their bf16 rounding (the
-    fused table paths, fp32 tiles where the tile switch is off): each within 2^-8 of w."""
+    fused table paths, fp32 tiles where the tile switch is off): each within 2^-8 of w. ``floor``:
+    an absolute allowance (below every output that matters; 2^-133, bf16's subnormal spacing, for
+    outputs near 2^-126)."""
     xd, wd = x.double(), w.double()
     product = xd @ wd.t()
     b = torch.zeros(()) if bias is None else bias.detach().double()
     exact = product + b
     mags = xd.abs() @ wd.abs().t()
     k = x.shape[-1]
-    allowed = (product.abs() + b.abs() + exact.abs()) * 2.0**-8 + mags * ((k + 2) * 2.0**-23 + (2.0**-8 if fp32_weights else 0)) + 1e-30
+    allowed = (product.abs() + b.abs() + exact.abs()) * 2.0**-8 + mags * ((k + 2) * 2.0**-23 + (2.0**-8 if fp32_weights else 0)) + floor
     err = (y.detach().double() - exact).abs()
     assert bool((err <= allowed).all()), (where, float((err - allowed).max()))
+
+
+@pytest.fixture(autouse=True)
+def _gemm_switch_on():
+    """Every test here with the GEMM switch on (TORCHQ_NATIVE_GEMM=0 turns the GEMM off in every mode)."""
+    with library.lut4_paths():
+        yield
 
 
 @pytest.fixture(params=["emulated", "hardware", "off"])
@@ -181,7 +190,7 @@ def test_panels_with_tiny_weights_sum_without_tiles(mode, name):
     with library.bf16_amx("on" if mode == "hardware" else "emulated"):
         y = F.linear(x, layer.weight)
     assert library.bf16_amx_calls() == before + 1
-    check_bound(y, x, w, None, (mode, name))
+    check_bound(y, x, w, None, (mode, name), floor=2.0**-133)
     assert torch.equal(y == 0, exact.to(torch.bfloat16) == 0)
 
 
@@ -206,19 +215,42 @@ def test_calls_it_does_not_serve():
 
 
 @needs_native
-def test_the_compiled_op_takes_it_too():
-    """Through the dispatcher (torch.compile's path) the op's kernel runs the fused call too."""
-    layer = quantized("int4-g32", 40, 128)
-    x = torch.randn(24, 128, dtype=torch.bfloat16)
-    with library.bf16_amx("off"):
-        expected = F.linear(x, layer.weight, layer.bias)
+@pytest.mark.parametrize("name", ["nf4", "int8wo"])
+def test_the_gemm_switch_turns_it_off(name):
+    """A GEMM form: lut4_paths(gemm=False) / TORCHQ_NATIVE_GEMM=0 turn it off in every mode (the
+    golden digests are recorded with it off)."""
+    layer = quantized(name, 40, 128)
+    x = torch.randn(16, 128, dtype=torch.bfloat16)
+    before = library.bf16_amx_calls()
     with library.bf16_amx("emulated"):
-        before = library.bf16_amx_calls()
+        with library.lut4_paths(gemm=False):
+            off = F.linear(x, layer.weight)
+        assert library.bf16_amx_calls() == before
+        on = F.linear(x, layer.weight)
+        assert library.bf16_amx_calls() == before + 1
+    check_bound(off, x, bf16_weight(layer), None, name, fp32_weights=True)
+    check_bound(on, x, bf16_weight(layer), None, name)
+
+
+@needs_native
+@pytest.mark.parametrize("fast_bf16", [True], indirect=True)
+@pytest.mark.parametrize("name", ["int4-g32", "nf4", "int8wo"])
+def test_the_compiled_op_takes_it_at_every_call(fast_bf16, name):
+    """Through the dispatcher (torch.compile's path) the op's kernel asks the same question as the
+    eager layer: with bf16 tiles available (as on AMX CPUs), the first compiled call must not take
+    them and the later ones the GEMM (that gave two answers for one graph)."""
+    layer = quantized(name, 40, 128)
+    x = torch.randn(24, 128, dtype=torch.bfloat16)
+    with library.bf16_amx("emulated"):
         compiled = torch.compile(lambda t: F.linear(t, layer.weight, layer.bias), fullgraph=True)
-        y = compiled(x)
-        assert library.bf16_amx_calls() > before
-    check_bound(y, x, bf16_weight(layer), layer.bias, "compiled")
-    assert (y.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2.0**-7
+        before = library.bf16_amx_calls()
+        first = compiled(x)
+        assert library.bf16_amx_calls() == before + 1
+        second = compiled(x)
+        assert library.bf16_amx_calls() == before + 2
+        eager = F.linear(x, layer.weight, layer.bias)
+    assert torch.equal(first, second) and torch.equal(first, eager)
+    check_bound(first, x, bf16_weight(layer), layer.bias, ("compiled", name))
 
 
 def test_modes_are_checked():

@@ -12,7 +12,10 @@ Intended changes:
   int8 weight-only its GEMM form (instead of tiles + torch.mm), which sum in another order (their
   bound and one-hot exactness are tested in test_native_int.py / test_native_blockwise.py); with
   those paths off every case reproduces the recorded digests, and with them on only those
-  kernels' cases change. (int8 dynamic's GEMM forms are bit-equal: its cases never change.)"""
+  kernels' cases change. (int8 dynamic's GEMM forms are bit-equal: its cases never change.)
+  Issue 40 also: on AMX-BF16 CPUs the bf16 AMX GEMM of the lut4 and int8 weight-only kernels
+  (5-64 bf16 rows; a GEMM form, off with the others), and the ops' eager entries taking the dot
+  path's rows as the layouts' do."""
 
 from __future__ import annotations
 
