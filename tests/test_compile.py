@@ -97,3 +97,27 @@ def test_dynamic_shapes_when_dynamo_runs_nodes_outside_is_compiling(monkeypatch,
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     for m, want in zip((3, 5), ref):
         assert torch.allclose(compiled(torch.randn(m, 64, generator=torch.Generator().manual_seed(m))), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", [torchq.int8_weight_only(), torchq.int4_weight_only(group_size=32),
+                                    torchq.int4_weight_only(group_size=32, zero_point_domain="int"), torchq.nf4_weight_only(),
+                                    torchq.int8_dynamic_activation_4bit_weight(), torchq.intx_weight_only(bits=3, group_size=32)],
+                         ids=["int8wo", "int4", "int4-int-zero", "nf4", "int4a8", "intx3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_embedding_lookup_keeps_the_number_of_ids_symbolic(config, dtype):
+    """vLLM compiles its model with the token count marked dynamic (strictly: a guard that fixes it
+    fails the compile). A quantized tied embedding's lookup must not turn it into a constant (the
+    int4 layout's row gather built a weight impl of that many rows, whose constructor took int()),
+    and gives the eager rows bit for bit (Inductor, fusing the dequantization written inline,
+    skipped the rounding of a bf16 scale's product before the zero point was added)."""
+    weight = torch.randn(80, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    emb = torch.nn.Embedding(80, 64)
+    emb.weight = torch.nn.Parameter(config.quantize_weight(weight), requires_grad=False)
+    table = emb.weight.dequantize()
+    torch._dynamo.reset()
+    compiled = torch.compile(emb, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (40, 7, 2):  # 1 recompiles in any model (PyTorch specializes sizes 0 and 1)
+            idx = torch.arange(n) * 37 % 80
+            torch._dynamo.mark_dynamic(idx, 0)
+            assert torch.equal(compiled(idx), table[idx])

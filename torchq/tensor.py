@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from . import dispatch
 from .canonical import PlainForm, QuantSpec, code_dtype_for
 from .layouts.base import Layout, TensorImpl, choose_layout
+from .ops.affine import dequantize_plain
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
 from .serialization import reduce_quantized_tensor
 from .tracing import traced
@@ -731,7 +732,9 @@ def _index(func, args, kwargs):
     flat = idx.flatten() % n
     if flat.numel() == 0:
         return torch.empty(*idx.shape, self.shape[1], dtype=self.dtype, device=self.device)
-    rows = _in_input_order(self, self.tensor_impl.plain_rows(flat).dequantize, self.dtype)
+    plain = self.tensor_impl.plain_rows(flat)
+    # in a graph, through the op that keeps the eager roundings (ops.affine.dequantize_plain)
+    rows = _in_input_order(self, (lambda dtype: dequantize_plain(plain, dtype)) if traced(flat) else plain.dequantize, self.dtype)
     return rows.reshape(*idx.shape, self.shape[1])
 
 

@@ -124,24 +124,30 @@ class Int4NativeImpl(TensorImpl):
         )
 
     def to_plain(self) -> PlainForm:
+        return self._plain(self.packed, self.scale, self.zero, self.int_zero)
+
+    def plain_rows(self, index: torch.Tensor) -> PlainForm:
+        # the gathered rows' tensors straight into the plain form: no impl of index.numel() rows,
+        # whose constructor would turn a traced (symbolic) row count into a constant
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return self._plain(rows(self.packed), rows(self.scale), rows(self.zero), rows(self.int_zero))
+
+    def _plain(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               int_zero: torch.Tensor | None) -> PlainForm:
+        """The plain form of rows of this weight, given their packed codes, scales and zeros."""
         spec = self.spec
-        n, k = self.shape
-        u = unpack_nibbles(self.packed)[:, :k]
+        u = unpack_nibbles(packed)[:, :self.shape[1]]
         codes = (u.to(torch.int16) + spec.quant_min).to(spec.code_dtype)
         domain = spec.zero_point_domain
         if domain is ZeroPointDomain.FLOAT:
-            zero = self.zero.to(self.zero_dtype)
+            zp = zero.to(self.zero_dtype)
         elif domain is ZeroPointDomain.INT:
-            zero = self.int_zero
+            zp = int_zero
         else:
-            zero = None
-        return PlainForm(codes, self.scale.to(self.scale_dtype), zero, spec)
-
-    def plain_rows(self, index: torch.Tensor) -> PlainForm:
-        fields = {f: (None if getattr(self, f) is None else getattr(self, f)[index]) for f in self.tensor_fields}
-        rows = type(self)(self.layout, self.spec, (index.numel(), self.shape[1]), **fields,
-                          scale_dtype=self.scale_dtype, zero_dtype=self.zero_dtype)
-        return rows.to_plain()
+            zp = None
+        return PlainForm(codes, scale.to(self.scale_dtype), zp, spec)
 
     def narrow_view(self, dim: int, start: int, length: int) -> Int4NativeImpl | None:
         if dim != 0:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..primitives import choose_qparams_affine, dequantize_affine, quantize_affine, scale_shape
+from ..canonical import PlainForm
+from ..primitives import ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine, scale_shape
 from .devices import one_device_fake
 
 __all__: list[str] = []  # the ops are used as torch.ops.torchq.*
@@ -84,3 +85,16 @@ def _dequantize_affine_op(
 @one_device_fake('dequantize_affine')
 def _(codes, block_size, scale, zero_point, quant_min, quant_max, zero_point_domain, output_dtype):
     return codes.new_empty(codes.shape, dtype=output_dtype)
+
+
+def dequantize_plain(plain: PlainForm, dtype: torch.dtype) -> torch.Tensor:
+    """``plain.dequantize(dtype)``, bit for bit under ``torch.compile`` too: an affine format's values
+    come from the ``torchq::dequantize_affine`` op, which a compiled graph calls as it is. Inductor
+    fuses the same arithmetic written inline and skips its intermediate roundings (``(q - mid) * s``
+    rounded to a bf16 scale's dtype before ``+ z``), so a compiled embedding lookup gave other last
+    bits than the eager one. Codebook formats (one product, one cast) stay inline."""
+    spec = plain.spec
+    if spec.codebook is not None:
+        return plain.dequantize(dtype)
+    return _dequantize_affine_op(plain.codes, list(spec.block_size), plain.scale, plain.zero_point, spec.quant_min,
+                                 spec.quant_max, ZeroPointDomain(spec.zero_point_domain).value, dtype)
