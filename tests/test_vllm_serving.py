@@ -208,6 +208,22 @@ def test_tiny_llama_compiled(tiny_folder: Path, tmp_path: Path) -> None:
     assert serve(folder, TINY_PROMPTS, eager=False)["tokens"] == reference(folder, TINY_PROMPTS)
 
 
+def test_tiny_llama_compiled_quantized_tied_embedding(tmp_path: Path) -> None:
+    """Compiled, with the LM head tied to the token embedding and both quantized (int4's own
+    layout): vLLM marks the token count dynamic, and the lookup's row gather once made it a
+    constant, so vLLM failed to start (ConstraintViolationError)."""
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # logits far apart (see tiny_folder)
+        model.model.embed_tokens.weight.mul_(8)
+    model.save_pretrained(tmp_path / "float")
+    folder = quantized_folder(tmp_path / "float", "int4-g32", tmp_path / "int4-tied", modules_to_not_convert=[])
+    assert serve(folder, TINY_PROMPTS, eager=False)["tokens"] == reference(folder, TINY_PROMPTS)
+
+
 def test_tiny_llama_tensor_parallel_2(tiny_folder: Path, tmp_path: Path) -> None:
     """Two ranks on the CPU backend: column-parallel q/k/v and gate/up (fused), row-parallel o and
     down cut by input features; weight-only int4 gives the same tokens as one process."""
