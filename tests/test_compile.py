@@ -121,3 +121,41 @@ def test_compiled_embedding_lookup_keeps_the_number_of_ids_symbolic(config, dtyp
             idx = torch.arange(n) * 37 % 80
             torch._dynamo.mark_dynamic(idx, 0)
             assert torch.equal(compiled(idx), table[idx])
+
+
+def _bf16_rounded_weights() -> dict[str, torch.Tensor]:
+    """Weights whose dequantization rounds twice in eager (to a bf16 scale's dtype, then to the
+    output dtype), the case Inductor's fused arithmetic got wrong."""
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    return {
+        "int4-float-zero-bf16": torchq.int4_weight_only(group_size=32).quantize_weight(w.to(torch.bfloat16)),
+        "intx3-packed-bf16-scale": torchq.intx_weight_only(bits=3, group_size=32, scale_dtype=torch.bfloat16,
+                                                           layout=torchq.PackedBitsLayout()).quantize_weight(w),
+    }
+
+
+@pytest.mark.parametrize("name", ["int4-float-zero-bf16", "intx3-packed-bf16-scale"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_dequantize_and_row_select_keep_the_eager_roundings(name, out_dtype):
+    """``weight.dequantize()`` and ``weight[i]`` under torch.compile give the eager values bit for
+    bit: a traced dequantization goes through ``torchq::dequantize_affine`` (Inductor fused the
+    same arithmetic written inline and skipped the rounding to the bf16 scale's dtype)."""
+    weight = _bf16_rounded_weights()[name]
+    torch._dynamo.reset()
+    table = torch.compile(lambda w: w.dequantize(out_dtype), fullgraph=True)(weight)
+    assert table.dtype == out_dtype and torch.equal(table, weight.dequantize(out_dtype))
+    row = torch.compile(lambda w: w[5], fullgraph=True)(weight)
+    assert torch.equal(row, weight.dequantize()[5])
+
+
+def test_compiled_dequantize_fallback_linear_keeps_the_eager_roundings():
+    """The dequantize + F.linear fallback (a layout with no kernel) under torch.compile: the
+    eager output bit for bit (the weight's values come from the op, not fused inline arithmetic)."""
+    m = torch.nn.Linear(64, 48, bias=False)
+    m.weight = torch.nn.Parameter(_bf16_rounded_weights()["intx3-packed-bf16-scale"], requires_grad=False)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with pytest.warns(torchq.FallbackWarning):
+        eager = m(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True)(x)  # (the layer's fallback warning was given once, above)
+    assert torch.equal(compiled, eager)

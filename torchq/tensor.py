@@ -711,7 +711,7 @@ def _select(func, args, kwargs):
     if not -n <= index < n:
         raise IndexError(f"select: index {index} out of range for dim 0 of size {n}")
     idx = torch.tensor([index % n], device=self.device)
-    return _in_input_order(self, self.to_plain().rows(idx).dequantize, self.dtype)[0]
+    return _dequantized_rows(self, self.tensor_impl.plain_rows(idx))[0]
 
 
 @implements(aten.index.Tensor)
@@ -732,10 +732,15 @@ def _index(func, args, kwargs):
     flat = idx.flatten() % n
     if flat.numel() == 0:
         return torch.empty(*idx.shape, self.shape[1], dtype=self.dtype, device=self.device)
-    plain = self.tensor_impl.plain_rows(flat)
-    # in a graph, through the op that keeps the eager roundings (ops.affine.dequantize_plain)
-    rows = _in_input_order(self, (lambda dtype: dequantize_plain(plain, dtype)) if traced(flat) else plain.dequantize, self.dtype)
+    rows = _dequantized_rows(self, self.tensor_impl.plain_rows(flat))
     return rows.reshape(*idx.shape, self.shape[1])
+
+
+def _dequantized_rows(self: AQT, plain: PlainForm) -> torch.Tensor:
+    """Rows of ``self`` (their plain form ``plain``) in its dtype, in input order; in a graph
+    through the op that keeps the eager roundings (ops.affine.dequantize_plain)."""
+    dequantize = (lambda dtype: dequantize_plain(plain, dtype)) if traced(plain.codes) else plain.dequantize
+    return _in_input_order(self, dequantize, self.dtype)
 
 
 @implements(aten.embedding.default)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..canonical import PlainForm
-from ..primitives import ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine, scale_shape
+from ..primitives import choose_qparams_affine, dequantize_affine, quantize_affine, scale_shape
 from .devices import one_device_fake
 
 __all__: list[str] = []  # the ops are used as torch.ops.torchq.*
@@ -97,4 +97,4 @@ def dequantize_plain(plain: PlainForm, dtype: torch.dtype) -> torch.Tensor:
     if spec.codebook is not None:
         return plain.dequantize(dtype)
     return _dequantize_affine_op(plain.codes, list(spec.block_size), plain.scale, plain.zero_point, spec.quant_min,
-                                 spec.quant_max, ZeroPointDomain(spec.zero_point_domain).value, dtype)
+                                 spec.quant_max, spec.zero_point_domain.value, dtype)
