@@ -37,9 +37,9 @@ int from_environment(int best) {
   return wanted < best ? wanted : best;
 }
 
-// Whether the int8 dynamic kernel may use AVX-512 VNNI (vpdpbusd): the CPU has it and
-// TORCHQ_NATIVE_VNNI is not "0" (read at load). TORCHQ_NATIVE_VNNI=0 runs the path of AVX-512
-// CPUs that lack VNNI (the AVX2 dynamic kernel), so a VNNI machine tests it too.
+// Whether the int8 dynamic kernel and the int8-activation lut4 GEMM may use AVX-512 VNNI
+// (vpdpbusd): the CPU has it and TORCHQ_NATIVE_VNNI is not "0" (read at load). TORCHQ_NATIVE_VNNI=0
+// runs the path of AVX-512 CPUs that lack VNNI (the AVX2 kernels), so a VNNI machine tests it too.
 bool use_vnni() {
   __builtin_cpu_init();
   const char* s = getenv("TORCHQ_NATIVE_VNNI");
@@ -75,6 +75,7 @@ struct Tables {
       by_isa[ISA_AVX512].int8.dynamic_gemm_min_m = kInt8Avx2.dynamic_gemm_min_m;
       by_isa[ISA_AVX512].int8.narrow_rows = kInt8Avx2.narrow_rows;
       by_isa[ISA_AVX512].int8.narrow_gemm = kInt8Avx2.narrow_gemm;
+      by_isa[ISA_AVX512].lut4.q8_gemm = kLut4Avx2.q8_gemm;
     }
   }
 };
@@ -119,7 +120,7 @@ int active_isa() { return kernels().isa; }
 
 TQ_API int tq_abi_version() { return TQ_ABI_VERSION; }
 TQ_API int tq_supported_isa() { return tq::g_supported; }
-// The optional kernels the AVX-512 table uses (fixed at load): bit 0 the int8 VNNI kernels
+// The optional kernels the AVX-512 table uses (fixed at load): bit 0 the VNNI kernels (int8, int4a8 GEMM)
 // (TORCHQ_NATIVE_VNNI), bit 1 the lut4 bf16 pair tables (TORCHQ_NATIVE_AVX512BF16), bit 2 the AMX
 // int8 GEMM (the CPU has it, Linux granted it and tq_set_int8_amx leaves it on), bit 3 the AMX
 // bf16 GEMM (likewise, tq_set_bf16_amx).

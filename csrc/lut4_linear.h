@@ -271,7 +271,19 @@ void lut4_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1);
 // The int8-activation rows: portable, and AVX2 (also the AVX-512 table's: 32-byte vpmaddubsw).
 void lut4_q8_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1);
 void lut4_q8_rows_avx2(const Lut4Params& p, int64_t n0, int64_t n1);
+// The int8-activation GEMM forms: AVX2 (vpmaddubsw), and AVX-512 VNNI (vpdpbusd; the AVX-512
+// table's where the CPU has VNNI and TORCHQ_NATIVE_VNNI is not 0). Both compute the same terms in
+// the same order (exact int32 block sums, then the same fp32 operations per output): bit-equal.
 void lut4_q8_gemm_avx2(const Lut4Params& p, int64_t n0, int64_t n1);
+void lut4_q8_gemm_avx512vnni(const Lut4Params& p, int64_t n0, int64_t n1);
+// Their shared driver (lut4_q8_avx2.cpp): for each panel of 16 weight rows n .. n + cols of [n0,
+// n1), its codes (panel[kStep s + 4 t + i]: row n + t at position 4 s + i of the activations'
+// order; kStep 64, or 128 for the codebook kind: 64 int8 table values, then their 64 absolute
+// values), its block scales sc[16 g + t] and (affine kind) offsets off[16 g + t] (each 64-byte
+// aligned), then the kind's panel function for all p.M activation rows.
+typedef void (*Lut4Q8PanelFn)(const Lut4Params& p, const uint8_t* panel, const float* sc, const float* off, int64_t n,
+                              int64_t cols);
+void lut4_q8_gemm_panels(const Lut4Params& p, int64_t n0, int64_t n1, Lut4Q8PanelFn affine, Lut4Q8PanelFn codebook);
 float lut4_q8_block_portable(const float* v, int8_t* dst, int32_t* qsum);
 float lut4_q8_block_avx2(const float* v, int8_t* dst, int32_t* qsum);
 

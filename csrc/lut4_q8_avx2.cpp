@@ -12,8 +12,8 @@
 // absolute values, the sign trick per step (pairs up to 2 * 127 * 127 cannot share an int16 sum),
 // int32 per block, the same epilogue. Both: the same terms as the rows above, in another order.
 //
-// Linkage: compiled with AVX2 flags; everything but lut4_q8_rows_avx2 and lut4_q8_gemm_avx2 has
-// internal linkage.
+// Linkage: compiled with AVX2 flags; everything but lut4_q8_rows_avx2, lut4_q8_gemm_avx2,
+// lut4_q8_gemm_panels and lut4_q8_block_avx2 has internal linkage.
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
 
@@ -312,27 +312,12 @@ TQ_Q8_TILE void q8_gemm_tile(const Lut4Params& p, const uint8_t* panel, const fl
   }
 }
 
-// The GEMM form of one kind over output rows [n0, n1): per 16 weight rows a panel, its block
-// scales (and offsets), then every pair of activation rows.
+// The AVX2 panel of one kind: every pair of activation rows against it.
 template <bool CODEBOOK>
-void q8_gemm(const Lut4Params& p, int64_t n0, int64_t n1, char* buf, size_t panel_bytes, size_t table_bytes) {
-  const int64_t G = p.blocks_per_row;
-  uint8_t* panel = reinterpret_cast<uint8_t*>(buf);
-  float* sc = reinterpret_cast<float*>(buf + panel_bytes);
-  float* off = reinterpret_cast<float*>(buf + panel_bytes + table_bytes);
-  for (int64_t n = n0; n < n1; n += kPanelCols) {
-    const int64_t cols = n1 - n < kPanelCols ? n1 - n : kPanelCols;
-    unpack_q8_panel<CODEBOOK>(p, n, cols, panel);
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t t = 0; t < kPanelCols; ++t) {
-        const float s = t < cols ? lut4_scale(p, n + t, g) : 0.0f;
-        sc[g * kPanelCols + t] = s;
-        off[g * kPanelCols + t] = t < cols && !CODEBOOK ? lut4_q8_offset(p, n + t, g, s) : 0.0f;
-      }
-    int64_t m = 0;
-    for (; m + kGemmRows <= p.M; m += kGemmRows) q8_gemm_tile<CODEBOOK, kGemmRows>(p, panel, sc, off, n, cols, m);
-    if (m < p.M) q8_gemm_tile<CODEBOOK, 1>(p, panel, sc, off, n, cols, m);
-  }
+void q8_panel(const Lut4Params& p, const uint8_t* panel, const float* sc, const float* off, int64_t n, int64_t cols) {
+  int64_t m = 0;
+  for (; m + kGemmRows <= p.M; m += kGemmRows) q8_gemm_tile<CODEBOOK, kGemmRows>(p, panel, sc, off, n, cols, m);
+  if (m < p.M) q8_gemm_tile<CODEBOOK, 1>(p, panel, sc, off, n, cols, m);
 }
 
 template <bool AFFINE>
@@ -406,20 +391,40 @@ float lut4_q8_block_avx2(const float* v, int8_t* dst, int32_t* qsum) {
   return a;
 }
 
-// The GEMM forms (above; block a multiple of 32): the affine kind's, the codebook kind's. Each
-// range allocates its panel; if it cannot, the rows above compute the range.
-void lut4_q8_gemm_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
-  const bool codebook = !p.q8_affine;
-  const size_t panel_bytes = (p.kq / 4) * (codebook ? 128 : 64);
-  const size_t table_bytes = (p.blocks_per_row * kPanelCols * sizeof(float) + 31) / 32 * 32;
+// The GEMM forms' driver (lut4_linear.h): per 16 weight rows of [n0, n1) the panel (its codes in
+// unpack_q8_panel's order), its block scales and (affine kind) offsets s_b d_b + z_b, [G][16]
+// each, then the kind's panel function. Each range allocates its panel; if it cannot, the AVX2
+// rows compute the range.
+void lut4_q8_gemm_panels(const Lut4Params& p, int64_t n0, int64_t n1, Lut4Q8PanelFn affine, Lut4Q8PanelFn codebook) {
+  const bool is_codebook = !p.q8_affine;
+  const int64_t G = p.blocks_per_row;
+  const size_t panel_bytes = (p.kq / 4) * (is_codebook ? 128 : 64);
+  const size_t table_bytes = (G * kPanelCols * sizeof(float) + 63) / 64 * 64;
   char* buf = static_cast<char*>(aligned_alloc(64, panel_bytes + 2 * table_bytes));
   if (!buf) {
     lut4_q8_rows_avx2(p, n0, n1);
     return;
   }
-  if (codebook) q8_gemm<true>(p, n0, n1, buf, panel_bytes, table_bytes);
-  else q8_gemm<false>(p, n0, n1, buf, panel_bytes, table_bytes);
+  uint8_t* panel = reinterpret_cast<uint8_t*>(buf);
+  float* sc = reinterpret_cast<float*>(buf + panel_bytes);
+  float* off = reinterpret_cast<float*>(buf + panel_bytes + table_bytes);
+  for (int64_t n = n0; n < n1; n += kPanelCols) {
+    const int64_t cols = n1 - n < kPanelCols ? n1 - n : kPanelCols;
+    if (is_codebook) unpack_q8_panel<true>(p, n, cols, panel);
+    else unpack_q8_panel<false>(p, n, cols, panel);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < kPanelCols; ++t) {
+        const float s = t < cols ? lut4_scale(p, n + t, g) : 0.0f;
+        sc[g * kPanelCols + t] = s;
+        off[g * kPanelCols + t] = t < cols && !is_codebook ? lut4_q8_offset(p, n + t, g, s) : 0.0f;
+      }
+    (is_codebook ? codebook : affine)(p, panel, sc, off, n, cols);
+  }
   free(buf);
+}
+
+void lut4_q8_gemm_avx2(const Lut4Params& p, int64_t n0, int64_t n1) {
+  lut4_q8_gemm_panels(p, n0, n1, &q8_panel<false>, &q8_panel<true>);
 }
 
 }  // namespace tq

@@ -156,6 +156,86 @@ def test_activation_codes_round_ties_to_even(isa, rows):
     assert_within(got, ref, impl.dequantize(torch.float32), x, None)
 
 
+HAS_AVX512 = NATIVE and "avx512" in ISAS
+
+
+def _a8_case(kind, n, k, m, g, bias, seed):
+    """``(op, args)`` of an int8-activation call: an int4 weight (any zero-point domain) or an
+    NF4 / FP4 one (nested or not)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * (0.5 + seed % 3)
+    x = torch.randn(m, k, generator=gen) * 4
+    b = torch.randn(n, generator=gen) if bias else None
+    if kind.startswith("int4"):
+        impl = int4_impl(w, g, {"int4-float": Z.FLOAT, "int4-int": Z.INT, "int4-none": Z.NONE}[kind])
+        return lut4.int4_a8_cpu, int4_args(impl, x, b)
+    quant_type, nested = kind.split("-")[0], kind.endswith("nested")
+    cfg = (torchq.nf4_weight_only if quant_type == "nf4" else torchq.fp4_weight_only)(block_size=g, double_quant=nested)
+    impl = cfg.quantize_weight(w).tensor_impl
+    return lut4.blockwise_a8_cpu, (x, impl.packed, impl.absmax, impl.nested_codes, impl.nested_absmax, impl.nested_offset, [n, k],
+                                   g, quant_type, b)
+
+
+A8_KINDS = ["int4-float", "int4-int", "int4-none", "nf4", "nf4-nested", "fp4"]
+
+
+def _a8_outputs() -> list[torch.Tensor]:
+    """Outputs of the GEMM form (M 9 and 14) for every kind, a partial panel (N = 37) and bias."""
+    return [op(*args) for kind in A8_KINDS for m in (9, 14) for op, args in [_a8_case(kind, 37, 320, m, 64, True, 5)]]
+
+
+@needs_native
+@pytest.mark.skipif(not HAS_AVX512, reason="the AVX-512 table (VNNI GEMM form) needs an AVX-512 CPU")
+@settings(**SETTINGS)
+@given(kind=st.sampled_from(A8_KINDS), n=st.integers(1, 40), chunks=st.integers(1, 9), g=st.sampled_from([32, 64, 128]),
+       m=st.sampled_from([9, 10, 11, 12, 13, 17, 33]), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_vnni_gemm_form_is_bit_equal_to_the_avx2_one(kind, n, chunks, g, m, bias, seed):
+    """Above INT8_ACTIVATION_MAX_M rows the AVX-512 table's GEMM form (vpdpbusd where the CPU has
+    VNNI, the AVX2 one otherwise: TORCHQ_NATIVE_VNNI) computes the AVX2 form's terms in its order:
+    the same bits, for every tile remainder (M mod 4), partial panels (N mod 16), a half chunk
+    (K = 64 i + 32) and both kinds (affine codes; the codebook's int8 values, signed)."""
+    k = 32 * chunks // g * g or g  # a whole number of weight blocks
+    op, args = _a8_case(kind, n, k, m, g, bias, seed)
+    saved = native.status().isa
+    try:
+        native.set_isa("avx2")
+        avx2 = op(*args)
+        native.set_isa("avx512")
+        avx512 = op(*args)
+    finally:
+        native.set_isa(saved)
+    assert torch.equal(avx512, avx2)
+
+
+@needs_native
+@pytest.mark.skipif(not HAS_AVX512, reason="TORCHQ_NATIVE_VNNI selects among the AVX-512 table's kernels")
+def test_int8_activation_gemm_without_vnni_is_bit_equal():
+    """TORCHQ_NATIVE_VNNI=0 gives the AVX-512 table the AVX2 GEMM form (CPUs without VNNI): the
+    same outputs as this process's table (the VNNI form where the CPU has it)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+sys.path.insert(0, "tests")
+from test_int8act import _a8_outputs
+from torchq import native
+assert "avx512_vnni" not in native.status().features, native.status().features
+torch.save(_a8_outputs(), sys.argv[1])
+"""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "outs.pt")
+        env = dict(os.environ, TORCHQ_NATIVE_VNNI="0")
+        res = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True, timeout=300,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert res.returncode == 0, res.stderr[-3000:]
+        theirs = torch.load(path, weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(_a8_outputs(), theirs, strict=True))
+
+
 @needs_native
 def test_rounded_scales_are_refused_by_the_library():
     impl = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout(), scale_dtype=torch.bfloat16).quantize_weight(
