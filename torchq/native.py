@@ -11,7 +11,7 @@ else (and with ``TORCHQ_NATIVE_POOL=own``, and in a forked child) a small pool o
   ``TORCHQ_NATIVE_POOL=own`` selects the library's own thread pool, whose threads
   ``TORCHQ_NATIVE_SPIN_US`` lets spin that long for the next call (default 0).
   ``TORCHQ_NATIVE_VNNI=0`` and ``TORCHQ_NATIVE_AVX512BF16=0`` turn off the optional AVX-512 kernels
-  (int8 with VNNI; int4 tables with bf16 scales built by AVX512_BF16), so a CPU that has them also
+  (int8 and the int4a8 / nf4a8 GEMM with VNNI; int4 tables with bf16 scales built by AVX512_BF16), so a CPU that has them also
   runs the paths of one that does not (``status().features`` lists those in use).
   ``TORCHQ_NATIVE_AMX=0`` turns off the AMX GEMM form of the int8 dynamic / static kernels (from
   8 rows on CPUs with AMX-INT8; ``library.int8_amx`` switches it within a block) and the bf16 AMX
