@@ -156,7 +156,7 @@ def test_activation_codes_round_ties_to_even(isa, rows):
     assert_within(got, ref, impl.dequantize(torch.float32), x, None)
 
 
-HAS_AVX512 = NATIVE and "avx512" in ISAS
+HAS_VNNI = NATIVE and "avx512" in ISAS and "avx512_vnni" in native.status().features
 
 
 def _a8_case(kind, n, k, m, g, bias, seed):
@@ -180,35 +180,40 @@ A8_KINDS = ["int4-float", "int4-int", "int4-none", "nf4", "nf4-nested", "fp4"]
 
 
 def _a8_outputs() -> list[torch.Tensor]:
-    """Outputs of the GEMM form (M 9 and 14) for every kind, a partial panel (N = 37) and bias."""
-    return [op(*args) for kind in A8_KINDS for m in (9, 14) for op, args in [_a8_case(kind, 37, 320, m, 64, True, 5)]]
+    """Outputs of the GEMM form (M 9 and 14) for every kind, a partial panel (N = 37), bias, and
+    K with a half chunk (96, groups of 32)."""
+    with native_library.lut4_paths(gemm=True):
+        return [op(*args) for kind in A8_KINDS for m in (9, 14) for k, g in ((320, 64), (96, 32))
+                for op, args in [_a8_case(kind, 37, k, m, g, True, 5)]]
 
 
 @needs_native
-@pytest.mark.skipif(not HAS_AVX512, reason="the AVX-512 table (VNNI GEMM form) needs an AVX-512 CPU")
+@pytest.mark.skipif(not HAS_VNNI, reason="the VNNI GEMM form needs an AVX-512 VNNI CPU (and TORCHQ_NATIVE_VNNI not 0)")
 @settings(**SETTINGS)
 @given(kind=st.sampled_from(A8_KINDS), n=st.integers(1, 40), chunks=st.integers(1, 9), g=st.sampled_from([32, 64, 128]),
        m=st.sampled_from([9, 10, 11, 12, 13, 17, 33]), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_vnni_gemm_form_is_bit_equal_to_the_avx2_one(kind, n, chunks, g, m, bias, seed):
-    """Above INT8_ACTIVATION_MAX_M rows the AVX-512 table's GEMM form (vpdpbusd where the CPU has
-    VNNI, the AVX2 one otherwise: TORCHQ_NATIVE_VNNI) computes the AVX2 form's terms in its order:
-    the same bits, for every tile remainder (M mod 4), partial panels (N mod 16), a half chunk
-    (K = 64 i + 32) and both kinds (affine codes; the codebook's int8 values, signed)."""
+    """Above INT8_ACTIVATION_MAX_M rows the AVX-512 table's GEMM form (vpdpbusd) computes the AVX2
+    form's terms in its order: the same bits, for every tile remainder (M mod 4), partial panels
+    (N mod 16), a half chunk (K = 64 i + 32, groups of 32) and both kinds (affine codes; the
+    codebook's int8 values, signed). The GEMM forms are switched on for the comparison (with
+    TORCHQ_NATIVE_GEMM=0 both ISAs would take their fp32 paths, which sum in other orders)."""
     k = 32 * chunks // g * g or g  # a whole number of weight blocks
     op, args = _a8_case(kind, n, k, m, g, bias, seed)
     saved = native.status().isa
     try:
-        native.set_isa("avx2")
-        avx2 = op(*args)
-        native.set_isa("avx512")
-        avx512 = op(*args)
+        with native_library.lut4_paths(gemm=True):
+            native.set_isa("avx2")
+            avx2 = op(*args)
+            native.set_isa("avx512")
+            avx512 = op(*args)
     finally:
         native.set_isa(saved)
     assert torch.equal(avx512, avx2)
 
 
 @needs_native
-@pytest.mark.skipif(not HAS_AVX512, reason="TORCHQ_NATIVE_VNNI selects among the AVX-512 table's kernels")
+@pytest.mark.skipif(not HAS_VNNI, reason="the VNNI GEMM form needs an AVX-512 VNNI CPU (and TORCHQ_NATIVE_VNNI not 0)")
 def test_int8_activation_gemm_without_vnni_is_bit_equal():
     """TORCHQ_NATIVE_VNNI=0 gives the AVX-512 table the AVX2 GEMM form (CPUs without VNNI): the
     same outputs as this process's table (the VNNI form where the CPU has it)."""

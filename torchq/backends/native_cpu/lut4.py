@@ -320,7 +320,8 @@ def blockwise_4bit_linear_a8_cpu(x, packed, absmax, nested_codes, nested_absmax,
 def blockwise_a8_cpu(x, packed, absmax, nested_codes, nested_absmax, nested_offset, shape, blocksize, quant_type,
                      bias=None) -> torch.Tensor:
     """The CPU kernel of ``blockwise_4bit_linear_a8`` on checked arguments: as :func:`int4_a8_cpu`
-    (above :data:`INT8_ACTIVATION_MAX_M` rows the exact codebook, not its int8 rounding)."""
+    (the codebook rounded to int8; above :data:`INT8_ACTIVATION_MAX_M` rows on the portable table, or
+    with the GEMM forms off, the exact codebook)."""
     lib = native_library.library()
     if lib is None or x.numel() == 0:
         if lib is None:
