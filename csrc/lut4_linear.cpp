@@ -379,8 +379,8 @@ void quantize_q8_row(void* ctx, int64_t m, float* row) {  // row: zero-padded to
 
 // The int8-activation path (lut4_linear.h): quantizes each activation row per 32-block exactly as
 // torchq.activation.PerBlockInt8 does into the kernels' order (rows in parallel), then runs
-// kernels().lut4.q8 up to kLut4Q8MaxM rows; above, its GEMM form where the ISA has one (block a
-// multiple of 32), else linear_fake_quantized.
+// kernels().lut4.q8 up to kLut4Q8MaxM rows; above (from q8_gemm_min_m rows where that is fewer),
+// its GEMM form where the ISA has one (block a multiple of 32), else linear_fake_quantized.
 int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
   if (p.round_mul != ROUND_NONE || p.round_add != ROUND_NONE) return BAD_ARGUMENT;
   bool affine = true;
@@ -416,7 +416,8 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
     return OUT_OF_MEMORY;
   }
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + q_bytes + a_bytes + blk_bytes);
-  const bool use_gemm = M > kLut4Q8MaxM;
+  const int64_t gemm_min_m = kernels().lut4.q8_gemm_min_m > 0 ? kernels().lut4.q8_gemm_min_m : kLut4Q8MaxM + 1;
+  const bool use_gemm = gemm && (M > kLut4Q8MaxM || M >= gemm_min_m);
   RowsJob job{p, use_gemm ? gemm : kernels().lut4.q8};
   // The GEMM form's ranges are whole panels of 16 weight rows. The row kernel's work counts half
   // an fp32 multiply-add per weight: at a quarter, SmolLM2's 576x576 M=1 calls ran on one thread

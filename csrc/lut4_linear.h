@@ -241,7 +241,7 @@ struct Lut4Kernels {
   bool lookup_preferred;
   Lut4RowsFn gemm;      // M >= kLut4GemmMinM (table-path activation order); null where not faster
   Lut4RowsFn q8;        // the int8-activation path (every ISA)
-  Lut4RowsFn q8_gemm;   // its GEMM form (M > kLut4Q8MaxM, block % 32 == 0); null: none
+  Lut4RowsFn q8_gemm;   // its GEMM form (M >= q8_gemm_min_m below, block % 32 == 0); null: none
   Lut4Q8BlockFn q8_block;  // its activation quantization (bit-identical on every ISA)
   // Calls whose tables may be built in pairs (lut4_bf16_pairs), where the ISA has such a kernel
   // (AVX512_BF16: simd_avx512bf16.h); null: rows / dequant serve them.
@@ -251,6 +251,11 @@ struct Lut4Kernels {
   // (AVX512_BF16): the bf16 weights from the pair tables into vdpbf16ps against p.xb; null where
   // the ISA has none.
   Lut4RowsFn dot_bf16;
+  // The fewest rows q8_gemm takes (0: kLut4Q8MaxM + 1). The VNNI form beats the row kernel from 5
+  // rows (3072 x 576 and 576 x 1536, int4 g32 and NF4, one core: M = 5 306 vs 522 us, M = 8 336 vs
+  // 744); the AVX2 form only above kLut4Q8MaxM. Either way rows above kLut4Q8MaxM never take the row
+  // kernel, and without a GEMM form they take linear_fake_quantized.
+  int q8_gemm_min_m;
 };
 static constexpr int64_t kLut4DotMinM = 2, kLut4DotMaxM = 16;
 

@@ -10,5 +10,5 @@
 #include "lut4_linear_body.h"
 
 namespace tq {
-extern const Lut4Kernels kLut4Avx2 = {&Lut4Kernel<Avx2>::rows, &Lut4Kernel<Avx2>::dequant, &Lut4Kernel<Avx2>::decode, Avx2::kLanes, &Lut4Kernel<Avx2>::lookup_rows, false, &Lut4Kernel<Avx2>::gemm_rows, &lut4_q8_rows_avx2, &lut4_q8_gemm_avx2, &lut4_q8_block_avx2, nullptr, nullptr, nullptr};
+extern const Lut4Kernels kLut4Avx2 = {&Lut4Kernel<Avx2>::rows, &Lut4Kernel<Avx2>::dequant, &Lut4Kernel<Avx2>::decode, Avx2::kLanes, &Lut4Kernel<Avx2>::lookup_rows, false, &Lut4Kernel<Avx2>::gemm_rows, &lut4_q8_rows_avx2, &lut4_q8_gemm_avx2, &lut4_q8_block_avx2, nullptr, nullptr, nullptr, 0};
 }  // namespace tq

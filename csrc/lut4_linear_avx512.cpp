@@ -7,5 +7,5 @@
 #include "lut4_linear_body.h"
 
 namespace tq {
-extern const Lut4Kernels kLut4Avx512 = {&Lut4Kernel<Avx512>::rows, &Lut4Kernel<Avx512>::dequant, nullptr, 0, &Lut4Kernel<Avx512>::lookup_rows, true, &Lut4Kernel<Avx512>::gemm_rows, &lut4_q8_rows_avx2, &lut4_q8_gemm_avx512vnni, &lut4_q8_block_avx2, nullptr, nullptr, nullptr};
+extern const Lut4Kernels kLut4Avx512 = {&Lut4Kernel<Avx512>::rows, &Lut4Kernel<Avx512>::dequant, nullptr, 0, &Lut4Kernel<Avx512>::lookup_rows, true, &Lut4Kernel<Avx512>::gemm_rows, &lut4_q8_rows_avx2, &lut4_q8_gemm_avx512vnni, &lut4_q8_block_avx2, nullptr, nullptr, nullptr, 5};
 }  // namespace tq

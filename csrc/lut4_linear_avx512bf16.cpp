@@ -132,5 +132,5 @@ static_assert(kLut4DotMaxM == 16, "Lut4Dot::rows has a case per M");
 
 // Only rows, dequant and dot_bf16 are used (cpu.cpp: rows_bf16 / dequant_bf16 / dot_bf16 of the
 // AVX-512 table).
-extern const Lut4Kernels kLut4Avx512Bf16 = {&Body::rows, &Body::dequant, nullptr, 0, nullptr, false, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &Lut4Dot::rows};
+extern const Lut4Kernels kLut4Avx512Bf16 = {&Body::rows, &Body::dequant, nullptr, 0, nullptr, false, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &Lut4Dot::rows, 0};
 }  // namespace tq

@@ -100,6 +100,6 @@ void lut4_q8_rows_portable(const Lut4Params& p, int64_t n0, int64_t n1) {
   }
 }
 
-extern const Lut4Kernels kLut4Scalar = {&lut4_rows_portable, &dequant, nullptr, 0, nullptr, false, nullptr, &lut4_q8_rows_portable, nullptr, &lut4_q8_block_portable, nullptr, nullptr, nullptr};
+extern const Lut4Kernels kLut4Scalar = {&lut4_rows_portable, &dequant, nullptr, 0, nullptr, false, nullptr, &lut4_q8_rows_portable, nullptr, &lut4_q8_block_portable, nullptr, nullptr, nullptr, 0};
 
 }  // namespace tq

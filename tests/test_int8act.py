@@ -214,6 +214,27 @@ def test_vnni_gemm_form_is_bit_equal_to_the_avx2_one(kind, n, chunks, g, m, bias
 
 @needs_native
 @pytest.mark.skipif(not HAS_VNNI, reason="the VNNI GEMM form needs an AVX-512 VNNI CPU (and TORCHQ_NATIVE_VNNI not 0)")
+@pytest.mark.parametrize("kind", A8_KINDS)
+def test_vnni_gemm_form_takes_calls_from_five_rows(kind):
+    """On VNNI CPUs the GEMM form (faster than the row kernel from 5 rows) takes 5-8 rows too: its
+    rows are computed alike whatever the other rows, so a 5-row call gives the first 5 rows of a
+    9-row one (the GEMM form at any row limit) bit for bit; with the GEMM forms off, the row kernel
+    serves them (within the reference's bound: test above)."""
+    op, args = _a8_case(kind, 40, 192, 9, 64, True, 3)
+    x = args[0]
+    saved = native.status().isa
+    try:
+        native.set_isa("avx512")
+        with native_library.lut4_paths(gemm=True):
+            nine = op(*args)
+            for m in (5, 8):
+                assert torch.equal(op(x[:m], *args[1:]), nine[:m]), m
+    finally:
+        native.set_isa(saved)
+
+
+@needs_native
+@pytest.mark.skipif(not HAS_VNNI, reason="the VNNI GEMM form needs an AVX-512 VNNI CPU (and TORCHQ_NATIVE_VNNI not 0)")
 def test_int8_activation_gemm_without_vnni_is_bit_equal():
     """TORCHQ_NATIVE_VNNI=0 gives the AVX-512 table the AVX2 GEMM form (CPUs without VNNI): the
     same outputs as this process's table (the VNNI form where the CPU has it)."""

@@ -286,8 +286,8 @@ def int8_activation_rejects(x: torch.Tensor, act_quant, cuda_rejects=None) -> st
 
 
 # Rows up to which the library's int8-activation path runs its integer row kernel (kLut4Q8MaxM,
-# csrc/lut4_linear.h); above, its integer GEMM form (AVX2 / AVX-512), or on the portable table the
-# fp32 paths on the fake-quantized activations.
+# csrc/lut4_linear.h; its VNNI GEMM form takes calls from 5 rows); above, its integer GEMM form
+# (AVX2 / AVX-512 VNNI), or on the portable table the fp32 paths on the fake-quantized activations.
 INT8_ACTIVATION_MAX_M = 8
 
 
