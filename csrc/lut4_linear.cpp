@@ -422,8 +422,12 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
   // The GEMM form's ranges are whole panels of 16 weight rows. The row kernel's work counts half
   // an fp32 multiply-add per weight: at a quarter, SmolLM2's 576x576 M=1 calls ran on one thread
   // (AVX2, 2 threads: 15.5 us, split 10.6 us; int4a8 decode steps 16.8 -> 16.0 and 16.4 -> 15.5 ms
-  // in two runs with the equivalent min_parallel_work alternated in one process).
-  parallel_for(N, use_gemm ? 16 : 4, threads, run_rows, &job, kLinearSpinUs, M * N * K / (use_gemm ? 16 : 2));
+  // in two runs with the equivalent min_parallel_work alternated in one process). The GEMM form's
+  // counts a sixteenth per product plus its panels' unpacking, one pass over the weight like a row
+  // of the row kernel: without it, 5-8-row calls of SmolLM2's 576 x 576 ran on one thread (VNNI, 2
+  // threads, M = 5: 77 us, the row kernel split in two 79).
+  const int64_t work = use_gemm ? N * K / 2 + M * N * K / 16 : M * N * K / 2;
+  parallel_for(N, use_gemm ? 16 : 4, threads, run_rows, &job, kLinearSpinUs, work);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
   free(buf);
   return OK;

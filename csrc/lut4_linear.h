@@ -91,8 +91,9 @@
 // products are the reference's; the separate terms above could overflow where the sum does not);
 // for DECODE_AFFINE also nonzero ones below 2^-102 (their prescaled x 16^-6 could lose bits).
 //
-// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, its
-// GEMM form Lut4Kernels.q8_gemm (block a multiple of 32): the same terms, summed in another order;
+// Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, and from
+// Lut4Kernels.q8_gemm_min_m rows where that is fewer (VNNI: 5), its GEMM form Lut4Kernels.q8_gemm
+// (block a multiple of 32): the same terms, summed in another order;
 // where the ISA has no GEMM form (the portable table), the fp32 paths on the fake-quantized
 // activations a * q: the same numbers with the exact codebook, within fp32 order of the reference
 // for every weight format): each activation row is
@@ -155,8 +156,8 @@ enum DecodeKind : int { DECODE_NONE = 0, DECODE_AFFINE = 1, DECODE_CODEBOOK = 2,
 static constexpr int64_t kLut4DecodeMaxM = 4;
 // Rows from which the GEMM path runs (below, the panels of rows: faster up to about 48 rows).
 static constexpr int64_t kLut4GemmMinM = 64;
-// Rows up to which the int8-activation path runs its integer kernel (above: the fp32 paths on the
-// fake-quantized activations, lut4_linear.cpp).
+// Rows up to which the int8-activation path may run its integer row kernel (above: its GEMM form,
+// or where the ISA has none the fp32 paths on the fake-quantized activations, lut4_linear.cpp).
 static constexpr int64_t kLut4Q8MaxM = 8;
 
 // The decode path p's weight allows (DECODE_NONE if none): see above.

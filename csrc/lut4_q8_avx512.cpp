@@ -1,4 +1,4 @@
-// The int8-activation GEMM form (lut4_linear.h: more than kLut4Q8MaxM rows, block a multiple of 32)
+// The int8-activation GEMM form (lut4_linear.h: from 5 rows here, q8_gemm_min_m; block a multiple of 32)
 // for AVX-512 VNNI: the panels of lut4_q8_gemm_panels (16 weight rows x 4 positions per 64-byte
 // step: one zmm), register tiles of up to 4 activation rows x 16 weight rows.
 //

@@ -122,7 +122,7 @@ def test_nf4_native_is_the_int8_codebook_reference(isa, rows, nested):
 
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-@pytest.mark.parametrize("rows", [5, 13])  # the row kernel and (above INT8_ACTIVATION_MAX_M) the GEMM form
+@pytest.mark.parametrize("rows", [5, 13])  # the row kernel (the GEMM form on VNNI CPUs) and (above INT8_ACTIVATION_MAX_M) the GEMM form
 def test_edge_activations(isa, rows):
     torch.manual_seed(1)
     impl = int4_impl(torch.randn(16, 128), 32)

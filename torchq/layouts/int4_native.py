@@ -269,7 +269,7 @@ KERNELS = (
         _check_int8_activations,
         _int8_activation_linear,
         description="torchq::int4_groupwise_linear_a8: activations quantized per 32-block to int8, integer dot products "
-        "(native CPU: vpmaddubsw; above 8 rows vpdpbusd on AVX-512 VNNI CPUs); CUDA: Triton int8 tensor cores above 4 rows, the 4-bit GEMV on the "
+        "(native CPU: vpmaddubsw; from 5 rows vpdpbusd on AVX-512 VNNI CPUs); CUDA: Triton int8 tensor cores above 4 rows, the 4-bit GEMV on the "
         "block-dequantized activations up to 4",
         bind=lambda x, w, b: native_library.bind_linear(w.tensor_impl, x, _cached_native_weight, int8_activations=True),
     ),

@@ -7,8 +7,8 @@ Meaning (the references here): the activation is fake-quantized per 32-element b
 weight is dequantized exactly to fp32, ``F.linear`` in fp32 (bias added in fp32), one rounding to
 x's dtype. The int4 weights must have fp32 scales and zeros (round kinds 0).
 
-The native CPU kernel (``csrc/lut4_q8_avx2.cpp``; above 8 rows on AVX-512 VNNI CPUs
-``csrc/lut4_q8_avx512.cpp``, bit-equal to it) forms the integer block sums exactly and
+The native CPU kernel (``csrc/lut4_q8_avx2.cpp``; from 5 rows on AVX-512 VNNI CPUs
+``csrc/lut4_q8_avx512.cpp``, above 8 bit-equal to the AVX2 GEMM form) forms the integer block sums exactly and
 differs from the reference only by fp32 summation order (int4); for NF4 / FP4 it multiplies by
 the codebook rounded to int8 (``rint(127 · c / max|c|)``): each weight is off by at most
 ``absmax · max|c| / 254``, and the result stays within that bound of the reference.

@@ -191,7 +191,7 @@ def lut4_paths(decode: bool = True, gemm: bool = True, lookup_any_isa: bool = Fa
     M = 1 int4 g32 with fp32 scales, and the AVX512_BF16 bf16 dot path, 2-16 bf16 rows) and GEMM
     (M >= 64) paths (see csrc/lut4_linear.h) within the block, process-wide: for tests and benchmarks
     that compare them with the table and panel paths (and tiles). ``gemm`` also switches the GEMM
-    forms of the int8-activation 4-bit kernel (M > 8) and of the int8 dynamic and static kernels
+    forms of the int8-activation 4-bit kernel (M > 8; from 5 with VNNI) and of the int8 dynamic and static kernels
     (M >= 32 on AVX2, 8 with VNNI, and their AMX form from 8: :func:`int8_amx`).
     ``lookup_any_isa`` (with ``decode``) sends the lookup path's calls to it on AVX2 too, where the
     affine decode path is faster: tests run its body on machines without AVX-512."""

@@ -293,8 +293,8 @@ INT8_ACTIVATION_MAX_M = 8
 
 def int4_a8_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, bias) -> torch.Tensor:
     """The CPU kernel of ``int4_groupwise_linear_a8`` on checked arguments: the native library
-    (integer dot products: a row kernel up to :data:`INT8_ACTIVATION_MAX_M` rows, a GEMM form
-    above, or the portable table's fp32 paths on the fake-quantized activations: all the reference
+    (integer dot products: a row kernel up to :data:`INT8_ACTIVATION_MAX_M` rows, 4 on AVX-512
+    VNNI CPUs, a GEMM form above, or the portable table's fp32 paths on the fake-quantized activations: all the reference
     up to fp32 summation order), else the
     reference."""
     lib = native_library.library()
