@@ -737,10 +737,9 @@ def _index(func, args, kwargs):
 
 
 def _dequantized_rows(self: AQT, plain: PlainForm) -> torch.Tensor:
-    """Rows of ``self`` (their plain form ``plain``) in its dtype, in input order; in a graph
-    through the op that keeps the eager roundings (ops.affine.dequantize_plain)."""
-    dequantize = (lambda dtype: dequantize_plain(plain, dtype)) if traced(plain.codes) else plain.dequantize
-    return _in_input_order(self, dequantize, self.dtype)
+    """Rows of ``self`` (their plain form ``plain``) in its dtype, in input order, with the eager
+    roundings under ``torch.compile`` too (ops.affine.dequantize_plain)."""
+    return _in_input_order(self, lambda dtype: dequantize_plain(plain, dtype), self.dtype)
 
 
 @implements(aten.embedding.default)

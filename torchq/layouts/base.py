@@ -21,7 +21,6 @@ from ..identity_cache import IdentityCache
 from ..ops.affine import dequantize_plain
 from ..primitives import ZeroPointDomain, scale_shape
 from ..serialization import reduce_object, register_kind
-from ..tracing import traced
 
 __all__ = [
     "Layout", "LayoutExample", "Fit", "TensorImpl", "Buffer", "FLOATING", "INTEGER", "layout_from_json", "registered_layouts", "choose_layout",
@@ -452,9 +451,7 @@ class TensorImpl:
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        plain = self.to_plain()
-        # traced: through the op that keeps the eager roundings (ops.affine.dequantize_plain)
-        return dequantize_plain(plain, dtype) if traced(plain.codes) else plain.dequantize(dtype)
+        return dequantize_plain(self.to_plain(), dtype)  # compiled too, with the eager roundings
 
     def plain_rows(self, index: torch.Tensor) -> PlainForm:
         """The plain form of rows ``index`` (dim 0, in range), as ``to_plain().rows(index)``.

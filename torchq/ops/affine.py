@@ -8,6 +8,7 @@ import torch
 
 from ..canonical import PlainForm
 from ..primitives import choose_qparams_affine, dequantize_affine, quantize_affine, scale_shape
+from ..tracing import traced
 from .devices import one_device_fake
 
 __all__: list[str] = []  # the ops are used as torch.ops.torchq.*
@@ -88,13 +89,14 @@ def _(codes, block_size, scale, zero_point, quant_min, quant_max, zero_point_dom
 
 
 def dequantize_plain(plain: PlainForm, dtype: torch.dtype) -> torch.Tensor:
-    """``plain.dequantize(dtype)``, bit for bit under ``torch.compile`` too: an affine format's values
-    come from the ``torchq::dequantize_affine`` op, which a compiled graph calls as it is. Inductor
-    fuses the same arithmetic written inline and skips its intermediate roundings (``(q - mid) * s``
-    rounded to a bf16 scale's dtype before ``+ z``), so a compiled embedding lookup gave other last
-    bits than the eager one. Codebook formats (one product, one cast) stay inline."""
+    """``plain.dequantize(dtype)``, bit for bit under ``torch.compile`` too: traced, an affine format's
+    values come from the ``torchq::dequantize_affine`` op, which a compiled graph calls as it is.
+    Inductor fuses the same arithmetic written inline and skips its intermediate roundings
+    (``(q - mid) * s`` rounded to a bf16 scale's dtype before ``+ z``), so a compiled embedding lookup
+    gave other last bits than the eager one. Eager calls and codebook formats (one product, one
+    cast) stay inline."""
     spec = plain.spec
-    if spec.codebook is not None:
+    if spec.codebook is not None or not traced(plain.codes):
         return plain.dequantize(dtype)
     return _dequantize_affine_op(plain.codes, list(spec.block_size), plain.scale, plain.zero_point, spec.quant_min,
                                  spec.quant_max, spec.zero_point_domain.value, dtype)
