@@ -5,6 +5,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx_shapes.h"
+
 namespace tq {
 namespace {
 
@@ -12,21 +14,31 @@ template <int kTiles>
 struct EmulatedTileOps {
   struct State {
     alignas(64) uint8_t t[kTiles][16][64];
+    AmxTileShape shape[kTiles];
   };
   static State& state() {
     static thread_local State s;
     return s;
   }
-  static void configure() {}
+  // As AMX's configuration: the tiles' shapes (default 16 rows x 64 bytes), every tile zeroed.
+  static void configure(const AmxTileShape* shapes = nullptr) {
+    State& s = state();
+    memset(s.t, 0, sizeof s.t);
+    for (int t = 0; t < kTiles; ++t) s.shape[t] = shapes ? shapes[t] : AmxTileShape{16, 64};
+  }
   template <int T>
   static void zero() { memset(state().t[T], 0, sizeof state().t[T]); }
+  // Loads read rows x colsb bytes only (as tileloadd); the rest of the tile is zeroed.
   template <int T>
   static void load(const void* p, int64_t stride) {
-    for (int r = 0; r < 16; ++r) memcpy(state().t[T][r], static_cast<const char*>(p) + r * stride, 64);
+    State& s = state();
+    memset(s.t[T], 0, sizeof s.t[T]);
+    for (int r = 0; r < s.shape[T].rows; ++r) memcpy(s.t[T][r], static_cast<const char*>(p) + r * stride, s.shape[T].colsb);
   }
   template <int T>
   static void store(void* p, int64_t stride) {
-    for (int r = 0; r < 16; ++r) memcpy(static_cast<char*>(p) + r * stride, state().t[T][r], 64);
+    const State& s = state();
+    for (int r = 0; r < s.shape[T].rows; ++r) memcpy(static_cast<char*>(p) + r * stride, s.t[T][r], s.shape[T].colsb);
   }
   static void release() {}
 };

@@ -5,18 +5,22 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "amx_shapes.h"
+
 namespace tq {
 namespace {
 
-// Palette 1 with tiles 0 .. kTiles - 1 of 16 rows x 64 bytes.
+// Palette 1 with tiles 0 .. kTiles - 1 of 16 rows x 64 bytes, or of the shapes given
+// (shapes[t]: rows, bytes per row; amx_shapes.h).
 template <int kTiles>
 struct AmxTileOps {
-  static void configure() {
+  static void configure(const AmxTileShape* shapes = nullptr) {
     alignas(64) uint8_t cfg[64] = {};
     cfg[0] = 1;
     for (int t = 0; t < kTiles; ++t) {
-      cfg[16 + 2 * t] = 64;  // colsb (little-endian uint16)
-      cfg[48 + t] = 16;      // rows
+      const int colsb = shapes ? shapes[t].colsb : 64;
+      cfg[16 + 2 * t] = static_cast<uint8_t>(colsb);  // colsb (little-endian uint16, <= 64)
+      cfg[48 + t] = shapes ? shapes[t].rows : 16;      // rows
     }
     _tile_loadconfig(cfg);
   }

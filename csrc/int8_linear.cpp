@@ -208,6 +208,9 @@ int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
   return activation_linear(w, x, dtype, M, out, threads);
 }
 
+int int8_amx_mode() { return g_amx.load(std::memory_order_relaxed); }
+void note_amx_int8_call() { g_amx_calls.fetch_add(1, std::memory_order_relaxed); }
+
 Int8RowsFn int8_amx_gemm() {
   const int mode = g_amx.load(std::memory_order_relaxed);
   if (mode == INT8_AMX_EMULATED) return kInt8AmxEmulatedGemm;

@@ -128,6 +128,10 @@ extern const Int8RowsFn kInt8AmxGemm, kInt8AmxEmulatedGemm;
 bool amx_int8_supported();
 // The AMX GEMM for this call's ISA and mode, or null.
 Int8RowsFn int8_amx_gemm();
+// The AMX mode (Int8Amx), which also rules the int4a8 / nf4a8 AMX form (lut4_linear.h), and the
+// count of calls that took an AMX form (tq_amx_int8_calls), which that form adds to.
+int int8_amx_mode();
+void note_amx_int8_call();
 
 // kInt8Avx512 runs the VNNI dynamic kernel; an AVX-512 CPU without VNNI (or with
 // TORCHQ_NATIVE_VNNI=0) takes kInt8Avx2's dynamic kernel instead (cpu.cpp).

@@ -302,6 +302,12 @@ float lut4_q8_block_portable(const float* v, int8_t* dst, int32_t* qsum) {
   return a;
 }
 
+Lut4RowsFn lut4_q8_amx_gemm() {
+  const int mode = int8_amx_mode();
+  if (mode == INT8_AMX_EMULATED) return __builtin_cpu_supports("avx2") ? kLut4Q8AmxEmulatedGemm : nullptr;
+  return mode == INT8_AMX_ON && active_isa() == ISA_AVX512 && amx_int8_supported() ? kLut4Q8AmxGemm : nullptr;
+}
+
 namespace {
 
 // More rows than kLut4Q8MaxM where no integer GEMM form runs (the portable table, a block that is
@@ -418,7 +424,21 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
   p.out = dtype == DT_F32 ? static_cast<float*>(out) : reinterpret_cast<float*>(buf + q_bytes + a_bytes + blk_bytes);
   const int64_t gemm_min_m = kernels().lut4.q8_gemm_min_m > 0 ? kernels().lut4.q8_gemm_min_m : kLut4Q8MaxM + 1;
   const bool use_gemm = gemm && (M > kLut4Q8MaxM || M >= gemm_min_m);
-  RowsJob job{p, use_gemm ? gemm : kernels().lut4.q8};
+  Lut4RowsFn amx = use_gemm && !affine && M >= kLut4Q8AmxMinM ? lut4_q8_amx_gemm() : nullptr;
+  int8_t* blocks = amx ? static_cast<int8_t*>(aligned_alloc(64, q_bytes)) : nullptr;
+  if (blocks) {  // each 32-block's codes together (Lut4Params.xq8_blocks): quarters 0, 2, 1, 3
+    for (int64_t c = 0; c < M * kq; c += 64) {
+      memcpy(blocks + c, prep.xq8 + c, 16);
+      memcpy(blocks + c + 16, prep.xq8 + c + 32, 16);
+      memcpy(blocks + c + 32, prep.xq8 + c + 16, 16);
+      memcpy(blocks + c + 48, prep.xq8 + c + 48, 16);
+    }
+    p.xq8_blocks = blocks;
+    note_amx_int8_call();
+  } else {
+    amx = nullptr;
+  }
+  RowsJob job{p, amx ? amx : use_gemm ? gemm : kernels().lut4.q8};
   // The GEMM form's ranges are whole panels of 16 weight rows. The row kernel's work counts half
   // an fp32 multiply-add per weight: at a quarter, SmolLM2's 576x576 M=1 calls ran on one thread
   // (AVX2, 2 threads: 15.5 us, split 10.6 us; int4a8 decode steps 16.8 -> 16.0 and 16.4 -> 15.5 ms
@@ -429,6 +449,7 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
   const int64_t work = use_gemm ? N * K / 2 + M * N * K / 16 : M * N * K / 2;
   parallel_for(N, use_gemm ? 16 : 4, threads, run_rows, &job, kLinearSpinUs, work);
   if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
+  free(blocks);
   free(buf);
   return OK;
 }

@@ -93,7 +93,8 @@
 //
 // Int8-activation path (TQ_FORMAT_LUT4_INT8ACT, Lut4Kernels.q8, M <= kLut4Q8MaxM; above, and from
 // Lut4Kernels.q8_gemm_min_m rows where that is fewer (VNNI: 5), its GEMM form Lut4Kernels.q8_gemm
-// (block a multiple of 32): the same terms, summed in another order;
+// (block a multiple of 32; the codebook kind from kLut4Q8AmxMinM rows on AMX tiles where allowed,
+// bit-equal): the same terms, summed in another order;
 // where the ISA has no GEMM form (the portable table), the fp32 paths on the fake-quantized
 // activations a * q: the same numbers with the exact codebook, within fp32 order of the reference
 // for every weight format): each activation row is
@@ -149,6 +150,10 @@ struct Lut4Params {
   // ones then the 32 even ones (kx = K rounded up to 64, zero-padded)
   const uint16_t* xb;
   int64_t kx;
+  // The int8-activation AMX form (lut4_q8_amx_body.h): xq8 with each 32-block's codes together,
+  // its 16 even elements then its 16 odd ones ([M, kq]; per 64-element chunk xq8's 16-byte
+  // quarters 0, 2, 1, 3)
+  const int8_t* xq8_blocks;
 };
 
 enum Round : int { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
@@ -290,6 +295,16 @@ void lut4_q8_gemm_avx512vnni(const Lut4Params& p, int64_t n0, int64_t n1);
 typedef void (*Lut4Q8PanelFn)(const Lut4Params& p, const uint8_t* panel, const float* sc, const float* off, int64_t n,
                               int64_t cols);
 void lut4_q8_gemm_panels(const Lut4Params& p, int64_t n0, int64_t n1, Lut4Q8PanelFn affine, Lut4Q8PanelFn codebook);
+// The codebook kind's GEMM form on AMX tiles (lut4_q8_amx_body.h; bit-equal to the two above),
+// from kLut4Q8AmxMinM rows where int8_amx_gemm() would serve the int8 kernels (an AMX-INT8 CPU,
+// Linux's permission, the AVX-512 ISA active, the AMX mode on), and on emulated tiles in
+// INT8_AMX_EMULATED mode on CPUs with AVX2 (its panels' unpacking). kLut4Q8AmxGemm is null where
+// the compiler lacks AMX. From 64 rows: one Emerald Rapids core, nf4a8 3072 x 576 and 576 x 1536,
+// bf16 activations, VNNI -> AMX 1.26-1.64x at M = 64 and 256, 0.8-1.3x at 16-32 (three runs).
+constexpr int64_t kLut4Q8AmxMinM = 64;
+extern const Lut4RowsFn kLut4Q8AmxGemm, kLut4Q8AmxEmulatedGemm;
+// The AMX form this call may take (by the int8 AMX mode, CPU and active ISA), or null.
+Lut4RowsFn lut4_q8_amx_gemm();
 float lut4_q8_block_portable(const float* v, int8_t* dst, int32_t* qsum);
 float lut4_q8_block_avx2(const float* v, int8_t* dst, int32_t* qsum);
 

@@ -262,6 +262,68 @@ torch.save(_a8_outputs(), sys.argv[1])
     assert all(torch.equal(a, b) for a, b in zip(_a8_outputs(), theirs, strict=True))
 
 
+HAS_AVX2_GEMM = NATIVE and "avx2" in ISAS
+HAS_AMX = HAS_AVX2_GEMM and "avx512" in ISAS and native_library.int8_amx_supported()
+CODEBOOK_KINDS = ["nf4", "nf4-nested", "fp4"]
+
+
+def _amx_forms(op, args) -> dict[str, torch.Tensor]:
+    """The call through the AVX2 GEMM form, the AMX form on emulated tiles and, on AMX CPUs, on the
+    tiles (GEMM forms on), each AMX run checked to have taken the AMX form."""
+    saved = native.status().isa
+    out = {}
+    try:
+        with native_library.lut4_paths(gemm=True):
+            native.set_isa("avx2")
+            with native_library.int8_amx("off"):
+                out["avx2"] = op(*args)
+            for mode, isa in [("emulated", "avx2")] + ([("on", "avx512")] if HAS_AMX else []):
+                native.set_isa(isa)
+                before = native_library.int8_amx_calls()
+                with native_library.int8_amx(mode):
+                    out[mode] = op(*args)
+                assert native_library.int8_amx_calls() == before + 1, mode
+    finally:
+        native.set_isa(saved)
+    return out
+
+
+@needs_native
+@pytest.mark.skipif(not HAS_AVX2_GEMM, reason="the AMX form's panels are unpacked with AVX2")
+@settings(**SETTINGS)
+@given(kind=st.sampled_from(CODEBOOK_KINDS), n=st.integers(1, 40), chunks=st.integers(1, 9), g=st.sampled_from([32, 64, 128]),
+       m=st.sampled_from([64, 65, 70, 79, 80, 96, 111]), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_amx_gemm_form_is_bit_equal_to_the_avx2_one(kind, n, chunks, g, m, bias, seed):
+    """From 64 rows nf4a8 / fp4a8 take the AMX form (tdpbssd of each 32-block's codes against the
+    panel's signed table values, then the other forms' fp32 epilogue in their order): the AVX2 form's
+    bits on emulated tiles (every machine, CI's AVX2-only ones included) and, on AMX CPUs, on the
+    tiles; for whole and partial groups of 16 rows (M mod 16), partial panels (N mod 16), a half
+    chunk (K = 64 i + 32) and bias."""
+    k = 32 * chunks // g * g or g  # a whole number of weight blocks
+    forms = _amx_forms(*_a8_case(kind, n, k, m, g, bias, seed))
+    for mode in ("emulated", "on"):
+        if mode in forms:
+            assert torch.equal(forms[mode], forms["avx2"]), mode
+
+
+@needs_native
+@pytest.mark.skipif(not HAS_AVX2_GEMM, reason="the AMX form's panels are unpacked with AVX2")
+@pytest.mark.parametrize("kind,m", [("int4-float", 64), ("int4-none", 100), ("nf4", 63), ("fp4", 40)])
+def test_amx_gemm_form_is_not_taken_below_64_rows_or_for_int4(kind, m):
+    """The affine kind (int4a8: measured no faster on AMX than the VNNI form) and fewer than 64 rows
+    keep the other GEMM forms, even with the AMX form emulated."""
+    op, args = _a8_case(kind, 37, 192, m, 64, True, 1)
+    saved = native.status().isa
+    try:
+        native.set_isa("avx2")
+        with native_library.lut4_paths(gemm=True), native_library.int8_amx("emulated"):
+            before = native_library.int8_amx_calls()
+            op(*args)
+            assert native_library.int8_amx_calls() == before
+    finally:
+        native.set_isa(saved)
+
+
 @needs_native
 def test_rounded_scales_are_refused_by_the_library():
     impl = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout(), scale_dtype=torch.bfloat16).quantize_weight(

@@ -207,8 +207,9 @@ def lut4_paths(decode: bool = True, gemm: bool = True, lookup_any_isa: bool = Fa
 
 @contextlib.contextmanager
 def int8_amx(mode: str) -> Iterator[None]:
-    """Within the block (process-wide), the AMX GEMM form of the int8 dynamic and static kernels
-    (``csrc/int8_amx_body.h``, from 8 activation rows): ``"on"`` (the default, unless
+    """Within the block (process-wide), the AMX GEMM forms of the int8 dynamic and static kernels
+    (``csrc/int8_amx_body.h``, from 8 activation rows) and of nf4a8 / fp4a8
+    (``csrc/lut4_q8_amx_body.h``, from 64 rows): ``"on"`` (the default, unless
     ``TORCHQ_NATIVE_AMX=0``) uses it on CPUs with AMX-INT8 whose AVX-512 ISA is active, ``"off"``
     never, ``"emulated"`` runs its body on emulated tiles on any CPU (for tests: the same bits).
     ``lut4_paths(gemm=False)`` turns it off with the other GEMM forms."""
@@ -225,8 +226,8 @@ def int8_amx(mode: str) -> Iterator[None]:
 
 
 def int8_amx_calls() -> int:
-    """How many int8 dynamic / static calls have taken the AMX form (AMX or emulated tiles) since
-    the library loaded (for tests: which path ran)."""
+    """How many int8 dynamic / static and nf4a8 / fp4a8 calls have taken an AMX form (AMX or
+    emulated tiles) since the library loaded (for tests: which path ran)."""
     return 0 if _LIB is None else int(_LIB.tq_amx_int8_calls())
 
 
