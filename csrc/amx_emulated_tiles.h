@@ -1,6 +1,7 @@
 // The tile storage and moves of the emulated AMX units (int8_amx_emulated.cpp,
-// bf16_amx_emulated.cpp), each adding its multiply: kTiles tiles of 16 rows x 64 bytes per thread,
-// as the AMX tile registers are. Portable C++, for tests on every machine.
+// bf16_amx_emulated.cpp, lut4_q8_amx_emulated.cpp), each adding its multiply: kTiles tiles per
+// thread of up to 16 rows x 64 bytes, as the AMX tile registers are, shaped by configure (default
+// 16 x 64). Portable C++, for tests on every machine.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -15,6 +16,9 @@ struct EmulatedTileOps {
   struct State {
     alignas(64) uint8_t t[kTiles][16][64];
     AmxTileShape shape[kTiles];
+    State() {
+      for (auto& s : shape) s = AmxTileShape{16, 64};
+    }
   };
   static State& state() {
     static thread_local State s;

@@ -1,5 +1,5 @@
-// The AMX tile operations the AMX units share (int8_amx.cpp, bf16_amx.cpp), each unit adding its
-// multiply (tdpbssd, tdpbf16ps). Included only by units compiled with AMX target flags, inside
+// The AMX tile operations the AMX units share (int8_amx.cpp, bf16_amx.cpp, lut4_q8_amx.cpp), each
+// unit adding its multiply (tdpbssd, tdpbf16ps). Included only by units compiled with AMX target flags, inside
 // their anonymous namespace use (see common.h on inline functions across ISA units).
 #pragma once
 #include <immintrin.h>

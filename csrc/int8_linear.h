@@ -128,7 +128,7 @@ extern const Int8RowsFn kInt8AmxGemm, kInt8AmxEmulatedGemm;
 bool amx_int8_supported();
 // The AMX GEMM for this call's ISA and mode, or null.
 Int8RowsFn int8_amx_gemm();
-// The AMX mode (Int8Amx), which also rules the int4a8 / nf4a8 AMX form (lut4_linear.h), and the
+// The AMX mode (Int8Amx), which also rules the nf4a8 / fp4a8 AMX form (lut4_linear.h), and the
 // count of calls that took an AMX form (tq_amx_int8_calls), which that form adds to.
 int int8_amx_mode();
 void note_amx_int8_call();

@@ -300,7 +300,7 @@ void lut4_q8_gemm_panels(const Lut4Params& p, int64_t n0, int64_t n1, Lut4Q8Pane
 // Linux's permission, the AVX-512 ISA active, the AMX mode on), and on emulated tiles in
 // INT8_AMX_EMULATED mode on CPUs with AVX2 (its panels' unpacking). kLut4Q8AmxGemm is null where
 // the compiler lacks AMX. From 64 rows: one Emerald Rapids core, nf4a8 3072 x 576 and 576 x 1536,
-// bf16 activations, VNNI -> AMX 1.26-1.64x at M = 64 and 256, 0.8-1.3x at 16-32 (three runs).
+// bf16 activations, VNNI -> AMX 1.06-1.64x at M = 64 and 256, 0.8-1.5x at 16-32 (three runs).
 constexpr int64_t kLut4Q8AmxMinM = 64;
 extern const Lut4RowsFn kLut4Q8AmxGemm, kLut4Q8AmxEmulatedGemm;
 // The AMX form this call may take (by the int8 AMX mode, CPU and active ISA), or null.

@@ -22,9 +22,9 @@
 // Why only the codebook kind: every block's 16 x 16 sums leave the tiles through memory
 // (tilestored, then vector loads for the epilogue), one store per dot, and on an Emerald Rapids
 // core that traffic bounds the form: for the affine kind (int4a8, u8 codes x int8, tdpbsud) it
-// measured no faster than the VNNI form (3072 x 576, one core, M = 16 / 64 / 256: 0.86-0.95x /
-// 1.06-1.16x / 0.82-0.96x over three runs), for the codebook kind, whose VNNI form needs a signed
-// table and a masked negation per step, 1.26-1.64x from 64 rows (docs/native-cpu.md).
+// measured 0.86-0.95x the VNNI form at M = 16, 1.06-1.16x at 64 and 0.82-1.03x at 256 (3072 x 576,
+// one core, three runs): not worth a second form; for the codebook kind, whose VNNI form needs a
+// signed table and a masked negation per step, 1.06-1.64x from 64 rows (docs/native-cpu.md).
 #pragma once
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,7 +44,7 @@ constexpr int64_t kQ8AmxBlockB = 8 * 64;  // bytes of one block's B tile
 constexpr int64_t kQ8AmxPanelStep = 128;  // bytes per step of the codebook kind's panel (lut4_q8_gemm_panels)
 constexpr AmxTileShape kQ8AmxShapes[8] = {{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 32}, {16, 32}, {8, 64}, {8, 64}};
 
-// Calls f(std::integral_constant<int, u>) for u in [0, count), count <= 2 (tile numbers are
+// Calls f(std::integral_constant<int, u>) for u in [0, count), count 1 or 2 (tile numbers are
 // immediates of the AMX instructions).
 template <class Fn>
 __attribute__((always_inline)) inline void for_q8_tiles(int count, Fn&& f) {
@@ -53,8 +53,8 @@ __attribute__((always_inline)) inline void for_q8_tiles(int count, Fn&& f) {
 }
 
 // out[m0 .. m0 + rows, n .. n + cols) from the blocks' B tiles bt, q the 16 rows' codes in
-// xq8_blocks' order (row stride kq; rows past `rows` zero), their scales and block sums read for
-// rows < `rows` only.
+// xq8_blocks' order (row stride kq; rows past `rows` zero); padded rows' scales are never used
+// for an output.
 template <class Tiles, class V>
 __attribute__((always_inline)) inline void q8_amx_rows(const Lut4Params& p, const uint8_t* bt, const float* sc,
                                                        int64_t n, int64_t cols, int64_t m0, int64_t rows, const int8_t* q,

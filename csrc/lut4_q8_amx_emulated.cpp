@@ -12,10 +12,13 @@ namespace {
 struct EmulatedTiles : EmulatedTileOps<8> {
   // tdpbssd: C[m][n] += sum_{q < A.colsb / 4} sum_{i < 4} A[m][4q + i] * B[q][4n + i], signed
   // bytes, int32 sums (modulo 2^32, as AMX)
+  // A configuration AMX would refuse to multiply (#UD there) traps here too, so that tests on
+  // emulated tiles catch it: C.rows == A.rows, B.rows == A.colsb / 4, C.colsb == B.colsb.
   template <int C, int A, int B>
   static void dot() {
     State& s = state();
     const int rows = s.shape[C].rows, cols = s.shape[C].colsb / 4, quads = s.shape[A].colsb / 4;
+    if (rows != s.shape[A].rows || s.shape[B].rows != quads || s.shape[C].colsb != s.shape[B].colsb) __builtin_trap();
     for (int m = 0; m < rows; ++m)
       for (int n = 0; n < cols; ++n) {
         int32_t acc;

@@ -310,15 +310,22 @@ def test_amx_gemm_form_is_bit_equal_to_the_avx2_one(kind, n, chunks, g, m, bias,
 @pytest.mark.skipif(not HAS_AVX2_GEMM, reason="the AMX form's panels are unpacked with AVX2")
 @pytest.mark.parametrize("kind,m", [("int4-float", 64), ("int4-none", 100), ("nf4", 63), ("fp4", 40)])
 def test_amx_gemm_form_is_not_taken_below_64_rows_or_for_int4(kind, m):
-    """The affine kind (int4a8: measured no faster on AMX than the VNNI form) and fewer than 64 rows
-    keep the other GEMM forms, even with the AMX form emulated."""
+    """The affine kind (int4a8: on AMX no faster than its VNNI form) and fewer than 64 rows keep the
+    other GEMM forms, even with the AMX form emulated; with the ISA capped to AVX2, "on" never takes
+    the tiles (an AMX CPU then runs what an AVX2 one does)."""
     op, args = _a8_case(kind, 37, 192, m, 64, True, 1)
     saved = native.status().isa
     try:
         native.set_isa("avx2")
-        with native_library.lut4_paths(gemm=True), native_library.int8_amx("emulated"):
+        for mode in ("emulated", "on"):
+            with native_library.lut4_paths(gemm=True), native_library.int8_amx(mode):
+                before = native_library.int8_amx_calls()
+                op(*args)
+                assert native_library.int8_amx_calls() == before, mode
+        big_op, big_args = _a8_case("nf4", 37, 192, 64, 64, True, 1)
+        with native_library.lut4_paths(gemm=True), native_library.int8_amx("on"):
             before = native_library.int8_amx_calls()
-            op(*args)
+            big_op(*big_args)
             assert native_library.int8_amx_calls() == before
     finally:
         native.set_isa(saved)

@@ -210,8 +210,9 @@ def int8_amx(mode: str) -> Iterator[None]:
     """Within the block (process-wide), the AMX GEMM forms of the int8 dynamic and static kernels
     (``csrc/int8_amx_body.h``, from 8 activation rows) and of nf4a8 / fp4a8
     (``csrc/lut4_q8_amx_body.h``, from 64 rows): ``"on"`` (the default, unless
-    ``TORCHQ_NATIVE_AMX=0``) uses it on CPUs with AMX-INT8 whose AVX-512 ISA is active, ``"off"``
-    never, ``"emulated"`` runs its body on emulated tiles on any CPU (for tests: the same bits).
+    ``TORCHQ_NATIVE_AMX=0``) uses them on CPUs with AMX-INT8 whose AVX-512 ISA is active, ``"off"``
+    never, ``"emulated"`` runs their bodies on emulated tiles on any CPU (the nf4a8 form's on CPUs
+    with AVX2, which unpacks its panels; for tests: the same bits).
     ``lut4_paths(gemm=False)`` turns it off with the other GEMM forms."""
     if mode not in INT8_AMX_MODES:
         raise ValueError(f"mode: expected one of {INT8_AMX_MODES}, got {mode!r}")
