@@ -68,7 +68,7 @@ def registered_configs() -> dict[str, type[QuantConfig]]:
     return dict(_CONFIGS)
 
 
-ROW_CHUNK_BYTES = 4 << 20  # float bytes of rows quantized at a time where rows are independent
+ROW_CHUNK_BYTES = 1 << 20  # float bytes of rows quantized at a time where rows are independent (see quantize_in_row_chunks)
 
 
 class LayerNotSupported(Exception):

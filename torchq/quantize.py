@@ -124,8 +124,9 @@ def quantize_in_row_chunks(cfg: QuantConfig, weight: torch.Tensor, label: str | 
     """``cfg.quantize_weight(weight, label=label)``, bit for bit, with temporaries bounded by
     ``chunk_bytes`` of float rows where ``cfg.rows_independent(weight)``: quantizing takes several
     times a weight's float size in temporaries (SmolLM2's 49152 x 576 tied embedding: 0.3-0.7 GB at
-    once), so large weights are quantized a few rows at a time, their plain forms joined and packed
-    once."""
+    once), so weights above two chunks are quantized a few rows at a time, their plain forms joined
+    and packed once. (1 MiB chunks quantize 512-3072-row weights as fast as whole, measured on int4,
+    int8 and NF4 configs.)"""
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
     if weight.dim() != 2 or n * k * weight.element_size() <= 2 * chunk_bytes or not cfg.rows_independent(weight):
         return cfg.quantize_weight(weight, label=label)
