@@ -100,14 +100,14 @@ __attribute__((always_inline)) inline void bf16_pass(const Bf16AmxGemm& g, const
     if (cols <= 0) return;
     bf16_static_for<Q>([&](auto i) {
       constexpr int I = decltype(i)::value;
-      Tiles::template store<J * Q + I>(&c[0][0], kBf16Tile * sizeof(float));
       const int64_t first = (i0 + I) * kBf16Tile, rows = M - first < kBf16Tile ? M - first : kBf16Tile;
+      Tiles::template store_transposed<J * Q + I>(&c[0][0]);  // c[r][t]: activation row r, weight row t
       for (int64_t r = 0; r < rows; ++r) {
         float* out = g.out + (first + r) * N + n_j;
         if (g.bias)
-          for (int64_t t = 0; t < cols; ++t) out[t] = c[t][r] + g.bias[n_j + t];
+          for (int64_t t = 0; t < cols; ++t) out[t] = c[r][t] + g.bias[n_j + t];
         else
-          for (int64_t t = 0; t < cols; ++t) out[t] = c[t][r];
+          for (int64_t t = 0; t < cols; ++t) out[t] = c[r][t];
       }
     });
   });
