@@ -44,14 +44,16 @@ struct EmulatedTileOps {
     const State& s = state();
     for (int r = 0; r < s.shape[T].rows; ++r) memcpy(static_cast<char*>(p) + r * stride, s.t[T][r], s.shape[T].colsb);
   }
-  // Tile T read as 16 x 16 dwords, transposed into dst[16][16] (dst[j][i] = T[i][j]).
-  template <int T>
-  static void store_transposed(void* dst) {
-    const State& s = state();
+  // 16 rows of 16 dwords at src (row stride src_stride bytes) transposed into dst[16][16] dwords.
+  static void transpose16(const void* src, int64_t src_stride, void* dst) {
+    const uint8_t* in = static_cast<const uint8_t*>(src);
     uint8_t* out = static_cast<uint8_t*>(dst);
     for (int i = 0; i < 16; ++i)
-      for (int j = 0; j < 16; ++j) memcpy(out + (j * 16 + i) * 4, s.t[T][i] + 4 * j, 4);
+      for (int j = 0; j < 16; ++j) memcpy(out + (j * 16 + i) * 4, in + i * src_stride + 4 * j, 4);
   }
+  // Tile T read as 16 x 16 dwords, transposed into dst[16][16] (dst[j][i] = T[i][j]).
+  template <int T>
+  static void store_transposed(void* dst) { transpose16(state().t[T], 64, dst); }
   static void release() {}
 };
 

@@ -36,14 +36,11 @@ struct AmxTileOps {
   static void store(void* p, int64_t stride) {
     asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
   }
-  // Tile T (16 rows x 16 dwords) transposed into dst[16][16] dwords (dst[j][i] = T[i][j]): one
-  // store, then the 16 x 16 transpose in AVX-512 shuffles (3 rounds of 16, every AMX CPU has AVX-512).
-  template <int T>
-  static void store_transposed(void* dst) {
-    alignas(64) uint32_t t[16][16];
-    store<T>(t, 64);
+  // 16 rows of 16 dwords at src (row stride src_stride bytes) transposed into dst[16][16] dwords
+  // (dst[j][i] = src[i][j]): 3 rounds of 16 AVX-512 shuffles (every AMX CPU has AVX-512).
+  static void transpose16(const void* src, int64_t src_stride, void* dst) {
     __m512i r[16], a[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(t[i]);
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(static_cast<const char*>(src) + i * src_stride);
     for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i + 1 interleaved by dword
       a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
       a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -58,11 +55,18 @@ struct AmxTileOps {
     for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
       const __m512i d0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), d1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
       const __m512i e0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), e1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
-      _mm512_storeu_si512(out + (j) * 16, _mm512_shuffle_i32x4(d0, e0, 0x88));
+      _mm512_storeu_si512(out + j * 16, _mm512_shuffle_i32x4(d0, e0, 0x88));
       _mm512_storeu_si512(out + (4 + j) * 16, _mm512_shuffle_i32x4(d1, e1, 0x88));
       _mm512_storeu_si512(out + (8 + j) * 16, _mm512_shuffle_i32x4(d0, e0, 0xDD));
       _mm512_storeu_si512(out + (12 + j) * 16, _mm512_shuffle_i32x4(d1, e1, 0xDD));
     }
+  }
+  // Tile T (16 rows x 16 dwords) transposed into dst[16][16] dwords (dst[j][i] = T[i][j]).
+  template <int T>
+  static void store_transposed(void* dst) {
+    alignas(64) uint32_t t[16][16];
+    store<T>(t, 64);
+    transpose16(t, 64, dst);
   }
   static void release() { _tile_release(); }
 };

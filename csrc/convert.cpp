@@ -81,6 +81,26 @@ __attribute__((target("f16c,avx"))) void f32_to_f16_f16c(const float* src, int64
   for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
+// f32_to_bf16 on 8 lanes: round to nearest even, every NaN to 0x7FC0.
+__attribute__((target("avx2"))) void f32_to_bf16_avx2(const float* src, int64_t n, uint16_t* dst) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0x7FC0);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i h[2];
+    for (int j = 0; j < 2; ++j) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 8 * j));
+      const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, magnitude), inf);
+      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
+      h[j] = _mm256_blendv_epi8(r, nan, is_nan);
+    }
+    // packus works per 128-bit lane (words of h0 lo, h1 lo, h0 hi, h1 hi): restore the order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  }
+  for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
 }  // namespace
 
 size_t dtype_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
@@ -105,7 +125,9 @@ void from_f32_row(const float* src, int64_t n, int dtype, void* dst) {
     memcpy(dst, src, n * sizeof(float));
   } else if (dtype == DT_BF16) {
     uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    if (active_isa() >= ISA_AVX2) f32_to_bf16_avx2(src, n, d);
+    else
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
   } else if (active_isa() >= ISA_AVX2) {
     f32_to_f16_f16c(src, n, static_cast<uint16_t*>(dst));
   } else {

@@ -30,22 +30,32 @@ constexpr int kAmxTile = 16;  // weight rows per A tile, activation rows per B t
 constexpr int kAmxStep = 64;  // positions per tile step
 constexpr int kAmxCTiles = 4;  // C tiles per pass over a panel: 64 activation rows (tiles 0..3; A is 4, B 5)
 constexpr int64_t kAmxTileBytes = kAmxTile * 64;
+// 16 lanes in GCC / Clang vector extensions: AVX-512 in the AMX unit, portable code in the emulated one
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef float F32x16 __attribute__((vector_size(64)));
 
-// The B tiles of all M activation rows (each thread's range packs its own copy: M x Kp bytes): block i (rows 16 i ..), step s at b + (i * steps + s) *
-// 1024; rows past M are zero.
-inline void pack_activations(const Int8Params& p, int8_t* b) {
+// The B tiles of all M activation rows (each thread's range packs its own copy: M x Kp bytes): block
+// i (rows 16 i ..), step s at b + (i * steps + s) * 1024, row q holding positions 4q .. 4q + 3 of
+// the block's 16 rows: the 16 x 16 dword transpose of the rows' 64 bytes; rows past M are zero.
+template <class Tiles>
+void pack_activations(const Int8Params& p, int8_t* b) {
   const int64_t steps = p.Kp / kAmxStep, blocks = (p.M + kAmxTile - 1) / kAmxTile;
-  for (int64_t i = 0; i < blocks; ++i)
+  alignas(64) int8_t rows[kAmxTile][kAmxStep];  // a last partial block's rows, zero below M
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t present = p.M - i * kAmxTile < kAmxTile ? p.M - i * kAmxTile : kAmxTile;
     for (int64_t s = 0; s < steps; ++s) {
+      const int8_t* src = p.xq + i * kAmxTile * p.Kp + s * kAmxStep;
       int8_t* dst = b + (i * steps + s) * kAmxTileBytes;
-      for (int r = 0; r < kAmxTile; ++r) {
-        const int64_t m = i * kAmxTile + r;
-        for (int q = 0; q < kAmxTile; ++q) {
-          if (m < p.M) memcpy(dst + q * 64 + 4 * r, p.xq + m * p.Kp + s * kAmxStep + 4 * q, 4);
-          else memset(dst + q * 64 + 4 * r, 0, 4);
-        }
+      if (present == kAmxTile) {
+        Tiles::transpose16(src, p.Kp, dst);
+        continue;
       }
+      memset(rows, 0, sizeof rows);
+      for (int64_t r = 0; r < present; ++r) memcpy(rows[r], src + r * p.Kp, kAmxStep);
+      Tiles::transpose16(rows, kAmxStep, dst);
     }
+  }
 }
 
 // Calls f(std::integral_constant<int, i>) for i in [0, count), count <= kAmxCTiles (tile numbers
@@ -68,12 +78,11 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
     fallback(p, n0, n1);
     return;
   }
-  pack_activations(p, b);
+  pack_activations<Tiles>(p, b);
   alignas(64) int32_t c[kAmxTile][kAmxTile];
-  alignas(64) float o[kAmxTile][kAmxTile], xs[kAmxTile];  // a C tile's outputs (transposed), its rows' scales
   alignas(64) int8_t edge[kAmxTile][64];  // a weight tile that would read past the buffer
-  int32_t correction[kAmxTile];
-  float scale[kAmxTile];
+  U32x16 correction;  // per weight row of the panel
+  F32x16 scale;
   Tiles::configure();
   for (int64_t n = n0; n < n1; n += kAmxTile) {
     const int64_t cols = n1 - n < kAmxTile ? n1 - n : kAmxTile;
@@ -108,17 +117,15 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
       }
       for_c_tiles(tiles, [&](auto i) {
         constexpr int I = decltype(i)::value;
-        Tiles::template store<I>(&c[0][0], kAmxTile * sizeof(int32_t));
+        Tiles::template store_transposed<I>(&c[0][0]);  // c[r][t]: activation row r, weight row t
         const int64_t first = (i0 + I) * kAmxTile, rows = M - first < kAmxTile ? M - first : kAmxTile;
-        for (int r = 0; r < kAmxTile; ++r) xs[r] = r < rows ? p.xs[first + r] : 0.0f;
-        for (int t = 0; t < kAmxTile; ++t)  // along the activation rows of c[t]: vectorizes
-          for (int r = 0; r < kAmxTile; ++r) {
-            const int32_t v = static_cast<int32_t>(static_cast<uint32_t>(c[t][r]) - static_cast<uint32_t>(correction[t]));
-            o[t][r] = (static_cast<float>(v) * xs[r]) * scale[t];
-          }
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t r = 0; r < rows; ++r) {  // one vector per activation row (along the weight rows)
+          U32x16 sums;
+          memcpy(&sums, c[r], sizeof sums);
+          const F32x16 o = (__builtin_convertvector(reinterpret_cast<I32x16>(sums - correction), F32x16) * p.xs[first + r]) * scale;
           float* out = p.out + (first + r) * N + n;
-          for (int64_t t = 0; t < cols; ++t) out[t] = o[t][r];
+          if (cols == kAmxTile) memcpy(out, &o, sizeof o);
+          else memcpy(out, &o, static_cast<size_t>(cols) * sizeof(float));
         }
       });
     }
