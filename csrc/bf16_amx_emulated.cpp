@@ -129,7 +129,7 @@ int bf16_amx_linear(const uint16_t* x, int64_t M, int64_t K_in, int64_t K, int64
   Job job{{M, N, K, xt, y, bias, decode, ctx, &failed}, gemm};
   parallel_for(N, kBf16Tile, threads, run_range, &job, spin_us, N * K + M * N * K / 16);  // ranges of whole panels
   if (!failed) {
-    from_f32_row(y, M * N, DT_BF16, out);
+    from_f32_rows(y, M * N, DT_BF16, out, threads);
     g_calls.fetch_add(1, std::memory_order_relaxed);
   }
   free(buf);

@@ -46,6 +46,11 @@ inline bool valid_dtype(int dtype) { return dtype >= DT_F32 && dtype <= DT_F16; 
 void to_f32_row(const void* x, int dtype, int64_t K, int64_t Kp, float* dst);
 // dst[0, n) = src rounded to `dtype` as torch's .to() rounds (nearest even; NaN stays NaN).
 void from_f32_row(const float* src, int64_t n, int dtype, void* dst);
+// from_f32_row in ranges across up to `threads` threads (a many-row output: one thread converting
+// it after a parallel GEMM was a fifth of the int8 AMX call at 256 x 3072).
+void from_f32_rows(const float* src, int64_t n, int dtype, void* dst, int threads);
+// to_f32_row of rows m of x ([M, K] of `dtype`) into dst + m * Kp, across up to `threads` threads.
+void to_f32_rows(const void* x, int dtype, int64_t M, int64_t K, int64_t Kp, float* dst, int threads);
 
 // fp32 -> bf16 bits, round to nearest even (finite inputs: the dequantized weights are never NaN).
 static inline uint16_t bf16_rne(float f) {

@@ -136,6 +136,40 @@ void from_f32_row(const float* src, int64_t n, int dtype, void* dst) {
   }
 }
 
+namespace {
+
+struct ConvertJob {
+  const void* src;
+  int dtype;
+  int64_t K, Kp;  // to_f32_rows: row lengths
+  void* dst;
+};
+
+void from_f32_range(void* ctx, int64_t i0, int64_t i1) {
+  const ConvertJob& j = *static_cast<const ConvertJob*>(ctx);
+  from_f32_row(static_cast<const float*>(j.src) + i0, i1 - i0, j.dtype, static_cast<char*>(j.dst) + i0 * dtype_size(j.dtype));
+}
+
+void to_f32_range(void* ctx, int64_t m0, int64_t m1) {
+  const ConvertJob& j = *static_cast<const ConvertJob*>(ctx);
+  for (int64_t m = m0; m < m1; ++m)
+    to_f32_row(static_cast<const char*>(j.src) + m * j.K * dtype_size(j.dtype), j.dtype, j.K, j.Kp, static_cast<float*>(j.dst) + m * j.Kp);
+}
+
+}  // namespace
+
+// Ranges of whole 64-byte lines of the destination (16 or 32 elements), the work counted as one
+// multiply-add per element (min_parallel_work: from 2^17 elements on two threads).
+void from_f32_rows(const float* src, int64_t n, int dtype, void* dst, int threads) {
+  ConvertJob job{src, dtype, 0, 0, dst};
+  parallel_for(n, 64, threads, from_f32_range, &job, 0, n);
+}
+
+void to_f32_rows(const void* x, int dtype, int64_t M, int64_t K, int64_t Kp, float* dst, int threads) {
+  ConvertJob job{x, dtype, K, Kp, dst};
+  parallel_for(M, 1, threads, to_f32_range, &job, 0, M * K);
+}
+
 }  // namespace tq
 
 // Test hooks: n elements of `dtype` to fp32 and back (the conversions the linears use).

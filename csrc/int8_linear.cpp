@@ -84,8 +84,8 @@ struct Output {
     f32 = static_cast<float*>(owned);
     return owned != nullptr;
   }
-  void finish(void* out, int dtype, int64_t count) {
-    if (owned) from_f32_row(f32, count, dtype, out);
+  void finish(void* out, int dtype, int64_t count, int threads) {
+    if (owned) from_f32_rows(f32, count, dtype, out, threads);
   }
   ~Output() { free(owned); }
 };
@@ -125,13 +125,12 @@ int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int
     free(xp);
     return OUT_OF_MEMORY;
   }
-  const size_t esize = dtype_size(dtype);
-  for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * esize, dtype, K, Kp, xp + m * Kp);
+  to_f32_rows(x, dtype, M, K, Kp, xp, threads);
   const Int8Kernels& kern = kernels().int8;
   const bool gemm = M >= kern.weight_gemm_min_m && int8_weight_gemm_active();
   RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32, nullptr, 0}, gemm ? kern.weight_gemm : kern.weight_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole AVX2 panels
-  o.finish(out, dtype, M * N);
+  o.finish(out, dtype, M * N, threads);
   free(xp);
   return OK;
 }
@@ -167,7 +166,7 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const float* xf = static_cast<const float*>(x);
   if (dtype != DT_F32) {  // widen (exactly) first: the quantization then sees the reference's fp32 values
     float* wide = reinterpret_cast<float*>(buf + codes_bytes + xs_bytes);
-    for (int64_t m = 0; m < M; ++m) to_f32_row(static_cast<const char*>(x) + m * K * 2, dtype, K, K, wide + m * K);
+    to_f32_rows(x, dtype, M, K, K, wide, threads);
     xf = wide;
   }
   const Int8Quant quant{w.act_denom, w.act_eps, qmin, qmax, w.act_scale, w.act_zero_point};
@@ -180,7 +179,7 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const bool gemm = amx || ((narrow || M >= kern.dynamic_gemm_min_m) && gemm_fn && gemm_allowed);
   RowsJob job{p, amx ? amx : gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole panels
-  o.finish(out, dtype, M * N);
+  o.finish(out, dtype, M * N, threads);
   free(buf);
   return OK;
 }

@@ -273,7 +273,7 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   }
   RowsJob job{p, rows};
   parallel_for(N, 4, threads, run_rows, &job, kLinearSpinUs, M * N * K);
-  if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
+  if (dtype != DT_F32) from_f32_rows(p.out, M * N, dtype, out, threads);
   free(xb);
   free(buf);
   return OK;
@@ -344,7 +344,7 @@ int linear_fake_quantized(const Lut4Params& p, const void* x, int dtype, int64_t
   } else {
     float* y = static_cast<float*>(aligned_alloc(64, (M * p.N * sizeof(float) + 63) / 64 * 64));
     status = y ? linear(p, xhat, DT_F32, K, y, threads) : OUT_OF_MEMORY;
-    if (status == OK) from_f32_row(y, M * p.N, dtype, out);
+    if (status == OK) from_f32_rows(y, M * p.N, dtype, out, threads);
     free(y);
   }
   free(xhat);
@@ -448,7 +448,7 @@ int linear_q8(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, i
   // threads, M = 5: 77 us, the row kernel split in two 79).
   const int64_t work = use_gemm ? N * K / 2 + M * N * K / 16 : M * N * K / 2;
   parallel_for(N, use_gemm ? 16 : 4, threads, run_rows, &job, kLinearSpinUs, work);
-  if (dtype != DT_F32) from_f32_row(p.out, M * N, dtype, out);
+  if (dtype != DT_F32) from_f32_rows(p.out, M * N, dtype, out, threads);
   free(blocks);
   free(buf);
   return OK;
