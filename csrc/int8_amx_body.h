@@ -34,6 +34,15 @@ constexpr int64_t kAmxTileBytes = kAmxTile * 64;
 typedef int32_t I32x16 __attribute__((vector_size(64)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef float F32x16 __attribute__((vector_size(64)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+
+// fp32 -> bf16 bits: round to nearest even, every NaN to 0x7FC0 (as from_f32_row).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 // The B tiles of all M activation rows (each thread's range packs its own copy: M x Kp bytes): block
 // i (rows 16 i ..), step s at b + (i * steps + s) * 1024, row q holding positions 4q .. 4q + 3 of
@@ -76,6 +85,9 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
   int8_t* b = static_cast<int8_t*>(aligned_alloc(64, static_cast<size_t>(blocks * steps) * kAmxTileBytes));
   if (!b) {
     fallback(p, n0, n1);
+    if (p.out_bf16)  // this range's fp32 outputs as bf16, rounded as the tiles' epilogue rounds
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) p.out_bf16[m * N + n] = bf16_bits(p.out[m * N + n]);
     return;
   }
   pack_activations<Tiles>(p, b);
@@ -123,6 +135,14 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
           U32x16 sums;
           memcpy(&sums, c[r], sizeof sums);
           const F32x16 o = (__builtin_convertvector(reinterpret_cast<I32x16>(sums - correction), F32x16) * p.xs[first + r]) * scale;
+          if (p.out_bf16) {  // rounded to nearest even, every NaN to 0x7FC0 (from_f32_row's bf16)
+            U32x16 u;
+            memcpy(&u, &o, sizeof u);
+            const U32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+            const U16x16 h = __builtin_convertvector(((u & 0x7FFFFFFFu) > 0x7F800000u) ? U32x16{} + 0x7FC0u : rounded, U16x16);
+            memcpy(p.out_bf16 + (first + r) * N + n, &h, static_cast<size_t>(cols) * sizeof(uint16_t));
+            continue;
+          }
           float* out = p.out + (first + r) * N + n;
           if (cols == kAmxTile) memcpy(out, &o, sizeof o);
           else memcpy(out, &o, static_cast<size_t>(cols) * sizeof(float));

@@ -158,6 +158,8 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const size_t xf_bytes = dtype == DT_F32 ? 0 : M * K * sizeof(float);
   char* buf = static_cast<char*>(aligned_alloc(64, codes_bytes + xs_bytes + (xf_bytes + 63) / 64 * 64));
   Output o;
+  // the AMX GEMM writes bf16 outputs itself (the fp32 buffer, untouched, serves its fallback)
+  const bool direct_bf16 = amx && dtype == DT_BF16;
   if (!buf || !o.init(out, dtype, M * N)) {
     free(buf);
     return OUT_OF_MEMORY;
@@ -173,13 +175,14 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   QuantJob q{is_static ? kern.quantize_static_rows : kern.quantize_rows, xf, K, Kp, quant, offset, buf, xs};
   parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
   const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
-                     offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, w.codes, w.scales, nullptr, o.f32,
-                     correct ? w.row_sums : nullptr, correct ? w.act_zero_point : 0};
+                     offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, w.codes, w.scales, nullptr,
+                     o.f32, correct ? w.row_sums : nullptr, correct ? w.act_zero_point : 0,
+                     direct_bf16 ? static_cast<uint16_t*>(out) : nullptr};
   const Int8RowsFn gemm_fn = narrow ? kern.narrow_gemm : kern.dynamic_gemm;
   const bool gemm = amx || ((narrow || M >= kern.dynamic_gemm_min_m) && gemm_fn && gemm_allowed);
   RowsJob job{p, amx ? amx : gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows};
   parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole panels
-  o.finish(out, dtype, M * N, threads);
+  if (!direct_bf16) o.finish(out, dtype, M * N, threads);
   free(buf);
   return OK;
 }

@@ -38,6 +38,9 @@ struct Int8Params {
   // and the zero point z; every dynamic kernel subtracts z * row_sums[n] from its int32 sum.
   const int32_t* row_sums;
   int32_t zero_point;
+  // The AMX GEMM only: where set, the outputs go here as bf16 ([M, N], rounded as from_f32_row
+  // rounds) instead of to `out` as fp32.
+  uint16_t* out_bf16 = nullptr;
 };
 
 struct Int8Quant {
