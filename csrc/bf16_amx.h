@@ -31,7 +31,7 @@ namespace tq {
 struct Bf16AmxGemm {
   int64_t M, N, K;     // K: the decoded rows' length, a multiple of 32
   const uint16_t* xt;  // the activations' B tiles (bf16_amx_pack)
-  float* out;          // [M, N] fp32
+  uint16_t* out;       // [M, N] bf16: each fp32 sum (+ bias) rounded to nearest even, NaN to 0x7FC0
   const float* bias;   // [N] or null
   // Weight rows [n0, n1) (n1 - n0 <= 64) as bf16 into dst ([n1 - n0, K], row stride K).
   void (*decode)(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst);

@@ -27,6 +27,14 @@ inline bool bf16_weights_ok(const uint16_t* w, int64_t n) {
   return least >= (61u << 7) - 1u;
 }
 
+// fp32 -> bf16 bits: round to nearest even, every NaN to 0x7FC0 (as from_f32_row).
+inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 // fp32 value of a bf16 word.
 inline float bf16_value(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -45,7 +53,7 @@ inline void bf16_panel_portable(const Bf16AmxGemm& g, const uint16_t* w, int64_t
       float acc = 0.0f;
       for (int64_t k = 0; k < K; ++k)
         acc += bf16_value(w[t * K + k]) * bf16_value(x[(k / kBf16Step) * kBf16TileWords + (k % kBf16Step) / 2 * 32 + (k & 1)]);
-      g.out[m * g.N + n + t] = g.bias ? acc + g.bias[n + t] : acc;
+      g.out[m * g.N + n + t] = bf16_round(g.bias ? acc + g.bias[n + t] : acc);
     }
   }
 }
@@ -102,12 +110,19 @@ __attribute__((always_inline)) inline void bf16_pass(const Bf16AmxGemm& g, const
       constexpr int I = decltype(i)::value;
       const int64_t first = (i0 + I) * kBf16Tile, rows = M - first < kBf16Tile ? M - first : kBf16Tile;
       Tiles::template store_transposed<J * Q + I>(&c[0][0]);  // c[r][t]: activation row r, weight row t
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = g.out + (first + r) * N + n_j;
-        if (g.bias)
-          for (int64_t t = 0; t < cols; ++t) out[t] = c[r][t] + g.bias[n_j + t];
-        else
-          for (int64_t t = 0; t < cols; ++t) out[t] = c[r][t];
+      alignas(64) float bias[kBf16Tile] = {};
+      if (g.bias) memcpy(bias, g.bias + n_j, static_cast<size_t>(cols) * sizeof(float));
+      for (int64_t r = 0; r < rows; ++r) {  // one 16-lane row: + bias, rounded to bf16
+        alignas(64) uint16_t h[kBf16Tile];
+        for (int t = 0; t < kBf16Tile; ++t) {
+          uint32_t u;
+          const float v = g.bias ? c[r][t] + bias[t] : c[r][t];
+          memcpy(&u, &v, 4);
+          const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+          h[t] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+        }
+        if (cols == kBf16Tile) memcpy(g.out + (first + r) * N + n_j, h, sizeof h);  // one store, not a call
+        else memcpy(g.out + (first + r) * N + n_j, h, static_cast<size_t>(cols) * sizeof(uint16_t));
       }
     });
   });

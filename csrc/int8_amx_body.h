@@ -140,7 +140,8 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
             memcpy(&u, &o, sizeof u);
             const U32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
             const U16x16 h = __builtin_convertvector(((u & 0x7FFFFFFFu) > 0x7F800000u) ? U32x16{} + 0x7FC0u : rounded, U16x16);
-            memcpy(p.out_bf16 + (first + r) * N + n, &h, static_cast<size_t>(cols) * sizeof(uint16_t));
+            if (cols == kAmxTile) memcpy(p.out_bf16 + (first + r) * N + n, &h, sizeof h);  // one store, not a call
+            else memcpy(p.out_bf16 + (first + r) * N + n, &h, static_cast<size_t>(cols) * sizeof(uint16_t));
             continue;
           }
           float* out = p.out + (first + r) * N + n;

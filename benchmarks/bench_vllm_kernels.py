@@ -1,0 +1,113 @@
+"""One linear layer of SmolLM2's shapes, bf16 activations, in one process: torchq's int8 dynamic
+kernel (``int8dq``, what torchq's vLLM plugin runs) against vLLM's own W8A8 path on the CPU (the
+compressed-tensors ``int-quantized`` scheme: per-token dynamic int8 activations through
+``onednn_scaled_int8_quant``, oneDNN's int8 GEMM through ``onednn_scaled_mm``, the ops vLLM's CPU
+W8A8 linear calls) and against bf16 ``F.linear``, for decode (1 row), batch (16) and prompt (64,
+256) sizes.
+
+Both int8 paths get the same int8 per-channel weights. The candidates alternate within each round
+(this VM's speed drifts by 2x over minutes, so only interleaved timings compare) and each keeps its
+best round. Run it in vLLM's environment (``bash .ci/vllm_env .venv-vllm``):
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_kernels.py --threads 2 --json kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import torchq
+
+#: (out_features, in_features) of SmolLM2-135M's linears: gate+up fused, down, qkv fused, o
+SHAPES = ((3072, 576), (576, 1536), (960, 576), (576, 576))
+
+
+def _timed(fn, reps: int) -> float:
+    """Microseconds per call of ``reps`` calls after one warm-up call."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def _vllm_w8a8(codes: torch.Tensor, scales: torch.Tensor):
+    """vLLM's CPU W8A8 linear on these int8 weights ([N, K] codes, [N] fp32 scales), as a function
+    of the activations."""
+    import vllm._custom_ops as ops
+
+    handler = ops.create_onednn_scaled_mm(codes.t(), scales, torch.bfloat16, True, False)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        xq, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+        out = torch.empty((x.shape[0], codes.shape[0]), dtype=torch.bfloat16)
+        ops.onednn_scaled_mm(handler, xq, out, xs, None, None, None)
+        return out
+
+    return run
+
+
+def measure(rows: list[int], rounds: int, reps: int) -> list[dict]:
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        weight = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+        layer = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        torchq.quantize_(layer, torchq.int8_dynamic_activation_int8_weight())
+        plain = layer.weight.to_plain()  # the same codes and scales for vLLM's path
+        vllm = _vllm_w8a8(plain.codes.reshape(n, k).contiguous(), plain.scale.reshape(n).float().contiguous())
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            q = layer.weight
+            cands = {"bf16 F.linear": lambda x=x, w=weight: F.linear(x, w), "vLLM W8A8": lambda x=x, f=vllm: f(x),
+                     "torchq int8dq": lambda x=x, q=q: F.linear(x, q)}
+            best = dict.fromkeys(cands, float("inf"))
+            with torch.no_grad():
+                for _ in range(rounds):
+                    for name, fn in cands.items():
+                        best[name] = min(best[name], _timed(fn, reps))
+                diff = float((vllm(x).float() - F.linear(x, layer.weight).float()).abs().max())
+            results.append({"n": n, "k": k, "m": m, "us": best, "max_abs_diff_vs_vllm": diff})
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,16,64,256", help="comma-separated activation rows (M)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each candidate keeps its best")
+    ap.add_argument("--reps", type=int, default=20, help="calls per timing")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    try:
+        import vllm._custom_ops  # noqa: F401
+    except ImportError as e:
+        print(f"bench_vllm_kernels: vLLM is not importable here ({e}); run it in vLLM's environment", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    results = measure([int(r) for r in args.rows.split(",") if r], args.rounds, args.reps)
+    print(f"{'layer (N x K)':14} {'M':>4} {'bf16 us':>9} {'vLLM W8A8':>10} {'torchq':>9} {'vs W8A8':>8} {'vs bf16':>8}")
+    for r in results:
+        us = r["us"]
+        print(f"{r['n']:>5} x {r['k']:<6} {r['m']:>4} {us['bf16 F.linear']:>9.1f} {us['vLLM W8A8']:>10.1f} "
+              f"{us['torchq int8dq']:>9.1f} {us['vLLM W8A8'] / us['torchq int8dq']:>7.2f}x {us['bf16 F.linear'] / us['torchq int8dq']:>7.2f}x")
+    print(f"vs: the other's time / torchq's (above 1: torchq faster); {args.threads} threads, best of {args.rounds} interleaved rounds")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
