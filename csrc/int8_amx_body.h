@@ -96,28 +96,32 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
   U32x16 correction;  // per weight row of the panel
   F32x16 scale;
   Tiles::configure();
-  for (int64_t n = n0; n < n1; n += kAmxTile) {
-    const int64_t cols = n1 - n < kAmxTile ? n1 - n : kAmxTile;
-    for (int64_t t = 0; t < kAmxTile; ++t) {  // modulo 2^32, as the int32 sums
-      correction[t] = p.row_sums && t < cols
-                          ? static_cast<int32_t>(static_cast<uint32_t>(p.zero_point) * static_cast<uint32_t>(p.row_sums[n + t]))
-                          : 0;
-      scale[t] = t < cols ? p.scale[n + t] : 0.0f;
-    }
-    // the weight tile of step s: in place, or (a partial step or panel) copied into edge
-    auto load_weights = [&](int64_t s) __attribute__((always_inline)) {
-      const int64_t k0 = s * kAmxStep;
-      if (cols == kAmxTile && k0 + kAmxStep <= K) {
-        Tiles::template load<4>(p.w + n * K + k0, K);
-        return;
+  // Blocks of up to 64 activation rows outside, the range's panels inside: a block's B tiles (64 x
+  // Kp bytes) stay in L1 / L2 across the panels, where passes of every block per panel streamed all
+  // M rows' tiles again for each panel (960 x 576, one Emerald Rapids core, 64 / 96 / 128 / 256
+  // rows: 85 / 183 / 224 / 431 us before, 80 / 155 / 196 / 368 after).
+  for (int64_t i0 = 0; i0 < blocks; i0 += kAmxCTiles) {
+    const int tiles = blocks - i0 < kAmxCTiles ? static_cast<int>(blocks - i0) : kAmxCTiles;
+    for (int64_t n = n0; n < n1; n += kAmxTile) {
+      const int64_t cols = n1 - n < kAmxTile ? n1 - n : kAmxTile;
+      for (int64_t t = 0; t < kAmxTile; ++t) {  // modulo 2^32, as the int32 sums
+        correction[t] = p.row_sums && t < cols
+                            ? static_cast<int32_t>(static_cast<uint32_t>(p.zero_point) * static_cast<uint32_t>(p.row_sums[n + t]))
+                            : 0;
+        scale[t] = t < cols ? p.scale[n + t] : 0.0f;
       }
-      memset(edge, 0, sizeof edge);
-      const int64_t len = K - k0 < kAmxStep ? K - k0 : kAmxStep;
-      for (int64_t t = 0; t < cols; ++t) memcpy(edge[t], p.w + (n + t) * K + k0, static_cast<size_t>(len));
-      Tiles::template load<4>(&edge[0][0], 64);
-    };
-    for (int64_t i0 = 0; i0 < blocks; i0 += kAmxCTiles) {
-      const int tiles = blocks - i0 < kAmxCTiles ? static_cast<int>(blocks - i0) : kAmxCTiles;
+      // the weight tile of step s: in place, or (a partial step or panel) copied into edge
+      auto load_weights = [&](int64_t s) __attribute__((always_inline)) {
+        const int64_t k0 = s * kAmxStep;
+        if (cols == kAmxTile && k0 + kAmxStep <= K) {
+          Tiles::template load<4>(p.w + n * K + k0, K);
+          return;
+        }
+        memset(edge, 0, sizeof edge);
+        const int64_t len = K - k0 < kAmxStep ? K - k0 : kAmxStep;
+        for (int64_t t = 0; t < cols; ++t) memcpy(edge[t], p.w + (n + t) * K + k0, static_cast<size_t>(len));
+        Tiles::template load<4>(&edge[0][0], 64);
+      };
       for_c_tiles(tiles, [&](auto i) { Tiles::template zero<decltype(i)::value>(); });
       for (int64_t s = 0; s < steps; ++s) {
         load_weights(s);
