@@ -1,9 +1,11 @@
 """One linear layer of SmolLM2's shapes, bf16 activations, in one process: torchq's int8 dynamic
-kernel (``int8dq``, what torchq's vLLM plugin runs) against vLLM's own W8A8 path on the CPU (the
-compressed-tensors ``int-quantized`` scheme: per-token dynamic int8 activations through
-``onednn_scaled_int8_quant``, oneDNN's int8 GEMM through ``onednn_scaled_mm``, the ops vLLM's CPU
-W8A8 linear calls) and against bf16 ``F.linear``, for decode (1 row), batch (16) and prompt (64,
-256) sizes.
+kernel (``int8dq``, what torchq's vLLM plugin runs) against vLLM's own W8A8 kernels on the CPU (the
+compressed-tensors ``int-quantized`` scheme, symmetric per-token dynamic int8 activations) and
+against bf16 ``F.linear``, for decode (1 row), batch (16) and prompt (64, 128, 256) sizes. vLLM has
+two: ``int8_scaled_mm_with_quant`` on weights packed by ``convert_weight_packed`` (its "SGL" AMX
+kernel, which its CPU W8A8 linear takes where ``check_cpu_sgl_kernel`` passes: AMX CPUs, K % 32 == 0
+and N % 16 == 0, every SmolLM2 layer) and oneDNN (``onednn_scaled_int8_quant`` + ``onednn_scaled_mm``,
+its fallback elsewhere); both are timed, and "vs vLLM" is against the one vLLM would run here.
 
 Both int8 paths get the same int8 per-channel weights. The candidates alternate within each round
 (this VM's speed drifts by 2x over minutes, so only interleaved timings compare) and each keeps its
@@ -39,9 +41,9 @@ def _timed(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def _vllm_w8a8(codes: torch.Tensor, scales: torch.Tensor):
-    """vLLM's CPU W8A8 linear on these int8 weights ([N, K] codes, [N] fp32 scales), as a function
-    of the activations."""
+def _vllm_onednn(codes: torch.Tensor, scales: torch.Tensor):
+    """vLLM's oneDNN W8A8 path on these int8 weights ([N, K] codes, [N] fp32 scales), as a function
+    of the activations (its ``_apply_weights_onednn``)."""
     import vllm._custom_ops as ops
 
     handler = ops.create_onednn_scaled_mm(codes.t(), scales, torch.bfloat16, True, False)
@@ -55,6 +57,19 @@ def _vllm_w8a8(codes: torch.Tensor, scales: torch.Tensor):
     return run
 
 
+def _vllm_sgl(codes: torch.Tensor, scales: torch.Tensor):
+    """vLLM's SGL W8A8 kernel (its ``_apply_weights_sgl``) on these weights, or None where vLLM
+    would not take it."""
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    n, k = codes.shape
+    if not check_cpu_sgl_kernel(n, k, torch.int8):
+        return None
+    packed = torch.ops._C.convert_weight_packed(codes)
+    w_scale = scales.reshape(n, 1)
+    return lambda x: torch.ops._C.int8_scaled_mm_with_quant(x, packed, w_scale, None, x.dtype, True)
+
+
 def measure(rows: list[int], rounds: int, reps: int) -> list[dict]:
     results = []
     gen = torch.Generator().manual_seed(0)
@@ -64,26 +79,31 @@ def measure(rows: list[int], rounds: int, reps: int) -> list[dict]:
         with torch.no_grad():
             layer.weight.copy_(weight)
         torchq.quantize_(layer, torchq.int8_dynamic_activation_int8_weight())
-        plain = layer.weight.to_plain()  # the same codes and scales for vLLM's path
-        vllm = _vllm_w8a8(plain.codes.reshape(n, k).contiguous(), plain.scale.reshape(n).float().contiguous())
+        plain = layer.weight.to_plain()  # the same codes and scales for vLLM's paths
+        codes, scales = plain.codes.reshape(n, k).contiguous(), plain.scale.reshape(n).float().contiguous()
+        onednn, sgl = _vllm_onednn(codes, scales), _vllm_sgl(codes, scales)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             q = layer.weight
-            cands = {"bf16 F.linear": lambda x=x, w=weight: F.linear(x, w), "vLLM W8A8": lambda x=x, f=vllm: f(x),
+            cands = {"bf16 F.linear": lambda x=x, w=weight: F.linear(x, w), "vLLM oneDNN": lambda x=x, f=onednn: f(x),
                      "torchq int8dq": lambda x=x, q=q: F.linear(x, q)}
+            if sgl is not None:
+                cands["vLLM SGL"] = lambda x=x, f=sgl: f(x)
             best = dict.fromkeys(cands, float("inf"))
             with torch.no_grad():
                 for _ in range(rounds):
                     for name, fn in cands.items():
                         best[name] = min(best[name], _timed(fn, reps))
-                diff = float((vllm(x).float() - F.linear(x, layer.weight).float()).abs().max())
-            results.append({"n": n, "k": k, "m": m, "us": best, "max_abs_diff_vs_vllm": diff})
+                ours = F.linear(x, q).float()
+                diff = {name: float((f().float() - ours).abs().max()) for name, f in cands.items() if name.startswith("vLLM")}
+            results.append({"n": n, "k": k, "m": m, "us": best, "vllm_runs": "vLLM SGL" if sgl is not None else "vLLM oneDNN",
+                            "max_abs_diff": diff})
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,16,64,256", help="comma-separated activation rows (M)")
+    ap.add_argument("--rows", default="1,16,64,128,256", help="comma-separated activation rows (M)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each candidate keeps its best")
     ap.add_argument("--reps", type=int, default=20, help="calls per timing")
@@ -97,12 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     results = measure([int(r) for r in args.rows.split(",") if r], args.rounds, args.reps)
-    print(f"{'layer (N x K)':14} {'M':>4} {'bf16 us':>9} {'vLLM W8A8':>10} {'torchq':>9} {'vs W8A8':>8} {'vs bf16':>8}")
+    print(f"{'layer (N x K)':14} {'M':>4} {'bf16 us':>9} {'oneDNN us':>10} {'SGL us':>9} {'torchq us':>10} {'vs vLLM':>8} "
+          f"{'vs bf16':>8}")
     for r in results:
         us = r["us"]
-        print(f"{r['n']:>5} x {r['k']:<6} {r['m']:>4} {us['bf16 F.linear']:>9.1f} {us['vLLM W8A8']:>10.1f} "
-              f"{us['torchq int8dq']:>9.1f} {us['vLLM W8A8'] / us['torchq int8dq']:>7.2f}x {us['bf16 F.linear'] / us['torchq int8dq']:>7.2f}x")
-    print(f"vs: the other's time / torchq's (above 1: torchq faster); {args.threads} threads, best of {args.rounds} interleaved rounds")
+        sgl = us.get("vLLM SGL")
+        print(f"{r['n']:>5} x {r['k']:<6} {r['m']:>4} {us['bf16 F.linear']:>9.1f} {us['vLLM oneDNN']:>10.1f} "
+              f"{'-' if sgl is None else f'{sgl:.1f}':>9} {us['torchq int8dq']:>10.1f} "
+              f"{us[r['vllm_runs']] / us['torchq int8dq']:>7.2f}x {us['bf16 F.linear'] / us['torchq int8dq']:>7.2f}x")
+    print(f"vs: the other's time / torchq's (above 1: torchq faster), vLLM's the kernel it would run here; {args.threads} "
+          f"threads, best of {args.rounds} interleaved rounds")
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
         print(f"wrote {args.json}")

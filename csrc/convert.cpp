@@ -158,7 +158,7 @@ void to_f32_range(void* ctx, int64_t m0, int64_t m1) {
 
 }  // namespace
 
-// Ranges of whole 64-byte lines of the destination (16 or 32 elements), the work counted as one
+// Ranges of whole 64-element groups (128 or 256 bytes of the destination), the work counted as one
 // multiply-add per element (min_parallel_work: from 2^17 elements on two threads).
 void from_f32_rows(const float* src, int64_t n, int dtype, void* dst, int threads) {
   ConvertJob job{src, dtype, 0, 0, dst};

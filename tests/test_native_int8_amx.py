@@ -87,6 +87,11 @@ def test_non_finite_rows_match_the_reference(amx):
     x[39, 0] = -float("inf")
     y, expected = int8_dynamic_linear(x, codes, scale, -127, 127, 1e-5), dynamic_reference(x, codes, scale)
     assert_same_bits(y, expected)
+    # bf16 activations: the AMX epilogue rounds its own outputs to bf16 (NaN rows to 0x7FC0),
+    # full and partial 16-column panels, huge values rounding to inf
+    xb = (torch.randn(40, 100) * 3).to(torch.bfloat16)
+    xb[1, 5], xb[17, 7], xb[39, 0], xb[20, 3] = float("nan"), float("inf"), -float("inf"), 3e38
+    assert_same_bits(int8_dynamic_linear(xb, codes, scale, -127, 127, 1e-5), dynamic_reference(xb, codes, scale))
 
 
 @needs_native
