@@ -41,17 +41,36 @@ std::atomic<int64_t> g_amx_calls{0};
 
 struct QuantJob {
   Int8QuantizeFn quantize;
-  const float* x;
+  const void* x;  // [M, K] of dtype
+  int dtype;
   int64_t K, Kp;
   Int8Quant q;
   int offset;
   void* codes;
   float* xs;
+  std::atomic<bool>* failed;  // set when a range could not allocate its row buffer
 };
 
+// Rows [m0, m1): fp32 rows quantized in place; bf16 / fp16 rows each widened (exactly) into one
+// row of fp32 first, so the quantization sees the reference's fp32 values without an [M, K] fp32
+// copy (at 256 x 1536, the copy and its first touch took a third of the call).
 void quantize_rows(void* ctx, int64_t m0, int64_t m1) {
   const QuantJob& j = *static_cast<const QuantJob*>(ctx);
-  j.quantize(j.x, j.K, j.Kp, j.q, j.offset, j.codes, j.xs, m0, m1);
+  if (j.dtype == DT_F32) {
+    j.quantize(static_cast<const float*>(j.x), j.K, j.Kp, j.q, j.offset, j.codes, j.xs, m0, m1);
+    return;
+  }
+  float* row = static_cast<float*>(aligned_alloc(64, (j.K * sizeof(float) + 63) / 64 * 64));
+  if (!row) {
+    j.failed->store(true, std::memory_order_relaxed);
+    return;
+  }
+  const char* x = static_cast<const char*>(j.x);
+  for (int64_t m = m0; m < m1; ++m) {
+    to_f32_row(x + m * j.K * dtype_size(j.dtype), j.dtype, j.K, j.K, row);
+    j.quantize(row, j.K, j.Kp, j.q, j.offset, static_cast<uint8_t*>(j.codes) + m * j.Kp, j.xs + m, 0, 1);
+  }
+  free(row);
 }
 
 struct DequantJob {
@@ -155,8 +174,7 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const int offset = amx ? 0 : narrow ? kNarrowOffset : kern.dynamic_offset;
   const bool offset_codes = offset != 0;
   const size_t codes_bytes = (M * Kp + 63) / 64 * 64, xs_bytes = (M * sizeof(float) + 63) / 64 * 64;
-  const size_t xf_bytes = dtype == DT_F32 ? 0 : M * K * sizeof(float);
-  char* buf = static_cast<char*>(aligned_alloc(64, codes_bytes + xs_bytes + (xf_bytes + 63) / 64 * 64));
+  char* buf = static_cast<char*>(aligned_alloc(64, codes_bytes + xs_bytes));
   Output o;
   // the AMX GEMM writes bf16 outputs itself (the fp32 buffer, untouched, serves its fallback)
   const bool direct_bf16 = amx && dtype == DT_BF16;
@@ -165,15 +183,14 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
     return OUT_OF_MEMORY;
   }
   float* xs = reinterpret_cast<float*>(buf + codes_bytes);
-  const float* xf = static_cast<const float*>(x);
-  if (dtype != DT_F32) {  // widen (exactly) first: the quantization then sees the reference's fp32 values
-    float* wide = reinterpret_cast<float*>(buf + codes_bytes + xs_bytes);
-    to_f32_rows(x, dtype, M, K, K, wide, threads);
-    xf = wide;
-  }
   const Int8Quant quant{w.act_denom, w.act_eps, qmin, qmax, w.act_scale, w.act_zero_point};
-  QuantJob q{is_static ? kern.quantize_static_rows : kern.quantize_rows, xf, K, Kp, quant, offset, buf, xs};
+  std::atomic<bool> failed{false};
+  QuantJob q{is_static ? kern.quantize_static_rows : kern.quantize_rows, x, dtype, K, Kp, quant, offset, buf, xs, &failed};
   parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
+  if (failed.load()) {
+    free(buf);
+    return OUT_OF_MEMORY;
+  }
   const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
                      offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, w.codes, w.scales, nullptr,
                      o.f32, correct ? w.row_sums : nullptr, correct ? w.act_zero_point : 0,
