@@ -65,8 +65,13 @@ def int4_plain(n: int, k: int, g: int, domain: str, scale_dtype: torch.dtype, se
 
 
 def term_magnitudes(plain: PlainForm) -> torch.Tensor:
-    """|(q - mid) s| + |z| per weight for a float zero point (the lut4 decode path sums the two
-    terms separately), |w| otherwise."""
+    """The magnitudes of the terms the lut4 decode path sums separately, per weight: |(q - mid) s|
+    + |z| for a float zero point; |q s| + |z s| for an integer one (it sums c x and the shift's
+    (-z) x apart before scaling: sum_k (q - z) s x = s (sum_k q x - z sum_k x)); |w| otherwise."""
+    if plain.spec.zero_point_domain == ZeroPointDomain.INT:
+        codes = PlainForm(plain.codes, plain.scale, torch.zeros_like(plain.zero_point), plain.spec).dequantize(torch.float32)
+        zero = PlainForm(torch.zeros_like(plain.codes), plain.scale, plain.zero_point, plain.spec).dequantize(torch.float32)
+        return codes.abs() + zero.abs()
     if plain.spec.zero_point_domain != ZeroPointDomain.FLOAT:
         return plain.dequantize(torch.float32).abs()
     mid = (plain.spec.quant_min + plain.spec.quant_max + 1) // 2
