@@ -1,5 +1,6 @@
 """One linear layer of SmolLM2's shapes, bf16 activations, in one process: torchq's int8 dynamic
-kernel (``int8dq``, what torchq's vLLM plugin runs) against vLLM's own W8A8 kernels on the CPU (the
+kernel (``int8dq`` in the layout torchq's vLLM plugin serves it in: ``int8_vnni`` on VNNI CPUs; and in
+the row-major ``plain`` layout) against vLLM's own W8A8 kernels on the CPU (the
 compressed-tensors ``int-quantized`` scheme, symmetric per-token dynamic int8 activations) and
 against bf16 ``F.linear``, for decode (1 row), batch (16) and prompt (64, 128, 256) sizes. vLLM has
 two: ``int8_scaled_mm_with_quant`` on weights packed by ``convert_weight_packed`` (its "SGL" AMX
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import torchq
+from torchq.layouts.int8_vnni import Int8VnniLayout
+from torchq.layouts.plain import PlainLayout
 
 #: (out_features, in_features) of SmolLM2-135M's linears: gate+up fused, down, qkv fused, o
 SHAPES = ((3072, 576), (576, 1536), (960, 576), (576, 576))
@@ -70,6 +73,12 @@ def _vllm_sgl(codes: torch.Tensor, scales: torch.Tensor):
     return lambda x: torch.ops._C.int8_scaled_mm_with_quant(x, packed, w_scale, None, x.dtype, True)
 
 
+def _served_layout():
+    """The layout torchq's vLLM plugin serves int8 weights in here (``torchq.vllm.weights.serving_layout``)."""
+    vnni = Int8VnniLayout()
+    return vnni if vnni.fit(vnni.examples()[0].spec, None, None, "cpu").automatic else PlainLayout()
+
+
 def measure(rows: list[int], rounds: int, reps: int) -> list[dict]:
     results = []
     gen = torch.Generator().manual_seed(0)
@@ -78,15 +87,19 @@ def measure(rows: list[int], rounds: int, reps: int) -> list[dict]:
         layer = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
         with torch.no_grad():
             layer.weight.copy_(weight)
-        torchq.quantize_(layer, torchq.int8_dynamic_activation_int8_weight())
+        row_major = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            row_major.weight.copy_(weight)
+        torchq.quantize_(layer, torchq.int8_dynamic_activation_int8_weight(layout=_served_layout()))
+        torchq.quantize_(row_major, torchq.int8_dynamic_activation_int8_weight(layout=PlainLayout()))
         plain = layer.weight.to_plain()  # the same codes and scales for vLLM's paths
         codes, scales = plain.codes.reshape(n, k).contiguous(), plain.scale.reshape(n).float().contiguous()
         onednn, sgl = _vllm_onednn(codes, scales), _vllm_sgl(codes, scales)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-            q = layer.weight
+            q, q_plain = layer.weight, row_major.weight
             cands = {"bf16 F.linear": lambda x=x, w=weight: F.linear(x, w), "vLLM oneDNN": lambda x=x, f=onednn: f(x),
-                     "torchq int8dq": lambda x=x, q=q: F.linear(x, q)}
+                     "torchq int8dq": lambda x=x, q=q: F.linear(x, q), "torchq int8dq plain": lambda x=x, q=q_plain: F.linear(x, q)}
             if sgl is not None:
                 cands["vLLM SGL"] = lambda x=x, f=sgl: f(x)
             best = dict.fromkeys(cands, float("inf"))
@@ -96,7 +109,10 @@ def measure(rows: list[int], rounds: int, reps: int) -> list[dict]:
                         best[name] = min(best[name], _timed(fn, reps))
                 ours = F.linear(x, q).float()
                 diff = {name: float((f().float() - ours).abs().max()) for name, f in cands.items() if name.startswith("vLLM")}
+                if not torch.equal(F.linear(x, q_plain).float(), ours):
+                    raise AssertionError(f"{n} x {k}, M = {m}: the {q.tensor_impl.layout.name} layout's output is not the plain layout's")
             results.append({"n": n, "k": k, "m": m, "us": best, "vllm_runs": "vLLM SGL" if sgl is not None else "vLLM oneDNN",
+                            "layout": q.tensor_impl.layout.name,
                             "max_abs_diff": diff})
     return results
 
@@ -117,16 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     results = measure([int(r) for r in args.rows.split(",") if r], args.rounds, args.reps)
-    print(f"{'layer (N x K)':14} {'M':>4} {'bf16 us':>9} {'oneDNN us':>10} {'SGL us':>9} {'torchq us':>10} {'vs vLLM':>8} "
-          f"{'vs bf16':>8}")
+    print(f"{'layer (N x K)':14} {'M':>4} {'bf16 us':>9} {'oneDNN us':>10} {'SGL us':>9} {'plain us':>9} {'torchq us':>10} "
+          f"{'vs vLLM':>8} {'vs bf16':>8} {'vs plain':>8}")
     for r in results:
         us = r["us"]
         sgl = us.get("vLLM SGL")
         print(f"{r['n']:>5} x {r['k']:<6} {r['m']:>4} {us['bf16 F.linear']:>9.1f} {us['vLLM oneDNN']:>10.1f} "
-              f"{'-' if sgl is None else f'{sgl:.1f}':>9} {us['torchq int8dq']:>10.1f} "
-              f"{us[r['vllm_runs']] / us['torchq int8dq']:>7.2f}x {us['bf16 F.linear'] / us['torchq int8dq']:>7.2f}x")
-    print(f"vs: the other's time / torchq's (above 1: torchq faster), vLLM's the kernel it would run here; {args.threads} "
-          f"threads, best of {args.rounds} interleaved rounds")
+              f"{'-' if sgl is None else f'{sgl:.1f}':>9} {us['torchq int8dq plain']:>9.1f} {us['torchq int8dq']:>10.1f} "
+              f"{us[r['vllm_runs']] / us['torchq int8dq']:>7.2f}x {us['bf16 F.linear'] / us['torchq int8dq']:>7.2f}x "
+              f"{us['torchq int8dq plain'] / us['torchq int8dq']:>7.2f}x")
+    layouts = sorted({r["layout"] for r in results})
+    print(f"vs: the other's time / torchq's (above 1: torchq faster), vLLM's the kernel it would run here; torchq: layout "
+          f"{', '.join(layouts)}, plain: the row-major layout; {args.threads} threads, best of {args.rounds} interleaved rounds")
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
         print(f"wrote {args.json}")

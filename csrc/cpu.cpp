@@ -75,6 +75,7 @@ struct Tables {
       by_isa[ISA_AVX512].int8.dynamic_gemm_min_m = kInt8Avx2.dynamic_gemm_min_m;
       by_isa[ISA_AVX512].int8.narrow_rows = kInt8Avx2.narrow_rows;
       by_isa[ISA_AVX512].int8.narrow_gemm = kInt8Avx2.narrow_gemm;
+      by_isa[ISA_AVX512].int8.panel_rows = kInt8Avx2.panel_rows;
       by_isa[ISA_AVX512].lut4.q8_gemm = kLut4Avx2.q8_gemm;
       by_isa[ISA_AVX512].lut4.q8_gemm_min_m = kLut4Avx2.q8_gemm_min_m;
     }

@@ -24,14 +24,17 @@ struct AmxTiles : AmxTileOps<6> {
 };
 
 void gemm(const Int8Params& p, int64_t n0, int64_t n1) { amx_int8_gemm<AmxTiles>(p, n0, n1, kInt8Scalar.dynamic_rows); }
+void panel_gemm(const Int8Params& p, int64_t n0, int64_t n1) { amx_int8_gemm<AmxTiles, true>(p, n0, n1, nullptr); }
 
 }  // namespace
 
 extern const Int8RowsFn kInt8AmxGemm = &gemm;
+extern const Int8RowsFn kInt8AmxPanelGemm = &panel_gemm;
 
 }  // namespace tq
 #else
 namespace tq {
 extern const Int8RowsFn kInt8AmxGemm = nullptr;
+extern const Int8RowsFn kInt8AmxPanelGemm = nullptr;
 }  // namespace tq
 #endif

@@ -11,6 +11,11 @@
 //    rows, 4 bytes each (pack_activations, from p.xq: offset-0 codes);
 //  * C[t][r]: the int32 sum sum_k w[n + t, k] x_q[m + r, k], exact while |sum| < 2^31 (K < 2^17
 //    guarantees it: 127 * 128 * K); beyond, it wraps modulo 2^32 as the other forms' sums do.
+// The panel form (PANELS, a weight in panel order: int8_linear.h) swaps the roles: the activation
+// codes p.xq are the A tiles, loaded in place (16 rows x 64 positions, row stride Kp; the caller pads
+// the rows to a multiple of 16 with zeros), and the weight's panels the B tiles as stored (16 steps
+// of 16 rows x 4 codes: 1 KB contiguous, zero past N and K), so nothing is packed per call and C[r][t]
+// comes out in the output's own order (activation row r, weight row t).
 // Output: out[m, n] = (float(sum - z * row_sums[n]) * xs[m]) * scale[n], the subtraction modulo
 // 2^32 as the other GEMM forms (exact while kInt8StaticGemmMaxK bounds K), the same bits as the
 // reference (int8_linear.h).
@@ -79,18 +84,18 @@ __attribute__((always_inline)) inline void for_c_tiles(int count, Fn&& f) {
 
 // Output rows [n0, n1) (whole panels of 16 but the call's last) for all p.M activation rows.
 // fallback(p, n0, n1): a row kernel that reads p.xq, for a failed scratch allocation.
-template <class Tiles>
+template <class Tiles, bool PANELS = false>
 void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallback) {
   const int64_t K = p.K, N = p.N, M = p.M, steps = p.Kp / kAmxStep, blocks = (M + kAmxTile - 1) / kAmxTile;
-  int8_t* b = static_cast<int8_t*>(aligned_alloc(64, static_cast<size_t>(blocks * steps) * kAmxTileBytes));
-  if (!b) {
+  int8_t* b = PANELS ? nullptr : static_cast<int8_t*>(aligned_alloc(64, static_cast<size_t>(blocks * steps) * kAmxTileBytes));
+  if (!PANELS && !b) {
     fallback(p, n0, n1);
     if (p.out_bf16)  // this range's fp32 outputs as bf16, rounded as the tiles' epilogue rounds
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) p.out_bf16[m * N + n] = bf16_bits(p.out[m * N + n]);
     return;
   }
-  pack_activations<Tiles>(p, b);
+  if constexpr (!PANELS) pack_activations<Tiles>(p, b);
   alignas(64) int32_t c[kAmxTile][kAmxTile];
   alignas(64) int8_t edge[kAmxTile][64];  // a weight tile that would read past the buffer
   U32x16 correction;  // per weight row of the panel
@@ -112,6 +117,10 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
       }
       // the weight tile of step s: in place, or (a partial step or panel) copied into edge
       auto load_weights = [&](int64_t s) __attribute__((always_inline)) {
+        if constexpr (PANELS) {
+          Tiles::template load<4>(p.w + int8_panel_offset(n, p.Kp) + s * kAmxTileBytes, 64);
+          return;
+        }
         const int64_t k0 = s * kAmxStep;
         if (cols == kAmxTile && k0 + kAmxStep <= K) {
           Tiles::template load<4>(p.w + n * K + k0, K);
@@ -127,13 +136,19 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
         load_weights(s);
         for_c_tiles(tiles, [&](auto i) {
           constexpr int I = decltype(i)::value;
-          Tiles::template load<5>(b + ((i0 + I) * steps + s) * kAmxTileBytes, 64);
-          Tiles::template dot<I, 4, 5>();
+          if constexpr (PANELS) {  // A: 16 activation rows' 64 codes in place; B: the weights
+            Tiles::template load<5>(p.xq + (i0 + I) * kAmxTile * p.Kp + s * kAmxStep, p.Kp);
+            Tiles::template dot<I, 5, 4>();
+          } else {
+            Tiles::template load<5>(b + ((i0 + I) * steps + s) * kAmxTileBytes, 64);
+            Tiles::template dot<I, 4, 5>();
+          }
         });
       }
       for_c_tiles(tiles, [&](auto i) {
         constexpr int I = decltype(i)::value;
-        Tiles::template store_transposed<I>(&c[0][0]);  // c[r][t]: activation row r, weight row t
+        if constexpr (PANELS) Tiles::template store<I>(&c[0][0], 64);  // c[r][t]: activation row r, weight row t
+        else Tiles::template store_transposed<I>(&c[0][0]);
         const int64_t first = (i0 + I) * kAmxTile, rows = M - first < kAmxTile ? M - first : kAmxTile;
         for (int64_t r = 0; r < rows; ++r) {  // one vector per activation row (along the weight rows)
           U32x16 sums;

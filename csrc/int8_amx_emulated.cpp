@@ -28,9 +28,11 @@ struct EmulatedTiles : EmulatedTileOps<6> {
 };
 
 void gemm(const Int8Params& p, int64_t n0, int64_t n1) { amx_int8_gemm<EmulatedTiles>(p, n0, n1, kInt8Scalar.dynamic_rows); }
+void panel_gemm(const Int8Params& p, int64_t n0, int64_t n1) { amx_int8_gemm<EmulatedTiles, true>(p, n0, n1, nullptr); }
 
 }  // namespace
 
 extern const Int8RowsFn kInt8AmxEmulatedGemm = &gemm;
+extern const Int8RowsFn kInt8AmxEmulatedPanelGemm = &panel_gemm;
 
 }  // namespace tq

@@ -53,7 +53,7 @@ struct QuantJob {
 
 // Rows [m0, m1): fp32 rows quantized in place; bf16 / fp16 rows each widened (exactly) into one
 // row of fp32 first, so the quantization sees the reference's fp32 values without an [M, K] fp32
-// copy (at 256 x 1536, the copy and its first touch took a third of the call).
+// copy (at 256 x 1536, one bf16 thread, widening alone took about a sixth of the native call).
 void quantize_rows(void* ctx, int64_t m0, int64_t m1) {
   const QuantJob& j = *static_cast<const QuantJob*>(ctx);
   if (j.dtype == DT_F32) {
@@ -73,6 +73,74 @@ void quantize_rows(void* ctx, int64_t m0, int64_t m1) {
   free(row);
 }
 
+int64_t padded(int64_t K) { return (K + 63) / 64 * 64; }
+
+// A panel-order weight (int8_linear.h, "Panel order") under a row-major kernel: each thread's rows
+// unpacked a chunk at a time (about 256 KB: it stays in L2) into scratch, and the kernel run on the
+// chunk with its weight-row-indexed pointers moved to the chunk's first row.
+struct PanelRowsJob {
+  Int8Params p;
+  Int8RowsFn rows;
+  Int8UnpackFn unpack;
+  std::atomic<bool>* failed;  // set where a range could not allocate its scratch
+};
+constexpr int64_t kPanelChunkBytes = int64_t{1} << 18;
+
+void run_panel_rows(void* ctx, int64_t n0, int64_t n1) {
+  const PanelRowsJob& j = *static_cast<const PanelRowsJob*>(ctx);
+  const int64_t K = j.p.K;
+  int64_t chunk = kPanelChunkBytes / K / 16 * 16;
+  if (chunk < 16) chunk = 16;
+  if (chunk > n1 - n0) chunk = n1 - n0;
+  int8_t* scratch = static_cast<int8_t*>(aligned_alloc(64, static_cast<size_t>((chunk * K + 63) / 64 * 64)));
+  if (!scratch) {
+    j.failed->store(true, std::memory_order_relaxed);
+    return;
+  }
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = c0 + chunk < n1 ? c0 + chunk : n1;
+    j.unpack(j.p.w, K, c0, c1, scratch);
+    Int8Params q = j.p;
+    q.w = scratch;
+    q.w_rows = c1 - c0;
+    q.scale += c0;
+    q.out += c0;  // row stride N still
+    if (q.bias) q.bias += c0;
+    if (q.row_sums) q.row_sums += c0;
+    if (q.out_bf16) q.out_bf16 += c0;
+    q.code_sums = nullptr;
+    j.rows(q, 0, c1 - c0);
+  }
+  free(scratch);
+}
+
+// Output rows of p (N of them) by `rows` over `threads`: in place for row-major codes, through
+// run_panel_rows for a panel-order weight (whose ranges are whole panels). False: out of memory.
+bool run_int8_rows(const Int8Params& p, Int8RowsFn rows, bool panels, int64_t grain, int threads) {
+  if (!panels) {
+    RowsJob job{p, rows};
+    parallel_for(p.N, grain, threads, run_rows, &job, kSpinUs, p.M * p.N * p.K);
+    return true;
+  }
+  std::atomic<bool> failed{false};
+  PanelRowsJob job{p, rows, kernels().int8.unpack_panels, &failed};
+  parallel_for(p.N, 16, threads, run_panel_rows, &job, kSpinUs, p.M * p.N * p.K);
+  return !failed.load();
+}
+
+// Row n of a panel-order weight as q * s (fp32 or bf16, as the ISA's dequantization rounds) into
+// dst, gathered a piece at a time into a stack buffer (no allocation).
+void dequant_panel_row(const int8_t* panels, const float* scale, int64_t K, int64_t n, void* dst, bool bf16) {
+  constexpr int64_t kPiece = 1024;
+  alignas(64) int8_t piece[kPiece];
+  const int8_t* row = panels + int8_panel_offset(n, padded(K)) + (n % 16) * 4;
+  for (int64_t k0 = 0; k0 < K; k0 += kPiece) {
+    const int64_t len = K - k0 < kPiece ? K - k0 : kPiece;
+    for (int64_t k = 0; k < len; k += 4) memcpy(piece + k, row + (k0 + k) * 16, static_cast<size_t>(len - k < 4 ? len - k : 4));
+    kernels().int8.dequant_rows(piece, scale + n, len, 0, 1, static_cast<char*>(dst) + k0 * (bf16 ? 2 : 4), bf16);
+  }
+}
+
 struct DequantJob {
   Int8DequantFn dequant;
   const int8_t* w;
@@ -80,15 +148,19 @@ struct DequantJob {
   int64_t K, n0;
   void* out;
   bool bf16;
+  bool panels;  // w in panel order
 };
 
 void dequant_rows(void* ctx, int64_t a, int64_t b) {
   const DequantJob& j = *static_cast<const DequantJob*>(ctx);
-  char* out = static_cast<char*>(j.out) + a * j.K * (j.bf16 ? 2 : 4);
-  j.dequant(j.w, j.scale, j.K, j.n0 + a, j.n0 + b, out, j.bf16);
+  const int64_t row_bytes = j.K * (j.bf16 ? 2 : 4);
+  char* out = static_cast<char*>(j.out) + a * row_bytes;
+  if (!j.panels) {
+    j.dequant(j.w, j.scale, j.K, j.n0 + a, j.n0 + b, out, j.bf16);
+    return;
+  }
+  for (int64_t i = a; i < b; ++i, out += row_bytes) dequant_panel_row(j.w, j.scale, j.K, j.n0 + i, out, j.bf16);
 }
-
-int64_t padded(int64_t K) { return (K + 63) / 64 * 64; }
 
 // The fp32 output buffer of a linear whose out has `dtype`: out itself for fp32.
 struct Output {
@@ -115,6 +187,7 @@ struct AmxDecode {
   const int8_t* codes;
   const float* scale;
   int64_t K, Kp;
+  bool panels;  // codes in panel order
 };
 
 void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
@@ -122,18 +195,22 @@ void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
   const Int8DequantFn dequant = kernels().int8.dequant_rows;
   for (int64_t n = n0; n < n1; ++n) {
     uint16_t* row = dst + (n - n0) * d.Kp;
-    dequant(d.codes, d.scale, d.K, n, n + 1, row, true);
+    if (d.panels) dequant_panel_row(d.codes, d.scale, d.K, n, row, true);
+    else dequant(d.codes, d.scale, d.K, n, n + 1, row, true);
     memset(row + d.K, 0, static_cast<size_t>(d.Kp - d.K) * 2);
   }
 }
 
-// out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), int8 codes
-// [N, K], fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end
+// out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), w's int8 codes
+// (row-major or panels), fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end
 // (bf16 x of kBf16AmxMinM to kBf16AmxMaxM rows: the bf16 AMX GEMM where it runs).
-int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int8_t* codes, int64_t N, const float* scale,
-                       const float* bias, void* out, int threads) {
+int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const float* bias, void* out, int threads) {
+  const int64_t K = w.k, N = w.n;
+  const int8_t* codes = w.codes;
+  const float* scale = w.scales;
+  const bool panels = w.codes_order == 1;
   if (dtype == DT_BF16 && M >= kBf16AmxMinM && M <= kBf16AmxMaxM && bf16_amx_active()) {
-    const AmxDecode decode{codes, scale, K, (K + 31) / 32 * 32};
+    const AmxDecode decode{codes, scale, K, (K + 31) / 32 * 32, panels};
     const int status = bf16_amx_linear(static_cast<const uint16_t*>(x), M, K, decode.Kp, N, bias, amx_decode, &decode, out, threads, kSpinUs);
     if (status >= 0) return status;
   }
@@ -147,11 +224,12 @@ int weight_only_linear(const void* x, int dtype, int64_t M, int64_t K, const int
   to_f32_rows(x, dtype, M, K, Kp, xp, threads);
   const Int8Kernels& kern = kernels().int8;
   const bool gemm = M >= kern.weight_gemm_min_m && int8_weight_gemm_active();
-  RowsJob job{{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32, nullptr, 0}, gemm ? kern.weight_gemm : kern.weight_rows};
-  parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole AVX2 panels
-  o.finish(out, dtype, M * N, threads);
+  const Int8Params p{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32, nullptr, 0};
+  // the GEMM's ranges: whole AVX2 panels
+  const bool ran = run_int8_rows(p, gemm ? kern.weight_gemm : kern.weight_rows, panels, gemm ? 16 : 4, threads);
+  if (ran) o.finish(out, dtype, M * N, threads);
   free(xp);
-  return OK;
+  return ran ? OK : OUT_OF_MEMORY;
 }
 
 // out[M, N] = int8(x) @ q.T rescaled (see int8_linear.h): activations quantized per row
@@ -163,17 +241,22 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const int64_t K = w.k, N = w.n, Kp = padded(K);
   const int qmin = w.act_qmin, qmax = w.act_qmax;
   const Int8Kernels& kern = kernels().int8;
+  const bool panels = w.codes_order == 1;
   // a zero point's correction; none for the dynamic format (and none needed for z = 0)
   const bool correct = is_static && w.act_zero_point != 0;
   const bool gemm_allowed = (lut4_paths() & LUT4_GEMM) && !(correct && K > kInt8StaticGemmMaxK);  // the int32 correction could wrap
-  const Int8RowsFn amx = gemm_allowed && M >= kInt8AmxMinM ? int8_amx_gemm() : nullptr;
+  const Int8RowsFn amx = gemm_allowed && M >= kInt8AmxMinM ? int8_amx_gemm(panels) : nullptr;
   if (amx) g_amx_calls.fetch_add(1, std::memory_order_relaxed);
+  // a panel-order weight's decode rows: its VNNI kernel reads the panels as stored
+  const bool panel_rows = panels && !amx && M <= kInt8PanelRowsMaxM && kern.panel_rows && kern.dynamic_offset == 128;
   // Narrow kernels from kInt8NarrowGemmMinM rows only: below, the row sums they need cost as much
   // as the sign trick they save.
-  const bool narrow = !amx && qmin >= kNarrowMin && qmax <= kNarrowMax && kern.narrow_rows && M >= kInt8NarrowGemmMinM;
+  const bool narrow = !amx && !panel_rows && qmin >= kNarrowMin && qmax <= kNarrowMax && kern.narrow_rows && M >= kInt8NarrowGemmMinM;
   const int offset = amx ? 0 : narrow ? kNarrowOffset : kern.dynamic_offset;
   const bool offset_codes = offset != 0;
-  const size_t codes_bytes = (M * Kp + 63) / 64 * 64, xs_bytes = (M * sizeof(float) + 63) / 64 * 64;
+  // the panel AMX form loads its activation tiles in place: rows up to a multiple of 16, zero
+  const int64_t Mp = amx && panels ? (M + 15) / 16 * 16 : M;
+  const size_t codes_bytes = (Mp * Kp + 63) / 64 * 64, xs_bytes = (M * sizeof(float) + 63) / 64 * 64;
   char* buf = static_cast<char*>(aligned_alloc(64, codes_bytes + xs_bytes));
   Output o;
   // the AMX GEMM writes bf16 outputs itself (the fp32 buffer, untouched, serves its fallback)
@@ -187,27 +270,36 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   std::atomic<bool> failed{false};
   QuantJob q{is_static ? kern.quantize_static_rows : kern.quantize_rows, x, dtype, K, Kp, quant, offset, buf, xs, &failed};
   parallel_for(M, 1, threads, quantize_rows, &q, 0, M * K);
+  if (Mp > M) memset(buf + M * Kp, 0, static_cast<size_t>((Mp - M) * Kp));
   if (failed.load()) {
     free(buf);
     return OUT_OF_MEMORY;
   }
-  const Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
-                     offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, w.codes, w.scales, nullptr,
-                     o.f32, correct ? w.row_sums : nullptr, correct ? w.act_zero_point : 0,
-                     direct_bf16 ? static_cast<uint16_t*>(out) : nullptr};
+  Int8Params p{M, K, N, Kp, nullptr, offset_codes ? nullptr : reinterpret_cast<const int8_t*>(buf),
+               offset_codes ? reinterpret_cast<const uint8_t*>(buf) : nullptr, xs, w.codes, w.scales, nullptr,
+               o.f32, correct ? w.row_sums : nullptr, correct ? w.act_zero_point : 0,
+               direct_bf16 ? static_cast<uint16_t*>(out) : nullptr};
+  p.code_sums = w.code_sums;
   const Int8RowsFn gemm_fn = narrow ? kern.narrow_gemm : kern.dynamic_gemm;
   const bool gemm = amx || ((narrow || M >= kern.dynamic_gemm_min_m) && gemm_fn && gemm_allowed);
-  RowsJob job{p, amx ? amx : gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows};
-  parallel_for(N, gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);  // the GEMM's ranges: whole panels
-  if (!direct_bf16) o.finish(out, dtype, M * N, threads);
+  const Int8RowsFn rows = amx ? amx : gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows;
+  bool ran = true;
+  if (amx || panel_rows) {  // in place (a panel-order weight's own forms too): ranges of whole panels
+    RowsJob job{p, panel_rows ? kern.panel_rows : rows};
+    parallel_for(N, panel_rows ? 64 : gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);
+  } else {
+    ran = run_int8_rows(p, rows, panels, gemm ? 16 : 4, threads);  // the GEMM's ranges: whole panels
+  }
+  if (ran && !direct_bf16) o.finish(out, dtype, M * N, threads);
   free(buf);
-  return OK;
+  return ran ? OK : OUT_OF_MEMORY;
 }
 
 // The int8 fields of w (see weight_abi.h) are consistent: unpadded rows, codes and scales, the
 // activation quantization of the dynamic and static formats, and no lut4 fields.
 bool valid_int8(const tq_weight& w) {
   if (w.row_length != w.k || !w.codes || !w.scales) return false;
+  if (w.codes_order == 0 ? w.code_sums != nullptr : w.codes_order != 1 || !w.code_sums) return false;
   if (w.packed || w.codebook || w.shifts || w.zeros || w.nested_codes || w.nested_absmax || w.nested_offset || w.nested_map)
     return false;
   const bool range = w.act_qmin >= -127 && w.act_qmax <= 127 && w.act_qmin < w.act_qmax;
@@ -222,7 +314,7 @@ bool valid_int8(const tq_weight& w) {
 
 int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const float* bias, void* out, int threads) {
   if (!valid_int8(w)) return BAD_ARGUMENT;
-  if (w.format == TQ_FORMAT_INT8) return weight_only_linear(x, dtype, M, w.k, w.codes, w.n, w.scales, bias, out, threads);
+  if (w.format == TQ_FORMAT_INT8) return weight_only_linear(w, x, dtype, M, bias, out, threads);
   if (bias) return BAD_ARGUMENT;  // the reference adds it after rounding to the activation dtype: the caller does
   return activation_linear(w, x, dtype, M, out, threads);
 }
@@ -230,10 +322,11 @@ int int8_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
 int int8_amx_mode() { return g_amx.load(std::memory_order_relaxed); }
 void note_amx_int8_call() { g_amx_calls.fetch_add(1, std::memory_order_relaxed); }
 
-Int8RowsFn int8_amx_gemm() {
+Int8RowsFn int8_amx_gemm(bool panels) {
   const int mode = g_amx.load(std::memory_order_relaxed);
-  if (mode == INT8_AMX_EMULATED) return kInt8AmxEmulatedGemm;
-  return mode == INT8_AMX_ON && active_isa() == ISA_AVX512 && amx_int8_supported() ? kInt8AmxGemm : nullptr;
+  if (mode == INT8_AMX_EMULATED) return panels ? kInt8AmxEmulatedPanelGemm : kInt8AmxEmulatedGemm;
+  if (mode != INT8_AMX_ON || active_isa() != ISA_AVX512 || !amx_int8_supported()) return nullptr;
+  return panels ? kInt8AmxPanelGemm : kInt8AmxGemm;
 }
 
 bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().int8.weight_gemm; }
@@ -241,7 +334,7 @@ bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().
 // Rows [n0, n1) of the weight, q * s, into dst ([n1 - n0, K]) as fp32 or bf16.
 int int8_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads) {
   if (!valid_int8(w)) return BAD_ARGUMENT;
-  DequantJob job{kernels().int8.dequant_rows, w.codes, w.scales, w.k, n0, dst, bf16};
+  DequantJob job{kernels().int8.dequant_rows, w.codes, w.scales, w.k, n0, dst, bf16, w.codes_order == 1};
   parallel_for(n1 - n0, 1, threads, dequant_rows, &job);
   return OK;
 }

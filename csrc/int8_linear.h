@@ -18,6 +18,16 @@
 //   torchq.activation.StaticInt8 does (q = clamp(rint(x * (1 / s)), qmin - z, qmax - z) + z, a
 //   row holding a NaN gets s_x = NaN), then the dynamic kernels run on those codes with s_x[m] = s
 //   and the zero point's correction: out[m, n] = (float(acc - z * rowsum_w[n]) * s_x[m]) * s_w[n].
+//
+// Panel order (tq_weight.codes_order 1, torchq's Int8VnniLayout): the same codes stored per 16
+// weight rows and 4 positions, the operand order of VNNI and of AMX's B tiles: code (n, k) at byte
+//   (n / 16) * 16 * Kp + (k / 4) * 64 + (n % 16) * 4 + k % 4      (Kp = K rounded up to 64),
+// zero where n >= N or k >= K, with each row's sum of codes beside them (code_sums, int32 [N]). Up to
+// kInt8PanelRowsMaxM activation rows on VNNI take a kernel reading the panels as stored (registers
+// of 16 rows' 4 codes, no horizontal sums, the stored row sums for the +128 offset), many rows the
+// AMX GEMM with the panels as its B tiles (activation codes as A tiles in place); every other call
+// unpacks chunks of rows into row-major scratch (unpack_panels) for the row-major kernels. The same
+// bits everywhere as the row-major codes.
 #pragma once
 #include <stdint.h>
 
@@ -41,7 +51,17 @@ struct Int8Params {
   // The AMX GEMM only: where set, the outputs go here as bf16 ([M, N], rounded as from_f32_row
   // rounds) instead of to `out` as fp32.
   uint16_t* out_bf16 = nullptr;
+  // How many weight rows p.w holds (bounds prefetches; -1: N). A panel-order weight's chunks of
+  // rows, unpacked into scratch, hold fewer.
+  int64_t w_rows = -1;
+  // Panel order (the panel kernel and the AMX GEMM's panel form): each weight row's sum of codes.
+  const int32_t* code_sums = nullptr;
 };
+
+// The byte offset of panel n / 16 (of 16 rows x Kp codes) in a panel-order weight.
+inline int64_t int8_panel_offset(int64_t n, int64_t Kp) { return n / 16 * 16 * Kp; }
+// Activation rows up to which the VNNI panel kernel runs (register tiles of up to 4 rows x 64 weight rows).
+constexpr int64_t kInt8PanelRowsMaxM = 4;
 
 struct Int8Quant {
   float denom, eps;  // dynamic
@@ -54,6 +74,8 @@ struct Int8Quant {
 typedef void (*Int8RowsFn)(const Int8Params& p, int64_t n0, int64_t n1);
 // Weight rows [n0, n1) as q * s into out (row r - n0 at out + (r - n0) * K), fp32 or bf16 (RNE).
 typedef void (*Int8DequantFn)(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16);
+// Rows [n0, n1) of a panel-order weight (K positions a row) into dst, row-major [n1 - n0, K].
+typedef void (*Int8UnpackFn)(const int8_t* panels, int64_t K, int64_t n0, int64_t n1, int8_t* dst);
 // Quantize activation rows [m0, m1) of x ([M, K] fp32) into codes (row stride Kp, zero padded;
 // `offset` 128 stores codes + 128 as uint8, padded with 128) and scales.
 typedef void (*Int8QuantizeFn)(const float* x, int64_t K, int64_t Kp, const Int8Quant& q, int offset, void* codes, float* xs,
@@ -92,6 +114,11 @@ struct Int8Kernels {
   // their row sums); narrow_rows the row tiles, where the GEMM forms are switched off.
   Int8RowsFn narrow_rows;
   Int8RowsFn narrow_gemm;
+  // Panel order (see above): rows into row-major scratch, and the VNNI panel kernel for up to
+  // kInt8PanelRowsMaxM rows of codes + 128 (p.xu; null where VNNI is absent or off), dynamic and
+  // static (p.row_sums: the zero point's correction, exact while kInt8StaticGemmMaxK bounds K).
+  Int8UnpackFn unpack_panels;
+  Int8RowsFn panel_rows;
 };
 constexpr int kNarrowOffset = 64, kNarrowMin = -64, kNarrowMax = 63;
 // The largest K for which a static call with a zero point takes the GEMM forms: their int32
@@ -126,11 +153,14 @@ enum Int8Amx : int { INT8_AMX_OFF = 0, INT8_AMX_ON = 1, INT8_AMX_EMULATED = 2 };
 constexpr int64_t kInt8AmxMinM = 8;
 // The AMX unit's kernel (null where the compiler lacks the intrinsics) and the emulated one.
 extern const Int8RowsFn kInt8AmxGemm, kInt8AmxEmulatedGemm;
+// Their panel forms: the weight in panel order as B tiles (p.w, 1 KB per 16 rows x 64 positions),
+// the offset-0 activation codes p.xq as A tiles in place (rows padded with zeros to a multiple of 16).
+extern const Int8RowsFn kInt8AmxPanelGemm, kInt8AmxEmulatedPanelGemm;
 // Whether the CPU has AMX-INT8, the kernel was built and Linux let this process use the tiles
 // (cpu.cpp: asked once, at the first call).
 bool amx_int8_supported();
-// The AMX GEMM for this call's ISA and mode, or null.
-Int8RowsFn int8_amx_gemm();
+// The AMX GEMM for this call's ISA and mode, or null (panels: its panel form).
+Int8RowsFn int8_amx_gemm(bool panels = false);
 // The AMX mode (Int8Amx), which also rules the nf4a8 / fp4a8 AMX form (lut4_linear.h), and the
 // count of calls that took an AMX form (tq_amx_int8_calls), which that form adds to.
 int int8_amx_mode();

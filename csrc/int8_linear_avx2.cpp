@@ -13,6 +13,7 @@
 #include "simd_avx2.h"
 #include "int8_gemm_body.h"
 #include "int8_linear_body.h"
+#include "int8_panels_body.h"
 
 namespace tq {
 namespace {
@@ -111,6 +112,6 @@ extern const Int8Kernels kInt8Avx2 = {&Int8Kernel<Avx2>::weight_rows, &Int8DotKe
                                       &Int8Kernel<Avx2>::dequant_rows, &dynamic_gemm, kInt8GemmMinMAvx2,
                                       &Int8Kernel<Avx2>::weight_gemm, kInt8WeightGemmMinMAvx2,
                                       &Int8DotKernel<Avx2NarrowDot>::dynamic_rows,
-                                      &narrow_gemm};
+                                      &narrow_gemm, &unpack_panels_avx2, nullptr};
 
 }  // namespace tq

@@ -6,6 +6,7 @@
 #include "simd_avx512.h"
 #include "int8_gemm_body.h"
 #include "int8_linear_body.h"
+#include "int8_panels_body.h"
 
 namespace tq {
 namespace {
@@ -51,6 +52,85 @@ void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
   int8_gemm<VnniStep>(p, n0, n1, Int8DotKernel<Avx512VnniDot>::dynamic_rows);
 }
 
+// The panel kernel (int8_linear.h, "Panel order"): R <= 4 activation rows x P <= 4 panels (64
+// weight rows) per register tile, 16 zmm sums of one vpdpbusd per step each (4 codes + 128 of a row
+// broadcast against a panel step's 16 rows x 4 codes, as stored), then minus 128 * the stored row
+// sums: the row kernel's int32 sums, without its horizontal sums and per-call row sums. The
+// accumulators are pinned in registers (GCC otherwise rotates them through copies every step).
+template <int R, int P>
+__attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t n, int64_t cols) {
+  const int64_t steps = p.Kp / 4, panel_bytes = steps * 64;
+  const int8_t* base = p.w + int8_panel_offset(n, p.Kp);
+  __m512i acc[R][P];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512i b[P];
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) b[j] = _mm512_loadu_si512(base + j * panel_bytes + s * 64);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t x4;
+      memcpy(&x4, p.xu + r * p.Kp + 4 * s, 4);
+      const __m512i xb = _mm512_set1_epi32(x4);
+#pragma GCC unroll 4
+      for (int j = 0; j < P; ++j) {
+        acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xb, b[j]);
+        asm("" : "+v"(acc[r][j]));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < P; ++j) {
+    const int64_t left = cols - 16 * j, first = n + 16 * j;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
+    // 128 * the row sums, modulo 2^32 as the sums
+    const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.code_sums + first), 7);
+    const __m512 sc = _mm512_maskz_loadu_ps(mask, p.scale + first);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_sub_epi32(acc[r][j], corr);
+      float* out = p.out + r * p.N + first;
+      if (!p.row_sums) {
+        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(p.xs[r])), sc));
+        continue;
+      }
+      // static activations: minus z * the row's sum in int64, as the row kernels
+      alignas(64) int32_t d[16];
+      _mm512_store_si512(d, dot);
+      for (int64_t t = 0; t < (left < 16 ? left : 16); ++t) {
+        const int64_t total = static_cast<int64_t>(d[t]) - static_cast<int64_t>(p.zero_point) * p.row_sums[first + t];
+        out[t] = (static_cast<float>(total) * p.xs[r]) * p.scale[first + t];
+      }
+    }
+  }
+}
+
+template <int R>
+void panel_rows_m(const Int8Params& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += 64) {
+    const int64_t cols = n1 - n < 64 ? n1 - n : 64;
+    switch ((cols + 15) / 16) {
+      case 1: panel_tile<R, 1>(p, n, cols); break;
+      case 2: panel_tile<R, 2>(p, n, cols); break;
+      case 3: panel_tile<R, 3>(p, n, cols); break;
+      default: panel_tile<R, 4>(p, n, cols); break;
+    }
+  }
+}
+
+// Output rows [n0, n1) (n0 a multiple of 16) for p.M <= kInt8PanelRowsMaxM activation rows.
+void panel_rows(const Int8Params& p, int64_t n0, int64_t n1) {
+  switch (p.M) {
+    case 1: panel_rows_m<1>(p, n0, n1); break;
+    case 2: panel_rows_m<2>(p, n0, n1); break;
+    case 3: panel_rows_m<3>(p, n0, n1); break;
+    default: panel_rows_m<4>(p, n0, n1); break;
+  }
+}
+
 }  // namespace
 
 extern const Int8Kernels kInt8Avx512 = {&Int8Kernel<Avx512>::weight_rows, &Int8DotKernel<Avx512VnniDot>::dynamic_rows, 128,
@@ -58,6 +138,7 @@ extern const Int8Kernels kInt8Avx512 = {&Int8Kernel<Avx512>::weight_rows, &Int8D
                                         &Int8Kernel<Avx512>::dequant_rows, &dynamic_gemm,
                                         kInt8GemmMinMVnni,
                                         &Int8Kernel<Avx512>::weight_gemm, kInt8WeightGemmMinMAvx512,
-                                        nullptr, nullptr};  // VNNI takes every range
+                                        nullptr, nullptr,  // VNNI takes every range
+                                        &unpack_panels_avx2, &panel_rows};
 
 }  // namespace tq

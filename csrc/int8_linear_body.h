@@ -41,7 +41,7 @@ struct Int8Kernel {
       for (int m = 0; m < MT; ++m) acc[t][m] = T::zero();
     }
     const char* ahead = reinterpret_cast<const char*>(p.w + (n + NT) * K);
-    const char* ahead_end = reinterpret_cast<const char*>(p.w + p.N * K);
+    const char* ahead_end = reinterpret_cast<const char*>(p.w + (p.w_rows < 0 ? p.N : p.w_rows) * K);
     auto step = [&](const int8_t* const* src, int64_t k, int64_t xk) {
       for (int t = 0; t < NT; ++t) {
         const F wv = T::mul(T::load_i8(src[t] + k), s[t]);
@@ -228,7 +228,7 @@ struct Int8DotKernel {
       for (int m = 0; m < MT; ++m) acc[t][m] = D::zero();
     }
     const char* ahead = reinterpret_cast<const char*>(p.w + (n + NT) * K);
-    const char* ahead_end = reinterpret_cast<const char*>(p.w + p.N * K);
+    const char* ahead_end = reinterpret_cast<const char*>(p.w + (p.w_rows < 0 ? p.N : p.w_rows) * K);
     auto step = [&](const int8_t* const* src, int64_t k, int64_t xk) {
       typename D::Weights wv[NT];
       for (int t = 0; t < NT; ++t) wv[t] = D::load_weights(src[t] + k, rowsum[t]);

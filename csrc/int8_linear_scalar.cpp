@@ -1,6 +1,7 @@
 // The portable int8 kernels (ISA_SCALAR, TORCHQ_NATIVE_ISA=scalar): one sum per output in
 // element order; the same bits as the vector kernels and torchq's reference (see int8_linear.h).
 #include <math.h>
+#include <string.h>
 
 #include "common.h"
 #include "int8_linear.h"
@@ -32,6 +33,15 @@ void dynamic_rows(const Int8Params& p, int64_t n0, int64_t n1) {
       for (int64_t k = 0; k < p.K; ++k) acc += static_cast<int32_t>(w[k]) * x[k];
       p.out[m * p.N + n] = (static_cast<float>(static_cast<int64_t>(acc) - zero_correction) * p.xs[m]) * p.scale[n];
     }
+  }
+}
+
+// Rows of a panel-order weight, 4 codes at a time (int8_linear.h, "Panel order").
+void unpack_panels(const int8_t* panels, int64_t K, int64_t n0, int64_t n1, int8_t* dst) {
+  const int64_t Kp = (K + 63) / 64 * 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* src = panels + int8_panel_offset(n, Kp) + (n % 16) * 4;
+    for (int64_t k = 0; k < K; k += 4) memcpy(dst + (n - n0) * K + k, src + k * 16, static_cast<size_t>(K - k < 4 ? K - k : 4));
   }
 }
 
@@ -101,6 +111,6 @@ void quantize_static_rows(const float* x, int64_t K, int64_t Kp, const Int8Quant
 }  // namespace
 
 extern const Int8Kernels kInt8Scalar = {&weight_rows, &dynamic_rows, 0, &quantize_rows, &quantize_static_rows, &dequant_rows,
-                                        nullptr, 0, nullptr, 0, nullptr, nullptr};
+                                        nullptr, 0, nullptr, 0, nullptr, nullptr, &unpack_panels, nullptr};
 
 }  // namespace tq

@@ -468,7 +468,7 @@ bool valid_lut4(const tq_weight& w) {
   const bool nested = w.nested_codes || w.nested_absmax || w.nested_offset || w.nested_map;
   if (nested ? (w.scales || !w.nested_codes || !w.nested_absmax || !w.nested_offset || !w.nested_map) : !w.scales) return false;
   return w.round_mul >= ROUND_NONE && w.round_mul <= ROUND_FP16 && w.round_add >= ROUND_NONE && w.round_add <= ROUND_FP16 &&
-         !w.codes;
+         !w.codes && !w.row_sums && w.codes_order == 0 && !w.code_sums;
 }
 
 Lut4Params params(const tq_weight& w, int64_t M, const float* bias) {

@@ -13,7 +13,10 @@
 //   nested_offset fp32 [1] (read at every call), nested_map fp32 [256]; optional shifts / zeros fp32
 //   [n * row_length / block]; round_mul / round_add: 0 none, 1 bf16, 2 fp16.
 // * TQ_FORMAT_INT8: int8 weight-only (int8_linear.h): codes int8 [n * k], scales fp32 [n] (one per
-//   row), row_length == k.
+//   row), row_length == k. codes_order 0: codes row-major [n, k], code_sums null; codes_order 1
+//   (every int8 format): the codes in VNNI panel order (int8_linear.h, "Panel order":
+//   int8 [ceil(n / 16) * 16 * kp], kp = k rounded up to 64, zero padded) and code_sums int32 [n]
+//   (sum_k codes[n, k]).
 // * TQ_FORMAT_INT8_DYNAMIC: the same weight, activations quantized per row with
 //   act_denom, act_eps, act_qmin >= -127, act_qmax (torchq.activation.PerTokenInt8); no bias.
 // * TQ_FORMAT_INT8_STATIC: the same weight, activations quantized with one fixed scale and zero
@@ -29,7 +32,7 @@
 #include <stdint.h>
 
 // Bumped whenever an exported signature or the weight struct changes; torchq/native.py refuses a mismatch.
-#define TQ_ABI_VERSION 7
+#define TQ_ABI_VERSION 8
 
 enum tq_weight_format : int32_t { TQ_FORMAT_LUT4 = 1, TQ_FORMAT_INT8 = 2, TQ_FORMAT_INT8_DYNAMIC = 3, TQ_FORMAT_LUT4_INT8ACT = 4,
                                     TQ_FORMAT_INT8_STATIC = 5 };
@@ -60,7 +63,9 @@ enum tq_field_kind : int { TQ_KIND_I32 = 0, TQ_KIND_I64 = 1, TQ_KIND_F32 = 2, TQ
   X(act_qmax, int32_t, TQ_KIND_I32)                                                                           \
   X(act_scale, float, TQ_KIND_F32)      /* int8 static */                                                     \
   X(act_zero_point, int32_t, TQ_KIND_I32)                                                                     \
-  X(row_sums, const int32_t*, TQ_KIND_PTR) /* int8 static: [n] */
+  X(row_sums, const int32_t*, TQ_KIND_PTR) /* int8 static: [n] */                                            \
+  X(codes_order, int32_t, TQ_KIND_I32)  /* int8: 0 row-major codes, 1 VNNI panels */                          \
+  X(code_sums, const int32_t*, TQ_KIND_PTR) /* int8 VNNI panels: sum_k codes[n, k], [n] */
 
 struct tq_weight {
 #define TQ_DECLARE_FIELD(name, type, kind) type name;

@@ -27,6 +27,7 @@ from torchq.backends.native_cpu import library as native_library
 from torchq.layouts.blockwise_4bit import Blockwise4bitImpl
 from torchq.layouts.int4_cpu import Int4CPULayout
 from torchq.layouts.int4_native import Int4NativeImpl, Int4NativeLayout
+from torchq.layouts.int8_vnni import Int8VnniImpl, Int8VnniLayout
 from torchq.layouts.packed_bits import PackedBitsLayout
 from torchq.layouts.plain import PlainImpl, PlainLayout
 
@@ -46,15 +47,20 @@ def _aqt(kind: str, n: int = 8) -> AffineQuantizedTensor:
     if kind == "nf4_plain_scales":
         return torchq.nf4_weight_only(block_size=64, double_quant=False).quantize_weight(w)
     if kind == "int8wo":
-        return torchq.int8_weight_only().quantize_weight(w)
+        return torchq.int8_weight_only(layout=PlainLayout()).quantize_weight(w)
     if kind == "int8dq":
-        return torchq.int8_dynamic_activation_int8_weight().quantize_weight(w)
+        return torchq.int8_dynamic_activation_int8_weight(layout=PlainLayout()).quantize_weight(w)
+    if kind == "int8dq_vnni":
+        return torchq.int8_dynamic_activation_int8_weight(layout=Int8VnniLayout()).quantize_weight(w)
     raise AssertionError(kind)
 
 
-NATIVE_KINDS = ["int4", "int4_int_zero", "nf4", "nf4_plain_scales", "int8wo", "int8dq"]
-IMPL_CLASSES = {"int4": Int4NativeImpl, "nf4": Blockwise4bitImpl, "int8wo": PlainImpl, "int8dq": PlainImpl}
-BIG_FIELD = {Int4NativeImpl: "packed", Blockwise4bitImpl: "packed", PlainImpl: "codes"}
+NATIVE_KINDS = ["int4", "int4_int_zero", "nf4", "nf4_plain_scales", "int8wo", "int8dq", "int8dq_vnni"]
+IMPL_CLASSES = {"int4": Int4NativeImpl, "nf4": Blockwise4bitImpl, "int8wo": PlainImpl, "int8dq": PlainImpl,
+                "int8dq_vnni": Int8VnniImpl}
+BIG_FIELD = {Int4NativeImpl: "packed", Blockwise4bitImpl: "packed", PlainImpl: "codes", Int8VnniImpl: "panels"}
+# what a forged 4096-row claim around an 8-row weight's biggest buffer says (expected, then got)
+FORGED_SHAPES = {Int8VnniImpl: (r"\[1048576\]", r"\[4096\]")}
 
 
 def _forged(impl, **changes):
@@ -71,9 +77,12 @@ def test_a_forged_impl_claiming_more_rows_than_its_buffers_hold_is_rejected(kind
     """The issue's attack: shape (4096, K) around the buffers of an 8-row weight. Wrapping it
     (as a pickle's AffineQuantizedTensor would) raises, naming the tensor, expected and given."""
     impl = _aqt(kind).tensor_impl
-    forged = _forged(impl, shape=(4096, K))
+    # (a forger keeps the metadata consistent: the int8_vnni impl's remembered scale shape too)
+    extra = {"scale_shape": (4096, 1)} if isinstance(impl, Int8VnniImpl) else {}
+    forged = _forged(impl, shape=(4096, K), **extra)
     field = BIG_FIELD[type(impl)]
-    with pytest.raises(ValueError, match=rf"{field}: expected .*\[4096, .*got .*\[8, "):
+    claimed, held = FORGED_SHAPES.get(type(impl), (r"\[4096, ", r"\[8, "))
+    with pytest.raises(ValueError, match=rf"{field}: expected .*{claimed}.*got .*{held}"):
         AffineQuantizedTensor(forged, torch.float32)
     with pytest.raises(ValueError, match=rf"{field}: expected"):
         forged.validate()
@@ -141,7 +150,10 @@ def test_non_contiguous_inner_tensors_of_portable_layouts_compute_the_same(kind,
     impl = w.tensor_impl
     name = BIG_FIELD[type(impl)]
     t = getattr(impl, name)
-    strided = torch.empty(t.shape[1], t.shape[0], dtype=t.dtype).t()
+    if t.dim() == 1:  # every other element of a buffer twice as long
+        strided = torch.empty(t.numel() * 2, dtype=t.dtype)[::2]
+    else:
+        strided = torch.empty(t.shape[1], t.shape[0], dtype=t.dtype).t()
     strided.copy_(t)
     assert not strided.is_contiguous()
     tensors = {n: getattr(impl, n) for n in impl.tensor_names()}
@@ -202,7 +214,8 @@ def test_an_impl_altered_after_construction_never_reaches_the_kernel(kind, m):
             t = getattr(impl, field).clone()
             t.untyped_storage().resize_(16)
             impl.__dict__[field] = t
-        with pytest.raises(ValueError, match=rf"{field}: (expected|its storage)"):
+        # (int8_vnni's remembered scale shape no longer matching a forged row count is caught first)
+        with pytest.raises(ValueError, match=rf"({field}|scale_shape): (expected|its storage)"):
             F.linear(x, w)
 
 

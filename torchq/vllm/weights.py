@@ -31,10 +31,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..activation import PerTokenInt8, StaticInt8
 from ..bitpack import packed_width
 from ..blockwise.nested import double_dequantize
 from ..canonical import QuantSpec, decode_codes
 from ..checkpoint.codec import CheckpointError, LayoutPolicy, ParsedRecord, check_values, pack_plain
+from ..layouts.int8_vnni import Int8VnniLayout
 from ..primitives import ZeroPointDomain
 from ..tensor import AffineQuantizedTensor
 
@@ -187,6 +189,21 @@ def _same_whole(plan: ShardPlan, params: dict[str, torch.Tensor], part: str, pre
     return pieces[0][plan.k_start:plan.k_start + plan.k_local].contiguous()
 
 
+def serving_layout(policy: LayoutPolicy, rec: ParsedRecord, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype,
+                   device: torch.device) -> LayoutPolicy:
+    """``policy``, except that under ``"auto"`` an int8 per-channel weight whose activations
+    torchq's int8 kernels take (none, per token, static) is served in
+    :class:`~torchq.layouts.int8_vnni.Int8VnniLayout` where its fit allows automatic placement
+    (CPUs whose int8 kernels use VNNI): its kernels beat the plain layout's there at every row count
+    measured (docs/vllm.md). torchq's general automatic choice does not take it: a layout's fit sees
+    the format, not the activation scheme, and LLM.int8 weights share the format."""
+    act = rec.act_quant
+    if policy != "auto" or not (act is None or type(act) in (PerTokenInt8, StaticInt8)):
+        return policy
+    layout = Int8VnniLayout()
+    return layout if layout.fit(spec, shape, scale_dtype, device).automatic else policy
+
+
 def build_weight(plan: ShardPlan, params: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
                  layout: LayoutPolicy = "auto") -> AffineQuantizedTensor:
     """The rank's quantized weight ``[rows, k_local]`` from its loaded parameters ``params`` (part
@@ -202,6 +219,7 @@ def build_weight(plan: ShardPlan, params: dict[str, torch.Tensor], prefix: str, 
     check_values(where, scale, zero, in_scale, in_perm, plan.k)
     if spec.zero_point_domain is ZeroPointDomain.NONE:
         zero = None
+    layout = serving_layout(layout, rec, spec, tuple(codes.shape), scale.dtype, codes.device)
     impl = pack_plain(where, codes.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(), spec, None,
                       layout, rec.saved_layout)
     return AffineQuantizedTensor(impl, dtype, act_quant=rec.act_quant, label=prefix, config=rec.config,

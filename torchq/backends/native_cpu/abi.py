@@ -39,7 +39,7 @@ FIELDS: dict[str, int] = {
     "block": _I64, "packed": _PTR, "codebook": _PTR, "shifts": _PTR, "zeros": _PTR, "round_mul": _I32, "round_add": _I32,
     "nested_codes": _PTR, "nested_absmax": _PTR, "nested_offset": _PTR, "nested_map": _PTR,
     "codes": _PTR, "act_denom": _F32, "act_eps": _F32, "act_qmin": _I32, "act_qmax": _I32,
-    "act_scale": _F32, "act_zero_point": _I32, "row_sums": _PTR,
+    "act_scale": _F32, "act_zero_point": _I32, "row_sums": _PTR, "codes_order": _I32, "code_sums": _PTR,
 }
 
 

@@ -34,9 +34,11 @@ __all__ = [
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
     "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
+    "int8_panel_numel",
+    "int8_panel_weight",
 ]
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
@@ -494,6 +496,12 @@ class NativeWeight:
         if found is None:
             if self.format != abi.FORMAT_INT8:
                 raise ValueError(f"torchq {self.op}: static activations need an int8 weight-only weight, got format {self.format}")
+            if self.struct.codes_order == 1:  # panel order: the row sums are stored beside the panels
+                fields = {name: getattr(self.struct, name) for name, _ in self.struct._fields_}
+                fields.update(format=abi.FORMAT_INT8_STATIC, act_scale=act_scale, act_zero_point=act_zero_point, act_qmin=quant_min,
+                              act_qmax=quant_max, row_sums=self.struct.code_sums)
+                found = self._dynamic[key] = NativeWeight("int8_static_linear", self._tensors, **fields)
+                return found
             codes = None if self._codes is None else self._codes()
             if codes is None:
                 raise ValueError(f"torchq {self.op}: static activations need the weight's codes (an int8_weight)")
@@ -578,6 +586,27 @@ def int8_weight(op: str, codes: torch.Tensor, scales: torch.Tensor, n: int, k: i
                           scales=checked_ptr("scales", scales, torch.float32, n, op))
     weight._codes = weakref.ref(codes)
     return weight
+
+
+INT8_PANEL_ROWS = 16  # weight rows per panel
+INT8_PANEL_STEP = 64  # positions: a panel-order row is padded to a multiple of this
+
+
+def int8_panel_numel(n: int, k: int) -> int:
+    """Bytes of an ``[n, k]`` int8 weight in panel order: ``ceil(n / 16) * 16 * kp``, ``kp = ceil(k / 64) * 64``."""
+    return -(-n // INT8_PANEL_ROWS) * INT8_PANEL_ROWS * (-(-k // INT8_PANEL_STEP) * INT8_PANEL_STEP)
+
+
+def int8_panel_weight(op: str, panels: torch.Tensor, code_sums: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> NativeWeight:
+    """An ``[n, k]`` int8 weight-only weight in panel order (``csrc/int8_linear.h``, "Panel order";
+    :class:`torchq.layouts.int8_vnni.Int8VnniLayout` holds it): ``panels`` int8
+    (:func:`int8_panel_numel` bytes), ``code_sums`` int32 ``[n]`` (each row's sum of codes),
+    ``scales`` fp32 ``[n]``, contiguous CPU tensors; :meth:`NativeWeight.dynamic` and
+    :meth:`NativeWeight.static` add int8 activations (the static form reads ``code_sums`` as its row sums)."""
+    return NativeWeight(op, (panels, code_sums, scales), format=abi.FORMAT_INT8, n=n, k=k, row_length=k,
+                        codes=checked_ptr("panels", panels, torch.int8, int8_panel_numel(n, k), op),
+                        scales=checked_ptr("scales", scales, torch.float32, n, op), codes_order=1,
+                        code_sums=checked_ptr("code_sums", code_sums, torch.int32, n, op))
 
 
 # the formats whose bias torchq adds after the rounding to x's dtype (the library takes none)
