@@ -216,3 +216,19 @@ def test_an_unpacking_cpu_warns_once_per_layer() -> None:
                 model(torch.randn(2, 70))
     finally:
         native.set_isa(saved)
+
+
+def test_the_reference_serves_what_the_kernel_does_not_take() -> None:
+    """Activation codes down to -128 (the AVX2 sign trick needs -127) and a disabled library run
+    the ops' references: the same values as the row-major references."""
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (20, 40), generator=gen, dtype=torch.int8)
+    panels, sums = pack_panels(codes)
+    scales = torch.rand(20, generator=gen)
+    x = torch.randn(3, 40, generator=gen)
+    with pytest.warns(UserWarning, match="int8_panel_dynamic_linear"):
+        y = torch.ops.torchq.int8_panel_dynamic_linear(x, panels, sums, scales, -128, 127, 1e-5)
+    assert torch.equal(y, int8_dynamic_reference(x, codes, scales, -128, 127, 1e-5, None))
+    with native.disabled():
+        y = torch.ops.torchq.int8_panel_static_linear(x, panels, sums, scales, 0.02, 3, -127, 127)
+    assert torch.equal(y, int8_static_reference(x, codes, scales, 0.02, 3, -127, 127, None))

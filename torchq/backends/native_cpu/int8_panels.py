@@ -67,6 +67,18 @@ def panel_weight_linear_cpu(x: torch.Tensor, panels: torch.Tensor, code_sums: to
     return native_library.run_linear(weight, x, bias)
 
 
+def _native_takes(op: str, x: torch.Tensor, quant_min: int, quant_max: int) -> bool:
+    """Whether the native kernel takes an int8-activation call; where it does not for a reason
+    (no library; activation codes below -127: the AVX2 sign trick), warns once per op and reason."""
+    if native_library.library() is None:
+        native.warn_reference(op)
+        return False
+    if quant_min < NATIVE_MIN_CODE:
+        native.warn_reference(op, f"activation codes [{quant_min}, {quant_max}] (the kernel takes [-127, 127])")
+        return False
+    return x.numel() != 0
+
+
 @register_cpu_kernel(int8_panel_dynamic_linear)
 def int8_panel_dynamic_linear_cpu(x, panels, code_sums, scale, quant_min, quant_max, eps, bias=None):
     check_panel_dynamic_args(x, panels, code_sums, scale, quant_min, quant_max, eps, bias)
@@ -75,13 +87,7 @@ def int8_panel_dynamic_linear_cpu(x, panels, code_sums, scale, quant_min, quant_
 
 def panel_dynamic_linear_cpu(x, panels, code_sums, scale, quant_min: int, quant_max: int, eps: float, bias=None) -> torch.Tensor:
     """The CPU kernel of ``torchq::int8_panel_dynamic_linear`` on checked, contiguous arguments."""
-    lib = native_library.library()
-    if lib is None or x.numel() == 0 or quant_min < NATIVE_MIN_CODE:
-        if lib is None:
-            native.warn_reference("int8_panel_dynamic_linear")
-        elif quant_min < NATIVE_MIN_CODE:
-            native.warn_reference("int8_panel_dynamic_linear",
-                                  f"activation codes [{quant_min}, {quant_max}] (the kernel takes [-127, 127])")
+    if not _native_takes("int8_panel_dynamic_linear", x, quant_min, quant_max):
         return panel_dynamic_reference(x, panels, code_sums, scale, quant_min, quant_max, eps, bias)
     weight = panel_weight("int8_panel_dynamic_linear", panels, code_sums, scale, scale.numel(), x.shape[-1])
     return native_library.run_linear(weight.dynamic(quant_min, quant_max, eps), x, bias)
@@ -96,13 +102,7 @@ def int8_panel_static_linear_cpu(x, panels, code_sums, scale, act_scale, act_zer
 def panel_static_linear_cpu(x, panels, code_sums, scale, act_scale: float, act_zero_point: int, quant_min: int, quant_max: int,
                             bias=None) -> torch.Tensor:
     """The CPU kernel of ``torchq::int8_panel_static_linear`` on checked, contiguous arguments."""
-    lib = native_library.library()
-    if lib is None or x.numel() == 0 or quant_min < NATIVE_MIN_CODE:
-        if lib is None:
-            native.warn_reference("int8_panel_static_linear")
-        elif quant_min < NATIVE_MIN_CODE:
-            native.warn_reference("int8_panel_static_linear",
-                                  f"activation codes [{quant_min}, {quant_max}] (the kernel takes [-127, 127])")
+    if not _native_takes("int8_panel_static_linear", x, quant_min, quant_max):
         return panel_static_reference(x, panels, code_sums, scale, act_scale, act_zero_point, quant_min, quant_max, bias)
     weight = panel_weight("int8_panel_static_linear", panels, code_sums, scale, scale.numel(), x.shape[-1])
     return native_library.run_linear(weight.static(act_scale, act_zero_point, quant_min, quant_max), x, bias)
