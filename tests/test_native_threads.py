@@ -1,6 +1,6 @@
 """The native thread pool (csrc/threadpool.cpp, ``tq::parallel_for``) under concurrency.
 
-* stress: several Python threads call int4 / NF4 / int8 weight-only / int8 dynamic layers of
+* stress: several Python threads call int4 / NF4 / int8 weight-only / int8 dynamic layers (int8 also in the int8_vnni layout) of
   alternating shapes (N = 8 and 64, M = 1 and 3; every call split, TORCHQ_NATIVE_MIN_PARALLEL_WORK=0)
   while the torch thread count cycles through
   1, 2, 3, 4, 8 (more threads than cores: contention is the point); every output must equal the
@@ -46,6 +46,7 @@ STRESS_CHILD = textwrap.dedent(
     import torchq
     from torchq import native
     from torchq.backends.native_cpu import library as native_library
+    from torchq.layouts.int8_vnni import Int8VnniLayout
 
     phases = [tuple(map(float, p.split(":"))) for p in sys.argv[1].split(",")]  # "threads:seconds,..."
     counts = [1, 2, 3, 4, 8]
@@ -54,6 +55,8 @@ STRESS_CHILD = textwrap.dedent(
         "nf4": torchq.nf4_weight_only(block_size=32),
         "int8_wo": torchq.int8_weight_only(),
         "int8_dyn": torchq.int8_dynamic_activation_int8_weight(),
+        "int8_vnni_wo": torchq.int8_weight_only(layout=Int8VnniLayout()),
+        "int8_vnni_dyn": torchq.int8_dynamic_activation_int8_weight(layout=Int8VnniLayout()),
     }
     calls = {}
     real_run_linear = native_library.run_linear
@@ -77,7 +80,8 @@ STRESS_CHILD = textwrap.dedent(
     torch.set_num_threads(1)
     with torch.no_grad():
         expected = [F.linear(x, w, b) for _, w, b, x in cases]
-    missing = sorted({"int4_groupwise_linear", "blockwise_4bit_linear", "int8_weight_linear", "int8_dynamic_linear"} - set(calls))
+    missing = sorted({"int4_groupwise_linear", "blockwise_4bit_linear", "int8_weight_linear", "int8_dynamic_linear",
+                      "int8_panel_weight_linear"} - set(calls))
     if missing:
         print(f"the native kernels were not called: {missing}", flush=True)
         sys.exit(2)
@@ -88,7 +92,7 @@ STRESS_CHILD = textwrap.dedent(
         i = t
         with torch.no_grad():
             while time.monotonic() < stop and not failures:
-                torch.set_num_threads(counts[(i + t) % len(counts)])  # process-wide; 5 and 16 cases: coprime
+                torch.set_num_threads(counts[(i + t) % len(counts)])  # process-wide; 5 and 24 cases: coprime
                 name, w, b, x = cases[i % len(cases)]
                 y = F.linear(x, w, b)
                 if not torch.equal(y, expected[i % len(cases)]):
