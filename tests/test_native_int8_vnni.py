@@ -232,3 +232,17 @@ def test_the_reference_serves_what_the_kernel_does_not_take() -> None:
     with native.disabled():
         y = torch.ops.torchq.int8_panel_static_linear(x, panels, sums, scales, 0.02, 3, -127, 127)
     assert torch.equal(y, int8_static_reference(x, codes, scales, 0.02, 3, -127, 127, None))
+
+
+def test_rows_are_gathered_from_the_panels_alone() -> None:
+    """An embedding lookup on a tied int8_vnni weight reads only the rows asked for (plain_rows), with
+    the plain form's codes and scales."""
+    lin = torch.nn.Linear(70, 50)
+    torchq.quantize_(lin, torchq.int8_weight_only(layout=Int8VnniLayout()))
+    impl = lin.weight.tensor_impl
+    index = torch.tensor([0, 49, 17, 16, 15, 3, 3])
+    got, want = impl.plain_rows(index), impl.to_plain().rows(index)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+    tokens = torch.tensor([[1, 2], [40, 33]])
+    assert torch.equal(torch.nn.functional.embedding(tokens, lin.weight),
+                       torch.nn.functional.embedding(tokens, lin.weight.dequantize()))

@@ -91,8 +91,12 @@ class Int8VnniImpl(TensorImpl):
         return self._plain(unpack_panels(self.panels, n, k), self.scale)
 
     def plain_rows(self, index: torch.Tensor) -> PlainForm:
+        # only the rows asked for (an embedding lookup on a tied weight): row n is lane n % 16 of
+        # panel n // 16, 4 codes per 64-byte step
         n, k = self.shape
-        codes = unpack_panels(self.panels, n, k)[index]
+        kp = panel_numel(16, k) // 16
+        by_panel = self.panels.view(-1, kp // 4, 16, 4)
+        codes = by_panel[index // 16, :, index % 16, :].reshape(*index.shape, kp)[..., :k]
         return self._plain(codes, self.scale[index])
 
     def _plain(self, codes: torch.Tensor, scale: torch.Tensor) -> PlainForm:
