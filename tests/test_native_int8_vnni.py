@@ -63,6 +63,11 @@ def test_panels_give_the_row_major_bits(isa: str, amx: str, n: int, k: int) -> N
         for m in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+                if m >= 5:  # edge rows: zeros, a huge value, an inf, a NaN
+                    x[1] = 0
+                    x[2, 0] = 3e38
+                    x[3, k // 2] = float("inf")
+                    x[4, k - 1] = float("nan")
                 bias = torch.randn(n, generator=gen)
                 for a, b in _forms(row, panel):
                     use_bias = bias if a.format == row.format else None
