@@ -58,7 +58,7 @@ void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
 // sums: the row kernel's int32 sums, without its horizontal sums and per-call row sums. The
 // accumulators are pinned in registers (GCC otherwise rotates them through copies every step).
 template <int R, int P>
-__attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t n, int64_t cols) {
+__attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t m0, int64_t n, int64_t cols) {
   const int64_t steps = p.Kp / 4, panel_bytes = steps * 64;
   const int8_t* base = p.w + int8_panel_offset(n, p.Kp);
   __m512i acc[R][P];
@@ -73,7 +73,7 @@ __attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t n, int64_
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       int32_t x4;
-      memcpy(&x4, p.xu + r * p.Kp + 4 * s, 4);
+      memcpy(&x4, p.xu + (m0 + r) * p.Kp + 4 * s, 4);
       const __m512i xb = _mm512_set1_epi32(x4);
 #pragma GCC unroll 4
       for (int j = 0; j < P; ++j) {
@@ -92,9 +92,9 @@ __attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t n, int64_
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512i dot = _mm512_sub_epi32(acc[r][j], corr);
-      float* out = p.out + r * p.N + first;
+      float* out = p.out + (m0 + r) * p.N + first;
       if (!p.row_sums) {
-        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(p.xs[r])), sc));
+        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(p.xs[m0 + r])), sc));
         continue;
       }
       // static activations: minus z * the row's sum in int64, as the row kernels
@@ -102,32 +102,35 @@ __attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t n, int64_
       _mm512_store_si512(d, dot);
       for (int64_t t = 0; t < (left < 16 ? left : 16); ++t) {
         const int64_t total = static_cast<int64_t>(d[t]) - static_cast<int64_t>(p.zero_point) * p.row_sums[first + t];
-        out[t] = (static_cast<float>(total) * p.xs[r]) * p.scale[first + t];
+        out[t] = (static_cast<float>(total) * p.xs[m0 + r]) * p.scale[first + t];
       }
     }
   }
 }
 
 template <int R>
-void panel_rows_m(const Int8Params& p, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 64) {
-    const int64_t cols = n1 - n < 64 ? n1 - n : 64;
-    switch ((cols + 15) / 16) {
-      case 1: panel_tile<R, 1>(p, n, cols); break;
-      case 2: panel_tile<R, 2>(p, n, cols); break;
-      case 3: panel_tile<R, 3>(p, n, cols); break;
-      default: panel_tile<R, 4>(p, n, cols); break;
-    }
+void panel_block(const Int8Params& p, int64_t m0, int64_t n, int64_t cols) {
+  switch ((cols + 15) / 16) {
+    case 1: panel_tile<R, 1>(p, m0, n, cols); break;
+    case 2: panel_tile<R, 2>(p, m0, n, cols); break;
+    case 3: panel_tile<R, 3>(p, m0, n, cols); break;
+    default: panel_tile<R, 4>(p, m0, n, cols); break;
   }
 }
 
-// Output rows [n0, n1) (n0 a multiple of 16) for p.M <= kInt8PanelRowsMaxM activation rows.
+// Output rows [n0, n1) (n0 a multiple of 16) for p.M <= kInt8PanelRowsMaxM activation rows: per 64
+// weight rows, the activation rows 4 at a time (the 64 rows' panels stay in L1 between them).
 void panel_rows(const Int8Params& p, int64_t n0, int64_t n1) {
-  switch (p.M) {
-    case 1: panel_rows_m<1>(p, n0, n1); break;
-    case 2: panel_rows_m<2>(p, n0, n1); break;
-    case 3: panel_rows_m<3>(p, n0, n1); break;
-    default: panel_rows_m<4>(p, n0, n1); break;
+  for (int64_t n = n0; n < n1; n += 64) {
+    const int64_t cols = n1 - n < 64 ? n1 - n : 64;
+    int64_t m = 0;
+    for (; m + 4 <= p.M; m += 4) panel_block<4>(p, m, n, cols);
+    switch (p.M - m) {
+      case 1: panel_block<1>(p, m, n, cols); break;
+      case 2: panel_block<2>(p, m, n, cols); break;
+      case 3: panel_block<3>(p, m, n, cols); break;
+      default: break;
+    }
   }
 }
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not NATIVE, reason="native library not built")
 ISAS = [] if not NATIVE else [i for i in native_library.ISA_NAMES
                               if native_library.ISA_NAMES.index(i) <= native_library.ISA_NAMES.index(native.status().isa)]
 SHAPES = [(1, 1), (16, 64), (17, 65), (40, 130), (33, 576), (64, 200), (130, 1030)]
-ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 40]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 40]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ static int8. Bytes per ``[N, K]`` weight, with ``Kp = ceil(K / 64) * 64``:
 * ``code_sums`` int32 ``[N]``: each row's sum of codes (from the codes when packed);
 * ``scale`` fp32 ``[N]``, the scale's own dtype and shape remembered (lossless back to plain).
 
-The same bytes on every CPU. torchq's native kernels read them as stored: from one to four
+The same bytes on every CPU. torchq's native kernels read them as stored: from one to seven
 activation rows on AVX-512 VNNI a register-tiled kernel with no horizontal sums and no per-call row
 sums, from 8 rows the AMX GEMM with the panels as its B tiles (activation codes as A tiles in place:
 nothing packed per call), elsewhere (AVX2, scalar, AMX off) the row-major kernels on chunks of rows
@@ -291,7 +291,7 @@ KERNELS = (
         lambda x, w, b: _check(x, w, b, PerTokenInt8),
         _dynamic,
         description="torchq::int8_panel_dynamic_linear: per-token int8 activations x the panels (VNNI register tiles to "
-        "4 rows, AMX B tiles from 8, row kernels on unpacked chunks elsewhere), fp32 rescale",
+        "7 rows, AMX B tiles from 8, row kernels on unpacked chunks elsewhere), fp32 rescale",
         bind=lambda x, w, b: _bind(x, w, "dynamic"),
     ),
     LinearKernel(
