@@ -141,6 +141,33 @@ void dequant_panel_row(const int8_t* panels, const float* scale, int64_t K, int6
   }
 }
 
+// Rows [n0, n1) of a panel-order weight as q * s, row n at dst + (n - n0) * stride elements (fp32
+// or bf16): each whole panel unpacked into row-major scratch (Int8Kernels.unpack_panels, 16 rows at
+// a time) and dequantized as row-major rows, the same values; rows of partial panels (and every row
+// where the scratch cannot be allocated) gathered one at a time.
+void dequant_panel_rows(const int8_t* panels, const float* scale, int64_t K, int64_t n0, int64_t n1, void* dst, bool bf16,
+                        int64_t stride) {
+  const Int8Kernels& kern = kernels().int8;
+  const int64_t row_bytes = stride * (bf16 ? 2 : 4);
+  char* out = static_cast<char*>(dst);
+  int8_t* scratch = n1 - n0 >= 16 ? static_cast<int8_t*>(aligned_alloc(64, static_cast<size_t>((16 * K + 63) / 64 * 64))) : nullptr;
+  for (int64_t n = n0; n < n1;) {
+    if (!scratch || n % 16 || n + 16 > n1) {
+      dequant_panel_row(panels, scale, K, n, out + (n - n0) * row_bytes, bf16);
+      ++n;
+      continue;
+    }
+    kern.unpack_panels(panels, K, n, n + 16, scratch);
+    if (stride == K) {
+      kern.dequant_rows(scratch, scale + n, K, 0, 16, out + (n - n0) * row_bytes, bf16);
+    } else {
+      for (int64_t r = 0; r < 16; ++r) kern.dequant_rows(scratch, scale + n, K, r, r + 1, out + (n - n0 + r) * row_bytes, bf16);
+    }
+    n += 16;
+  }
+  free(scratch);
+}
+
 struct DequantJob {
   Int8DequantFn dequant;
   const int8_t* w;
@@ -159,7 +186,7 @@ void dequant_rows(void* ctx, int64_t a, int64_t b) {
     j.dequant(j.w, j.scale, j.K, j.n0 + a, j.n0 + b, out, j.bf16);
     return;
   }
-  for (int64_t i = a; i < b; ++i, out += row_bytes) dequant_panel_row(j.w, j.scale, j.K, j.n0 + i, out, j.bf16);
+  dequant_panel_rows(j.w, j.scale, j.K, j.n0 + a, j.n0 + b, out, j.bf16, j.K);
 }
 
 // The fp32 output buffer of a linear whose out has `dtype`: out itself for fp32.
@@ -193,10 +220,10 @@ struct AmxDecode {
 void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
   const AmxDecode& d = *static_cast<const AmxDecode*>(ctx);
   const Int8DequantFn dequant = kernels().int8.dequant_rows;
+  if (d.panels) dequant_panel_rows(d.codes, d.scale, d.K, n0, n1, dst, true, d.Kp);
   for (int64_t n = n0; n < n1; ++n) {
     uint16_t* row = dst + (n - n0) * d.Kp;
-    if (d.panels) dequant_panel_row(d.codes, d.scale, d.K, n, row, true);
-    else dequant(d.codes, d.scale, d.K, n, n + 1, row, true);
+    if (!d.panels) dequant(d.codes, d.scale, d.K, n, n + 1, row, true);
     memset(row + d.K, 0, static_cast<size_t>(d.Kp - d.K) * 2);
   }
 }

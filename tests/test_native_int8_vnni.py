@@ -58,24 +58,28 @@ def _forms(row, panel):
 def test_panels_give_the_row_major_bits(isa: str, amx: str, n: int, k: int) -> None:
     row, panel, _held = _weights(n, k, n * 1000 + k)
     gen = torch.Generator().manual_seed(k)
-    calls = native_library.int8_amx_calls()
-    with native_library.int8_amx(amx):
+    calls, bf16_calls = native_library.int8_amx_calls(), native_library.bf16_amx_calls()
+    with native_library.int8_amx(amx), native_library.bf16_amx(amx):  # the weight-only bf16 GEMM too
         for m in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
-                if m >= 5:  # edge rows: zeros, a huge value, an inf, a NaN
-                    x[1] = 0
-                    x[2, 0] = 3e38
-                    x[3, k // 2] = float("inf")
-                    x[4, k - 1] = float("nan")
+                inputs = [x]
+                if m >= 5:  # also with edge rows: zeros, a huge value, an inf, a NaN (the bf16 GEMM declines those)
+                    inputs.append(x.clone())
+                    inputs[1][1] = 0
+                    inputs[1][2, 0] = 3e38
+                    inputs[1][3, k // 2] = float("inf")
+                    inputs[1][4, k - 1] = float("nan")
                 bias = torch.randn(n, generator=gen)
-                for a, b in _forms(row, panel):
-                    use_bias = bias if a.format == row.format else None
-                    want = native_library.run_linear(a, x, use_bias)
-                    got = native_library.run_linear(b, x, use_bias)
-                    assert torch.equal(_bits(want), _bits(got)), (m, dtype, b.format, b.struct.act_zero_point)
+                for x in inputs:
+                    for a, b in _forms(row, panel):
+                        use_bias = bias if a.format == row.format else None
+                        want = native_library.run_linear(a, x, use_bias)
+                        got = native_library.run_linear(b, x, use_bias)
+                        assert torch.equal(_bits(want), _bits(got)), (m, dtype, b.format, b.struct.act_zero_point)
     if amx == "emulated" and isa == "avx512":
         assert native_library.int8_amx_calls() > calls  # the panel form ran on the emulated tiles
+        assert native_library.bf16_amx_calls() > bf16_calls  # and the weight-only GEMM decoded the panels
     for dtype in (torch.float32, torch.bfloat16):
         for n0, n1 in ((0, n), (n // 3, n - n // 5)):
             want, got = torch.empty(n1 - n0, k, dtype=dtype), torch.full((n1 - n0, k), 7.0, dtype=dtype)

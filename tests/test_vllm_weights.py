@@ -200,3 +200,21 @@ def test_a_float_folder_is_not_served_as_torchq(tmp_path) -> None:
         ServedCheckpoint(tmp_path)
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         ServedCheckpoint(tmp_path / "nothing-here")
+
+
+@pytest.mark.parametrize("cfg_name", ["int8wo", "int8dq"])
+def test_int8_weights_are_packed_in_the_layout_their_kernels_win_in(cfg_name: str) -> None:
+    """Under the "auto" policy the plugin packs int8-activation weights in panel order where the
+    VNNI kernels run, and keeps weight-only int8 in the plain layout (its kernels sum in row-major
+    order: on panels they would run on unpacked rows, slower); a named layout is kept."""
+    from torchq.layouts.int8_vnni import Int8VnniLayout
+    from torchq.layouts.plain import PlainLayout
+
+    _, rec, stored = _stored(cfg_name, 64, 128, 0)
+    plan = plan_shard("layers.0.o_proj", ["o"], [rec], [64], 128, 128, 0)
+    params = _load(plan, [stored], [(0, 64)])
+    vnni_runs = Int8VnniLayout().fit(rec.spec, (64, 128), torch.float32, torch.device("cpu")).automatic
+    want = "int8_vnni" if cfg_name == "int8dq" and vnni_runs else "plain"
+    assert build_weight(plan, params, "layers.0.o_proj", torch.float32).tensor_impl.layout.name == want
+    assert build_weight(plan, params, "layers.0.o_proj", torch.float32, PlainLayout()).tensor_impl.layout.name == "plain"
+    assert build_weight(plan, params, "layers.0.o_proj", torch.float32, Int8VnniLayout()).tensor_impl.layout.name == "int8_vnni"

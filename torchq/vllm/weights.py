@@ -191,14 +191,15 @@ def _same_whole(plan: ShardPlan, params: dict[str, torch.Tensor], part: str, pre
 
 def serving_layout(policy: LayoutPolicy, rec: ParsedRecord, spec: QuantSpec, shape: tuple[int, ...], scale_dtype: torch.dtype,
                    device: torch.device) -> LayoutPolicy:
-    """``policy``, except that under ``"auto"`` an int8 per-channel weight whose activations
-    torchq's int8 kernels take (none, per token, static) is served in
-    :class:`~torchq.layouts.int8_vnni.Int8VnniLayout` where its fit allows automatic placement
-    (CPUs whose int8 kernels use VNNI): its kernels beat the plain layout's there at every row count
-    measured (docs/vllm.md). torchq's general automatic choice does not take it: a layout's fit sees
+    """``policy``, except that under ``"auto"`` an int8 per-channel weight with int8 activations
+    (per token or static) is served in :class:`~torchq.layouts.int8_vnni.Int8VnniLayout` where its
+    fit allows automatic placement (CPUs whose int8 kernels use VNNI): its activation kernels beat
+    the plain layout's there (docs/vllm.md). A weight-only int8 weight stays ``plain``: its kernels
+    sum in the row-major order, so on panels they run on unpacked rows (slower than plain at every
+    row count measured). torchq's general automatic choice does not take it: a layout's fit sees
     the format, not the activation scheme, and LLM.int8 weights share the format."""
     act = rec.act_quant
-    if policy != "auto" or not (act is None or type(act) in (PerTokenInt8, StaticInt8)):
+    if policy != "auto" or type(act) not in (PerTokenInt8, StaticInt8):
         return policy
     layout = Int8VnniLayout()
     return layout if layout.fit(spec, shape, scale_dtype, device).automatic else policy
