@@ -22,10 +22,11 @@
 // Panel order (tq_weight.codes_order 1, torchq's Int8VnniLayout): the same codes stored per 16
 // weight rows and 4 positions, the operand order of VNNI and of AMX's B tiles: code (n, k) at byte
 //   (n / 16) * 16 * Kp + (k / 4) * 64 + (n % 16) * 4 + k % 4      (Kp = K rounded up to 64),
-// zero where n >= N or k >= K, with each row's sum of codes beside them (code_sums, int32 [N]). Up to
-// kInt8PanelRowsMaxM activation rows on VNNI take a kernel reading the panels as stored (registers
-// of 16 rows' 4 codes, no horizontal sums, the stored row sums for the +128 offset), many rows the
-// AMX GEMM with the panels as its B tiles (activation codes as A tiles in place); every other call
+// zero where n >= N or k >= K, with each row's sum of codes beside them (code_sums, int32 [N]). From
+// kInt8AmxMinM rows AMX CPUs take the AMX GEMM with the panels as its B tiles (activation codes as A
+// tiles in place); other calls of up to kInt8PanelRowsMaxM activation rows on VNNI take a kernel
+// reading the panels as stored (registers of 16 rows' 4 codes, no horizontal sums, the stored row
+// sums for the +128 offset); every other call
 // unpacks chunks of rows into row-major scratch (unpack_panels) for the row-major kernels. The same
 // bits everywhere as the row-major codes.
 #pragma once
@@ -60,11 +61,14 @@ struct Int8Params {
 
 // The byte offset of panel n / 16 (of 16 rows x Kp codes) in a panel-order weight.
 inline int64_t int8_panel_offset(int64_t n, int64_t Kp) { return n / 16 * 16 * Kp; }
-// Activation rows up to which the VNNI panel kernel runs (register tiles of up to 4 rows x 64 weight
-// rows, the rows 4 at a time): below the AMX form's kInt8AmxMinM. 2 threads, bf16, against the plain
-// layout: M = 5-7 1.3-2.0x (its row kernels); at 8-16 rows this kernel ran at 0.6-0.9x the plain
-// layout's AMX form, which the panel AMX form matches.
-constexpr int64_t kInt8PanelRowsMaxM = 7;
+// Activation rows up to which the VNNI panel kernel runs where the AMX form does not (below
+// kInt8AmxMinM on AMX CPUs; every row count to this on others): register tiles of up to 4 rows x 64
+// weight rows, the rows 4 at a time. 2 threads, bf16, against the plain layout: with AMX, M = 5-7
+// 1.3-2.0x (its row kernels), while at 8-16 rows this kernel ran at 0.6-0.9x the plain layout's AMX
+// form (which the panel AMX form matches); without AMX (Zen 4) 8-64 rows 0.95-1.47x plain's VNNI
+// GEMM and 1.04-1.7x that GEMM on unpacked panels, 128-256 rows 0.65-1.01x (where the unpacked GEMM
+// keeps them).
+constexpr int64_t kInt8PanelRowsMaxM = 64;
 
 struct Int8Quant {
   float denom, eps;  // dynamic
