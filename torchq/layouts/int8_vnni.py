@@ -10,14 +10,15 @@ static int8. Bytes per ``[N, K]`` weight, with ``Kp = ceil(K / 64) * 64``:
 * ``code_sums`` int32 ``[N]``: each row's sum of codes (from the codes when packed);
 * ``scale`` fp32 ``[N]``, the scale's own dtype and shape remembered (lossless back to plain).
 
-The same bytes on every CPU. torchq's native kernels read them as stored: from one to seven
-activation rows on AVX-512 VNNI a register-tiled kernel with no horizontal sums and no per-call row
-sums, from 8 rows the AMX GEMM with the panels as its B tiles (activation codes as A tiles in place:
-nothing packed per call), elsewhere (AVX2, scalar, AMX off) the row-major kernels on chunks of rows
-unpacked into L2-sized scratch. Every path gives the plain layout's bits.
+The same bytes on every CPU. torchq's native int8-activation kernels read them as stored: on AMX
+CPUs from 8 rows the AMX GEMM with the panels as its B tiles (activation codes as A tiles in place:
+nothing packed per call); on AVX-512 VNNI otherwise, up to 64 activation rows, a register-tiled
+kernel with no horizontal sums and no per-call row sums; elsewhere (AVX2, scalar, more rows without
+AMX, and every weight-only call: those kernels sum in row-major order) the row-major kernels on
+chunks of rows unpacked into L2-sized scratch. Every path gives the plain layout's bits.
 
 Name it (``layout=Int8VnniLayout()`` in a config, ``weight.to_layout``); torchq's vLLM plugin takes
-it for int8 weights on CPUs whose native int8 kernels use VNNI (``fit`` allows automatic placement
+it for int8-activation weights (dynamic, static) on CPUs whose native int8 kernels use VNNI (``fit`` allows automatic placement
 only there). The general automatic choice does not list it yet: a fit sees the format, not the
 activation scheme, and LLM.int8 weights (whose kernel it lacks) share the format. A checkpoint
 saved in it loads into ``plain`` on CPUs without VNNI (the layout is device-specific in that sense).
