@@ -99,6 +99,32 @@ def test_prefill_sized_weight_only_calls_are_not_bound(m_rows):
 
 
 @needs_native
+@pytest.mark.parametrize("config", ["int8dq", "int8dq-vnni", "int8-static"])
+@pytest.mark.parametrize("m_rows", [5, 17, 64, 256])
+def test_int8_activation_calls_of_every_size_are_bound(config, m_rows):
+    """int8 dynamic and static kernels take every row count (only weight-only formats hand larger
+    inputs to dequantized tiles), so prefill-sized calls skip the general path's per-call layout
+    validation too, with the impl's bits."""
+    from torchq.activation import StaticInt8
+    from torchq.layouts.int8_vnni import Int8VnniLayout
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(K, N).to(torch.bfloat16)
+    if config == "int8-static":
+        torchq.quantize_(m, torchq.Int8StaticActivationInt8WeightConfig(activation=StaticInt8(0.02, 3)))
+    else:
+        layout = Int8VnniLayout() if config == "int8dq-vnni" else None
+        torchq.quantize_(m, torchq.int8_dynamic_activation_int8_weight(layout=layout))
+    x = torch.randn(m_rows, K).to(torch.bfloat16)
+    with torch.no_grad():
+        first = m(x)
+        plan = plan_of(m, x)
+        assert plan.bound is not None, f"{config}: no bound call for {m_rows} rows"
+        assert torch.equal(plan.bound(x, m.weight, m.bias), first)
+        assert torch.equal(plan.kernel.impl(x, m.weight, m.bias), first)
+
+
+@needs_native
 def test_a_non_contiguous_input_takes_the_general_path():
     m = quantized("int4-g32")
     wide = torch.randn(1, 2 * K)

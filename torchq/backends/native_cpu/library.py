@@ -745,17 +745,19 @@ def op_weight(key: torch.Tensor, others: tuple[torch.Tensor | None, ...], params
     return weight
 
 
-def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], NativeWeight | None]) -> NativeWeight | None:
+def decode_weight(owner: object, x: torch.Tensor, build: Callable[[object], NativeWeight | None],
+                  every_row_count: bool = False) -> NativeWeight | None:
     """``owner``'s cached :class:`NativeWeight` (:func:`weight_args`) when the fused kernel takes
-    ``x @ W.T`` directly (eager CPU callers): the library is active and x has a decode-sized,
-    non-zero number of rows (:func:`torchq.prefill.use_tiles`); else None. ``owner.shape`` is
-    ``[N, K]``."""
+    ``x @ W.T`` directly (eager CPU callers): the library is active and x has a non-zero number of
+    rows, decode-sized (:func:`torchq.prefill.use_tiles`) unless ``every_row_count`` (int8
+    dynamic and static weights: their kernels take every row count; only weight-only formats hand
+    larger inputs to dequantized tiles + GEMM); else None. ``owner.shape`` is ``[N, K]``."""
     if _LIB is None or DISABLED.get():
         return None
     m = x.numel() // owner.shape[1]
     if not m:
         return None
-    if use_tiles(m, x.dtype):  # unless the weight's bf16 dot path takes these rows
+    if not every_row_count and use_tiles(m, x.dtype):  # unless the weight's bf16 dot path takes these rows
         if x.dtype != torch.bfloat16 or m > _bf16_native_max_m():
             return None
         weight = weight_args(owner, build)
@@ -770,10 +772,10 @@ def decode_linear(owner: object, x: torch.Tensor, bias: torch.Tensor | None, bui
     weight (:func:`decode_weight`; ``dynamic``: :meth:`NativeWeight.dynamic`'s arguments,
     ``static``: :meth:`NativeWeight.static`'s) when an eager CPU caller can take it
     (:func:`eager_cpu`), else None (the caller takes its general path). :func:`eager_cpu`, :func:`decode_weight` and :func:`run_linear` in one call: this is
-    every decode-sized layer's path."""
+    every decode-sized layer's path, and every eager int8 dynamic or static call's."""
     if _LIB is None or DISABLED.get() or not x.is_cpu or traced(x):
         return None
-    weight = decode_weight(owner, x, build)
+    weight = decode_weight(owner, x, build, every_row_count=dynamic is not None or static is not None)
     if weight is None:
         return None
     if dynamic is not None:
@@ -845,13 +847,14 @@ def bind_linear(owner: object, x: torch.Tensor, build: Callable[[object], Native
     :meth:`NativeWeight.dynamic`'s arguments; ``static``: :meth:`NativeWeight.static`'s;
     ``int8_activations``: :meth:`NativeWeight.int8_activations`) for inputs like ``x``, when every
     such eager CPU call runs the fused kernel: the library is active, x has a non-zero number of
-    rows and, for a weight-only, int8 dynamic or int8 static weight, a decode-sized number
-    (:func:`torchq.prefill.use_tiles`), as :func:`decode_linear` requires; else None."""
+    rows and, for a weight-only weight, a decode-sized number (:func:`torchq.prefill.use_tiles`),
+    as :func:`decode_linear` requires (int8 dynamic and static kernels take every row count);
+    else None."""
     if not x.is_cpu or traced(x) or x.dtype not in DTYPE_CODES:
         return None
     m = x.numel() // owner.shape[1]
     if not int8_activations:
-        weight = decode_weight(owner, x, build)
+        weight = decode_weight(owner, x, build, every_row_count=dynamic is not None or static is not None)
     elif _LIB is None or DISABLED.get() or not m:
         return None
     else:  # every row count runs the int8-activation kernel
