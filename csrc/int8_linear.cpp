@@ -38,6 +38,8 @@ std::atomic<int> g_amx{[] {
   return s && strcmp(s, "0") == 0 ? INT8_AMX_OFF : INT8_AMX_ON;
 }()};
 std::atomic<int64_t> g_amx_calls{0};
+// The weight-only calls that took the bf16 dot path (tq_dot_calls_int8, for tests).
+std::atomic<int64_t> g_dot_calls{0};
 
 struct QuantJob {
   Int8QuantizeFn quantize;
@@ -228,6 +230,17 @@ void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
   }
 }
 
+// Whether every bf16 value of x[0..count) is 0 or finite of magnitude in [2^-59, 2^64): the bf16
+// dot path's activations (int8_linear.h).
+bool dot_activations(const uint16_t* x, int64_t count) {
+  bool ok = true;
+  for (int64_t i = 0; i < count; ++i) {
+    const unsigned e = (x[i] >> 7) & 0xFFu;  // biased exponent
+    ok &= (x[i] & 0x7FFFu) == 0 || (e >= 127u - 59u && e < 127u + 64u);
+  }
+  return ok;
+}
+
 // out[M, N] = x[M, K] @ (q * s).T (+ bias): x and out contiguous of `dtype` (DType), w's int8 codes
 // (row-major or panels), fp32 scales [N], fp32 bias or null; products and sums in fp32, one rounding at the end
 // (bf16 x of kBf16AmxMinM to kBf16AmxMaxM rows: the bf16 AMX GEMM where it runs).
@@ -250,11 +263,27 @@ int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, 
   }
   to_f32_rows(x, dtype, M, K, Kp, xp, threads);
   const Int8Kernels& kern = kernels().int8;
-  const bool gemm = M >= kern.weight_gemm_min_m && int8_weight_gemm_active();
-  const Int8Params p{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32, nullptr, 0};
-  // the GEMM's ranges: whole AVX2 panels
-  const bool ran = run_int8_rows(p, gemm ? kern.weight_gemm : kern.weight_rows, panels, gemm ? 16 : 4, threads);
+  Int8Params p{M, K, N, Kp, xp, nullptr, nullptr, nullptr, codes, scale, bias, o.f32, nullptr, 0};
+  uint16_t* xb = nullptr;
+  if (int8_dot_rows(M, dtype) && dot_activations(static_cast<const uint16_t*>(x), M * K)) {
+    p.kx = (K + 31) / 32 * 32;
+    xb = static_cast<uint16_t*>(aligned_alloc(64, (M * p.kx * sizeof(uint16_t) + 63) / 64 * 64));
+    if (xb) {
+      const uint16_t* xs = static_cast<const uint16_t*>(x);
+      memset(xb, 0, static_cast<size_t>(M * p.kx) * 2);
+      for (int64_t m = 0; m < M; ++m)  // chunk-major: chunk c of row m at (c * M + m) * 32
+        for (int64_t c = 0; c * 32 < K; ++c)
+          memcpy(xb + (c * M + m) * 32, xs + m * K + c * 32, static_cast<size_t>(K - c * 32 < 32 ? K - c * 32 : 32) * 2);
+      p.xb = xb;
+      g_dot_calls.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  const bool gemm = !xb && M >= kern.weight_gemm_min_m && int8_weight_gemm_active();
+  const Int8RowsFn rows = xb ? kern.dot_bf16 : gemm ? kern.weight_gemm : kern.weight_rows;
+  // the GEMM's and the dot path's ranges: whole AVX2 panels / 16 rows
+  const bool ran = run_int8_rows(p, rows, panels, xb || gemm ? 16 : 4, threads);
   if (ran) o.finish(out, dtype, M * N, threads);
+  free(xb);
   free(xp);
   return ran ? OK : OUT_OF_MEMORY;
 }
@@ -356,6 +385,10 @@ Int8RowsFn int8_amx_gemm(bool panels) {
   return panels ? kInt8AmxPanelGemm : kInt8AmxGemm;
 }
 
+bool int8_dot_rows(int64_t M, int dtype) {
+  return dtype == DT_BF16 && M >= kInt8DotMinM && M <= kInt8DotMaxM && kernels().int8.dot_bf16 && (lut4_paths() & LUT4_DECODE);
+}
+
 bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().int8.weight_gemm; }
 
 // Rows [n0, n1) of the weight, q * s, into dst ([n1 - n0, K]) as fp32 or bf16.
@@ -378,5 +411,7 @@ TQ_API int tq_set_int8_amx(int mode) {
 }
 // How many calls have taken the AMX form (on AMX or emulated tiles) since the library loaded.
 TQ_API int64_t tq_amx_int8_calls() { return tq::g_amx_calls.load(); }
+// How many int8 weight-only calls have taken the bf16 dot path since the library loaded.
+TQ_API int64_t tq_dot_calls_int8() { return tq::g_dot_calls.load(); }
 // Whether this process may run the AMX int8 kernel (the CPU has AMX-INT8, Linux granted the tile state).
 TQ_API int tq_amx_int8_supported() { return tq::amx_int8_supported() ? 1 : 0; }

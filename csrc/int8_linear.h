@@ -57,6 +57,11 @@ struct Int8Params {
   int64_t w_rows = -1;
   // Panel order (the panel kernel and the AMX GEMM's panel form): each weight row's sum of codes.
   const int32_t* code_sums = nullptr;
+  // The weight-only bf16 dot path (Int8Kernels.dot_bf16): bf16 activations in chunks of 32
+  // positions, chunk-major (chunk c of row m at (c * M + m) * 32), kx = K rounded up to 32,
+  // zero-padded (p.x holds the same rows as fp32 for the weight rows that fall back).
+  const uint16_t* xb = nullptr;
+  int64_t kx = 0;
 };
 
 // The byte offset of panel n / 16 (of 16 rows x Kp codes) in a panel-order weight.
@@ -126,7 +131,29 @@ struct Int8Kernels {
   // static (p.row_sums: the zero point's correction, exact while kInt8StaticGemmMaxK bounds K).
   Int8UnpackFn unpack_panels;
   Int8RowsFn panel_rows;
+  // The weight-only bf16 dot path (see below; null where the CPU lacks AVX512_BF16 or
+  // TORCHQ_NATIVE_AVX512BF16=0): p.xb's bf16 rows, kInt8DotMinM <= M <= kInt8DotMaxM.
+  Int8RowsFn dot_bf16 = nullptr;
 };
+// bf16 dot path (Int8Kernels.dot_bf16, int8_linear_avx512bf16.cpp): weight-only calls of bf16
+// activations, kInt8DotMinM <= M <= kInt8DotMaxM rows, where lut4_paths() allows the decode paths.
+// Every code is a bf16 value, so vdpbf16ps multiplies the codes with the activations exactly in
+// fp32 and sums in fp32; each output is then scaled once: out = s * sum_k q x (+ bias). Against the
+// reference's sum_k (q * s) x that is the same products' sum in another order, with the weight's
+// one rounding (fp32(q * s)) moved to the end: within the same fp32 bound, and a one-hot row gives
+// fp32(q * s) exactly. vdpbf16ps reads subnormals as zero and flushes them, so a call takes it only
+// where every activation is 0 or of magnitude in [2^-59, 2^64) (finite; else the row kernels): every
+// product and partial sum is then 0 or a multiple of 2^-66, never subnormal, and no sum overflows.
+// Weight rows whose scale is inf, NaN or subnormal take the fp32 row kernel (4 rows a tile).
+// Tiles of 1-8 weight rows x up to 8 activation rows (at most 16 accumulators, reduced together),
+// each weight converted once per chunk of activation rows. One Zen 4 core, bf16, SmolLM2's
+// 3072 x 576 / 576 x 1536 / 576 x 576 against the path before (the fp32 row kernels for 2-4 rows,
+// dequantized bf16 tiles + torch.mm for 5-16): 2 rows 1.02-1.07x, 4 rows 1.24-1.37x, 8 rows
+// 2.4-3.6x (1.11-1.19x bf16 F.linear), 16 rows 1.67-2.27x (0.88-0.96x bf16 F.linear); 1 row
+// 0.97-1.00x (the row kernel keeps it). In an earlier form with chunks of 16 rows it lost to the
+// tiles from 32 rows (0.56-1.18x), which keep those.
+constexpr int64_t kInt8DotMinM = 2, kInt8DotMaxM = 16;
+extern const Int8RowsFn kInt8Avx512Bf16Dot;
 constexpr int kNarrowOffset = 64, kNarrowMin = -64, kNarrowMax = 63;
 // The largest K for which a static call with a zero point takes the GEMM forms: their int32
 // correction acc - (offset + z) * rowsum is exact while |sum_k (q - z) w| <= 254 * 128 * K < 2^31
@@ -178,5 +205,7 @@ void note_amx_int8_call();
 extern const Int8Kernels kInt8Scalar, kInt8Avx2, kInt8Avx512;
 // Whether weight-only calls of many rows take the GEMM form (the active ISA has one, allowed).
 bool int8_weight_gemm_active();
+// Whether weight-only calls of M rows of `dtype` (DType) take the bf16 dot path (activations allowing).
+bool int8_dot_rows(int64_t M, int dtype);
 
 }  // namespace tq

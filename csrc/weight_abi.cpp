@@ -83,7 +83,10 @@ TQ_API int tq_gemm_active(int format) {
 TQ_API int tq_dot_max_m(const tq_weight* w, int x_dtype) {
   using namespace tq;
   if (!valid_weight(w) || x_dtype != DT_BF16) return 0;
-  if (w->format == TQ_FORMAT_INT8) return bf16_amx_active() ? static_cast<int>(kBf16AmxMaxM) : 0;
+  if (w->format == TQ_FORMAT_INT8) {
+    if (bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);
+    return int8_dot_rows(kInt8DotMaxM, DT_BF16) ? static_cast<int>(kInt8DotMaxM) : 0;
+  }
   if (w->format != TQ_FORMAT_LUT4) return 0;
   return lut4_dot_max_m(*w);
 }

@@ -291,13 +291,36 @@ def test_a_bound_call_asks_the_tile_switch_again_above_the_fused_rows(fast_bf16,
 
     m = quantized("int8wo", torch.bfloat16)
     x = torch.randn(8, K, dtype=torch.bfloat16)  # fused on CPUs without fast bf16 matmul, tiles on those with it
-    with torch.no_grad(), library.bf16_amx("off"):  # on AMX-BF16 CPUs the fused kernel takes 5-64 bf16 rows
+    # on AMX-BF16 CPUs the fused kernel takes 5-64 bf16 rows, on AVX512_BF16 ones its dot path 2-16:
+    # both off here (the dot path with the switch of the reordering small-M paths)
+    with torch.no_grad(), library.bf16_amx("off"), library.lut4_paths(decode=False):
         fused = m(x)
         plan = plan_of(m, x)
         assert plan.bound is not None and torch.equal(plan.bound(x, m.weight, m.bias), fused)
         monkeypatch.setattr(prefill, "FAST_BF16_MATMUL", True)
         assert plan.bound(x, m.weight, m.bias) is None  # the impl decides: bf16 tiles now
         assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
+
+
+@needs_native
+@pytest.mark.parametrize("fast_bf16", [True], indirect=True)
+def test_a_bound_call_asks_the_int8_dot_path_switch_again(fast_bf16):
+    """bf16 rows above the fused ones on an AVX512_BF16 CPU (bf16 AMX GEMM off): int8 weight-only's
+    bf16 dot path takes them in the bound call while its switch allows it; switched off, the bound
+    call declines and the impl takes dequantized tiles. Elsewhere the bound call declines both times."""
+    m = quantized("int8wo", torch.bfloat16)
+    x = torch.randn(8, K, dtype=torch.bfloat16)
+    runs = "avx512_bf16" in native.status().features and native.status().isa == "avx512"
+    with torch.no_grad(), library.bf16_amx("off"):
+        expected = m(x)
+        plan = plan_of(m, x)
+        before = library.int8_dot_calls()
+        got = plan.bound(x, m.weight, m.bias) if plan.bound is not None else None
+        assert (got is not None and torch.equal(got, expected)) == runs
+        assert library.int8_dot_calls() - before == runs
+        with library.lut4_paths(decode=False):
+            assert plan.bound is None or plan.bound(x, m.weight, m.bias) is None
+            assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
 
 
 @needs_native
@@ -313,7 +336,7 @@ def test_a_bound_call_asks_the_bf16_amx_mode_again(fast_bf16, config):
             expected = m(x)
             plan = plan_of(m, x)
             assert plan.bound is not None and torch.equal(plan.bound(x, m.weight, m.bias), expected)
-        with library.bf16_amx("off"):
+        with library.bf16_amx("off"), library.lut4_paths(decode=False):  # (and int8's bf16 dot path off)
             assert plan.bound(x, m.weight, m.bias) is None
             assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
 

@@ -31,7 +31,7 @@ import torchq
 from torchq import native
 from torchq.backends.native_cpu import library
 from torchq.canonical import PlainForm, QuantSpec
-from torchq.layouts import Int4CPULayout, Int4NativeLayout, PlainLayout
+from torchq.layouts import Int4CPULayout, Int4NativeLayout, Int8VnniLayout, PlainLayout
 from torchq.layouts.int4_native import _cached_native_weight
 from torchq.ops.int4 import INT4_GROUPWISE_GROUP_SIZES as GROUP_SIZES
 from torchq.ops.int4 import dequantize_int4_groupwise, int4_groupwise_linear
@@ -545,6 +545,88 @@ def test_int8_weight_only_gemm_form_one_hot_bound_and_non_finite(isa, threads):
         ref = torch.nn.functional.linear(x.double(), dense.double(), bias.double()).float()
         assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
         assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
+
+
+def _int8_dot_path_runs() -> bool:
+    st = native.status()
+    return "avx512_bf16" in st.features and st.isa == "avx512"
+
+
+def _dot_calls(fn, *args):
+    """fn(*args) and how many int8 weight-only calls took the bf16 dot path in it."""
+    before = library.int8_dot_calls()
+    out = fn(*args)
+    return out, library.int8_dot_calls() - before
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("k", [32 * 18, 203, 3200])
+def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(threads, k):
+    """bf16 activations, 2..16 rows: on AVX512_BF16 CPUs the int8 bf16 dot path (int8_linear.h: codes
+    as bf16 into vdpbf16ps, each output scaled once), also for 5..16 rows that would otherwise take
+    dequantized tiles. K = 203 ends in a partial 32-chunk; 3200 runs the activation rows in chunks
+    of 4 (to stay in L1), the others in chunks of up to 8; N = 45 ends in partial weight tiles. One-hot rows give the weights q * s (rounded once to
+    the bf16 output); random rows stay within the bound with a bias; rows whose scale is 0, inf, NaN
+    or subnormal, and calls with activations below 2^-59 or inf / NaN, take the fp32 kernels (the
+    reference's non-finite outputs); the panel layout gives the plain layout's bits. Elsewhere the
+    same checks run on the paths the CPU has."""
+    n, runs = 45, _int8_dot_path_runs()
+    codes, scale, _ = int8_weight(n, k, seed=k)
+    scale[[3, 17, 30, 31, 44]] = torch.tensor([float("inf"), float("nan"), 1e-40, 0.0, -2.0**-126])
+    dense = codes.float() * scale[:, None]
+    subnormal_scale = (scale != 0) & (scale.abs() < 2.0**-126)
+    for m in (2, 3, 5, 9, 16):
+        gen = torch.Generator().manual_seed(m + k)
+        cols = torch.cat([torch.tensor([0, k - 1]), torch.randint(0, k, (m,), generator=gen)])[:m]
+        one_hot = torch.zeros(m, k, dtype=torch.bfloat16)
+        one_hot[torch.arange(m), cols] = 1.0
+        finite = scale.isfinite()  # an inf / NaN scale's row is NaN: its 0 * inf products
+        ref = torch.nn.functional.linear(one_hot.double(), dense.double())
+        for x1, scaled in ((one_hot, 1.0), (one_hot * 2.0**-70, 2.0**-70)):  # below 2^-59: the fp32 kernels
+            got, calls = _dot_calls(int8_weight_linear, x1, codes, scale)
+            assert calls == (scaled == 1.0 and runs)
+            want, got_finite = (dense[finite][:, cols].T * scaled).to(torch.bfloat16), got[:, finite]
+            # bf16 tiles + torch.mm (where no dot path runs) may flush subnormal weights to zero
+            subnormal = (want != 0) & (want.abs() < 2.0**-126)
+            assert torch.equal(got_finite[~subnormal], want[~subnormal])
+            assert bool(((got_finite[subnormal] == want[subnormal]) | (got_finite[subnormal] == 0)).all())
+            if runs and scaled == 1.0:  # the dot path's subnormal-scale rows take the fp32 kernel: exact
+                assert torch.equal(got_finite, want)
+            assert bool(got[:, ~finite].isnan().all()) and bool(ref[:, ~finite].isnan().all())
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        y, calls = _dot_calls(int8_weight_linear, x, codes, scale, bias)
+        assert calls == runs
+        assert_within_bound(y[:, finite], x, dense[finite], bias[finite], torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), dense.double(), bias.double())
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+        with library.lut4_paths(decode=False):  # the switch of the reordering small-M paths turns it off
+            off, calls = _dot_calls(int8_weight_linear, x, codes, scale, bias)
+        assert calls == 0
+        assert_within_bound(off[:, finite], x, dense[finite], bias[finite], torch.bfloat16)
+        x[0, 1] = float("inf")
+        x[m - 1, k - 1] = float("nan")
+        y, calls = _dot_calls(int8_weight_linear, x, codes, scale, bias)
+        assert calls == 0
+        # (not the subnormal scale's row: bf16 tiles + torch.mm, where they run, flush its weights)
+        y, ref = y[:, ~subnormal_scale], torch.nn.functional.linear(x.double(), dense.double(), bias.double())[:, ~subnormal_scale]
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+        assert torch.equal(y[ref.isinf()].float(), ref[ref.isinf()].float())
+    # the layouts' eager paths (plain and panels, decode_linear and its bound form) take the op's kernel
+    lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    panels = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    panels.load_state_dict(lin.state_dict())
+    torchq.quantize_(lin, torchq.int8_weight_only())
+    torchq.quantize_(panels, torchq.int8_weight_only(layout=Int8VnniLayout()))
+    impl = lin.weight.tensor_impl
+    for m in (3, 9, 16, 17):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        want, calls = _dot_calls(int8_weight_linear, x, impl.codes, impl.scale)
+        assert calls == (m <= 16 and runs), m
+        for module in (lin, lin, panels):  # the second call of lin: its bound call
+            got, calls = _dot_calls(module, x)
+            assert torch.equal(got, want) and calls == (m <= 16 and runs), m
 
 
 # -- int8 dynamic -------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ __all__ = [
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
@@ -58,6 +58,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_set_int8_amx": (_c_int, [_c_int]),  # index into INT8_AMX_MODES (negative: read)
     "tq_amx_int8_supported": (_c_int, []),
     "tq_amx_int8_calls": (_c_int64, []),
+    "tq_dot_calls_int8": (_c_int64, []),
     "tq_set_bf16_amx": (_c_int, [_c_int]),  # index into BF16_AMX_MODES (negative: read)
     "tq_amx_bf16_supported": (_c_int, []),
     "tq_amx_bf16_calls": (_c_int64, []),
@@ -234,6 +235,12 @@ def int8_amx_calls() -> int:
     return 0 if _LIB is None else int(_LIB.tq_amx_int8_calls())
 
 
+def int8_dot_calls() -> int:
+    """How many int8 weight-only calls have taken the bf16 dot path (csrc/int8_linear.h) since the
+    library loaded (for tests: which path ran)."""
+    return 0 if _LIB is None else int(_LIB.tq_dot_calls_int8())
+
+
 def int8_amx_supported() -> bool:
     """Whether this process runs the AMX int8 GEMM: the CPU has AMX-INT8 and Linux granted the tile
     state (asked once, by the library)."""
@@ -342,7 +349,7 @@ def eager_cpu(x: torch.Tensor) -> bool:
 
 # The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-DOT_MAX_M = 16  # kLut4DotMaxM (csrc/lut4_linear.h): the most rows of any weight's bf16 dot path
+DOT_MAX_M = 16  # kLut4DotMaxM and kInt8DotMaxM (csrc/lut4_linear.h, int8_linear.h): the most rows of any weight's bf16 dot path
 BF16_AMX_MAX_M = 64  # kBf16AmxMaxM (csrc/bf16_amx.h): the most rows of the bf16 AMX GEMM
 
 
