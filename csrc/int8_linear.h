@@ -146,13 +146,14 @@ struct Int8Kernels {
 // product and partial sum is then 0 or a multiple of 2^-66, never subnormal, and no sum overflows.
 // Weight rows whose scale is inf, NaN or subnormal take the fp32 row kernel (4 rows a tile).
 // Tiles of 1-8 weight rows x up to 8 activation rows (at most 16 accumulators, reduced together),
-// each weight converted once per chunk of activation rows. One Zen 4 core, bf16, SmolLM2's
-// 3072 x 576 / 576 x 1536 / 576 x 576 against the path before (the fp32 row kernels for 2-4 rows,
-// dequantized bf16 tiles + torch.mm for 5-16): 2 rows 1.02-1.07x, 4 rows 1.24-1.37x, 8 rows
-// 2.4-3.6x (1.11-1.19x bf16 F.linear), 16 rows 1.67-2.27x (0.88-0.96x bf16 F.linear); 1 row
-// 0.97-1.00x (the row kernel keeps it). In an earlier form with chunks of 16 rows it lost to the
-// tiles from 32 rows (0.56-1.18x), which keep those.
-constexpr int64_t kInt8DotMinM = 2, kInt8DotMaxM = 16;
+// each weight converted once per chunk of activation rows; blocks of weight rows run chunk by chunk
+// (both in L1). One Zen 4 core, bf16, SmolLM2's 3072 x 576 / 576 x 1536 / 576 x 576 against the
+// path before (the fp32 row kernels for 2-4 rows, dequantized bf16 tiles + torch.mm from 5):
+// 2 rows 1.02-1.07x, 4 rows 1.24-1.37x, 8 rows 2.4-3.6x (1.09-1.19x bf16 F.linear), 16 rows
+// 1.63-2.27x (0.88-0.96x bf16 F.linear), 24 rows 1.31-1.76x, 32 rows 1.09-1.48x (0.73-0.80x bf16
+// F.linear), 48 rows 0.96-1.25x, 64 rows 0.87-1.03x (the tiles keep 33+ rows); 1 row 0.97-1.00x
+// (the row kernel keeps it).
+constexpr int64_t kInt8DotMinM = 2, kInt8DotMaxM = 32;
 extern const Int8RowsFn kInt8Avx512Bf16Dot;
 constexpr int kNarrowOffset = 64, kNarrowMin = -64, kNarrowMax = 63;
 // The largest K for which a static call with a zero point takes the GEMM forms: their int32

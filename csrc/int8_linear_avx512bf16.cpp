@@ -103,30 +103,47 @@ TQ_TILE void dot_tile(const Int8Params& p, int64_t n, int64_t m0) {
 // 16 rows took 313 us in chunks of 16, 48 KB, and 220 in chunks of 8), but at least 4.
 constexpr int64_t kDotChunkBytes = 24 << 10, kDotChunkMaxRows = 8;
 
-// The NT weight rows from n (NT * MT <= 16 for every activation chunk of up to MT rows) for all
-// activation rows, 16 at a time; weight rows whose scale is not dot_scale's take the fp32 row
-// kernel (p.x holds the fp32 rows).
+// The weight rows a block holds: as many as keep their codes within kDotBlockBytes (a multiple of
+// 8 rows, at least 8). Above one chunk of activation rows, each chunk runs over a block before the
+// next chunk does, so the block's codes (and the chunk's activations) are read from L1.
+constexpr int64_t kDotBlockBytes = 16 << 10;
+
+// Activation rows [m0, m0 + mt) (mt <= chunk) against the NT weight rows from n, in tiles of up to
+// 16 accumulators.
 template <int NT>
-void dot_weight_rows(const Int8Params& p, int64_t n, int64_t chunk, Int8RowsFn fallback) {
-  bool safe = true;
-  for (int t = 0; t < NT; ++t) safe &= dot_scale(p.scale[n + t]);
-  if (!safe) {
-    fallback(p, n, n + NT);
-    return;
-  }
-  for (int64_t m0 = 0; m0 < p.M; m0 += chunk) {
-    const int64_t mt = p.M - m0 < chunk ? p.M - m0 : chunk;
-    with_tile_size<kDotChunkMaxRows>(mt, [&](auto size) {
-      constexpr int MT = decltype(size)::value;
-      constexpr int fit = 16 / MT < NT ? 16 / MT : NT;  // the most weight rows per tile at MT
-      for (int t = 0; t < NT; t += fit) {
-        if (t + fit <= NT) {
-          dot_tile<fit, MT>(p, n + t, m0);
-        } else {
-          with_tile_size<fit>(NT - t, [&](auto rest) { dot_tile<decltype(rest)::value, MT>(p, n + t, m0); });
-        }
+void dot_weight_rows(const Int8Params& p, int64_t n, int64_t m0, int64_t mt) {
+  with_tile_size<kDotChunkMaxRows>(mt, [&](auto size) {
+    constexpr int MT = decltype(size)::value;
+    constexpr int fit = 16 / MT < NT ? 16 / MT : NT;  // the most weight rows per tile at MT
+    for (int t = 0; t < NT; t += fit) {
+      if (t + fit <= NT) {
+        dot_tile<fit, MT>(p, n + t, m0);
+      } else {
+        with_tile_size<fit>(NT - t, [&](auto rest) { dot_tile<decltype(rest)::value, MT>(p, n + t, m0); });
       }
-    });
+    }
+  });
+}
+
+// Weight rows [n0, n1) in tiles of NT: blocks of rows, each block's tiles for one chunk of
+// activation rows at a time. A tile holding a scale that is not dot_scale's runs the fp32 row
+// kernel for every activation row (p.x holds the fp32 rows) instead.
+template <int NT>
+void dot_blocks(const Int8Params& p, int64_t n0, int64_t n1, int64_t chunk, Int8RowsFn fallback) {
+  int64_t block = kDotBlockBytes / p.K / 8 * 8;
+  if (block < 8) block = 8;
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
+    for (int64_t m0 = 0; m0 < p.M; m0 += chunk) {
+      const int64_t mt = p.M - m0 < chunk ? p.M - m0 : chunk;
+      tiles_then_singles<NT>(b0, b1, [&](auto r, int64_t n) {
+        constexpr int R = decltype(r)::value;
+        bool safe = true;
+        for (int t = 0; t < R; ++t) safe &= dot_scale(p.scale[n + t]);
+        if (safe) dot_weight_rows<R>(p, n, m0, mt);
+        else if (m0 == 0) fallback(p, n, n + R);
+      });
+    }
   }
 }
 
@@ -136,14 +153,10 @@ void dot_rows(const Int8Params& p, int64_t n0, int64_t n1) {
   chunk = chunk < 4 ? 4 : chunk > kDotChunkMaxRows ? kDotChunkMaxRows : chunk;
   if (chunk > p.M) chunk = p.M;
   // weight tiles of NT rows: as many as 16 accumulators allow at the call's widest chunk
-  const int64_t mt = chunk;
-  auto run = [&](auto nt) {
-    tiles_then_singles<decltype(nt)::value>(n0, n1, [&](auto r, int64_t n) { dot_weight_rows<decltype(r)::value>(p, n, chunk, fallback); });
-  };
-  if (mt <= 2) run(TileSize<8>{});
-  else if (mt <= 4) run(TileSize<4>{});
-  else if (mt <= 5) run(TileSize<3>{});
-  else run(TileSize<2>{});
+  if (chunk <= 2) dot_blocks<8>(p, n0, n1, chunk, fallback);
+  else if (chunk <= 4) dot_blocks<4>(p, n0, n1, chunk, fallback);
+  else if (chunk <= 5) dot_blocks<3>(p, n0, n1, chunk, fallback);
+  else dot_blocks<2>(p, n0, n1, chunk, fallback);
 }
 
 }  // namespace

@@ -291,7 +291,7 @@ def test_a_bound_call_asks_the_tile_switch_again_above_the_fused_rows(fast_bf16,
 
     m = quantized("int8wo", torch.bfloat16)
     x = torch.randn(8, K, dtype=torch.bfloat16)  # fused on CPUs without fast bf16 matmul, tiles on those with it
-    # on AMX-BF16 CPUs the fused kernel takes 5-64 bf16 rows, on AVX512_BF16 ones its dot path 2-16:
+    # on AMX-BF16 CPUs the fused kernel takes 5-64 bf16 rows, on AVX512_BF16 ones its dot path 2-32:
     # both off here (the dot path with the switch of the reordering small-M paths)
     with torch.no_grad(), library.bf16_amx("off"), library.lut4_paths(decode=False):
         fused = m(x)

@@ -563,9 +563,9 @@ def _dot_calls(fn, *args):
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("k", [32 * 18, 203, 3200])
 def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(threads, k):
-    """bf16 activations, 2..16 rows: on AVX512_BF16 CPUs the int8 bf16 dot path (int8_linear.h: codes
-    as bf16 into vdpbf16ps, each output scaled once), also for 5..16 rows that would otherwise take
-    dequantized tiles. K = 203 ends in a partial 32-chunk; 3200 runs the activation rows in chunks
+    """bf16 activations, 2..32 rows: on AVX512_BF16 CPUs the int8 bf16 dot path (int8_linear.h: codes
+    as bf16 into vdpbf16ps, each output scaled once), also for 5..32 rows that would otherwise take
+    dequantized tiles (33 rows do). K = 203 ends in a partial 32-chunk; 3200 runs the activation rows in chunks
     of 4 (to stay in L1), the others in chunks of up to 8; N = 45 ends in partial weight tiles. One-hot rows give the weights q * s (rounded once to
     the bf16 output); random rows stay within the bound with a bias; rows whose scale is 0, inf, NaN
     or subnormal, and calls with activations below 2^-59 or inf / NaN, take the fp32 kernels (the
@@ -576,7 +576,7 @@ def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(threads, k):
     scale[[3, 17, 30, 31, 44]] = torch.tensor([float("inf"), float("nan"), 1e-40, 0.0, -2.0**-126])
     dense = codes.float() * scale[:, None]
     subnormal_scale = (scale != 0) & (scale.abs() < 2.0**-126)
-    for m in (2, 3, 5, 9, 16):
+    for m in (2, 3, 5, 9, 16, 21, 32):
         gen = torch.Generator().manual_seed(m + k)
         cols = torch.cat([torch.tensor([0, k - 1]), torch.randint(0, k, (m,), generator=gen)])[:m]
         one_hot = torch.zeros(m, k, dtype=torch.bfloat16)
@@ -620,13 +620,13 @@ def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(threads, k):
     torchq.quantize_(lin, torchq.int8_weight_only())
     torchq.quantize_(panels, torchq.int8_weight_only(layout=Int8VnniLayout()))
     impl = lin.weight.tensor_impl
-    for m in (3, 9, 16, 17):
+    for m in (3, 9, 17, 32, 33):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
         want, calls = _dot_calls(int8_weight_linear, x, impl.codes, impl.scale)
-        assert calls == (m <= 16 and runs), m
+        assert calls == (m <= 32 and runs), m
         for module in (lin, lin, panels):  # the second call of lin: its bound call
             got, calls = _dot_calls(module, x)
-            assert torch.equal(got, want) and calls == (m <= 16 and runs), m
+            assert torch.equal(got, want) and calls == (m <= 32 and runs), m
 
 
 # -- int8 dynamic -------------------------------------------------------------------------------

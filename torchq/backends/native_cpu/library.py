@@ -349,7 +349,7 @@ def eager_cpu(x: torch.Tensor) -> bool:
 
 # The C ABI's element-type codes for activations and outputs (csrc/common.h DType).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-DOT_MAX_M = 16  # kLut4DotMaxM and kInt8DotMaxM (csrc/lut4_linear.h, int8_linear.h): the most rows of any weight's bf16 dot path
+DOT_MAX_M = 32  # the larger of kLut4DotMaxM and kInt8DotMaxM (csrc/lut4_linear.h, int8_linear.h): the most rows of any weight's bf16 dot path
 BF16_AMX_MAX_M = 64  # kBf16AmxMaxM (csrc/bf16_amx.h): the most rows of the bf16 AMX GEMM
 
 
