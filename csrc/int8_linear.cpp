@@ -38,8 +38,9 @@ std::atomic<int> g_amx{[] {
   return s && strcmp(s, "0") == 0 ? INT8_AMX_OFF : INT8_AMX_ON;
 }()};
 std::atomic<int64_t> g_amx_calls{0};
-// The weight-only calls that took the bf16 dot path (tq_dot_calls_int8, for tests).
+// The weight-only calls that took the bf16 dot path (tq_dot_calls_int8, for tests), and its mode (Int8Dot).
 std::atomic<int64_t> g_dot_calls{0};
+std::atomic<int> g_dot{INT8_DOT_ON};
 
 struct QuantJob {
   Int8QuantizeFn quantize;
@@ -279,7 +280,7 @@ int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, 
     }
   }
   const bool gemm = !xb && M >= kern.weight_gemm_min_m && int8_weight_gemm_active();
-  const Int8RowsFn rows = xb ? kern.dot_bf16 : gemm ? kern.weight_gemm : kern.weight_rows;
+  const Int8RowsFn rows = xb ? int8_dot_kernel() : gemm ? kern.weight_gemm : kern.weight_rows;
   // the GEMM's and the dot path's ranges: whole AVX2 panels / 16 rows
   const bool ran = run_int8_rows(p, rows, panels, xb || gemm ? 16 : 4, threads);
   if (ran) o.finish(out, dtype, M * N, threads);
@@ -385,9 +386,13 @@ Int8RowsFn int8_amx_gemm(bool panels) {
   return panels ? kInt8AmxPanelGemm : kInt8AmxGemm;
 }
 
-bool int8_dot_rows(int64_t M, int dtype) {
-  return dtype == DT_BF16 && M >= kInt8DotMinM && M <= kInt8DotMaxM && kernels().int8.dot_bf16 && (lut4_paths() & LUT4_DECODE);
+Int8RowsFn int8_dot_kernel() {
+  if (!(lut4_paths() & LUT4_DECODE)) return nullptr;
+  const int mode = g_dot.load(std::memory_order_relaxed);
+  return mode == INT8_DOT_EMULATED ? kInt8EmulatedDot : mode == INT8_DOT_ON ? kernels().int8.dot_bf16 : nullptr;
 }
+
+bool int8_dot_rows(int64_t M, int dtype) { return dtype == DT_BF16 && M >= kInt8DotMinM && M <= kInt8DotMaxM && int8_dot_kernel(); }
 
 bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().int8.weight_gemm; }
 
@@ -411,6 +416,14 @@ TQ_API int tq_set_int8_amx(int mode) {
 }
 // How many calls have taken the AMX form (on AMX or emulated tiles) since the library loaded.
 TQ_API int64_t tq_amx_int8_calls() { return tq::g_amx_calls.load(); }
+// The int8 weight-only bf16 dot path's mode (tq::Int8Dot; negative: read); returns the mode before,
+// or -1 (unchanged) for a mode that is not one. INT8_DOT_ON where the CPU lacks AVX512_BF16 (or the
+// ISA is capped below AVX-512) leaves the other paths serving every call.
+TQ_API int tq_set_int8_dot(int mode) {
+  if (mode < 0) return tq::g_dot.load();
+  if (mode > tq::INT8_DOT_EMULATED) return -1;
+  return tq::g_dot.exchange(mode);
+}
 // How many int8 weight-only calls have taken the bf16 dot path since the library loaded.
 TQ_API int64_t tq_dot_calls_int8() { return tq::g_dot_calls.load(); }
 // Whether this process may run the AMX int8 kernel (the CPU has AMX-INT8, Linux granted the tile state).

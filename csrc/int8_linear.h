@@ -154,7 +154,14 @@ struct Int8Kernels {
 // F.linear), 48 rows 0.96-1.25x, 64 rows 0.87-1.03x (the tiles keep 33+ rows); 1 row 0.97-1.00x
 // (the row kernel keeps it).
 constexpr int64_t kInt8DotMinM = 2, kInt8DotMaxM = 32;
-extern const Int8RowsFn kInt8Avx512Bf16Dot;
+// The AVX512_BF16 kernel, and its body on emulated instructions (int8_dot_emulated.cpp: the same
+// bits on any CPU). INT8_DOT_ON (the default) runs the first where the active table has it,
+// INT8_DOT_EMULATED the second on every ISA (tests), INT8_DOT_OFF neither (tq_set_int8_dot).
+extern const Int8RowsFn kInt8Avx512Bf16Dot, kInt8EmulatedDot;
+enum Int8Dot : int { INT8_DOT_OFF = 0, INT8_DOT_ON = 1, INT8_DOT_EMULATED = 2 };
+// The dot path's kernel for this call's ISA and mode, or null (off, absent, or the decode paths
+// switched off: lut4_paths()).
+Int8RowsFn int8_dot_kernel();
 constexpr int kNarrowOffset = 64, kNarrowMin = -64, kNarrowMax = 63;
 // The largest K for which a static call with a zero point takes the GEMM forms: their int32
 // correction acc - (offset + z) * rowsum is exact while |sum_k (q - z) w| <= 254 * 128 * K < 2^31
@@ -206,7 +213,8 @@ void note_amx_int8_call();
 extern const Int8Kernels kInt8Scalar, kInt8Avx2, kInt8Avx512;
 // Whether weight-only calls of many rows take the GEMM form (the active ISA has one, allowed).
 bool int8_weight_gemm_active();
-// Whether weight-only calls of M rows of `dtype` (DType) take the bf16 dot path (activations allowing).
+// Whether weight-only calls of M rows of `dtype` (DType) take the bf16 dot path (activations allowing;
+// int8_dot_kernel()).
 bool int8_dot_rows(int64_t M, int dtype);
 
 }  // namespace tq

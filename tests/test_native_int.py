@@ -7,7 +7,9 @@
   of 32 (the AVX512_BF16 pair tables) with tiny, subnormal and overflowing blocks are bit-exact, and
   bit-equal with TORCHQ_NATIVE_AVX512BF16=0; their bf16 dot path (2-16 bf16 rows) is one-hot exact
   and within the bound, with its fallbacks;
-* int8 weight-only: the same (one-hot exact, accumulation bound);
+* int8 weight-only: the same (one-hot exact, accumulation bound); its bf16 dot path (2-32 bf16 rows,
+  AVX512_BF16) too, with its fallbacks, on the hardware and on emulated instructions (every CPU),
+  which give the hardware's bits;
 * int8 dynamic: bit-equal to the reference (per-token quantization, int32 accumulation, fp32
   rescale) on every ISA, for 1 and 2 threads, odd K and N, zero / constant / tiny / huge rows;
 * without the library the references run and say so once, and automatic layout choice skips
@@ -560,9 +562,10 @@ def _dot_calls(fn, *args):
 
 
 @needs_native
+@pytest.mark.parametrize("mode", ["on", "emulated"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("k", [32 * 18, 203, 3200])
-def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(threads, k):
+def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(mode, threads, k):
     """bf16 activations, 2..32 rows: on AVX512_BF16 CPUs the int8 bf16 dot path (int8_linear.h: codes
     as bf16 into vdpbf16ps, each output scaled once), also for 5..32 rows that would otherwise take
     dequantized tiles (33 rows do). K = 203 ends in a partial 32-chunk; 3200 runs the activation rows in chunks
@@ -570,8 +573,45 @@ def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(threads, k):
     the bf16 output); random rows stay within the bound with a bias; rows whose scale is 0, inf, NaN
     or subnormal, and calls with activations below 2^-59 or inf / NaN, take the fp32 kernels (the
     reference's non-finite outputs); the panel layout gives the plain layout's bits. Elsewhere the
-    same checks run on the paths the CPU has."""
-    n, runs = 45, _int8_dot_path_runs()
+    same checks run on the paths the CPU has; ``emulated`` runs the path's body on emulated
+    instructions on every CPU (the bf16 AMX GEMM, which would take 5+ rows on AMX CPUs, is off)."""
+    with library.bf16_amx("off"), library.int8_dot(mode):
+        _int8_dot_checks(k, mode == "emulated" or _int8_dot_path_runs())
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_int8_weight_only_bf16_dot_path_emulated_gives_the_kernels_bits(threads):
+    """The emulated body (csrc/int8_dot_emulated.cpp: vdpbf16ps's pair order and fp32 roundings, the
+    shuffle tree) gives the AVX512_BF16 kernel's bits, for every row count, odd K and N, a bias,
+    tiny and huge activations within the path's range and a zero scale: so CPUs without the
+    instruction test what it computes."""
+    if not _int8_dot_path_runs():
+        pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
+    gen = torch.Generator().manual_seed(7)
+    for n, k in ((45, 203), (64, 576), (17, 1100)):
+        codes, scale, _ = int8_weight(n, k, seed=n + k)
+        scale[n // 2] = 0.0
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        for m in (2, 3, 4, 5, 7, 8, 9, 16, 23, 32):
+            x = torch.randn(m, k, generator=gen)
+            x[0, : k // 3] *= 2.0**40  # large and small magnitudes within [2^-59, 2^64)
+            x[m - 1, k // 3:] *= 2.0**-40
+            x = x.to(torch.bfloat16)
+            with library.bf16_amx("off"):
+                (on, calls_on), (emulated, calls_emulated) = (
+                    _dot_calls(_in_mode, mode, x, codes, scale, bias) for mode in ("on", "emulated"))
+            assert calls_on == calls_emulated == 1
+            assert torch.equal(on, emulated), (n, k, m)
+
+
+def _in_mode(mode, *args):
+    with library.int8_dot(mode):
+        return int8_weight_linear(*args)
+
+
+def _int8_dot_checks(k: int, runs: bool) -> None:
+    n = 45
     codes, scale, _ = int8_weight(n, k, seed=k)
     scale[[3, 17, 30, 31, 44]] = torch.tensor([float("inf"), float("nan"), 1e-40, 0.0, -2.0**-126])
     dense = codes.float() * scale[:, None]

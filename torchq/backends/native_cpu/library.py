@@ -32,7 +32,7 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
     "int8_panel_numel",
     "int8_panel_weight",
@@ -59,6 +59,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_amx_int8_supported": (_c_int, []),
     "tq_amx_int8_calls": (_c_int64, []),
     "tq_dot_calls_int8": (_c_int64, []),
+    "tq_set_int8_dot": (_c_int, [_c_int]),
     "tq_set_bf16_amx": (_c_int, [_c_int]),  # index into BF16_AMX_MODES (negative: read)
     "tq_amx_bf16_supported": (_c_int, []),
     "tq_amx_bf16_calls": (_c_int64, []),
@@ -233,6 +234,28 @@ def int8_amx_calls() -> int:
     """How many int8 dynamic / static and nf4a8 / fp4a8 calls have taken an AMX form (AMX or
     emulated tiles) since the library loaded (for tests: which path ran)."""
     return 0 if _LIB is None else int(_LIB.tq_amx_int8_calls())
+
+
+INT8_DOT_MODES = ("off", "on", "emulated")  # tq::Int8Dot's order
+
+
+@contextlib.contextmanager
+def int8_dot(mode: str) -> Iterator[None]:
+    """Within the block (process-wide), int8 weight-only's bf16 dot path for 2 to 32 rows of bf16
+    activations (``csrc/int8_linear.h``): ``"on"`` (the default) on CPUs with AVX512_BF16 whose
+    AVX-512 ISA is active, ``"off"`` never (the fp32 row kernels or dequantized tiles serve those
+    rows), ``"emulated"`` its body on emulated instructions on any CPU, the same bits (for tests).
+    A decode path: ``lut4_paths(decode=False)`` turns it off in every mode."""
+    if mode not in INT8_DOT_MODES:
+        raise ValueError(f"mode: expected one of {INT8_DOT_MODES}, got {mode!r}")
+    if _LIB is None:
+        yield
+        return
+    before = _LIB.tq_set_int8_dot(INT8_DOT_MODES.index(mode))
+    try:
+        yield
+    finally:
+        _LIB.tq_set_int8_dot(before)
 
 
 def int8_dot_calls() -> int:
