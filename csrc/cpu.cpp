@@ -68,6 +68,7 @@ struct Tables {
       by_isa[ISA_AVX512].lut4.dequant_bf16 = kLut4Avx512Bf16.dequant;
       by_isa[ISA_AVX512].lut4.dot_bf16 = kLut4Avx512Bf16.dot_bf16;
       by_isa[ISA_AVX512].int8.dot_bf16 = kInt8Avx512Bf16Dot;
+      by_isa[ISA_AVX512].lut4.scaled_dot = kLut4Avx512Bf16ScaledDot;
     }
     if (!use_vnni()) {
       by_isa[ISA_AVX512].int8.dynamic_rows = kInt8Avx2.dynamic_rows;

@@ -62,6 +62,10 @@ std::atomic<int> g_paths{[] {
   return (d && strcmp(d, "0") == 0 ? 0 : LUT4_DECODE) | (g && strcmp(g, "0") == 0 ? 0 : LUT4_GEMM);
 }()};
 
+// The scaled dot path's mode (Lut4ScaledDotMode) and the calls that took it (tq_scaled_dot_calls_lut4, for tests).
+std::atomic<int> g_scaled_dot{LUT4_SCALED_DOT_ON};
+std::atomic<int64_t> g_scaled_dot_calls{0};
+
 // The decode path for this call (p.decode, and its function and lane width), or DECODE_NONE.
 int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
   const Lut4Kernels& ks = kernels().lut4;
@@ -172,21 +176,22 @@ bool dot_activations(const float* x, int64_t n) {
 }
 
 // A bf16 activation row in the table path's order (xp: per 32, the 16 even positions then the 16
-// odd ones) into the bf16 dot path's (per 64, the 32 odd positions then the 32 even ones; zero
-// past K). The values are bf16 (x was), so the high halves are exact.
-void to_dot_order(const float* xp, int64_t K, uint16_t* dst) {
+// odd ones) into the bf16 dot paths' (per 64, the 32 odd positions then the 32 even ones; zero
+// past K), positions [64 j, 64 j + 64) at dst + j * stride. The values are bf16 (x was), so the
+// high halves are exact.
+void to_dot_order(const float* xp, int64_t K, uint16_t* dst, int64_t stride) {
   auto bf16 = [](float v) {
     uint32_t u;
     memcpy(&u, &v, sizeof u);
     return static_cast<uint16_t>(u >> 16);
   };
-  for (int64_t k = 0; k < K; k += 64) {
+  for (int64_t k = 0; k < K; k += 64, dst += stride) {
     const bool second = k + 32 < K;  // K is a multiple of 32
     for (int j = 0; j < 16; ++j) {
-      dst[k + j] = bf16(xp[k + 16 + j]);
-      dst[k + 16 + j] = second ? bf16(xp[k + 48 + j]) : 0;
-      dst[k + 32 + j] = bf16(xp[k + j]);
-      dst[k + 48 + j] = second ? bf16(xp[k + 32 + j]) : 0;
+      dst[j] = bf16(xp[k + 16 + j]);
+      dst[16 + j] = second ? bf16(xp[k + 48 + j]) : 0;
+      dst[32 + j] = bf16(xp[k + j]);
+      dst[48 + j] = second ? bf16(xp[k + 32 + j]) : 0;
     }
   }
 }
@@ -214,14 +219,20 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
                                        kLinearSpinUs);
     if (status >= 0) return status;
   }
+  // The scaled dot path serves its weights' bf16 calls up to kLut4ScaledDotMaxM rows, one row too
+  // (ahead of the lookup path); the activations' guard comes after they are prepared.
+  const Lut4RowsFn scaled = dtype == DT_BF16 && M >= kLut4ScaledDotMinM && M <= kLut4ScaledDotMaxM && lut4_scaled_dot_allowed(p)
+                                ? lut4_scaled_dot_kernel()
+                                : nullptr;
   Lut4DecodeFn decode = nullptr;
   int lanes = 0;
-  p.decode = choose_decode(p, &decode, &lanes);
+  p.decode = scaled ? DECODE_NONE : choose_decode(p, &decode, &lanes);
+  const bool block_sums = (p.decode == DECODE_LOOKUP || scaled) && p.zeros;  // [M, K / block] activation sums
   const size_t esize = dtype_size(dtype);
   const size_t xp_bytes = (M * K * sizeof(float) + 63) / 64 * 64;
   const int64_t span = lanes ? (p.block > 8 * lanes ? p.block : 8 * lanes) : 0;  // the lane-order paths
   const size_t xsum_bytes = p.decode == DECODE_AFFINE ? (M * (K / span) * lanes * sizeof(float) + 63) / 64 * 64
-                            : p.decode == DECODE_LOOKUP && p.zeros ? (M * (K / p.block) * sizeof(float) + 63) / 64 * 64 : 0;
+                            : block_sums ? (M * (K / p.block) * sizeof(float) + 63) / 64 * 64 : 0;
   const size_t row_bytes = (K * sizeof(float) + 63) / 64 * 64;
   const size_t out_bytes = dtype == DT_F32 ? 0 : (M * N * sizeof(float) + 63) / 64 * 64;
   char* buf = static_cast<char*>(aligned_alloc(64, xp_bytes + xsum_bytes + row_bytes + out_bytes + 64));
@@ -246,8 +257,7 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   }
   // the lane order of DECODE_AFFINE / DECODE_CODEBOOK, else the table path's (also DECODE_LOOKUP's)
   const bool lane_order = p.decode == DECODE_AFFINE || p.decode == DECODE_CODEBOOK;
-  PrepJob prep{K, lane_order ? 8 * lanes : 32, {}, xp, xsums, p.decode == DECODE_AFFINE, span, lanes,
-               p.decode == DECODE_LOOKUP && p.zeros ? p.block : 0};
+  PrepJob prep{K, lane_order ? 8 * lanes : 32, {}, xp, xsums, p.decode == DECODE_AFFINE, span, lanes, block_sums ? p.block : 0};
   for (int64_t i = 0; i < prep.chunk; ++i)
     prep.order[i] = static_cast<int16_t>(lane_order ? lut4_decode_element(lanes, i) : i < 16 ? 2 * i : 2 * (i - 16) + 1);
   if (!for_each_f32_row(x, dtype, M, K_in, K, threads, M * K * 8, prepare_row, &prep)) {
@@ -266,9 +276,19 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
     p.kx = (K + 63) / 64 * 64;
     xb = static_cast<uint16_t*>(aligned_alloc(64, (M * p.kx * sizeof(uint16_t) + 63) / 64 * 64));
     if (xb) {
-      for (int64_t m = 0; m < M; ++m) to_dot_order(xp + m * K, K, xb + m * p.kx);
+      for (int64_t m = 0; m < M; ++m) to_dot_order(xp + m * K, K, xb + m * p.kx, 64);
       p.xb = xb;
       rows = k.dot_bf16;
+    }
+  }
+  if (scaled && dot_activations(xp, M * K)) {
+    p.kx = (K + 63) / 64 * 64;
+    xb = static_cast<uint16_t*>(aligned_alloc(64, (M * p.kx * sizeof(uint16_t) + 63) / 64 * 64));
+    if (xb) {  // step-major: positions [64 j, 64 j + 64) of row m at (j * M + m) * 64 (lut4_scaled_dot_body.h)
+      for (int64_t m = 0; m < M; ++m) to_dot_order(xp + m * K, K, xb + m * 64, M * 64);
+      p.xb = xb;
+      rows = scaled;
+      g_scaled_dot_calls.fetch_add(1, std::memory_order_relaxed);
     }
   }
   RowsJob job{p, rows};
@@ -490,9 +510,18 @@ int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
 }
 
 int lut4_dot_max_m(const tq_weight& w) {
-  if (valid_lut4(w) && bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);  // the AMX GEMM (above the dot path's rows)
-  if (!valid_lut4(w) || !kernels().lut4.dot_bf16 || !(lut4_paths() & LUT4_DECODE)) return 0;
-  return lut4_bf16_pairs(params(w, 0, nullptr)) ? static_cast<int>(kLut4DotMaxM) : 0;
+  if (!valid_lut4(w) || w.format != TQ_FORMAT_LUT4) return 0;
+  if (bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);  // the AMX GEMM (above the dot paths' rows)
+  const Lut4Params p = params(w, 0, nullptr);
+  if (lut4_scaled_dot_allowed(p) && lut4_scaled_dot_kernel()) return static_cast<int>(kLut4ScaledDotMaxM);
+  if (!kernels().lut4.dot_bf16 || !(lut4_paths() & LUT4_DECODE)) return 0;
+  return lut4_bf16_pairs(p) ? static_cast<int>(kLut4DotMaxM) : 0;
+}
+
+Lut4RowsFn lut4_scaled_dot_kernel() {
+  if (!(lut4_paths() & LUT4_DECODE)) return nullptr;
+  const int mode = g_scaled_dot.load(std::memory_order_relaxed);
+  return mode == LUT4_SCALED_DOT_EMULATED ? kLut4EmulatedScaledDot : mode == LUT4_SCALED_DOT_ON ? kernels().lut4.scaled_dot : nullptr;
 }
 
 int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads) {
@@ -506,3 +535,13 @@ int lut4_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool 
 // Allow the lut4 paths in `paths` (Lut4Paths bits), forbid the others; returns the previous
 // bits (a negative `paths` only reads them).
 TQ_API int tq_set_lut4_paths(int paths) { return paths < 0 ? tq::lut4_paths() : tq::g_paths.exchange(paths & 7); }
+// The scaled dot path's mode (tq::Lut4ScaledDotMode; negative: read); returns the mode before, or -1
+// (unchanged) for a mode that is not one. LUT4_SCALED_DOT_ON where the CPU lacks AVX512_BF16 (or the
+// ISA is capped below AVX-512) leaves the other paths serving every call.
+TQ_API int tq_set_lut4_scaled_dot(int mode) {
+  if (mode < 0) return tq::g_scaled_dot.load();
+  if (mode > tq::LUT4_SCALED_DOT_EMULATED) return -1;
+  return tq::g_scaled_dot.exchange(mode);
+}
+// How many lut4 calls have taken the scaled dot path since the library loaded.
+TQ_API int64_t tq_scaled_dot_calls_lut4() { return tq::g_scaled_dot_calls.load(); }

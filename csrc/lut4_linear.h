@@ -87,6 +87,29 @@
 // 800 -> 570 (bf16 F.linear 365); at M = 1 it measured no faster than the pair tables (177
 // against 181 us) and is not taken.
 //
+// Scaled dot path (Lut4Kernels.scaled_dot, kLut4ScaledDotMinM <= M <= kLut4ScaledDotMaxM, bf16
+// activations, lut4_scaled_dot_allowed weights: int4 quantized from an fp32 model, plain fp32 scales
+// and float zeros, any group size; AVX512_BF16; the body: lut4_scaled_dot_body.h): the integer
+// codebook values are bf16 words exactly, so 64 weights at a time come out of two vpermw lookups
+// of one constant table as bf16, vdpbf16ps multiplies them with the bf16 activations (exact
+// products, fp32 sums), and each 64 positions' lanes are scaled by their block's scale with one FMA
+// (blocks of 32: lanes 0-7 and 8-15 by the two blocks'); the zeros' term sum_b z_b X_b (X_b the
+// block's activation sum, in double, rounded once: xsums [M, K / block]) is added per lane before
+// the lanes are summed. As the lookup path: one-hot rows give exactly the weight, else
+// |out - sum_k w_k x_k| <= ~(K + 2) u sum_k (|codebook[c_k] s_b| + |z_b|) |x_k|. Guards as the bf16
+// dot path's: a call takes it only where every activation is finite, below 2^64 and 0 or of
+// magnitude >= 2^-59, a tile of weight rows only where each scale and zero is 0 or normal and at most
+// 2^100 (else the table path), so no product or partial sum is subnormal and no c s overflows where
+// the reference's weight would not. Activations step-major: positions [64 j, 64 j + 64) of row m at
+// p.xb + (j * M + m) * 64, in the bf16 dot path's order. It runs ahead of the lookup path at one
+// row and of the table path and dequantized tiles up to 16. One Zen 4 core, SmolLM2's 3072 x 576 /
+// 576 x 1536 / 576 x 576 and its 49152 x 576 head, bf16, against the paths before (same call):
+// groups of 32 1.05-1.18x at M = 1, 1.24-1.32x at 2, 1.36-1.72x at 4, 1.27-1.36x at 8, 1.0-1.15x at
+// 16; groups of 128 1.26-1.49x at 1, 1.1-1.3x at 2, 1.26-1.44x at 4, 1.1-1.4x at 8, 1.0-1.2x at 16.
+// At 16 rows vdpbf16ps plus an FMA per 64 positions and row costs about what the table path's fp32
+// FMAs do (bf16 F.linear: about 0.55x). The emulation (lut4_scaled_dot_emulated.cpp) gives the same
+// bits on any CPU (tq_set_lut4_scaled_dot).
+//
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not);
 // for DECODE_AFFINE also nonzero ones below 2^-102 (their prescaled x 16^-6 could lose bits).
@@ -262,8 +285,28 @@ struct Lut4Kernels {
   // 744); the AVX2 form only above kLut4Q8MaxM. Either way rows above kLut4Q8MaxM never take the row
   // kernel, and without a GEMM form they take linear_fake_quantized.
   int q8_gemm_min_m;
+  // The scaled dot path (bf16 activations, up to kLut4ScaledDotMaxM rows, weights that
+  // lut4_scaled_dot_allowed allows; AVX512_BF16); null where the ISA has none.
+  Lut4RowsFn scaled_dot;
 };
 static constexpr int64_t kLut4DotMinM = 2, kLut4DotMaxM = 16;
+static constexpr int64_t kLut4ScaledDotMinM = 1, kLut4ScaledDotMaxM = 16;
+
+// Whether p's weight allows the scaled dot path (above): plain fp32 scales, unrounded products
+// and sums, no shifts, and a codebook of integers of magnitude <= 256 (bf16 values exactly).
+static inline bool lut4_scaled_dot_allowed(const Lut4Params& p) {
+  if (!p.absmax || p.shifts || p.round_mul != ROUND_NONE || (p.zeros && p.round_add != ROUND_NONE) || p.block % 32 != 0) return false;
+  for (int c = 0; c < 16; ++c)
+    if (!(p.codebook[c] == __builtin_truncf(p.codebook[c]) && __builtin_fabsf(p.codebook[c]) <= 256.0f)) return false;  // also NaN
+  return true;
+}
+// The AVX512_BF16 kernel, and its body on emulated instructions (lut4_scaled_dot_emulated.cpp: the
+// same bits on any CPU). LUT4_SCALED_DOT_ON (the default) runs the first where the active table has
+// it, LUT4_SCALED_DOT_EMULATED the second on every ISA (tests), LUT4_SCALED_DOT_OFF neither
+// (tq_set_lut4_scaled_dot); LUT4_DECODE off (lut4_paths) turns it off in every mode.
+extern const Lut4RowsFn kLut4Avx512Bf16ScaledDot, kLut4EmulatedScaledDot;
+enum Lut4ScaledDotMode : int { LUT4_SCALED_DOT_OFF = 0, LUT4_SCALED_DOT_ON = 1, LUT4_SCALED_DOT_EMULATED = 2 };
+Lut4RowsFn lut4_scaled_dot_kernel();
 
 // Which of the decode and GEMM paths calls may take (bits; LUT4_DECODE also switches the bf16 dot
 // path, which likewise sums few rows in another order; LUT4_GEMM also switches the GEMM forms

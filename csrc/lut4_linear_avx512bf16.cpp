@@ -1,12 +1,15 @@
 // The lut4 kernels for AVX-512 with AVX512_BF16 (see lut4_linear.h): the AVX-512 kernel body
 // (lut4_linear_body.h) whose bf16-rounded tables (int4 with bf16 scales and zeros in blocks of 32)
-// are built two blocks at a time with vcvtne2ps2bf16 (simd_avx512bf16.h), and the bf16 dot path
-// for up to kLut4DotMaxM bf16 activation rows. cpu.cpp puts them into the AVX-512 table's
-// rows_bf16 / dequant_bf16 / dot_bf16 on CPUs with AVX512_BF16 unless TORCHQ_NATIVE_AVX512BF16=0.
+// are built two blocks at a time with vcvtne2ps2bf16 (simd_avx512bf16.h), the bf16 dot path for up
+// to kLut4DotMaxM bf16 activation rows, and the scaled dot path's instructions (fp32 scales,
+// lut4_scaled_dot_body.h). cpu.cpp puts them into the AVX-512 table's rows_bf16 / dequant_bf16 /
+// dot_bf16 / scaled_dot on CPUs with AVX512_BF16 unless TORCHQ_NATIVE_AVX512BF16=0.
 // Linkage: as lut4_linear_avx2.cpp.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
 #include "simd_avx512bf16.h"
+#include "dot_bf16_avx512.h"
 #include "lut4_linear_body.h"
+#include "lut4_scaled_dot_body.h"
 
 namespace tq {
 namespace {
@@ -128,9 +131,38 @@ struct Lut4Dot {
 };
 static_assert(kLut4DotMaxM == 16, "Lut4Dot::rows has a case per M");
 
+// The scaled dot path's weights (lut4_scaled_dot_body.h): codebook values as bf16 words by vpermw.
+struct Lut4ScaledDotOps : Avx512Bf16DotOps {
+  using Tab = __m512i;
+
+  // Words c and c + 16: codebook[c] as bf16 (exact: the caller allows only integer codebooks that are bf16 values).
+  static Tab table(const float* codebook) {
+    alignas(64) uint16_t words[32];
+    for (int c = 0; c < 16; ++c) {
+      uint32_t u;
+      memcpy(&u, codebook + c, sizeof u);
+      words[c] = words[c + 16] = static_cast<uint16_t>(u >> 16);
+    }
+    return _mm512_load_si512(words);
+  }
+
+  // vpermw reads an index's low 5 bits: a whole byte indexes by its low nibble (words c and c + 16
+  // are equal), its high nibble after one shift.
+  __attribute__((always_inline)) static void weights(const Tab& tab, const uint8_t* w, int bytes, B& lo, B& hi) {
+    const __m256i b = bytes == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))
+                                  : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m512i v = _mm512_cvtepu8_epi16(b);
+    lo = (B)_mm512_permutexvar_epi16(v, tab);
+    hi = (B)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+  }
+};
+
+void scaled_dot_rows(const Lut4Params& p, int64_t n0, int64_t n1) { Lut4ScaledDot<Lut4ScaledDotOps>::rows(p, n0, n1, &Body::rows); }
+
 }  // namespace
 
 // Only rows, dequant and dot_bf16 are used (cpu.cpp: rows_bf16 / dequant_bf16 / dot_bf16 of the
-// AVX-512 table).
+// AVX-512 table); the scaled dot path goes to its scaled_dot.
 extern const Lut4Kernels kLut4Avx512Bf16 = {&Body::rows, &Body::dequant, nullptr, 0, nullptr, false, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &Lut4Dot::rows, 0};
+extern const Lut4RowsFn kLut4Avx512Bf16ScaledDot = &scaled_dot_rows;
 }  // namespace tq

@@ -27,6 +27,7 @@ from torchq.backends.native_cpu import library
 CONFIGS = {
     "int4-g32": lambda: torchq.int4_weight_only(group_size=32),
     "int4-g128-bf16-scales": lambda: torchq.int4_weight_only(group_size=128, scale_dtype=torch.bfloat16),
+    "int4-g64-fp32-scales": lambda: torchq.int4_weight_only(group_size=64, scale_dtype=torch.float32),
     "nf4": lambda: torchq.nf4_weight_only(),
     "nf4-plain-absmax": lambda: torchq.nf4_weight_only(double_quant=False),
     "int8wo": lambda: torchq.int8_weight_only(),
@@ -302,25 +303,37 @@ def test_a_bound_call_asks_the_tile_switch_again_above_the_fused_rows(fast_bf16,
         assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
 
 
+DOT_PATHS = {  # config -> its bf16 dot path's mode switch and call counter
+    "int8wo": (library.int8_dot, library.int8_dot_calls),
+    "int4-g64-fp32-scales": (library.lut4_scaled_dot, library.lut4_scaled_dot_calls),
+}
+
+
 @needs_native
 @pytest.mark.parametrize("fast_bf16", [True], indirect=True)
-def test_a_bound_call_asks_the_int8_dot_path_switch_again(fast_bf16):
-    """bf16 rows above the fused ones on an AVX512_BF16 CPU (bf16 AMX GEMM off): int8 weight-only's
-    bf16 dot path takes them in the bound call while its switch allows it; switched off, the bound
-    call declines and the impl takes dequantized tiles. Elsewhere the bound call declines both times."""
-    m = quantized("int8wo", torch.bfloat16)
+@pytest.mark.parametrize("config", list(DOT_PATHS))
+@pytest.mark.parametrize("mode", ["on", "emulated"])
+def test_a_bound_call_asks_the_dot_path_switch_again(fast_bf16, config, mode):
+    """bf16 rows above the fused ones (bf16 AMX GEMM off): int8 weight-only's bf16 dot path, and int4
+    with fp32 scales' scaled dot path, take them in the bound call while their switch allows it (on
+    AVX512_BF16 CPUs; emulated on every CPU); switched off, the bound call declines and the impl
+    takes dequantized tiles. On other CPUs in mode "on" the bound call declines both times."""
+    switch, calls = DOT_PATHS[config]
+    m = quantized(config, torch.bfloat16)
     x = torch.randn(8, K, dtype=torch.bfloat16)
-    runs = "avx512_bf16" in native.status().features and native.status().isa == "avx512"
-    with torch.no_grad(), library.bf16_amx("off"):
+    runs = mode == "emulated" or ("avx512_bf16" in native.status().features and native.status().isa == "avx512")
+    with torch.no_grad(), library.bf16_amx("off"), switch(mode):
         expected = m(x)
         plan = plan_of(m, x)
-        before = library.int8_dot_calls()
+        before = calls()
         got = plan.bound(x, m.weight, m.bias) if plan.bound is not None else None
         assert (got is not None and torch.equal(got, expected)) == runs
-        assert library.int8_dot_calls() - before == runs
+        assert calls() - before == runs
         with library.lut4_paths(decode=False):
             assert plan.bound is None or plan.bound(x, m.weight, m.bias) is None
             assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
+        with switch("off"):
+            assert plan.bound is None or plan.bound(x, m.weight, m.bias) is None
 
 
 @needs_native

@@ -6,7 +6,9 @@
   ISA and group size; random inputs stay within the fp32 accumulation bound; bf16 scales in groups
   of 32 (the AVX512_BF16 pair tables) with tiny, subnormal and overflowing blocks are bit-exact, and
   bit-equal with TORCHQ_NATIVE_AVX512BF16=0; their bf16 dot path (2-16 bf16 rows) is one-hot exact
-  and within the bound, with its fallbacks;
+  and within the bound, with its fallbacks; so is the scaled dot path of fp32 scales (1-16 bf16
+  rows, any group size), on the hardware and on emulated instructions (every CPU), which give the
+  hardware's bits;
 * int8 weight-only: the same (one-hot exact, accumulation bound); its bf16 dot path (2-32 bf16 rows,
   AVX512_BF16) too, with its fallbacks, on the hardware and on emulated instructions (every CPU),
   which give the hardware's bits;
@@ -428,6 +430,177 @@ def _dot_path_checks(k: int) -> None:
         assert torch.equal(lin(x), run_int4(x, impl)), m
 
 
+def _scaled_dot_path_runs() -> bool:
+    st = native.status()
+    return "avx512_bf16" in st.features and st.isa == "avx512"
+
+
+def _scaled_dot_calls(fn, *args):
+    """fn(*args) and how many lut4 calls took the scaled dot path in it."""
+    before = library.lut4_scaled_dot_calls()
+    out = fn(*args)
+    return out, library.lut4_scaled_dot_calls() - before
+
+
+def fp32_scale_edge_plain(n: int, k: int, g: int, domain: str, seed: int) -> PlainForm:
+    """int4_plain with fp32 scales, and rows whose scale or zero the scaled dot path refuses (inf, NaN,
+    subnormal, above 2^100: those rows take the table path) or takes (0, FLT_MIN, 2^100)."""
+    plain = int4_plain(n, k, g, domain, torch.float32, seed=seed)
+    scale = plain.scale.clone()
+    for row, v in ((3, float("inf")), (17, float("nan")), (30, 1e-40), (31, 0.0), (32, 2.0**-126), (40, 2.0**100), (44, 2.0**101)):
+        scale[row, 1 % scale.shape[1]] = v
+    zero = plain.zero_point
+    if domain == "float":
+        zero = zero.clone()
+        zero[5, 0], zero[6, 0], zero[7, 0] = 1e-42, -(2.0**102), 0.0
+    out = PlainForm(plain.codes, scale, zero, plain.spec)
+    out.validate()
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["on", "emulated"])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("g,k", [(32, 576), (32, 224), (64, 3200), (128, 384)])
+@pytest.mark.parametrize("domain", ["float", "none"])
+def test_int4_fp32_scale_scaled_dot_path_one_hot_bound_and_fallbacks(mode, threads, g, k, domain):
+    """bf16 activations, 1..16 rows, int4 with fp32 scales: on AVX512_BF16 CPUs the scaled dot path
+    (lut4_linear.h: codebook values as bf16 into vdpbf16ps, each 64 positions' lanes scaled once per
+    block, the zeros' term per lane), also for 5..16 rows that would otherwise take dequantized
+    tiles (17 rows do). K = 224 ends in half a 64-position step; 3200 runs the activation rows in
+    chunks of 4 and the weight rows in blocks of 8; N = 45 ends in partial tiles; groups of 32 scale
+    each step's halves apart, larger groups whole steps. One-hot rows give the weights (rounded once
+    to the bf16 output); random rows stay within the bound with a bias; rows whose scale or zero is
+    inf, NaN, subnormal or above 2^100, and calls with activations below 2^-59 or inf / NaN, take the
+    table path (the reference's non-finite outputs). Elsewhere the same checks run on the paths the
+    CPU has; ``emulated`` runs the path's body on emulated instructions on every CPU (the bf16 AMX
+    GEMM, which would take 5+ rows on AMX CPUs, is off)."""
+    with library.bf16_amx("off"), library.lut4_scaled_dot(mode):
+        _scaled_dot_checks(g, k, domain, mode == "emulated" or _scaled_dot_path_runs())
+
+
+def _scaled_dot_checks(g: int, k: int, domain: str, runs: bool) -> None:
+    n = 45
+    plain = fp32_scale_edge_plain(n, k, g, domain, seed=k + g)
+    impl = int4_impl(plain)
+    dense = plain.dequantize(torch.float32)
+    finite = dense.isfinite().all(1)
+    terms = term_magnitudes(plain)[finite]
+    weight = library.weight_args(impl, _cached_native_weight)
+    assert weight.dot_max_m(torch.bfloat16) == (16 if runs else 0)
+    assert weight.dot_max_m(torch.float32) == 0
+    for m in (1, 2, 3, 5, 9, 16):
+        gen = torch.Generator().manual_seed(m + k)
+        cols = torch.cat([torch.tensor([0, k - 1, g, g - 1]), torch.randint(0, k, (m,), generator=gen)])[:m]
+        one_hot = torch.zeros(m, k, dtype=torch.bfloat16)
+        one_hot[torch.arange(m), cols] = 1.0
+        for x1, scaled in ((one_hot, 1.0), (one_hot * 2.0**-70, 2.0**-70)):  # below 2^-59: the table path
+            got, calls = _scaled_dot_calls(run_int4, x1, impl)
+            assert calls == (scaled == 1.0 and runs)
+            want = (dense[finite][:, cols].T * scaled).to(torch.bfloat16)
+            # bf16 tiles + torch.mm (where no dot path runs, 5+ rows) may flush subnormal weights to zero
+            subnormal = (want != 0) & (want.abs() < 2.0**-126)
+            got_finite = got[:, finite]
+            assert torch.equal(got_finite[~subnormal], want[~subnormal]), (m, scaled)
+            assert bool(((got_finite[subnormal] == want[subnormal]) | (got_finite[subnormal] == 0)).all())
+            if runs or m < 5:
+                assert torch.equal(got_finite, want)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        y, calls = _scaled_dot_calls(run_int4, x, impl, bias)
+        assert calls == runs
+        assert_within_bound(y[:, finite], x, dense[finite], bias[finite], torch.bfloat16, terms)
+        ref = torch.nn.functional.linear(x.double(), dense.double(), bias.double())
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+        with library.lut4_paths(decode=False):  # the switch of the reordering small-M paths turns it off
+            off, calls = _scaled_dot_calls(run_int4, x, impl, bias)
+            assert weight.dot_max_m(torch.bfloat16) == 0
+        assert calls == 0
+        assert_within_bound(off[:, finite], x, dense[finite], bias[finite], torch.bfloat16, terms)
+        x[0, 1] = float("inf")
+        x[m - 1, k - 1] = float("nan")
+        y, calls = _scaled_dot_calls(run_int4, x, impl, bias)
+        assert calls == 0
+        ref = torch.nn.functional.linear(x.double(), dense.double(), bias.double())
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+        assert torch.equal(y[ref.isinf()].float(), ref[ref.isinf()].float())
+    # the layout's eager path (decode_linear, and its bound form) takes the op's kernel
+    lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    torchq.quantize_(lin, torchq.int4_weight_only(group_size=g, scale_dtype=torch.float32))
+    impl = lin.weight.tensor_impl
+    for m in (1, 3, 9, 16, 17):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        got, calls = _scaled_dot_calls(lin, x)
+        assert calls == (runs and m <= 16), m
+        assert torch.equal(got, run_int4(x, impl)), m
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_int4_fp32_scale_scaled_dot_path_emulated_gives_the_kernels_bits(threads):
+    """The emulated body (csrc/lut4_scaled_dot_emulated.cpp: vdpbf16ps's pair order and fp32
+    roundings, the per-lane FMAs, the shuffle tree) gives the AVX512_BF16 kernel's bits for every row
+    count, groups of 32 to 256, K ending in half a step, odd N, float and no zero points, a bias,
+    tiny and huge activations within the path's range and a zero scale: so CPUs without the
+    instruction test what it computes."""
+    if not _scaled_dot_path_runs():
+        pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
+    gen = torch.Generator().manual_seed(11)
+    for n, k, g in ((45, 224, 32), (64, 576, 32), (17, 1152, 128), (33, 640, 64), (8, 512, 256)):
+        for domain in ("float", "none"):
+            plain = int4_plain(n, k, g, domain, torch.float32, seed=n + k)
+            plain.scale[n // 2] = 0.0
+            # the last row's weights 1 at positions 0..3 (scale ORDER_SCALE): with ORDER_X, whether
+            # vdpbf16ps adds a lane's odd pair first shows in the bf16 output (_order_row)
+            plain.codes[n - 1, :4] = 1 if domain == "none" else 9  # weight 1 * scale (float: (9 - 8) s + 0)
+            plain.scale[n - 1, 0] = ORDER_SCALE
+            if domain == "float":
+                plain.zero_point[n - 1, 0] = 0.0
+            impl = int4_impl(plain)
+            bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+            bias[n - 1] = 0.0
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16):
+                x = _bits_rows(m, k, gen, (1, 0, 2))  # lane 0: words 0, 1 of the low nibbles (positions 1, 3), then of the high ones (0, 2)
+                with library.bf16_amx("off"):
+                    (on, calls_on), (emulated, calls_emulated) = (
+                        _scaled_dot_calls(_in_scaled_dot_mode, mode, x, impl, bias) for mode in ("on", "emulated"))
+                assert calls_on == calls_emulated == 1
+                assert float(on[m // 2, n - 1]) == 1.0 + 2.0**-7  # the odd pair first
+                assert torch.equal(on, emulated), (n, k, g, domain, m)
+
+
+# A weight row whose scale is ORDER_SCALE and whose weights at the positions _order_row uses are 1,
+# against _order_row: one lane of the dot paths sums 1 (a first vdpbf16ps), then +2^-24 in its even
+# pair and -2^-24 in its odd pair. Odd pair first (Intel's definition, and AMD's Zen 4 measured):
+# 1 - 2^-24, then exactly 1, and the output ORDER_SCALE rounds up to 1 + 2^-7 in bf16; even pair
+# first: 1 + 2^-24 rounds to 1, then 1 - 2^-24, and the output rounds to 1 + 2^-8, a tie, then to 1.
+ORDER_SCALE = 1.0 + 2.0**-8 + 2.0**-23
+
+
+def _order_row(k: int, positions: tuple[int, int, int]) -> torch.Tensor:
+    """bf16 activations: 1 at positions[0], +2^-24 at positions[1] (an even pair of the same lane),
+    -2^-24 at positions[2] (its odd pair), 0 elsewhere."""
+    row = torch.zeros(k, dtype=torch.bfloat16)
+    row[positions[0]], row[positions[1]], row[positions[2]] = 1.0, 2.0**-24, -(2.0**-24)
+    return row
+
+
+def _bits_rows(m: int, k: int, gen: torch.Generator, order: tuple[int, int, int]) -> torch.Tensor:
+    """bf16 activations for the emulation's bit tests: large (2^40) and small (2^-40) magnitudes
+    within the dot paths' range [2^-59, 2^64), and row m // 2 the _order_row at `order`."""
+    x = torch.randn(m, k, generator=gen)
+    x[0, : k // 3] *= 2.0**40
+    x[m - 1, k // 3:] *= 2.0**-40
+    x = x.to(torch.bfloat16)
+    x[m // 2] = _order_row(k, order)
+    return x
+
+
+def _in_scaled_dot_mode(mode, *args):
+    with library.lut4_scaled_dot(mode):
+        return run_int4(*args)
+
+
 def test_int4_weight_only_picks_the_native_layout_and_kernel():
     lin = torch.nn.Linear(256, 64).to(torch.bfloat16)
     torchq.quantize_(lin, torchq.int4_weight_only(group_size=64))
@@ -592,16 +765,17 @@ def test_int8_weight_only_bf16_dot_path_emulated_gives_the_kernels_bits(threads)
     for n, k in ((45, 203), (64, 576), (17, 1100)):
         codes, scale, _ = int8_weight(n, k, seed=n + k)
         scale[n // 2] = 0.0
+        codes[n - 1, [0, 32, 33]] = 1  # see ORDER_SCALE: lane 0 sums position 0, then 33 and 32
+        scale[n - 1] = ORDER_SCALE
         bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        bias[n - 1] = 0.0
         for m in (2, 3, 4, 5, 7, 8, 9, 16, 23, 32):
-            x = torch.randn(m, k, generator=gen)
-            x[0, : k // 3] *= 2.0**40  # large and small magnitudes within [2^-59, 2^64)
-            x[m - 1, k // 3:] *= 2.0**-40
-            x = x.to(torch.bfloat16)
+            x = _bits_rows(m, k, gen, (0, 32, 33))  # lane 0: positions 0, 1, then 32, 33
             with library.bf16_amx("off"):
                 (on, calls_on), (emulated, calls_emulated) = (
                     _dot_calls(_in_mode, mode, x, codes, scale, bias) for mode in ("on", "emulated"))
             assert calls_on == calls_emulated == 1
+            assert float(on[m // 2, n - 1]) == 1.0 + 2.0**-7  # the odd pair first
             assert torch.equal(on, emulated), (n, k, m)
 
 

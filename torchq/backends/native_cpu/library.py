@@ -32,19 +32,21 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
     "int8_panel_numel",
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
 FEATURE_NAMES = ("avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 INT8_AMX_MODES = ("off", "on", "emulated")  # tq_set_int8_amx
 BF16_AMX_MODES = ("off", "on", "emulated")  # tq_set_bf16_amx
+INT8_DOT_MODES = ("off", "on", "emulated")  # tq_set_int8_dot
+LUT4_SCALED_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_scaled_dot
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 # name -> (restype, argtypes) of every exported function
@@ -59,7 +61,9 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_amx_int8_supported": (_c_int, []),
     "tq_amx_int8_calls": (_c_int64, []),
     "tq_dot_calls_int8": (_c_int64, []),
-    "tq_set_int8_dot": (_c_int, [_c_int]),
+    "tq_set_int8_dot": (_c_int, [_c_int]),  # index into INT8_DOT_MODES (negative: read)
+    "tq_scaled_dot_calls_lut4": (_c_int64, []),
+    "tq_set_lut4_scaled_dot": (_c_int, [_c_int]),  # index into LUT4_SCALED_DOT_MODES (negative: read)
     "tq_set_bf16_amx": (_c_int, [_c_int]),  # index into BF16_AMX_MODES (negative: read)
     "tq_amx_bf16_supported": (_c_int, []),
     "tq_amx_bf16_calls": (_c_int64, []),
@@ -192,7 +196,9 @@ def threads() -> int:
 @contextlib.contextmanager
 def lut4_paths(decode: bool = True, gemm: bool = True, lookup_any_isa: bool = False) -> Iterator[None]:
     """Allow or forbid the lut4 kernel's decode paths (AVX2, M <= 4; with them the AVX-512 lookup path,
-    M = 1 int4 g32 with fp32 scales, and the AVX512_BF16 bf16 dot path, 2-16 bf16 rows) and GEMM
+    M = 1 int4 g32 with fp32 scales, the AVX512_BF16 bf16 dot paths: int4 with bf16 scales, 2-16
+    bf16 rows, int4 with fp32 scales, 1-16 (:func:`lut4_scaled_dot`), and int8 weight-only's,
+    2-32 (:func:`int8_dot`)) and GEMM
     (M >= 64) paths (see csrc/lut4_linear.h) within the block, process-wide: for tests and benchmarks
     that compare them with the table and panel paths (and tiles). ``gemm`` also switches the GEMM
     forms of the int8-activation 4-bit kernel (M > 8; from 5 with VNNI) and of the int8 dynamic and static kernels
@@ -210,7 +216,28 @@ def lut4_paths(decode: bool = True, gemm: bool = True, lookup_any_isa: bool = Fa
 
 
 @contextlib.contextmanager
-def int8_amx(mode: str) -> Iterator[None]:
+def _mode(setter: str, modes: tuple[str, ...], mode: str, noted: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Within the block (process-wide), the library's switch ``setter`` (a ``tq_set_*`` function
+    taking an index into ``modes``, returning the one before) at ``mode``; ``noted`` hears each mode
+    set. A mode that is not one of ``modes`` raises ValueError (naming them) when the block starts."""
+    if mode not in modes:
+        raise ValueError(f"mode: expected one of {modes}, got {mode!r}")
+    if _LIB is None:
+        yield
+        return
+    switch = getattr(_LIB, setter)
+    before = switch(modes.index(mode))
+    if noted:
+        noted(mode)
+    try:
+        yield
+    finally:
+        switch(before)
+        if noted:
+            noted(modes[before])
+
+
+def int8_amx(mode: str) -> contextlib.AbstractContextManager[None]:
     """Within the block (process-wide), the AMX GEMM forms of the int8 dynamic and static kernels
     (``csrc/int8_amx_body.h``, from 8 activation rows) and of nf4a8 / fp4a8
     (``csrc/lut4_q8_amx_body.h``, from 64 rows): ``"on"`` (the default, unless
@@ -218,16 +245,7 @@ def int8_amx(mode: str) -> Iterator[None]:
     never, ``"emulated"`` runs their bodies on emulated tiles on any CPU (the nf4a8 form's on CPUs
     with AVX2, which unpacks its panels; for tests: the same bits).
     ``lut4_paths(gemm=False)`` turns it off with the other GEMM forms."""
-    if mode not in INT8_AMX_MODES:
-        raise ValueError(f"mode: expected one of {INT8_AMX_MODES}, got {mode!r}")
-    if _LIB is None:
-        yield
-        return
-    before = _LIB.tq_set_int8_amx(INT8_AMX_MODES.index(mode))
-    try:
-        yield
-    finally:
-        _LIB.tq_set_int8_amx(before)
+    return _mode("tq_set_int8_amx", INT8_AMX_MODES, mode)
 
 
 def int8_amx_calls() -> int:
@@ -236,26 +254,13 @@ def int8_amx_calls() -> int:
     return 0 if _LIB is None else int(_LIB.tq_amx_int8_calls())
 
 
-INT8_DOT_MODES = ("off", "on", "emulated")  # tq::Int8Dot's order
-
-
-@contextlib.contextmanager
-def int8_dot(mode: str) -> Iterator[None]:
+def int8_dot(mode: str) -> contextlib.AbstractContextManager[None]:
     """Within the block (process-wide), int8 weight-only's bf16 dot path for 2 to 32 rows of bf16
     activations (``csrc/int8_linear.h``): ``"on"`` (the default) on CPUs with AVX512_BF16 whose
     AVX-512 ISA is active, ``"off"`` never (the fp32 row kernels or dequantized tiles serve those
     rows), ``"emulated"`` its body on emulated instructions on any CPU, the same bits (for tests).
     A decode path: ``lut4_paths(decode=False)`` turns it off in every mode."""
-    if mode not in INT8_DOT_MODES:
-        raise ValueError(f"mode: expected one of {INT8_DOT_MODES}, got {mode!r}")
-    if _LIB is None:
-        yield
-        return
-    before = _LIB.tq_set_int8_dot(INT8_DOT_MODES.index(mode))
-    try:
-        yield
-    finally:
-        _LIB.tq_set_int8_dot(before)
+    return _mode("tq_set_int8_dot", INT8_DOT_MODES, mode)
 
 
 def int8_dot_calls() -> int:
@@ -264,34 +269,43 @@ def int8_dot_calls() -> int:
     return 0 if _LIB is None else int(_LIB.tq_dot_calls_int8())
 
 
+def lut4_scaled_dot(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Within the block (process-wide), the lut4 kernel's scaled dot path for 1 to 16 rows of bf16
+    activations (``csrc/lut4_linear.h``: int4 with fp32 scales, any group size; the codes' values as
+    bf16 into ``vdpbf16ps``, each block's sum scaled once): ``"on"`` (the default) on CPUs with
+    AVX512_BF16 whose AVX-512 ISA is active, ``"off"`` never (the lookup, table and decode paths
+    or dequantized tiles serve those rows), ``"emulated"`` its body on emulated instructions on any
+    CPU, the same bits (for tests). A decode path: ``lut4_paths(decode=False)`` turns it off in
+    every mode."""
+    return _mode("tq_set_lut4_scaled_dot", LUT4_SCALED_DOT_MODES, mode)
+
+
+def lut4_scaled_dot_calls() -> int:
+    """How many lut4 calls have taken the scaled dot path (csrc/lut4_linear.h) since the library
+    loaded (for tests: which path ran)."""
+    return 0 if _LIB is None else int(_LIB.tq_scaled_dot_calls_lut4())
+
+
 def int8_amx_supported() -> bool:
     """Whether this process runs the AMX int8 GEMM: the CPU has AMX-INT8 and Linux granted the tile
     state (asked once, by the library)."""
     return _LIB is not None and bool(_LIB.tq_amx_int8_supported())
 
 
-@contextlib.contextmanager
-def bf16_amx(mode: str) -> Iterator[None]:
+def _note_bf16_amx_mode(mode: str) -> None:
+    global _BF16_AMX_MODE
+    _BF16_AMX_MODE = mode
+
+
+def bf16_amx(mode: str) -> contextlib.AbstractContextManager[None]:
     """Within the block (process-wide), the bf16 AMX GEMM of the weight-only kernels (lut4: int4,
     NF4, FP4; int8) for 5 to ``BF16_AMX_MAX_M`` rows of bf16 activations (``csrc/bf16_amx.h``): ``"on"`` (the
     default, unless ``TORCHQ_NATIVE_AMX=0``) uses it on CPUs with AMX-BF16 whose AVX-512 ISA is
     active, ``"off"`` never (the paths of other CPUs serve those rows: dequantized tiles +
-    ``torch.mm``, the bf16 dot path, or the fused fp32 paths where the tile switch is off),
+    ``torch.mm``, the bf16 dot paths, or the fused fp32 paths where the tile switch is off),
     ``"emulated"`` runs its body on emulated tiles on any CPU (for tests). A GEMM form:
     ``lut4_paths(gemm=False)`` turns it off in every mode."""
-    global _BF16_AMX_MODE
-    if mode not in BF16_AMX_MODES:
-        raise ValueError(f"mode: expected one of {BF16_AMX_MODES}, got {mode!r}")
-    if _LIB is None:
-        yield
-        return
-    before = _LIB.tq_set_bf16_amx(BF16_AMX_MODES.index(mode))
-    _BF16_AMX_MODE = mode
-    try:
-        yield
-    finally:
-        _LIB.tq_set_bf16_amx(before)
-        _BF16_AMX_MODE = BF16_AMX_MODES[before]
+    return _mode("tq_set_bf16_amx", BF16_AMX_MODES, mode, _note_bf16_amx_mode)
 
 
 def bf16_amx_calls() -> int:

@@ -1,0 +1,41 @@
+// The lut4 scaled dot path on emulated instructions (lut4_scaled_dot_body.h over
+// dot_bf16_emulated.h, plus the codebook lookup of lut4_linear_avx512bf16.cpp's Lut4ScaledDotOps on
+// arrays). The same bits as the AVX512_BF16 kernel, on any CPU: tq_set_lut4_scaled_dot(
+// LUT4_SCALED_DOT_EMULATED) runs it (tests), with the active ISA's table path for the weight rows
+// that fall back. Compiled for the baseline ISA.
+#include "dot_bf16_emulated.h"
+#include "kernels.h"
+#include "lut4_scaled_dot_body.h"
+
+namespace tq {
+namespace {
+
+struct Lut4EmulatedDotOps : EmulatedDotOps {
+  struct Tab {
+    uint16_t h[16];
+  };
+
+  static Tab table(const float* codebook) {
+    Tab t;
+    for (int c = 0; c < 16; ++c) t.h[c] = bf16_word(codebook[c]);
+    return t;
+  }
+
+  static void weights(const Tab& tab, const uint8_t* w, int bytes, B& lo, B& hi) {
+    for (int j = 0; j < 32; ++j) {
+      const uint8_t v = j < bytes ? w[j] : 0;
+      lo.h[j] = tab.h[v & 15];
+      hi.h[j] = tab.h[v >> 4];
+    }
+  }
+};
+
+void scaled_dot_rows(const Lut4Params& p, int64_t n0, int64_t n1) {
+  Lut4ScaledDot<Lut4EmulatedDotOps>::rows(p, n0, n1, kernels().lut4.rows);
+}
+
+}  // namespace
+
+extern const Lut4RowsFn kLut4EmulatedScaledDot = &scaled_dot_rows;
+
+}  // namespace tq
