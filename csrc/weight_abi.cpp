@@ -78,8 +78,9 @@ TQ_API int tq_gemm_active(int format) {
 // The most activation rows of `x_dtype` for which tq_linear runs a path of its own above the
 // decode-sized ones on the active kernels, so that callers pass it those rows instead of
 // dequantized tiles: kBf16AmxMaxM where the bf16 AMX GEMM is on (bf16_amx.h: bf16 activations,
-// lut4 and int8 weight-only weights), else lut4's bf16 dot path's kLut4DotMaxM (lut4_linear.h:
-// int4 with bf16 scales in blocks of 32, AVX512_BF16); 0 where it has none.
+// lut4 and int8 weight-only weights), else the AVX512_BF16 dot paths' (lut4_linear.h: kLut4DotMaxM
+// for int4 with bf16 scales in blocks of 32, kLut4ScaledDotMaxM for int4 with fp32 scales;
+// int8_linear.h: kInt8DotMaxM); 0 where it has none.
 TQ_API int tq_dot_max_m(const tq_weight* w, int x_dtype) {
   using namespace tq;
   if (!valid_weight(w) || x_dtype != DT_BF16) return 0;

@@ -507,8 +507,8 @@ class NativeWeight:
         """The most activation rows of ``dtype`` the fused kernel takes for this weight above the
         decode-sized ones, instead of dequantized tiles: the bf16 AMX GEMM's (up to
         ``BF16_AMX_MAX_M``: bf16 activations, lut4 and int8 weight-only weights: :func:`bf16_amx`), else its bf16 dot path's
-        (int4 with bf16 scales in groups of 32, AVX512_BF16); 0 where it has neither (asked per
-        call: the ISA and modes may change)."""
+        (AVX512_BF16: int4 with bf16 scales in groups of 32 and int4 with fp32 scales, 16 rows;
+        int8 weight-only, 32); 0 where it has neither (asked per call: the ISA and modes may change)."""
         if dtype != torch.bfloat16 or self.format not in (abi.FORMAT_LUT4, abi.FORMAT_INT8) or _LIB is None:
             return 0
         return int(_LIB.tq_dot_max_m(self.address, DTYPE_CODES[dtype]))
