@@ -29,8 +29,8 @@ struct Lut4ScaledDot {
   using B = typename Ops::B;
   using Tab = typename Ops::Tab;
 
-  // Whether every scale and zero of weight row n lets it take the path: each 0, or normal and at
-  // most 2^100 (so that no weight c s is subnormal or overflows where the reference's would not;
+  // Whether each of the scales or zeros v[0..count) lets its weight row take the path: 0, or normal
+  // and at most 2^100 (so that no weight c s is subnormal or overflows where the reference's would not;
   // inf / NaN scales would give NaN where the reference's weights give inf). On the bits, so that
   // the loop vectorizes (a scalar check per value cost as much as the row's dot products).
   static bool values_ok(const float* v, int64_t count) {
