@@ -40,6 +40,10 @@ DOT_CANDIDATES = [  # block_m, block_n, block_kw, num_warps, num_stages
     (64, 128, 16, 8, 3), (16, 128, 32, 8, 2),
 ]
 DOT_PPS = (2, 8)
+FACTORED_CANDIDATES = [  # block_m, block_n, block_k, num_warps, num_stages, programs_per_sm, decode (int4 only)
+    (16, 64, 128, 4, 3, 4, 0), (16, 64, 128, 4, 3, 4, 1), (16, 128, 128, 4, 4, 2, 1), (16, 256, 64, 8, 3, 2, 1),
+    (64, 128, 128, 4, 3, 2, 1), (64, 128, 64, 8, 4, 1, 1), (128, 128, 64, 8, 3, 1, 1), (64, 256, 64, 8, 3, 1, 0),
+]
 PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8}
 
 
@@ -111,7 +115,10 @@ def run(args) -> list[dict]:
         name = torch.cuda.get_device_name(device)
         hbm = next((v for key, v in PEAK_HBM_TBS.items() if key in name), None)
     rows = []
+    from torchq.backends.triton import factored_dot as fd
+
     default_stream, default_dot = sg.DEFAULT_TUNING, sg.DOT_TUNING
+    kinds = set(args.kernels.split(","))
     stream_c = STREAM_CANDIDATES[:2] if args.quick else STREAM_CANDIDATES
     dot_c = DOT_CANDIDATES[:2] if args.quick else DOT_CANDIDATES
     for shape in args.shapes.split(","):
@@ -126,9 +133,21 @@ def run(args) -> list[dict]:
             def record(kind, fmt, label, fn, case=case):
                 rows.append(measure(case, kind, fmt, label, fn))
 
-            for fmt in ("int4-g128", "nf4-b64"):
+            for fmt in args.formats.split(","):
                 call = ws[fmt][0]
-                if m <= sg.STREAM_MAX_M:
+                record("op", fmt, "as routed", lambda c=call, x=x: c(x))
+                if "factored" in kinds and fmt.startswith("int4"):  # the op routes codebook formats elsewhere
+                    saved_rows, saved_t = dl.FACTORED_ROWS, fd.FACTORED_TUNING
+                    dl.FACTORED_ROWS = (1, 1 << 30)
+                    try:
+                        for bm, bn, bk, nw, ns, pps, dec in (FACTORED_CANDIDATES[:2] if args.quick else FACTORED_CANDIDATES):
+                            if (bm > max(16, m) or (dec and fmt.startswith("nf4"))) and not args.quick:
+                                continue
+                            fd.FACTORED_TUNING = fd.FactoredTuning(bm, bn, bk, nw, ns, pps, dec)
+                            record("factored", fmt, f"m{bm} n{bn} k{bk} w{nw} s{ns} pps{pps} d{dec}", lambda c=call, x=x: c(x))
+                    finally:
+                        dl.FACTORED_ROWS, fd.FACTORED_TUNING = saved_rows, saved_t
+                if m <= sg.STREAM_MAX_M and "stream" in kinds:
                     for bn, bkw, nw in stream_c:
                         for pps in STREAM_PPS:
                             for dec in (STREAM_DECODES if fmt.startswith("int4") and not args.quick else (0,)):
@@ -143,7 +162,7 @@ def run(args) -> list[dict]:
                             record("old-gemv", fmt, "n32 k128", lambda c=call, x=x: c(x))
                         finally:
                             dl.stream_gemv_fits, dl.words_fit = saved
-                if sg.STREAM_MAX_M < m <= 64 or (args.quick and m > 1):
+                if (sg.STREAM_MAX_M < m <= 64 or (args.quick and m > 1)) and "dot" in kinds:
                     for bm, bn, bkw, nw, ns in dot_c:
                         for pps in DOT_PPS:
                             sg.DOT_TUNING = sg.DotTuning(block_m=bm, block_n=bn, block_kw=bkw, num_warps=nw, num_stages=ns,
@@ -178,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="two candidates per kernel (smoke runs)")
+    p.add_argument("--kernels", default="stream,dot,factored", help="comma-separated: stream, dot, factored")
+    p.add_argument("--formats", default="int4-g128,nf4-b64", help="comma-separated: int4-g128, nf4-b64")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -352,6 +352,53 @@ def test_cuda_model_moves_to_cpu_and_back():
     assert model[0].weight.to_plain().map(lambda t: t.cpu()).equal(plain)
 
 
+
+QUANTIZE_ON_EITHER_DEVICE = {  # configs whose scales divide by a constant (7.5, 15, 127, 448, ...)
+    "int4-g32": lambda: torchq.int4_weight_only(group_size=32),
+    "int4-g128-bf16-scales": lambda: torchq.Int4WeightOnlyConfig(group_size=128, scale_dtype=torch.bfloat16),
+    "int4-float-zero": lambda: torchq.Int4WeightOnlyConfig(group_size=64, zero_point_domain=Z.FLOAT, scale_dtype=torch.float32),
+    "int4-symmetric": lambda: torchq.Int4WeightOnlyConfig(group_size=64, zero_point_domain=Z.NONE),
+    "int8wo": lambda: torchq.int8_weight_only(),
+    "int8dq": lambda: torchq.int8_dynamic_activation_int8_weight(),
+    "intx-3bit": lambda: torchq.intx_weight_only(bits=3, group_size=64),
+    "nf4-double": lambda: torchq.nf4_weight_only(block_size=64, double_quant=True),
+    "fp8wo": lambda: torchq.float8_weight_only(),
+}
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(QUANTIZE_ON_EITHER_DEVICE))
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_quantization_has_the_cpu_bits(name, w_dtype):
+    """A weight quantized on the GPU holds the CPU's codes and scales bit for bit (CUDA multiplies by
+    the reciprocal of a Python divisor: :mod:`torchq.division`)."""
+    g = torch.Generator().manual_seed(len(name))
+    w = (torch.randn(96, 512, generator=g) * torch.exp(2 * torch.randn(96, 1, generator=g))).to(w_dtype)
+    on_cpu = QUANTIZE_ON_EITHER_DEVICE[name]().quantize_weight(w).to_plain()
+    on_gpu = QUANTIZE_ON_EITHER_DEVICE[name]().quantize_weight(w.cuda()).to_plain().map(lambda t: t.cpu())
+    assert on_gpu.equal(on_cpu), name
+
+
+@cuda
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_activation_quantization_has_the_cpu_bits(x_dtype):
+    from torchq.activation import OutlierInt8, PerBlockInt8, PerTokenInt8
+    from torchq.float8 import quantize_float8_activations
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 1000, generator=g) * torch.exp(2 * torch.randn(64, 1, generator=g))).to(x_dtype)
+    x[3, 7] = float("nan")
+    x[5] = 0
+    for name, quantize in (("per-token", PerTokenInt8().quantize), ("per-block", PerBlockInt8().quantize),
+                           ("float8-row", lambda v: quantize_float8_activations(v, "row")),
+                           ("float8-tensor", lambda v: quantize_float8_activations(v, "tensor")),
+                           ("llm.int8", lambda v: (OutlierInt8().fake_quantize(v),))):
+        for a, b in zip(quantize(x), quantize(x.cuda()), strict=True):
+            assert a.dtype == b.dtype, name
+            a, b = (t.cpu().float() if t.is_floating_point() else t.cpu() for t in (a, b))  # float8 exactly in fp32
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), name
+
+
 # -- the ops' schemas and fake implementations (what torch.compile traces) -------------------------
 def test_device_ops_pass_opcheck():
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ torch.compile and larger shapes."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -29,6 +30,7 @@ tl = pytest.importorskip("triton.language")
 from torchq.backends.triton import (  # noqa: E402
     cuda_rejects,
     dequant_linear,
+    factored_dot,
     int8_linear,
     int8_weight,
     stream_gemv,
@@ -52,6 +54,17 @@ def reference(op, *args):
 
 def on(device, t):
     return None if t is None else t.to(device)
+
+
+@contextlib.contextmanager
+def factored_off():
+    """The reference-exact kernels for every row count (the factored kernel is tested on its own bound)."""
+    saved = dequant_linear.FACTORED_ROWS
+    dequant_linear.FACTORED_ROWS = (0, -1)
+    try:
+        yield
+    finally:
+        dequant_linear.FACTORED_ROWS = saved
 
 
 def int4_args(impl, x, bias=None):
@@ -97,7 +110,8 @@ def test_int4_weights_are_the_references_bit_for_bit(domain, x_dtype, scale_dtyp
         raise
     assume(bool(torch.isfinite(impl.dequantize(x_dtype)).all()))
     x, cols = identity_rows(k, m, x_dtype)
-    y = dequant_linear.int4_groupwise_linear(*int4_args(impl, x.to(DEVICE)))
+    with factored_off():
+        y = dequant_linear.int4_groupwise_linear(*int4_args(impl, x.to(DEVICE)))
     ref_w = reference(torch.ops.torchq.int4_groupwise_linear, *int4_args(impl, torch.eye(k, dtype=x_dtype)))
     assert y.dtype == x_dtype and y.shape == (m, n)
     assert torch.equal(y.cpu(), ref_w[cols])
@@ -193,6 +207,116 @@ def test_stream_gemv_nf4_is_within_its_bound(quant_type, nested, x_dtype, block,
     assert_within_stream_bound(y.cpu(), x, w32.double(), impl.dequantize(x_dtype), None, UNIT[x_dtype])
 
 
+
+def run_factored(impl, x, bias, tuning):
+    """:func:`factored_dot.factored_dot` on an int4 (Int4NativeLayout) or NF4 / FP4 weight, on DEVICE."""
+    n, k = impl.shape
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    packed = dev(impl.packed)
+    if hasattr(impl, "code_base"):
+        tensors, group, gpr, base, fmt = (dev(impl.scale), dev(impl.shift), dev(impl.zero)), impl.group_size, impl.scale.shape[1], impl.code_base, 0
+        opt_a, opt_b = impl.shift is not None, impl.zero is not None
+    else:
+        from torchq.blockwise.codebooks import codebook, dynamic_map
+
+        nested = impl.nested_codes is not None
+        group = impl.spec.block_size[1]
+        tensors = (codebook(impl.spec.codebook).to(DEVICE), None if nested else dev(impl.absmax), dev(impl.nested_codes),
+                   dev(impl.nested_absmax), dynamic_map().to(DEVICE) if nested else None,
+                   dev(impl.nested_offset).reshape(1) if nested else None)
+        gpr, base, fmt, opt_a, opt_b = k // group, 0.0, 1, nested, False
+        packed = packed.reshape(n, k // 2)
+    tensors = tuple(packed if t is None else t for t in (*tensors, None, None, None)[:6])
+    x2 = x.to(DEVICE)
+    assert factored_dot.factored_dot_fits(x2.dtype, packed, group, k)
+    out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=DEVICE)
+    return factored_dot.factored_dot(x2, out, n, k, packed, gpr, group, tensors, base, fmt, opt_a, opt_b, dev(bias), 8, tuning).cpu()
+
+
+def assert_within_factored_bound(y, x, w, mag_w, bias, block_k):
+    """The factored kernel's contract: one rounding to x's dtype, and fp32 sums bounded by
+    ``(BLOCK_K + K/BLOCK_K + 8)·2^-24`` times ``Σ|x|·mag_w`` (the factored terms' magnitudes)."""
+    xd = x.double()
+    exact = F.linear(xd, w) + (0 if bias is None else bias.double())
+    k = x.shape[-1]
+    fp32 = (block_k + k / block_k + 8) * 2.0**-24 * (F.linear(xd.abs(), mag_w) + (0 if bias is None else bias.double().abs()))
+    tiny = torch.finfo(x.dtype).smallest_normal * torch.finfo(x.dtype).eps
+    bound = UNIT[x.dtype] * (exact.abs() + fp32) + fp32 + tiny
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), f"max error / bound {(err / bound).max():.3g}"
+
+
+TUNINGS = [factored_dot.FactoredTuning(), factored_dot.FactoredTuning(block_m=16, block_n=16, block_k=32, programs_per_sm=64),
+           factored_dot.FactoredTuning(block_m=32, block_n=32, block_k=64, programs_per_sm=1, decode=1),
+           factored_dot.FactoredTuning(block_m=16, block_n=64, block_k=128, programs_per_sm=8, decode=0)]
+
+
+@settings(**SETTINGS)
+@given(domain=st.sampled_from([Z.FLOAT, Z.INT, Z.NONE]), x_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       scale_dtype=st.sampled_from(FLOATS), g=st.sampled_from([32, 64, 128, 256]), n=st.integers(1, 70), k=st.integers(1, 600),
+       m=st.integers(1, 40), bias=st.booleans(), edge=st.sampled_from(["none", "zero_x", "constant_w", "tiny", "huge"]),
+       tuning=st.sampled_from(range(len(TUNINGS))), seed=st.integers(0, 2**31 - 1))
+def test_factored_dot_int4_is_within_its_bound(domain, x_dtype, scale_dtype, g, n, k, m, bias, edge, tuning, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
+    if edge == "constant_w":
+        w[0] = 0.75
+    w = w.to(scale_dtype)
+    cfg = torchq.Int4WeightOnlyConfig(group_size=g, zero_point_domain=domain, scale_dtype=scale_dtype, layout=Int4NativeLayout())
+    try:
+        impl = cfg.quantize_weight(w).tensor_impl
+    except ValueError as e:
+        assume("overflows" not in str(e))
+        raise
+    x = edge_input(gen, m, k, x_dtype, edge, fp16_scales=(1e-4, 1e2))
+    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    exact = exact_int4_weight(impl)
+    assume(bool(torch.isfinite(F.linear(x.double(), exact).to(x_dtype)).all()))
+    y = run_factored(impl, x, b, TUNINGS[tuning])
+    assert y.dtype == x_dtype and y.shape == (m, n)
+    rep = lambda t: t.double().repeat_interleave(g, 1)[:, :k]  # noqa: E731
+    u = unpack_nibbles(impl.packed).double()[:, :k]
+    c = impl.code_base + (0 if impl.shift is None else rep(impl.shift))
+    biased = (128 if x_dtype == torch.bfloat16 else 1024) if TUNINGS[tuning].decode == 1 else 0  # decode 1 multiplies u + bias
+    s_ = rep(impl.scale)
+    mag = (u + biased) * s_.abs() + ((c - biased) * s_).abs() + (0 if impl.zero is None else rep(impl.zero).abs())
+    assert_within_factored_bound(y, x, exact[:, :k], mag, b, min(TUNINGS[tuning].block_k, g))
+
+
+@settings(**SETTINGS)
+@given(quant_type=st.sampled_from(["nf4", "fp4"]), nested=st.booleans(), x_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       block=st.sampled_from([32, 64, 256, 1024]), n=st.integers(1, 40), blocks=st.integers(1, 3), m=st.integers(1, 40),
+       bias=st.booleans(), tuning=st.sampled_from(range(len(TUNINGS))), seed=st.integers(0, 2**31 - 1))
+def test_factored_dot_nf4_is_within_its_bound(quant_type, nested, x_dtype, block, n, blocks, m, bias, tuning, seed):
+    """Codebook formats: the codebook value rounded once to x's dtype, times the block's absmax in fp32."""
+    from torchq.blockwise.codebooks import codebook
+
+    k = block * blocks
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    w[0, :block] = 0  # an all-zero block
+    cfg = (torchq.nf4_weight_only if quant_type == "nf4" else torchq.fp4_weight_only)(block_size=block, double_quant=nested)
+    impl = cfg.quantize_weight(w).tensor_impl
+    x = torch.randn(m, k, generator=gen).to(x_dtype)
+    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    y = run_factored(impl, x, b, TUNINGS[tuning])
+    plain = impl.to_plain()
+    absmax = plain.scale.double().reshape(n, -1).repeat_interleave(block, 1)
+    values = codebook(quant_type).to(x_dtype).double()[plain.codes.long()].reshape(n, k)
+    assert_within_factored_bound(y, x, values * absmax, (values * absmax).abs(), b, min(TUNINGS[tuning].block_k, block))
+
+
+def test_factored_dot_takes_only_what_it_reads_right():
+    impl = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout()).quantize_weight(torch.randn(9, 96)).tensor_impl
+    fits = factored_dot.factored_dot_fits
+    assert fits(torch.bfloat16, impl.packed, 32, 96) and fits(torch.float16, impl.packed, 32, 96)
+    assert not fits(torch.float32, impl.packed, 32, 96)  # fp32 x: the reference-exact kernels
+    buf = torch.zeros(impl.packed.numel() + 1, dtype=torch.uint8)
+    shifted = buf[1:].view(impl.packed.shape)
+    assert not fits(torch.bfloat16, shifted, 32, 96)  # not on a word boundary
+    assert not fits(torch.bfloat16, impl.packed, 8, 96) and not fits(torch.bfloat16, impl.packed, 48, 96)
+
+
 def test_stream_gemv_needs_whole_aligned_words():
     """A packed view that does not start on a 4-byte boundary is not read as words: the other
     kernels take it, with the same weights (the one-row GEMV's are the reference's bit for bit)."""
@@ -215,13 +339,13 @@ def test_stream_gemv_slices_add_in_a_fixed_order():
     impl = torchq.Int4WeightOnlyConfig(group_size=32, layout=Int4NativeLayout()).quantize_weight(torch.randn(24, 1024)).tensor_impl
     x = torch.randn(2, 1024, dtype=torch.bfloat16).to(DEVICE)
     tuning = stream_gemv.StreamTuning(block_n=16, block_kw=8, programs_per_sm=64)  # many K slices
-    run = lambda: stream_gemv.stream_gemv(x, torch.empty(2, 24, dtype=x.dtype, device=DEVICE), 24, 1024, on(DEVICE, impl.packed),  # noqa: E731
-                                          32, 32, (on(DEVICE, impl.scale), impl.packed, on(DEVICE, impl.zero), impl.packed,
-                                                   impl.packed, impl.packed), impl.code_base, 0, False, True, None, 8, tuning)
+    packed = on(DEVICE, impl.packed)  # also the unused pointer arguments': every pointer on the kernel's device
+    params = (on(DEVICE, impl.scale), packed, on(DEVICE, impl.zero), packed, packed, packed)
+    run = lambda: stream_gemv.stream_gemv(x, torch.empty(2, 24, dtype=x.dtype, device=DEVICE), 24, 1024, packed,  # noqa: E731
+                                          32, 32, params, impl.code_base, 0, False, True, None, 8, tuning)
     first = run()
     assert torch.equal(first, run())
-    one = stream_gemv.stream_gemv(x, torch.empty(2, 24, dtype=x.dtype, device=DEVICE), 24, 1024, on(DEVICE, impl.packed), 32, 32,
-                                  (on(DEVICE, impl.scale), impl.packed, on(DEVICE, impl.zero), impl.packed, impl.packed, impl.packed),
+    one = stream_gemv.stream_gemv(x, torch.empty(2, 24, dtype=x.dtype, device=DEVICE), 24, 1024, packed, 32, 32, params,
                                   impl.code_base, 0, False, True, None, 8, stream_gemv.StreamTuning(block_n=32, block_kw=128,
                                                                                                     programs_per_sm=1))
     assert_within_stream_bound(first.cpu(), x.cpu(), exact_int4_weight(impl), impl.dequantize(torch.bfloat16), None, UNIT[torch.bfloat16])
@@ -239,9 +363,11 @@ def test_int4_products_match_the_reference(x_dtype, m):
     bias = torch.randn(n, dtype=torch.float32)
     y = dequant_linear.int4_groupwise_linear(*int4_args(impl, x.to(DEVICE), bias.to(DEVICE)))
     ref = reference(torch.ops.torchq.int4_groupwise_linear, *int4_args(impl, x.double().to(x_dtype), bias))
-    # the streaming GEMV multiplies the exact weight, the other kernels the reference's rounded one
+    # the streaming GEMV and the factored kernel multiply the exact weight, the other kernels the reference's rounded one
     rounded = F.linear(x.double(), impl.dequantize(torch.float64).to(x_dtype).double(), bias.to(x_dtype).double())
-    exact = F.linear(x.double(), exact_int4_weight(impl), bias.to(x_dtype).double()) if 2 * m <= stream_gemv.STREAM_MAX_M else rounded
+    factored = x_dtype != torch.float32 and dequant_linear.FACTORED_ROWS[0] <= 2 * m <= dequant_linear.FACTORED_ROWS[1]
+    on_exact = 2 * m <= stream_gemv.STREAM_MAX_M or factored
+    exact = F.linear(x.double(), exact_int4_weight(impl), bias.to(x_dtype).double()) if on_exact else rounded
     assert y.shape == (2, m, n) and y.dtype == x_dtype
     floor = {torch.float32: 120, torch.bfloat16: 45, torch.float16: 60}[x_dtype]
     assert sqnr(exact, y.cpu()) > floor and sqnr(rounded, ref) > floor - 5
@@ -662,9 +788,9 @@ def test_the_lazy_cuda_entry_points_import_their_module_once(monkeypatch):
     from torchq.backends import triton as triton_backend
     from torchq.ops.int8 import check_int8_weight_args  # noqa: F401  (the op module is loaded before counting)
 
-    codes = torch.randint(-127, 128, (8, 32), dtype=torch.int8)
-    scale = torch.rand(8) + 0.5
-    x = torch.randn(2, 32)
+    codes = torch.randint(-127, 128, (8, 32), dtype=torch.int8, device=DEVICE)
+    scale = torch.rand(8, device=DEVICE) + 0.5
+    x = torch.randn(2, 32, device=DEVICE)
     entry = triton_backend._lazy_kernel("int8_weight", "int8_weight_linear")
     first = entry(x, codes, scale)
     calls = []

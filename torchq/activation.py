@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .division import divide
 from .float8 import check_granularity, quantize_float8_activations
 from .primitives import MappingType, ZeroPointDomain, choose_qparams_affine, dequantize_affine, quantize_affine
 from .serialization import reduce_object, register_kind
@@ -87,7 +88,7 @@ class OutlierInt8:
         kept = x32.masked_fill(outlier, 0.0)
         absmax = kept.abs().amax(dim=1, keepdim=True)
         codes = torch.round(kept * torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax)))
-        deq = (codes * (absmax / 127)).to(x.dtype)
+        deq = (codes * divide(absmax, 127)).to(x.dtype)
         return torch.where(outlier.any(dim=0, keepdim=True), rows, deq).reshape(x.shape)
 
     def __reduce__(self):
@@ -132,7 +133,7 @@ class PerBlockInt8:
         blocks = x32.reshape(*x.shape[:-1], kp // b, b)
         finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
         amax = torch.where(finite, blocks, 0.0).abs().amax(dim=-1, keepdim=True)
-        scale = amax / 127
+        scale = divide(amax, 127)
         codes = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(-127, 127)
         codes = torch.where(finite, codes, 0.0).to(torch.int8).reshape(*x.shape[:-1], kp)
         scale = torch.where(finite, scale, float("nan")).squeeze(-1)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .division import divide
+
 __all__ = ["E4M3_MAX", "MIN_SCALE", "FLOAT8_DTYPE", "GRANULARITIES", "float8_scale", "quantize_float8",
            "quantize_float8_activations", "dequantize_float8", "check_granularity"]
 
@@ -47,7 +49,7 @@ def _amax(v32: torch.Tensor, granularity: str) -> torch.Tensor:
 
 def float8_scale(amax: torch.Tensor) -> torch.Tensor:
     """``max(amax / 448, 2^-126)`` in fp32 (NaN stays NaN)."""
-    scale = amax.to(torch.float32) / E4M3_MAX
+    scale = divide(amax.to(torch.float32), E4M3_MAX)
     return torch.where(scale < MIN_SCALE, MIN_SCALE, scale)
 
 

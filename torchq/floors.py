@@ -12,7 +12,7 @@ __all__ = ["FLOORS", "ALLOWED_UPWARD", "ALLOWED_CIRCLES", "ALLOWED_PRIVATE", "fl
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("torchq._version", "torchq.serialization", "torchq.hooks", "torchq.floors", "torchq.tracing",
                     "torchq.identity_cache", "torchq.bitpack", "torchq.patterns", "torchq.timing", "torchq.prefill")),
-    ("numerics", ("torchq.primitives", "torchq.float8", "torchq.canonical", "torchq.activation", "torchq.algorithms",
+    ("numerics", ("torchq.division", "torchq.primitives", "torchq.float8", "torchq.canonical", "torchq.activation", "torchq.algorithms",
                   "torchq.blockwise")),
     ("ops", ("torchq.ops",)),
     ("backends", ("torchq.backends", "torchq.native")),

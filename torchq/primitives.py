@@ -36,6 +36,7 @@ from enum import StrEnum
 
 import torch
 
+from .division import divide
 from .serialization import reduce_enum, register_kind
 
 __all__ = [
@@ -260,11 +261,11 @@ def choose_qparams_affine(
         lo = torch.clamp(lo, max=0)
         hi = torch.clamp(hi, min=0)
     if mapping_type is MappingType.SYMMETRIC:
-        scale = torch.maximum(-lo, hi) / ((qmax - qmin) / 2)
+        scale = divide(torch.maximum(-lo, hi), (qmax - qmin) / 2)
     elif mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR:
-        scale = torch.maximum(lo / qmin, hi / qmax)
+        scale = torch.maximum(divide(lo, qmin), divide(hi, qmax))
     else:
-        scale = (hi - lo) / (qmax - qmin)
+        scale = divide(hi - lo, qmax - qmin)
     scale = torch.clamp(scale, min=eps)
 
     if zero_point_domain is ZeroPointDomain.NONE:

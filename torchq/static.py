@@ -57,6 +57,7 @@ from torch import nn
 from .activation import PerTokenInt8, StaticInt8
 from .configs import Int8DynamicActivationInt8WeightConfig, Int8StaticActivationInt8WeightConfig, QuantConfig
 from .dispatch import strict
+from .division import divide
 from .quantize import UNSET, ConfigSpec, config_resolver, default_filter, is_conv1d, quantize_, tensor_slots
 from .tensor import AffineQuantizedTensor
 
@@ -386,7 +387,7 @@ def unprepare(model: nn.Module) -> nn.Module:
 
 def _fake_int8_weight(w: torch.Tensor) -> torch.Tensor:
     """Per-row symmetric int8 [-127, 127] (the configs' weight format) as fp32 values."""
-    s = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).eps)
+    s = divide(w.abs().amax(dim=1, keepdim=True), 127).clamp_min(torch.finfo(torch.float32).eps)
     return torch.round(w / s).clamp(-127, 127) * s
 
 

@@ -23,7 +23,8 @@ def double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     """``(codes uint8 [nb], absmax2 fp32 [ceil(nb/256)], offset fp32 0-d)`` of fp32 ``absmax``."""
     if absmax.dtype != torch.float32 or absmax.dim() != 1 or absmax.numel() == 0:
         raise ValueError(f"absmax: expected a non-empty 1-D fp32 tensor, got {absmax.dtype} {list(absmax.shape)}")
-    offset = absmax.mean()
+    # the mean as the CPU reduces it, wherever absmax lives: a GPU's reduction order gives other bits
+    offset = absmax.cpu().mean().to(absmax.device) if absmax.device.type != "cpu" else absmax.mean()
     codes, absmax2 = torch.ops.torchq.quantize_blockwise(absmax - offset, dynamic_map().to(absmax.device), NESTED_BLOCKSIZE)
     return codes, absmax2, offset
 

@@ -33,6 +33,7 @@ from ..backends.native_cpu import library as native_library
 from ..backends.native_cpu.int8 import NATIVE_MIN_CODE, dynamic_linear_cpu, static_linear_cpu, weight_linear_cpu
 from ..canonical import PlainForm, QuantSpec
 from ..dispatch import LinearKernel
+from ..division import divide
 from ..ops.int8 import int8_dynamic_linear, int8_static_linear, int8_static_reference, int8_weight_linear, int8_weight_only_mm
 from ..primitives import ZeroPointDomain
 from ..tracing import traced
@@ -264,7 +265,7 @@ def _llm_int8(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     codes = codes.masked_fill(col_mask, 0)
     acc = torch.ops.torchq.int8_linear_matmul(codes, w.codes)
     scale = w.scale.reshape(1, n).to(torch.float32)
-    y = acc.to(torch.float32) * (row_absmax / 127).reshape(-1, 1) * scale
+    y = acc.to(torch.float32) * divide(row_absmax, 127).reshape(-1, 1) * scale
     if traced(x2):  # dense fp32 matmul of the masked input (no data-dependent gather)
         xo = torch.where(col_mask, x2.to(torch.float32), 0.0)
         y = y + xo @ (w.codes.to(torch.float32) * scale.reshape(n, 1)).t()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from ..division import divide
 from .devices import one_device_fake
 from .out_overloads import define_out_overload
 
@@ -145,7 +146,7 @@ def _check_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> None:
 @torch.library.custom_op("torchq::int8_vectorwise_dequant", mutates_args=(), schema="(Tensor A, Tensor stats) -> Tensor")
 def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     _check_vectorwise_dequant(A, stats)
-    return ((_fp32_rows(A) * stats.reshape(-1, 1)) / 127).reshape(A.shape)
+    return divide(_fp32_rows(A) * stats.reshape(-1, 1), 127).reshape(A.shape)
 
 
 @int8_vectorwise_dequant.register_fake
@@ -226,7 +227,7 @@ def int8_mm_dequant(
         raise TypeError(f"A: expected int32 accumulators, got {A.dtype}")
     c = _rows(A)
     _check_stats(c.shape[0], c.shape[1], row_stats, col_stats, bias)
-    out = _fp32_rows(c) * (row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)) / 16129.0
+    out = divide(_fp32_rows(c) * (row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)), 16129.0)
     if bias is not None:
         out = out + bias.reshape(1, -1).float()
     return out.to(dtype or torch.float16).reshape(A.shape)

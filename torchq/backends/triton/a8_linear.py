@@ -109,7 +109,7 @@ def _codebook_a8_dot_kernel(q_ptr, a_ptr, packed_ptr, table_ptr, absmax_ptr, bia
         a = tl.load(a_ptr + m_idx * stride_am + k0 // BLOCK_K, mask=m_ok, other=0.0)
         am = tl.load(absmax_ptr + (n_idx.to(tl.int64) * K + k0) // blocksize, mask=n_ok, other=0.0)
         acc += (a[:, None] * d) * am[None, :]
-    acc = acc / 127.0
+    acc = tl.math.div_rn(acc, 127.0)  # IEEE division: triton's `/` is approximate on CUDA
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0)[None, :]
     tl.store(out_ptr + m_idx[:, None] * N + n_idx[None, :], round_to(acc, X_KIND).to(out_ptr.dtype.element_ty),

@@ -15,8 +15,11 @@ Kernels by the number of rows ``M`` (measured on an H200, ``benchmarks/tune_gpu_
 * ``M <= STREAM_MAX_M`` (4), bytes readable as int32 words (every layout's own tensors):
   :mod:`.stream_gemv`'s streaming GEMV, which factors the scales out of each group (its numeric
   contract is stated there: within the reference's per-weight roundings, not bit for bit);
-* ``M <= DOT_MAX_M`` (16), affine formats: :func:`.stream_gemv.dot_words`, tensor cores on the
-  reference's own weights (bit for bit; sums in fp32);
+* ``FACTORED_ROWS`` (5-64), affine formats, bf16 / fp16 x: :mod:`.factored_dot`, tensor cores on
+  the raw codes with the group's scale, offset and zero applied per step (its contract is stated
+  there: within the reference's per-weight roundings);
+* ``M <= DOT_MAX_M`` (16), other affine calls (fp32 x): :func:`.stream_gemv.dot_words`, tensor
+  cores on the reference's own weights (bit for bit; sums in fp32);
 * otherwise (and for codebook formats above 4 rows, whose per-code lookups measured 4x slower
   in the tensor-core kernel) the weight is written once in x's dtype (``_dequant_kernel``, bit
   for bit the reference's) and multiplied by PyTorch's float GEMM (cuBLAS);
@@ -42,6 +45,7 @@ from ...ops.blockwise import check_blockwise_4bit_linear_args
 from ...ops.int4 import check_int4_groupwise_linear_args
 from .device import as_rows, cdiv, next_pow2
 from .device import sm_count as _sm_count
+from .factored_dot import factored_dot, factored_dot_fits
 from .rounding import ROUND_KINDS, round_to
 from .stream_gemv import STREAM_MAX_M, dot_words, store_result, stream_gemv, stream_gemv_fits, sum_slices_kernel, words_fit
 
@@ -55,6 +59,11 @@ GEMV_MAX_M = 1
 # weight is dequantized once and multiplied by cuBLAS. Launch parameters of the tensor-core kernel:
 DOT_MAX_M = 16  # H200, int4 g128: the tensor-core kernel 0.28-0.30x bf16 at M=16, dequantize + cuBLAS faster at 64
 DOT_TUNING = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=4)
+# Rows (first, last) that the factored tensor-core kernel (:mod:`.factored_dot`) takes: affine formats,
+# bf16 / fp16 x. H200, int4 g128: 0.38-0.47x bf16 at M=16 and 0.35-0.44x at M=64 against 0.26-0.31x
+# for dot_words / dequantize + cuBLAS; slower than the streaming GEMV up to 4 rows and than dequantize
+# + cuBLAS from 128; codebook formats 2-6x slower than dequantize + cuBLAS (per-code lookups).
+FACTORED_ROWS = (STREAM_MAX_M + 1, 64)
 
 
 @triton.jit
@@ -201,6 +210,11 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
     weight = (packed, stride_pn, stride_gn, *ws, float(code_base))
     flags = dict(FMT=fmt, OPT_A=bool(opt_a), OPT_B=bool(opt_b), ROUND_MUL=round_mul, ROUND_ADD=round_add, GROUP=group)
     bias = None if bias is None else bias.reshape(-1).to(x.dtype).contiguous()  # the reference adds bias in x's dtype
+    rows = packed.reshape(n, stride_pn)
+    if fmt == AFFINE and FACTORED_ROWS[0] <= m <= FACTORED_ROWS[1] and factored_dot_fits(x.dtype, rows, group, k):
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        factored_dot(x2, out, n, k, rows, stride_gn, group, ws, code_base, fmt, opt_a, opt_b, bias, _sm_count(x.device))
+        return out.reshape(*x.shape[:-1], n)
     if m > DOT_MAX_M or (fmt == CODEBOOK and m > STREAM_MAX_M):  # the weight in x's dtype once, then the float GEMM (the reference's own two steps)
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
         block_n, block_k = 32, 128
@@ -209,7 +223,6 @@ def dequant_linear(x: torch.Tensor, n: int, k: int, packed: torch.Tensor, stride
                 (fmt, opt_a, opt_b, x.dtype, x.device))
         return F.linear(x2, w, bias).reshape(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    rows = packed.reshape(n, stride_pn)
     if stream_gemv_fits(rows, m, group):
         stream_gemv(x2, out, n, k, rows, stride_gn, group, ws, code_base, fmt, opt_a, opt_b, bias, _sm_count(x.device))
         return out.reshape(*x.shape[:-1], n)
