@@ -56,10 +56,39 @@ def e2e_table(folder: Path) -> str:
     return "\n".join([f"end to end ({data.get('device')}, {data.get('layers')} layers):", format_table(data["rows"]), *errors])
 
 
+def tune_table(folder: Path) -> str:
+    path = folder / "tune.json"
+    if not path.exists():
+        return "tuning: no tune.json"
+    data = json.loads(path.read_text())
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tune_gpu_kernels import best_rows
+
+    rows = sorted(best_rows(data["rows"]), key=lambda r: (r["shape"], r["M"], r["format"], r["us"]))
+    out = [f"tuning ({data.get('device')}): the fastest candidate per shape, M, kernel"]
+    out += [f"  {r['shape']:>11} M={r['M']:<4} {r['format']:<9} {r['kernel']:<8} {r['params']:<30} {r['vs_bf16']:5.2f}x bf16" for r in rows]
+    return "\n".join(out)
+
+
+def profile_lines(folder: Path) -> str:
+    path = folder / "profile.json"
+    if not path.exists():
+        return "host time: no profile.json"
+    data = json.loads(path.read_text())
+    results = data["results"]
+    base = next((r["us_per_call"] for r in results if r["config"] == "bf16"), None)
+    out = [f"host time per eager call ({data.get('device')}, {results[0]['shape'] if results else ''} M=1), top functions by own time:"]
+    for r in results:
+        extra = f" ({r['us_per_call'] - base:+.1f} us against bf16)" if base is not None and r["config"] != "bf16" else ""
+        top = ", ".join(f"{f['function']} {f['self_us']:.1f}" for f in r["functions"][:3])
+        out.append(f"  {r['config']:<14} {r['us_per_call']:7.1f} us{extra}: {top}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     folder = Path(argv[0] if argv else "gpu-results")
-    print("\n\n".join([tests_line(folder), kernels_table(folder), e2e_table(folder)]))
+    print("\n\n".join([tests_line(folder), kernels_table(folder), e2e_table(folder), tune_table(folder), profile_lines(folder)]))
     return 0
 
 

@@ -65,6 +65,9 @@ std::atomic<int> g_paths{[] {
 // The scaled dot path's mode (Lut4ScaledDotMode) and the calls that took it (tq_scaled_dot_calls_lut4, for tests).
 std::atomic<int> g_scaled_dot{LUT4_SCALED_DOT_ON};
 std::atomic<int64_t> g_scaled_dot_calls{0};
+// The bf16 dot path's mode (Lut4DotMode) and the calls that took it (tq_dot_calls_lut4).
+std::atomic<int> g_dot{LUT4_DOT_ON};
+std::atomic<int64_t> g_dot_calls{0};
 
 // The decode path for this call (p.decode, and its function and lane width), or DECODE_NONE.
 int choose_decode(const Lut4Params& p, Lut4DecodeFn* fn, int* lanes) {
@@ -272,13 +275,16 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   const bool pairs = k.rows_bf16 && lut4_bf16_pairs(p);
   Lut4RowsFn rows = decode ? decode : gemm ? k.gemm : pairs ? k.rows_bf16 : k.rows;
   uint16_t* xb = nullptr;
-  if (pairs && k.dot_bf16 && (lut4_paths() & LUT4_DECODE) && dtype == DT_BF16 && !decode && M >= kLut4DotMinM && M <= kLut4DotMaxM && dot_activations(xp, M * K)) {
+  const int64_t dot_min_m = p.block >= kLut4DotOneRowBlock ? 1 : kLut4DotMinM;
+  const Lut4RowsFn dot = dtype == DT_BF16 && !decode && M >= dot_min_m && M <= kLut4DotMaxM && lut4_bf16_dot_weights(p) ? lut4_dot_kernel() : nullptr;
+  if (dot && dot_activations(xp, M * K)) {
     p.kx = (K + 63) / 64 * 64;
     xb = static_cast<uint16_t*>(aligned_alloc(64, (M * p.kx * sizeof(uint16_t) + 63) / 64 * 64));
     if (xb) {
       for (int64_t m = 0; m < M; ++m) to_dot_order(xp + m * K, K, xb + m * p.kx, 64);
       p.xb = xb;
-      rows = k.dot_bf16;
+      rows = dot;
+      g_dot_calls.fetch_add(1, std::memory_order_relaxed);
     }
   }
   if (scaled && dot_activations(xp, M * K)) {
@@ -514,8 +520,13 @@ int lut4_dot_max_m(const tq_weight& w) {
   if (bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);  // the AMX GEMM (above the dot paths' rows)
   const Lut4Params p = params(w, 0, nullptr);
   if (lut4_scaled_dot_allowed(p) && lut4_scaled_dot_kernel()) return static_cast<int>(kLut4ScaledDotMaxM);
-  if (!kernels().lut4.dot_bf16 || !(lut4_paths() & LUT4_DECODE)) return 0;
-  return lut4_bf16_pairs(p) ? static_cast<int>(kLut4DotMaxM) : 0;
+  return lut4_bf16_dot_weights(p) && lut4_dot_kernel() ? static_cast<int>(kLut4DotMaxM) : 0;
+}
+
+Lut4RowsFn lut4_dot_kernel() {
+  if (!(lut4_paths() & LUT4_DECODE)) return nullptr;
+  const int mode = g_dot.load(std::memory_order_relaxed);
+  return mode == LUT4_DOT_EMULATED ? kLut4EmulatedDot : mode == LUT4_DOT_ON ? kernels().lut4.dot_bf16 : nullptr;
 }
 
 Lut4RowsFn lut4_scaled_dot_kernel() {
@@ -545,3 +556,11 @@ TQ_API int tq_set_lut4_scaled_dot(int mode) {
 }
 // How many lut4 calls have taken the scaled dot path since the library loaded.
 TQ_API int64_t tq_scaled_dot_calls_lut4() { return tq::g_scaled_dot_calls.load(); }
+// The bf16 dot path's mode (tq::Lut4DotMode; negative: read), as tq_set_lut4_scaled_dot's.
+TQ_API int tq_set_lut4_dot(int mode) {
+  if (mode < 0) return tq::g_dot.load();
+  if (mode > tq::LUT4_DOT_EMULATED) return -1;
+  return tq::g_dot.exchange(mode);
+}
+// How many lut4 calls have taken the bf16 dot path since the library loaded.
+TQ_API int64_t tq_dot_calls_lut4() { return tq::g_dot_calls.load(); }

@@ -72,9 +72,12 @@
 // could be subnormal, take the one-block tables), so the same outputs. SmolLM2's 3072 x 576 at
 // M = 1 on one Zen 4 core: 217 -> 181 us.
 //
-// bf16 dot path (Lut4Kernels.dot_bf16, kLut4DotMinM <= M <= kLut4DotMaxM, bf16 activations,
-// lut4_bf16_pairs weights, AVX512_BF16): those weights are bf16 values (their tables are rounded
-// to bf16), so a pair of blocks' [A | B] table becomes 32 bf16 words (vcvtne2ps2bf16), 64 weights
+// bf16 dot path (Lut4Kernels.dot_bf16, kLut4DotMinM <= M <= kLut4DotMaxM (from one row in blocks of
+// kLut4DotOneRowBlock or more), bf16 activations, lut4_bf16_dot_weights weights, AVX512_BF16; the
+// body: lut4_dot_body.h, emulated in lut4_dot_emulated.cpp, tq_set_lut4_dot): those weights are bf16
+// values (their tables are rounded to bf16), so a pair of blocks' [A | B] table (blocks of 32; in
+// blocks of a multiple of 64 one block's table twice, built once per block: SmolLM2's layers at 4
+// rows 1.5-1.9x the table path in blocks of 64-256) becomes 32 bf16 words (vcvtne2ps2bf16), 64 weights
 // at a time come out of two vpermw lookups as bf16, and vdpbf16ps multiplies them with the bf16
 // activations: the products are exact in fp32 as on the table path, summed in fp32 in another
 // order (the same bound). vdpbf16ps reads subnormals as zero and flushes them, so a call takes it
@@ -219,12 +222,18 @@ static inline bool lut4_lookup_allowed(const Lut4Params& p) {
 // blocks of 32 (where building tables costs the most per weight), at least two per row, and an
 // integer codebook (int4; each product c s is then 0 or at least
 // |s| in magnitude: see lut4_linear_body.h's Pairs).
-static inline bool lut4_bf16_pairs(const Lut4Params& p) {
-  if (p.round_mul != ROUND_BF16 || (p.zeros && p.round_add != ROUND_BF16) || !p.absmax || p.block != 32 || p.blocks_per_row < 2) return false;
+// Whether p's weights are bf16 values built from bf16-rounded tables: products and sums rounded to
+// bf16, plain scales, an integer codebook (below 2^24, so c + shift is exact in fp32).
+static inline bool lut4_bf16_tables(const Lut4Params& p) {
+  if (p.round_mul != ROUND_BF16 || (p.zeros && p.round_add != ROUND_BF16) || !p.absmax) return false;
   for (int c = 0; c < 16; ++c)
     if (!(p.codebook[c] == __builtin_truncf(p.codebook[c]) && __builtin_fabsf(p.codebook[c]) < 0x1p24f)) return false;  // also NaN
   return true;
 }
+static inline bool lut4_bf16_pairs(const Lut4Params& p) { return p.block == 32 && p.blocks_per_row >= 2 && lut4_bf16_tables(p); }
+// The bf16 dot path's weights: those tables in pairs of blocks of 32, or in blocks of a multiple of
+// 64 positions (one table per block, both halves of its 32 words the block's 16 entries).
+static inline bool lut4_bf16_dot_weights(const Lut4Params& p) { return lut4_bf16_pairs(p) || (p.block % 64 == 0 && lut4_bf16_tables(p)); }
 
 // The element (within its chunk of 8W) that position i of a permuted chunk holds for the decode
 // paths on an ISA of W fp32 lanes: position i = v * W + l is nibble v of 32-bit lane l (byte
@@ -290,6 +299,10 @@ struct Lut4Kernels {
   Lut4RowsFn scaled_dot;
 };
 static constexpr int64_t kLut4DotMinM = 2, kLut4DotMaxM = 16;
+// From one row in blocks of kLut4DotOneRowBlock positions or more (a table per block, its cost spread
+// over more weights): one Zen 4 core, SmolLM2's layers at M = 1, 1.0-1.11x the table path in blocks of
+// 128, 1.14-1.26x in blocks of 256, 0.94-0.98x in blocks of 64 (those from kLut4DotMinM rows).
+static constexpr int64_t kLut4DotOneRowBlock = 128;
 static constexpr int64_t kLut4ScaledDotMinM = 1, kLut4ScaledDotMaxM = 16;
 
 // Whether p's weight allows the scaled dot path (above): plain fp32 scales, unrounded products
@@ -307,6 +320,11 @@ static inline bool lut4_scaled_dot_allowed(const Lut4Params& p) {
 extern const Lut4RowsFn kLut4Avx512Bf16ScaledDot, kLut4EmulatedScaledDot;
 enum Lut4ScaledDotMode : int { LUT4_SCALED_DOT_OFF = 0, LUT4_SCALED_DOT_ON = 1, LUT4_SCALED_DOT_EMULATED = 2 };
 Lut4RowsFn lut4_scaled_dot_kernel();
+// The bf16 dot path likewise: the AVX512_BF16 kernel (Lut4Kernels.dot_bf16) and its body on emulated
+// instructions (lut4_dot_emulated.cpp), by tq_set_lut4_dot's mode; LUT4_DECODE off turns it off.
+extern const Lut4RowsFn kLut4EmulatedDot;
+enum Lut4DotMode : int { LUT4_DOT_OFF = 0, LUT4_DOT_ON = 1, LUT4_DOT_EMULATED = 2 };
+Lut4RowsFn lut4_dot_kernel();
 
 // Which of the decode and GEMM paths calls may take (bits; LUT4_DECODE also switches the bf16 dot
 // path, which likewise sums few rows in another order; LUT4_GEMM also switches the GEMM forms

@@ -293,12 +293,12 @@ def _one_row_lookup_cases(isa, domain, dtype, any_isa):
         assert torch.equal(y[y.isinf()], ref[ref.isinf()])
 
 
-def edge_scale_plain(n: int, k: int, domain: str, seed: int, overflow: bool = True) -> PlainForm:
-    """A bf16-scale g32 int4 weight whose blocks mix ordinary scales and zeros with ones the AVX512_BF16
+def edge_scale_plain(n: int, k: int, domain: str, seed: int, overflow: bool = True, g: int = 32) -> PlainForm:
+    """A bf16-scale int4 weight (groups of ``g``) whose blocks mix ordinary scales and zeros with ones the AVX512_BF16
     pair tables must not take (magnitudes below 2^-100, bf16 subnormals: vcvtne2ps2bf16 reads fp32
     subnormals as zero) and ones that round to inf (near the bf16 maximum), in both blocks of a pair
     and in one of the two (``overflow=False``: none near the maximum)."""
-    plain = int4_plain(n, k, 32, domain, torch.bfloat16, seed=seed)
+    plain = int4_plain(n, k, g, domain, torch.bfloat16, seed=seed)
     scale = plain.scale.float()
     zero = plain.zero_point.float() if domain == "float" else None
     edge = [2.0**-101, 2.0**-126, 2.0**-130, 1e-39, 2.0**-100, 2.0**-99] + ([3.0e38] if overflow else [])
@@ -385,30 +385,34 @@ torch.save(out, sys.argv[1])
 
 
 @needs_native
-@pytest.mark.parametrize("k", [32 * 18, 32 * 7])
-def test_int4_bf16_dot_path_rows_one_hot_bound_and_fallbacks(k):
-    """bf16 activations, 2..16 rows, int4 with bf16 scales in groups of 32: on AVX512_BF16 CPUs the
-    bf16 dot path (lut4_linear.h), also for 5..16 rows that would otherwise take dequantized tiles.
+@pytest.mark.parametrize("mode", ["on", "emulated"])
+@pytest.mark.parametrize("g,k", [(32, 32 * 18), (32, 32 * 7), (64, 64 * 9), (128, 128 * 3), (256, 256 * 3)])
+def test_int4_bf16_dot_path_rows_one_hot_bound_and_fallbacks(mode, g, k):
+    """bf16 activations, 2..16 rows (from 1 in groups of 128 or more), int4 with bf16 scales in groups
+    of 32 (tables in pairs) or of a multiple of 64 (a table per group): on AVX512_BF16 CPUs the bf16
+    dot path (lut4_linear.h), also for 5..16 rows that would otherwise take dequantized tiles;
+    ``emulated`` runs its body on emulated instructions on every CPU.
     One-hot rows give the weights (rounded once to the bf16 output), random rows stay within the
     bound, and tiles with tiny scales or zeros, and activations below 2^-59, take the table path
     (bit-exact one-hot). Elsewhere: the same checks on the paths the CPU has. With the bf16 AMX
     GEMM off: on AMX-BF16 CPUs it takes the rows from 5 (tests/test_native_bf16_amx.py)."""
-    with library.bf16_amx("off"):
-        _dot_path_checks(k)
+    with library.bf16_amx("off"), library.lut4_dot(mode):
+        _dot_path_checks(k, g, mode == "emulated" or _scaled_dot_path_runs())
 
 
-def _dot_path_checks(k: int) -> None:
-    features = native.status().features
-    for plain in (int4_plain(45, k, 32, "float", torch.bfloat16, seed=k), int4_plain(45, k, 32, "int", torch.bfloat16, seed=k + 1),
-                  edge_scale_plain(45, k, "float", seed=k + 2, overflow=False)):
+def _dot_path_checks(k: int, g: int, runs: bool) -> None:
+    for plain in (int4_plain(45, k, g, "float", torch.bfloat16, seed=k), int4_plain(45, k, g, "int", torch.bfloat16, seed=k + 1),
+                  edge_scale_plain(45, k, "float", seed=k + 2, overflow=False, g=g)):
         impl = int4_impl(plain)
         dense = plain.dequantize(torch.float32)
         weight = library.weight_args(impl, _cached_native_weight)
-        for m in (2, 5, 9, 16):
+        for m in (1, 2, 5, 9, 16):
             cols = torch.randint(0, k, (m,), generator=torch.Generator().manual_seed(m))
             one_hot = torch.zeros(m, k, dtype=torch.bfloat16)
             one_hot[torch.arange(m), cols] = 1.0
+            before = library.lut4_dot_calls()
             want, got = dense[:, cols].T.to(torch.bfloat16), run_int4(one_hot, impl)
+            assert library.lut4_dot_calls() - before == (runs and (m >= 2 or g >= 128)), m
             # bf16 tiles + torch.mm (where no dot path runs) may flush subnormal weights to zero
             subnormal = (want != 0) & (want.abs() < 2.0**-126)
             assert torch.equal(got[~subnormal], want[~subnormal])
@@ -417,15 +421,15 @@ def _dot_path_checks(k: int) -> None:
             assert_within_bound(run_int4(x, impl), x, dense, None, torch.bfloat16, term_magnitudes(plain))
             tiny = x * 2.0**-70  # below 2^-59: the table path, exact products of the same weights
             assert_within_bound(run_int4(tiny, impl), tiny, dense, None, torch.bfloat16, term_magnitudes(plain))
-        assert weight.dot_max_m(torch.bfloat16) == (16 if "avx512_bf16" in features and native.status().isa == "avx512" else 0)
+        assert weight.dot_max_m(torch.bfloat16) == (16 if runs else 0)
         assert weight.dot_max_m(torch.float32) == 0
         with library.lut4_paths(decode=False):  # the switch of the reordering small-M paths turns it off
             assert weight.dot_max_m(torch.bfloat16) == 0
     # the layout's eager path (decode_linear, and its bound form) takes the same kernel as the op
     lin = torch.nn.Linear(k, 45, bias=False).to(torch.bfloat16)
-    torchq.quantize_(lin, torchq.int4_weight_only(group_size=32))
+    torchq.quantize_(lin, torchq.int4_weight_only(group_size=g))
     impl = lin.weight.tensor_impl
-    for m in (3, 9, 16, 17):
+    for m in (1, 3, 9, 16, 17):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
         assert torch.equal(lin(x), run_int4(x, impl)), m
 
@@ -567,6 +571,34 @@ def test_int4_fp32_scale_scaled_dot_path_emulated_gives_the_kernels_bits(threads
                 assert calls_on == calls_emulated == 1
                 assert float(on[m // 2, n - 1]) == 1.0 + 2.0**-7  # the odd pair first
                 assert torch.equal(on, emulated), (n, k, g, domain, m)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_int4_bf16_dot_path_emulated_gives_the_kernels_bits(threads):
+    """The bf16 dot path's emulated body (csrc/lut4_dot_emulated.cpp: vcvtne2ps2bf16's roundings of
+    the tables, the zeros' second rounding, vpermw's lookups, vdpbf16ps's pair order, the shuffle
+    tree) gives the AVX512_BF16 kernel's bits for every row count, groups of 32 (pairs, and a last
+    block alone) to 256, odd N, float and integer zero points, a bias, a zero scale and tiny and huge
+    activations within the path's range: so CPUs without the instructions test what it computes."""
+    if not _scaled_dot_path_runs():
+        pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
+    gen = torch.Generator().manual_seed(12)
+    for n, k, g in ((45, 224, 32), (64, 576, 32), (17, 1152, 128), (33, 640, 64), (8, 512, 256)):
+        for domain in ("float", "int"):
+            plain = int4_plain(n, k, g, domain, torch.bfloat16, seed=n + k)
+            plain.scale[n // 2] = 0.0
+            impl = int4_impl(plain)
+            bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16):
+                x = (torch.randn(m, k, generator=gen) * torch.exp(4 * torch.randn(m, 1, generator=gen))).to(torch.bfloat16)
+                outs = []
+                for mode in ("on", "emulated"):
+                    with library.bf16_amx("off"), library.lut4_dot(mode):
+                        before = library.lut4_dot_calls()
+                        outs.append(run_int4(x, impl, bias))
+                        assert library.lut4_dot_calls() - before == (m >= 2 or g >= 128), (mode, m)
+                assert torch.equal(outs[0], outs[1]), (n, k, g, domain, m)
 
 
 # A weight row whose scale is ORDER_SCALE and whose weights at the positions _order_row uses are 1,

@@ -176,7 +176,8 @@ def test_tune_gpu_kernels_runs_and_writes_json(tmp_path, capsys):
     path = tmp_path / "tune.json"
     assert mod.main(["--device", device, "--shapes", "128x96", "--m", "1,16", "--quick", "--reps", "1", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
-    assert {(r["kernel"], r["M"]) for r in rows} >= {("stream", 1), ("old-gemv", 1), ("dot", 16), ("deq+mm", 16)}
+    assert {(r["kernel"], r["M"]) for r in rows} >= {("stream", 1), ("old-gemv", 1), ("dot", 16), ("deq+mm", 16), ("factored", 16),
+                                                      ("op", 1), ("op", 16)}
     assert all("error" not in r and r["sqnr"] > 25 for r in rows)
     assert "# best per shape" in capsys.readouterr().out
 
@@ -211,6 +212,30 @@ def test_bench_e2e_gpu_and_summary_run_and_write_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tests: 1 passed, 1 failed" in out and "FAILED t::bad" in out
     assert "1.50x" in out and "int4-g128" in out and "x bf16" in out
+
+
+def test_profile_calls_and_the_summary_of_tuning_and_host_time(tmp_path, capsys):
+    """The host-time profile on the CPU paths (a clear exit code for --device cuda without one), and
+    the suite summary's tuning and host-time sections."""
+    import json
+
+    import torch
+
+    mod = _script("profile_calls")
+    if not torch.cuda.is_available():
+        assert mod.main(["--device", "cuda"]) == 2
+    path = tmp_path / "profile.json"
+    assert mod.main(["--device", "cpu", "--configs", "bf16,int8wo", "--shape", "64x64", "--calls", "5", "--json", str(path)]) == 0
+    results = json.loads(path.read_text())["results"]
+    assert [r["config"] for r in results] == ["bf16", "int8wo"] and all(r["us_per_call"] > 0 and r["functions"] for r in results)
+    (tmp_path / "tune.json").write_text(json.dumps({"device": "test", "rows": [
+        {"shape": "64x64", "M": 16, "kernel": "factored", "format": "int4-g128", "params": "fast", "us": 2.0, "vs_bf16": 1.25},
+        {"shape": "64x64", "M": 16, "kernel": "factored", "format": "int4-g128", "params": "slow", "us": 4.0, "vs_bf16": 0.6}]}))
+    capsys.readouterr()
+    assert _script("gpu_summary").main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "fast" in out and "1.25x bf16" in out and "slow" not in out
+    assert "host time per eager call" in out and "int8wo" in out and "against bf16" in out
 
 
 def test_bench_real_models_runs_and_writes_json(tmp_path, capsys):

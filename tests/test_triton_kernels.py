@@ -163,11 +163,9 @@ def assert_within_stream_bound(y, x, w_exact, w_ref, bias, arith_units):
     assert ((y.double() - ref).abs() <= ref_tol * (F.linear(xd.abs(), w_ref.double().abs()) + mag) + tiny).all()
 
 
-@settings(**SETTINGS)
-@given(domain=st.sampled_from([Z.FLOAT, Z.INT, Z.NONE]), x_dtype=st.sampled_from(FLOATS), scale_dtype=st.sampled_from(FLOATS),
-       g=st.sampled_from([32, 64, 128, 256]), n=st.integers(1, 70), k=st.integers(1, 600), m=st.integers(1, 4),
-       bias=st.booleans(), edge=st.sampled_from(["none", "zero_x", "constant_w", "tiny", "huge"]), seed=st.integers(0, 2**31 - 1))
-def test_stream_gemv_int4_is_within_its_bound(domain, x_dtype, scale_dtype, g, n, k, m, bias, edge, seed):
+def int4_case(domain, x_dtype, scale_dtype, g, n, k, m, bias, edge, seed):
+    """``(impl, x, bias)``: an Int4NativeLayout weight of random rows spread over magnitudes, in the
+    scale dtype (``constant_w``: a constant first row), and edge activations."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
     if edge == "constant_w":
@@ -180,7 +178,15 @@ def test_stream_gemv_int4_is_within_its_bound(domain, x_dtype, scale_dtype, g, n
         assume("overflows" not in str(e))
         raise
     x = edge_input(gen, m, k, x_dtype, edge, fp16_scales=(1e-4, 1e2))
-    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    return impl, x, torch.randn(n, generator=gen).to(x_dtype) if bias else None
+
+
+@settings(**SETTINGS)
+@given(domain=st.sampled_from([Z.FLOAT, Z.INT, Z.NONE]), x_dtype=st.sampled_from(FLOATS), scale_dtype=st.sampled_from(FLOATS),
+       g=st.sampled_from([32, 64, 128, 256]), n=st.integers(1, 70), k=st.integers(1, 600), m=st.integers(1, 4),
+       bias=st.booleans(), edge=st.sampled_from(["none", "zero_x", "constant_w", "tiny", "huge"]), seed=st.integers(0, 2**31 - 1))
+def test_stream_gemv_int4_is_within_its_bound(domain, x_dtype, scale_dtype, g, n, k, m, bias, edge, seed):
+    impl, x, b = int4_case(domain, x_dtype, scale_dtype, g, n, k, m, bias, edge, seed)
     w_ref = impl.dequantize(x_dtype)
     assume(bool(torch.isfinite(w_ref).all()) and bool(torch.isfinite(F.linear(x.double(), w_ref.double()).to(x_dtype)).all()))
     assert stream_gemv.stream_gemv_fits(impl.packed, m, g)
@@ -257,19 +263,7 @@ TUNINGS = [factored_dot.FactoredTuning(), factored_dot.FactoredTuning(block_m=16
        m=st.integers(1, 40), bias=st.booleans(), edge=st.sampled_from(["none", "zero_x", "constant_w", "tiny", "huge"]),
        tuning=st.sampled_from(range(len(TUNINGS))), seed=st.integers(0, 2**31 - 1))
 def test_factored_dot_int4_is_within_its_bound(domain, x_dtype, scale_dtype, g, n, k, m, bias, edge, tuning, seed):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
-    if edge == "constant_w":
-        w[0] = 0.75
-    w = w.to(scale_dtype)
-    cfg = torchq.Int4WeightOnlyConfig(group_size=g, zero_point_domain=domain, scale_dtype=scale_dtype, layout=Int4NativeLayout())
-    try:
-        impl = cfg.quantize_weight(w).tensor_impl
-    except ValueError as e:
-        assume("overflows" not in str(e))
-        raise
-    x = edge_input(gen, m, k, x_dtype, edge, fp16_scales=(1e-4, 1e2))
-    b = torch.randn(n, generator=gen).to(x_dtype) if bias else None
+    impl, x, b = int4_case(domain, x_dtype, scale_dtype, g, n, k, m, bias, edge, seed)
     exact = exact_int4_weight(impl)
     assume(bool(torch.isfinite(F.linear(x.double(), exact).to(x_dtype)).all()))
     y = run_factored(impl, x, b, TUNINGS[tuning])

@@ -24,7 +24,9 @@ def double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     if absmax.dtype != torch.float32 or absmax.dim() != 1 or absmax.numel() == 0:
         raise ValueError(f"absmax: expected a non-empty 1-D fp32 tensor, got {absmax.dtype} {list(absmax.shape)}")
     # the mean as the CPU reduces it, wherever absmax lives: a GPU's reduction order gives other bits
-    offset = absmax.cpu().mean().to(absmax.device) if absmax.device.type != "cpu" else absmax.mean()
+    # (meta tensors, e.g. a model built on the meta device, hold no values to copy)
+    on_cpu = absmax.device.type in ("cpu", "meta")
+    offset = absmax.mean() if on_cpu else absmax.cpu().mean().to(absmax.device)
     codes, absmax2 = torch.ops.torchq.quantize_blockwise(absmax - offset, dynamic_map().to(absmax.device), NESTED_BLOCKSIZE)
     return codes, absmax2, offset
 

@@ -32,13 +32,13 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
     "int8_panel_numel",
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
@@ -47,6 +47,7 @@ INT8_AMX_MODES = ("off", "on", "emulated")  # tq_set_int8_amx
 BF16_AMX_MODES = ("off", "on", "emulated")  # tq_set_bf16_amx
 INT8_DOT_MODES = ("off", "on", "emulated")  # tq_set_int8_dot
 LUT4_SCALED_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_scaled_dot
+LUT4_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_dot
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 # name -> (restype, argtypes) of every exported function
@@ -64,6 +65,8 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_set_int8_dot": (_c_int, [_c_int]),  # index into INT8_DOT_MODES (negative: read)
     "tq_scaled_dot_calls_lut4": (_c_int64, []),
     "tq_set_lut4_scaled_dot": (_c_int, [_c_int]),  # index into LUT4_SCALED_DOT_MODES (negative: read)
+    "tq_dot_calls_lut4": (_c_int64, []),
+    "tq_set_lut4_dot": (_c_int, [_c_int]),  # index into LUT4_DOT_MODES (negative: read)
     "tq_set_bf16_amx": (_c_int, [_c_int]),  # index into BF16_AMX_MODES (negative: read)
     "tq_amx_bf16_supported": (_c_int, []),
     "tq_amx_bf16_calls": (_c_int64, []),
@@ -267,6 +270,23 @@ def int8_dot_calls() -> int:
     """How many int8 weight-only calls have taken the bf16 dot path (csrc/int8_linear.h) since the
     library loaded (for tests: which path ran)."""
     return 0 if _LIB is None else int(_LIB.tq_dot_calls_int8())
+
+
+def lut4_dot(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Within the block (process-wide), the lut4 kernel's bf16 dot path for bf16 activations
+    (``csrc/lut4_linear.h``: int4 with bf16 scales, 2 to 16 rows in groups of 32 or 64, 1 to 16 in
+    groups of 128 or more; the bf16-rounded tables' words into ``vdpbf16ps``): ``"on"`` (the
+    default) on CPUs with AVX512_BF16 whose AVX-512 ISA is active, ``"off"`` never (the table path
+    or dequantized tiles serve those rows), ``"emulated"`` its body on emulated instructions on any
+    CPU, the same bits (for tests). A decode path: ``lut4_paths(decode=False)`` turns it off in
+    every mode."""
+    return _mode("tq_set_lut4_dot", LUT4_DOT_MODES, mode)
+
+
+def lut4_dot_calls() -> int:
+    """How many lut4 calls have taken the bf16 dot path (csrc/lut4_linear.h) since the library
+    loaded (for tests: which path ran)."""
+    return 0 if _LIB is None else int(_LIB.tq_dot_calls_lut4())
 
 
 def lut4_scaled_dot(mode: str) -> contextlib.AbstractContextManager[None]:
