@@ -67,7 +67,10 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     key = f"buf_{dtype}"
     buf = getattr(_SCRATCH, key, None)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype)
+        # a normal tensor even when first made under torch.inference_mode(): an inference tensor could
+        # not be written in place by a later call outside it
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype)
         setattr(_SCRATCH, key, buf)
     return buf[:numel]
 
