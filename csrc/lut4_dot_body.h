@@ -13,6 +13,7 @@
 // j tab[(byte j >> 4) + 16 (j >= 16)]). Templates in an anonymous namespace only (see common.h).
 #pragma once
 #include <stdint.h>
+#include <string.h>
 #include <xmmintrin.h>
 
 #include "lut4_linear.h"
@@ -30,11 +31,17 @@ struct Lut4DotBody {
   // Whether every value of v[0..count) is 0, inf, NaN or of magnitude >= 2^-59 (then every weight
   // is 0 or at least 2^-66 and no product or table sum is subnormal: vdpbf16ps and vcvtne2ps2bf16
   // read subnormals as zero).
+  // On the bits, so that the loop vectorizes: the scalar form (a bool per value) cost 18% of a
+  // two-row call on SmolLM2's 3072 x 576.
   static bool dot_safe(const float* v, int64_t count) {
     constexpr uint32_t kTiny = (127u - 59u) << 23;  // the bits of 2^-59
-    bool ok = true;
-    for (int64_t i = 0; i < count; ++i) ok &= lut4_zero_or_not_below(v + i, kTiny);
-    return ok;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      uint32_t u;
+      memcpy(&u, v + i, sizeof u);
+      bad |= static_cast<uint32_t>((u & 0x7FFFFFFFu) - 1u < kTiny - 1u);  // nonzero and below 2^-59
+    }
+    return bad == 0;
   }
 
   // The 64 positions from 32-position unit g: weights from the packed bytes at w (`bytes` of them)
@@ -108,6 +115,7 @@ struct Lut4DotBody {
     const int64_t G = p.blocks_per_row;
     tiles_then_singles<NT>(n0, n1, [&](auto nt, int64_t n) {
       constexpr int R = decltype(nt)::value;
+      lut4_prefetch_values(p, n + R, R);  // the next tile's, so that its check does not wait for them
       const bool safe = dot_safe(p.absmax + n * G, R * G) && (!p.zeros || dot_safe(p.zeros + n * G, R * G));
       if (safe) tile<R, MT>(p, n);
       else fallback(p, n, n + R);

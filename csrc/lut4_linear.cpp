@@ -275,8 +275,7 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   const bool pairs = k.rows_bf16 && lut4_bf16_pairs(p);
   Lut4RowsFn rows = decode ? decode : gemm ? k.gemm : pairs ? k.rows_bf16 : k.rows;
   uint16_t* xb = nullptr;
-  const int64_t dot_min_m = p.block >= kLut4DotOneRowBlock ? 1 : kLut4DotMinM;
-  const Lut4RowsFn dot = dtype == DT_BF16 && !decode && M >= dot_min_m && M <= kLut4DotMaxM && lut4_bf16_dot_weights(p) ? lut4_dot_kernel() : nullptr;
+  const Lut4RowsFn dot = dtype == DT_BF16 && !decode && M >= kLut4DotMinM && M <= kLut4DotMaxM && lut4_bf16_dot_weights(p) ? lut4_dot_kernel() : nullptr;
   if (dot && dot_activations(xp, M * K)) {
     p.kx = (K + 63) / 64 * 64;
     xb = static_cast<uint16_t*>(aligned_alloc(64, (M * p.kx * sizeof(uint16_t) + 63) / 64 * 64));

@@ -72,8 +72,7 @@
 // could be subnormal, take the one-block tables), so the same outputs. SmolLM2's 3072 x 576 at
 // M = 1 on one Zen 4 core: 217 -> 181 us.
 //
-// bf16 dot path (Lut4Kernels.dot_bf16, kLut4DotMinM <= M <= kLut4DotMaxM (from one row in blocks of
-// kLut4DotOneRowBlock or more), bf16 activations, lut4_bf16_dot_weights weights, AVX512_BF16; the
+// bf16 dot path (Lut4Kernels.dot_bf16, kLut4DotMinM <= M <= kLut4DotMaxM, bf16 activations, lut4_bf16_dot_weights weights, AVX512_BF16; the
 // body: lut4_dot_body.h, emulated in lut4_dot_emulated.cpp, tq_set_lut4_dot): those weights are bf16
 // values (their tables are rounded to bf16), so a pair of blocks' [A | B] table (blocks of 32; in
 // blocks of a multiple of 64 one block's table twice, built once per block: SmolLM2's layers at 4
@@ -86,9 +85,10 @@
 // magnitude >= 2^-59 (else the tile takes the table path): every weight is then 0 or at least
 // 2^-66 and every product 0 or normal. Each weight is decoded once per call for all rows, so from
 // 5 rows it also replaces dequantized bf16 tiles + torch.mm (tq_dot_max_m tells the caller). One
-// Zen 4 core, SmolLM2's 3072 x 576: M = 2 245 -> 190 us, M = 4 478 -> 226, M = 16 (tiles before)
-// 800 -> 570 (bf16 F.linear 365); at M = 1 it measured no faster than the pair tables (177
-// against 181 us) and is not taken.
+// Zen 4 core, SmolLM2's 3072 x 576 in blocks of 32: M = 2 245 -> 157 us, M = 4 478 -> 191, M = 16
+// (tiles before) 800 -> 570 (bf16 F.linear 365); M = 1 181 -> 134 us (bf16 F.linear 151), since the
+// guard's check of a tile's scales and zeros vectorizes and the next tile's are prefetched (a
+// scalar check cost 18% of a two-row call and kept one row on the pair tables).
 //
 // Scaled dot path (Lut4Kernels.scaled_dot, kLut4ScaledDotMinM <= M <= kLut4ScaledDotMaxM, bf16
 // activations, lut4_scaled_dot_allowed weights: int4 quantized from an fp32 model, plain fp32 scales
@@ -143,6 +143,7 @@
 #pragma once
 #include <stdint.h>
 #include <string.h>
+#include <xmmintrin.h>
 
 namespace tq {
 
@@ -209,6 +210,21 @@ static inline bool lut4_zero_or_not_below(const float* v, uint32_t tiny) {
   uint32_t u;
   memcpy(&u, v, sizeof u);
   return ((u & 0x7FFFFFFFu) - 1u) >= tiny - 1u;
+}
+
+// Fetch the scales and zeros of weight rows [n, n + rows) (clipped to p.N) into the cache: the dot
+// paths call it for the next tile, whose guard then reads them from the cache (without it the guard
+// took each tile's misses: a third of a one-row call's time on a weight streamed from memory).
+static inline void lut4_prefetch_values(const Lut4Params& p, int64_t n, int64_t rows) {
+  if (n >= p.N) return;
+  if (n + rows > p.N) rows = p.N - n;
+  const int64_t G = p.blocks_per_row;
+  const float* arrays[2] = {p.absmax, p.zeros};
+  for (const float* v : arrays) {
+    if (!v) continue;
+    const char* b = reinterpret_cast<const char*>(v + n * G);
+    for (int64_t off = 0; off < rows * G * 4; off += 64) _mm_prefetch(b + off, _MM_HINT_T0);
+  }
 }
 
 // Whether p's weight allows the lookup path (DECODE_LOOKUP, above): blocks of 32, plain fp32
@@ -298,11 +314,9 @@ struct Lut4Kernels {
   // lut4_scaled_dot_allowed allows; AVX512_BF16); null where the ISA has none.
   Lut4RowsFn scaled_dot;
 };
-static constexpr int64_t kLut4DotMinM = 2, kLut4DotMaxM = 16;
-// From one row in blocks of kLut4DotOneRowBlock positions or more (a table per block, its cost spread
-// over more weights): one Zen 4 core, SmolLM2's layers at M = 1, 1.0-1.11x the table path in blocks of
-// 128, 1.14-1.26x in blocks of 256, 0.94-0.98x in blocks of 64 (those from kLut4DotMinM rows).
-static constexpr int64_t kLut4DotOneRowBlock = 128;
+// From one row in every block size: one Zen 4 core, SmolLM2's layers at M = 1, 1.27-1.37x the table
+// path (pair tables) in blocks of 32, 1.09-1.17x in blocks of 64, 1.12-1.19x in blocks of 128.
+static constexpr int64_t kLut4DotMinM = 1, kLut4DotMaxM = 16;
 static constexpr int64_t kLut4ScaledDotMinM = 1, kLut4ScaledDotMaxM = 16;
 
 // Whether p's weight allows the scaled dot path (above): plain fp32 scales, unrounded products

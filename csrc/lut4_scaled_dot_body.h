@@ -49,20 +49,6 @@ struct Lut4ScaledDot {
     return values_ok(p.absmax + n * G, rows * G) && (!p.zeros || values_ok(p.zeros + n * G, rows * G));
   }
 
-  // Fetch the scales and zeros of weight rows [n, n + rows) into the cache (the next tile's: checked
-  // and read from the cache then; without it the check took each tile's misses, a third of a
-  // one-row call's time on a weight streamed from memory).
-  static void prefetch_values(const Lut4Params& p, int64_t n, int64_t rows) {
-    if (n >= p.N) return;
-    if (n + rows > p.N) rows = p.N - n;
-    const int64_t G = p.blocks_per_row;
-    const float* arrays[2] = {p.absmax, p.zeros};
-    for (const float* v : arrays) {
-      if (!v) continue;
-      const char* b = reinterpret_cast<const char*>(v + n * G);
-      for (int64_t off = 0; off < rows * G * 4; off += 64) _mm_prefetch(b + off, _MM_HINT_T0);
-    }
-  }
 
   // NT weight rows from n x MT activation rows from m0: NT * MT (<= 16) accumulators over K. p.xb
   // holds positions [64 j, 64 j + 64) of row m at (j * M + m) * 64 (the 32 odd positions, then the
@@ -137,7 +123,7 @@ struct Lut4ScaledDot {
   // table path (p.xp holds its activations) runs refused rows.
   using Params = Lut4Params;
   static bool tile_ok(const Lut4Params& p, int64_t n, int64_t rows) {
-    prefetch_values(p, n + rows, rows);
+    lut4_prefetch_values(p, n + rows, rows);  // the next tile's
     return rows_ok(p, n, rows);
   }
 

@@ -7,8 +7,8 @@ Intended changes:
   now compute in their own dtype; with ``compute_dtype=torch.bfloat16`` in the config those cases
   reproduce the recorded digests bit for bit;
 * issue 16: calls of the native lut4 kernel (int4, NF4 / FP4) take its decode (AVX2, M <= 4;
-  issue 40: on AVX512_BF16, the bf16 dot path of int4 with bf16 scales in groups of 32, 2-16 bf16
-  rows, under the same switch) and GEMM (M >= 64; and the native rows up to 64 rows instead of tiles + torch.mm) paths, and
+  issue 40: on AVX512_BF16, the bf16 dot path of int4 with bf16 scales, 1-16 bf16 rows, under the
+  same switch) and GEMM (M >= 64; and the native rows up to 64 rows instead of tiles + torch.mm) paths, and
   int8 weight-only its GEMM form (instead of tiles + torch.mm), which sum in another order (their
   bound and one-hot exactness are tested in test_native_int.py / test_native_blockwise.py); with
   those paths off every case reproduces the recorded digests, and with them on only those
