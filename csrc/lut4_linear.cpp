@@ -199,6 +199,22 @@ void to_dot_order(const float* xp, int64_t K, uint16_t* dst, int64_t stride) {
   }
 }
 
+// A bf16 activation row in the table path's order (xp, as to_dot_order reads it) into the scaled dot
+// path's (lut4_scaled_dot_body.h): per 128 positions, four runs of 32 words, run i word j the
+// position 4j + (1, 0, 3, 2)[i] (the order the weights' nibbles come out of 16-bit words; zero past
+// K), positions [128 c, 128 c + 128) at dst + c * stride.
+void to_chunk_order(const float* xp, int64_t K, uint16_t* dst, int64_t stride) {
+  static constexpr int kNibblePosition[4] = {1, 0, 3, 2};
+  for (int64_t k = 0; k < K; k += 128, dst += stride)
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 32; ++j) {
+        const int64_t pos = k + 4 * j + kNibblePosition[i], r = pos & 31;
+        uint32_t u = 0;
+        if (pos < K) memcpy(&u, xp + (pos - r) + (r % 2 ? 16 + r / 2 : r / 2), sizeof u);
+        dst[32 * i + j] = static_cast<uint16_t>(u >> 16);
+      }
+}
+
 // The bf16 AMX GEMM (bf16_amx.h) on p's weight: each panel decoded as the dequantized tiles hold it.
 struct AmxDecode {
   const Lut4Params* p;
@@ -287,10 +303,10 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
     }
   }
   if (scaled && dot_activations(xp, M * K)) {
-    p.kx = (K + 63) / 64 * 64;
-    xb = static_cast<uint16_t*>(aligned_alloc(64, (M * p.kx * sizeof(uint16_t) + 63) / 64 * 64));
-    if (xb) {  // step-major: positions [64 j, 64 j + 64) of row m at (j * M + m) * 64 (lut4_scaled_dot_body.h)
-      for (int64_t m = 0; m < M; ++m) to_dot_order(xp + m * K, K, xb + m * 64, M * 64);
+    p.kx = (K + 127) / 128 * 128;
+    xb = static_cast<uint16_t*>(aligned_alloc(64, M * p.kx * sizeof(uint16_t)));
+    if (xb) {  // chunk-major: positions [128 c, 128 c + 128) of row m at (c * M + m) * 128 (lut4_scaled_dot_body.h)
+      for (int64_t m = 0; m < M; ++m) to_chunk_order(xp + m * K, K, xb + m * 128, M * 128);
       p.xb = xb;
       rows = scaled;
       g_scaled_dot_calls.fetch_add(1, std::memory_order_relaxed);

@@ -93,18 +93,19 @@
 // Scaled dot path (Lut4Kernels.scaled_dot, kLut4ScaledDotMinM <= M <= kLut4ScaledDotMaxM, bf16
 // activations, lut4_scaled_dot_allowed weights: int4 quantized from an fp32 model, plain fp32 scales
 // and float zeros, any group size; AVX512_BF16; the body: lut4_scaled_dot_body.h): the integer
-// codebook values are bf16 words exactly, so 64 weights at a time come out of two vpermw lookups
-// of one constant table as bf16, vdpbf16ps multiplies them with the bf16 activations (exact
-// products, fp32 sums), and each 64 positions' lanes are scaled by their block's scale with one FMA
-// (blocks of 32: lanes 0-7 and 8-15 by the two blocks'); the zeros' term sum_b z_b X_b (X_b the
+// codebook values are bf16 words exactly, so 128 weights at a time come out of four vpermw lookups
+// of one constant table as bf16 (the 64 packed bytes read as 16-bit words, each indexing by its
+// nibbles in turn: no widening), vdpbf16ps multiplies them with the bf16 activations (exact
+// products, fp32 sums), and each 128 positions' lanes are scaled by their blocks' scales with one
+// FMA (lane l covers positions 8l..8l+7: blocks of 32 four lanes each, of 64 eight); the zeros' term sum_b z_b X_b (X_b the
 // block's activation sum, in double, rounded once: xsums [M, K / block]) is added per lane before
 // the lanes are summed. As the lookup path: one-hot rows give exactly the weight, else
 // |out - sum_k w_k x_k| <= ~(K + 2) u sum_k (|codebook[c_k] s_b| + |z_b|) |x_k|. Guards as the bf16
 // dot path's: a call takes it only where every activation is finite, below 2^64 and 0 or of
 // magnitude >= 2^-59, a tile of weight rows only where each scale and zero is 0 or normal and at most
 // 2^100 (else the table path), so no product or partial sum is subnormal and no c s overflows where
-// the reference's weight would not. Activations step-major: positions [64 j, 64 j + 64) of row m at
-// p.xb + (j * M + m) * 64, in the bf16 dot path's order. It runs ahead of the lookup path at one
+// the reference's weight would not. Activations chunk-major: positions [128 c, 128 c + 128) of row m
+// at p.xb + (c * M + m) * 128, in the weights' order (to_chunk_order). It runs ahead of the lookup path at one
 // row and of the table path and dequantized tiles up to 16. One Zen 4 core, SmolLM2's 3072 x 576 /
 // 576 x 1536 / 576 x 576 and its 49152 x 576 head, bf16, against the paths before (same call):
 // groups of 32 1.05-1.18x at M = 1, 1.24-1.32x at 2, 1.36-1.72x at 4, 1.27-1.36x at 8, 1.0-1.15x at

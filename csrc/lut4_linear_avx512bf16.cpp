@@ -70,14 +70,24 @@ struct Lut4ScaledDotOps : Avx512Bf16DotOps {
     return _mm512_load_si512(words);
   }
 
-  // vpermw reads an index's low 5 bits: a whole byte indexes by its low nibble (words c and c + 16
-  // are equal), its high nibble after one shift.
-  __attribute__((always_inline)) static void weights(const Tab& tab, const uint8_t* w, int bytes, B& lo, B& hi) {
-    const __m256i b = bytes == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))
-                                  : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    const __m512i v = _mm512_cvtepu8_epi16(b);
-    lo = (B)_mm512_permutexvar_epi16(v, tab);
-    hi = (B)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+  // vpermw reads an index's low 5 bits: each 16-bit word of the packed bytes indexes by its nibble
+  // at bits 0-3 (words c and c + 16 are equal), its others after a shift by 4, 8 and 12.
+  __attribute__((always_inline)) static void weights(const Tab& tab, const uint8_t* w, int bytes, B (&q)[4]) {
+    const __mmask64 keep = bytes >= 64 ? ~0ull : (1ull << bytes) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(keep, w);
+    q[0] = (B)_mm512_permutexvar_epi16(v, tab);
+    q[1] = (B)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+    q[2] = (B)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab);
+    q[3] = (B)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab);
+  }
+
+  // Lane l: v[l / per] (per 4, 8 or 16) where l / per < count, else 0; one masked load and a
+  // permute (per 16: a broadcast).
+  __attribute__((always_inline)) static V spread(const float* v, int per, int count) {
+    if (per == 16) return _mm512_set1_ps(v[0]);  // count is 1
+    const __m512i idx = per == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), v));
   }
 };
 

@@ -1,15 +1,17 @@
 // The lut4 scaled dot path's body (lut4_linear.h, "scaled dot path"): 4-bit weights with an
 // integer codebook and plain fp32 scales (int4 quantized from an fp32 model, any group size) against
 // bf16 activations. Every code's codebook value is a bf16 word exactly, so vdpbf16ps multiplies codes
-// by activations exactly and sums in fp32; each 64 positions' lanes are scaled once by their block's
-// scale (one FMA per lane), and the zeros' term sum_b z_b X_b (X_b: the block's activation sum) is
-// added per lane before the lanes are summed. Written once over an Ops type: the AVX512_BF16
+// by activations exactly and sums in fp32; each 128 positions' lanes are scaled once by their
+// blocks' scales (one FMA per lane), and the zeros' term sum_b z_b X_b (X_b: the block's activation
+// sum) is added per lane before the lanes are summed. Written once over an Ops type: the AVX512_BF16
 // instructions (dot_bf16_avx512.h + lut4_linear_avx512bf16.cpp's Lut4ScaledDotOps) or their
 // emulation on arrays (dot_bf16_emulated.h + lut4_scaled_dot_emulated.cpp: the same operations in
 // the same order, so the same bits, on any CPU, for tests). Beside those headers' operations, Ops
 // provides Tab, table(codebook) (the 16 codebook values as bf16 words, each twice: words c and
-// c + 16) and weights(tab, w, bytes, lo, hi) (bytes = 32 or 16 packed bytes at w: lo word j the
-// low nibble's value of byte j, hi word j the high nibble's; words past `bytes` from zero bytes).
+// c + 16), weights(tab, w, bytes, q[4]) (the 128 weights of `bytes` <= 64 packed bytes at w, bytes
+// past them zero: with word j the bytes 2j and 2j + 1 as a little-endian 16-bit word, q[i] word j
+// is the value of its nibble at bits 4i..4i+3, the weight at position 4j + (1, 0, 3, 2)[i]) and
+// spread(v, per, count) (lane l: v[l / per] where l / per < count, else 0; v[count..] not read).
 // Templates in an anonymous namespace only (see common.h).
 #pragma once
 #include <float.h>
@@ -50,17 +52,22 @@ struct Lut4ScaledDot {
   }
 
 
-  // NT weight rows from n x MT activation rows from m0: NT * MT (<= 16) accumulators over K. p.xb
-  // holds positions [64 j, 64 j + 64) of row m at (j * M + m) * 64 (the 32 odd positions, then the
-  // 32 even ones), so one pointer and constant offsets address a step's rows.
+  // NT weight rows from n x MT activation rows from m0: NT * MT (<= 16) accumulators over K, in
+  // chunks of 128 positions. p.xb holds chunk c of row m at (c * M + m) * 128 in the order the
+  // weights come out (lut4_scaled_chunk_order), so one pointer and constant offsets address a
+  // chunk's rows. Lane i of a chunk's sums covers its positions [8 i, 8 i + 8), so a block of 32
+  // positions is 4 lanes, of 64 is 8, and a larger block all 16: one scale vector per chunk.
   template <int NT, int MT>
   TQ_TILE static void tile(const Lut4Params& p, const Tab& tab, int64_t n, int64_t m0) {
     static_assert(NT * MT <= 16, "one sum16 per tile");
-    const int64_t K = p.K, G = p.blocks_per_row, step = p.M * 64;
+    const int64_t K = p.K, G = p.blocks_per_row, step = p.M * 128;
     const int shift = __builtin_ctzll(static_cast<unsigned long long>(p.block));  // a power of two
-    const bool pairs = p.block == 32;  // a step's halves are two blocks
-    V tot[16];
-    for (int i = 0; i < 16; ++i) tot[i] = Ops::zero();
+    const int per = p.block >= 128 ? 16 : static_cast<int>(p.block / 8);  // lanes per block
+    // every loop that indexes tot is unrolled, so that it stays in registers (an array indexed at
+    // run time lives in memory: a store per FMA, 1.5x the time of a one-row call)
+    V tot[NT * MT];
+#pragma GCC unroll 16
+    for (int i = 0; i < NT * MT; ++i) tot[i] = Ops::zero();
     const uint8_t* w[NT];
     const float* s[NT];
     for (int t = 0; t < NT; ++t) {
@@ -69,37 +76,36 @@ struct Lut4ScaledDot {
     }
     const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));
     const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
-    const uint16_t* x = p.xb + m0 * 64;
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64, x += step) {  // 32 bytes of each row: as many of the next tile's
-      for (int q = 0; q < 32 * NT; q += 64)
+    const uint16_t* x = p.xb + m0 * 128;
+    for (int64_t k = 0; k < K; k += 128, x += step) {  // 64 bytes of each row: as many of the next tile's
+      for (int q = 0; q < 64 * NT; q += 64)
         if (ahead + q < ahead_end) _mm_prefetch(ahead + q, _MM_HINT_T0);
-      ahead += 32 * NT;
+      ahead += 64 * NT;
+      // the last chunk may hold 32, 64 or 96 positions: its other bytes read as zero (codes whose
+      // products with the zero activations there are 0) and the scales of blocks past K as 0
+      const int64_t rest = K - k;
+      const int bytes = rest >= 128 ? 64 : static_cast<int>(rest / 2);
+      const int blocks = per == 16 ? 1 : static_cast<int>((rest < 128 ? rest : 128) >> shift);
+#pragma GCC unroll 16
       for (int t = 0; t < NT; ++t) {
-        B lo, hi;
-        Ops::weights(tab, w[t] + k / 2, 32, lo, hi);
-        const V sv = pairs ? Ops::halves(s[t] + k / 32) : Ops::set1(s[t][k >> shift]);
+        B c[4];
+        Ops::weights(tab, w[t] + k / 2, bytes, c);
+        const V sv = Ops::spread(s[t] + (k >> shift), per, blocks);
+#pragma GCC unroll 16
         for (int m = 0; m < MT; ++m) {
-          V a = Ops::dp(Ops::zero(), lo, Ops::x32(x + m * 64));
-          a = Ops::dp(a, hi, Ops::x32(x + m * 64 + 32));
-          tot[t * MT + m] = Ops::fma(a, sv, tot[t * MT + m]);
-        }
-      }
-    }
-    if (k < K) {  // the last 32 positions (K % 64 == 32: blocks of 32): the upper words' activations are zero
-      for (int t = 0; t < NT; ++t) {
-        B lo, hi;
-        Ops::weights(tab, w[t] + k / 2, 16, lo, hi);
-        const V sv = Ops::set1(s[t][k / 32]);
-        for (int m = 0; m < MT; ++m) {
-          V a = Ops::dp(Ops::zero(), lo, Ops::x32(x + m * 64));
-          a = Ops::dp(a, hi, Ops::x32(x + m * 64 + 32));
+          const uint16_t* xm = x + m * 128;
+          V a = Ops::dp(Ops::zero(), c[0], Ops::x32(xm));
+          a = Ops::dp(a, c[1], Ops::x32(xm + 32));
+          a = Ops::dp(a, c[2], Ops::x32(xm + 64));
+          a = Ops::dp(a, c[3], Ops::x32(xm + 96));
           tot[t * MT + m] = Ops::fma(a, sv, tot[t * MT + m]);
         }
       }
     }
     if (p.zeros)  // per lane, 16 blocks at a time: z_b X_b (X_b in p.xsums [M, G])
+#pragma GCC unroll 16
       for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 16
         for (int m = 0; m < MT; ++m) {
           const float* z = p.zeros + (n + t) * G;
           const float* xs = p.xsums + (m0 + m) * G;
@@ -109,7 +115,11 @@ struct Lut4ScaledDot {
           }
         }
     V v[16];
-    for (int j = 0; j < 16; ++j) v[j] = tot[4 * (j % 4) + j / 4];  // so that lane i sums tot[i]
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {  // so that lane i sums tot[i]
+      const int i = 4 * (j % 4) + j / 4;
+      v[j] = i < NT * MT ? tot[i] : Ops::zero();
+    }
     alignas(64) float sums[16];
     Ops::sum16(v, sums);
     for (int t = 0; t < NT; ++t)

@@ -21,12 +21,17 @@ struct Lut4EmulatedDotOps : EmulatedDotOps {
     return t;
   }
 
-  static void weights(const Tab& tab, const uint8_t* w, int bytes, B& lo, B& hi) {
+  static void weights(const Tab& tab, const uint8_t* w, int bytes, B (&q)[4]) {
     for (int j = 0; j < 32; ++j) {
-      const uint8_t v = j < bytes ? w[j] : 0;
-      lo.h[j] = tab.h[v & 15];
-      hi.h[j] = tab.h[v >> 4];
+      const unsigned word = (2 * j < bytes ? w[2 * j] : 0u) | (2 * j + 1 < bytes ? w[2 * j + 1] : 0u) << 8;
+      for (int i = 0; i < 4; ++i) q[i].h[j] = tab.h[(word >> (4 * i)) & 15];
     }
+  }
+
+  static V spread(const float* v, int per, int count) {
+    V r;
+    for (int l = 0; l < 16; ++l) r.f[l] = l / per < count ? v[l / per] : 0.0f;
+    return r;
   }
 };
 

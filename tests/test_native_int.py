@@ -465,7 +465,7 @@ def fp32_scale_edge_plain(n: int, k: int, g: int, domain: str, seed: int) -> Pla
 @needs_native
 @pytest.mark.parametrize("mode", ["on", "emulated"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("g,k", [(32, 576), (32, 224), (64, 3200), (128, 384)])
+@pytest.mark.parametrize("g,k", [(32, 576), (32, 224), (32, 160), (64, 576), (64, 3200), (128, 384)])  # 128-position chunks and K ending 32-96 past one
 @pytest.mark.parametrize("domain", ["float", "none"])
 def test_int4_fp32_scale_scaled_dot_path_one_hot_bound_and_fallbacks(mode, threads, g, k, domain):
     """bf16 activations, 1..16 rows, int4 with fp32 scales: on AVX512_BF16 CPUs the scaled dot path
@@ -544,19 +544,19 @@ def _scaled_dot_checks(g: int, k: int, domain: str, runs: bool) -> None:
 def test_int4_fp32_scale_scaled_dot_path_emulated_gives_the_kernels_bits(threads):
     """The emulated body (csrc/lut4_scaled_dot_emulated.cpp: vdpbf16ps's pair order and fp32
     roundings, the per-lane FMAs, the shuffle tree) gives the AVX512_BF16 kernel's bits for every row
-    count, groups of 32 to 256, K ending in half a step, odd N, float and no zero points, a bias,
+    count, groups of 32 to 256, K ending 32, 64 or 96 positions into a 128-position chunk, odd N, float and no zero points, a bias,
     tiny and huge activations within the path's range and a zero scale: so CPUs without the
     instruction test what it computes."""
     if not _scaled_dot_path_runs():
         pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
     gen = torch.Generator().manual_seed(11)
-    for n, k, g in ((45, 224, 32), (64, 576, 32), (17, 1152, 128), (33, 640, 64), (8, 512, 256)):
+    for n, k, g in ((45, 224, 32), (64, 576, 32), (9, 288, 32), (12, 576, 64), (17, 1152, 128), (33, 640, 64), (8, 512, 256)):
         for domain in ("float", "none"):
             plain = int4_plain(n, k, g, domain, torch.float32, seed=n + k)
             plain.scale[n // 2] = 0.0
-            # the last row's weights 1 at positions 0..3 (scale ORDER_SCALE): with ORDER_X, whether
+            # the last row's weights 1 at positions 0..7 (scale ORDER_SCALE): with ORDER_X, whether
             # vdpbf16ps adds a lane's odd pair first shows in the bf16 output (_order_row)
-            plain.codes[n - 1, :4] = 1 if domain == "none" else 9  # weight 1 * scale (float: (9 - 8) s + 0)
+            plain.codes[n - 1, :8] = 1 if domain == "none" else 9  # weight 1 * scale (float: (9 - 8) s + 0)
             plain.scale[n - 1, 0] = ORDER_SCALE
             if domain == "float":
                 plain.zero_point[n - 1, 0] = 0.0
@@ -564,7 +564,9 @@ def test_int4_fp32_scale_scaled_dot_path_emulated_gives_the_kernels_bits(threads
             bias = torch.randn(n, generator=gen).to(torch.bfloat16)
             bias[n - 1] = 0.0
             for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16):
-                x = _bits_rows(m, k, gen, (1, 0, 2))  # lane 0: words 0, 1 of the low nibbles (positions 1, 3), then of the high ones (0, 2)
+                # lane 0 of a 128-position chunk: words 0, 1 of its 16-bit words' nibbles at bits 0-3
+                # (positions 1, 5) in the first vdpbf16ps, then at bits 4-7 (positions 0, 4)
+                x = _bits_rows(m, k, gen, (1, 0, 4))
                 with library.bf16_amx("off"):
                     (on, calls_on), (emulated, calls_emulated) = (
                         _scaled_dot_calls(_in_scaled_dot_mode, mode, x, impl, bias) for mode in ("on", "emulated"))
