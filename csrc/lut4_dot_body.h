@@ -51,6 +51,7 @@ struct Lut4DotBody {
   __attribute__((always_inline)) static void dot(const Lut4Params& p, const Tab& tab, const uint8_t* w, int bytes, int64_t g, V (&acc)[MT]) {
     B lo, hi;
     Ops::weights(tab, w, bytes, lo, hi);
+#pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const uint16_t* x = p.xb + m * p.kx + g * 32;
       acc[m] = Ops::dp(acc[m], lo, Ops::x32(x));
@@ -63,8 +64,12 @@ struct Lut4DotBody {
   TQ_TILE static void tile(const Lut4Params& p, int64_t n) {
     static_assert(NT * MT <= 16, "one sum16 per tile");
     const int64_t G = p.blocks_per_row, K = p.K;
-    V acc[NT][MT];  // an array per weight row, passed by reference: kept in registers
+    // an array per weight row, passed by reference; every loop that indexes acc or tab is unrolled,
+    // so that they stay in registers (an array indexed at run time lives in memory)
+    V acc[NT][MT];
+#pragma GCC unroll 16
     for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) acc[t][m] = Ops::zero();
     const uint8_t* w[NT];
     for (int t = 0; t < NT; ++t) w[t] = p.packed + (n + t) * (K / 2);
@@ -76,24 +81,29 @@ struct Lut4DotBody {
         if (ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
         if (ahead + 64 < ahead_end) _mm_prefetch(ahead + 64, _MM_HINT_T0);
         ahead += 32 * NT;
+#pragma GCC unroll 16
         for (int t = 0; t < NT; ++t) dot<MT>(p, Ops::table(p, (n + t) * G + g, (n + t) * G + g + 1), w[t] + g * 16, 32, g, acc[t]);
       }
       if (g < G)  // the last block alone: B's bytes and table words zero (as its padded activations)
+#pragma GCC unroll 16
         for (int t = 0; t < NT; ++t) dot<MT>(p, Ops::table(p, (n + t) * G + g, -1), w[t] + g * 16, 16, g, acc[t]);
     } else {  // blocks of a multiple of 64 positions: one table per block, block / 64 steps of 64 positions
       const int64_t units = p.block / 32;  // 32-position units per block
       for (int64_t b = 0; b < G; ++b) {
         Tab tab[NT];
+#pragma GCC unroll 16
         for (int t = 0; t < NT; ++t) tab[t] = Ops::table(p, (n + t) * G + b, (n + t) * G + b);
         for (int64_t g = b * units; g < (b + 1) * units; g += 2) {
           if (ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
           if (ahead + 64 < ahead_end) _mm_prefetch(ahead + 64, _MM_HINT_T0);
           ahead += 32 * NT;
+#pragma GCC unroll 16
           for (int t = 0; t < NT; ++t) dot<MT>(p, tab[t], w[t] + g * 16, 32, g, acc[t]);
         }
       }
     }
     V v[16];
+#pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {  // so that lane i sums accumulator i (t * MT + m)
       const int i = 4 * (j % 4) + j / 4;
       v[j] = i < NT * MT ? acc[i / MT][i % MT] : Ops::zero();
