@@ -25,7 +25,6 @@ struct Avx512Bf16DotOps {
 
   // a * b + c in one rounding per lane.
   __attribute__((always_inline)) static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  __attribute__((always_inline)) static V set1(float v) { return _mm512_set1_ps(v); }
   // v[0..count) (count <= 16) in lanes 0..count-1, zero above; nothing read past v + count.
   __attribute__((always_inline)) static V load_partial(const float* v, int64_t count) {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), v);

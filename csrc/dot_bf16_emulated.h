@@ -54,11 +54,6 @@ struct EmulatedDotOps {
     for (int i = 0; i < 16; ++i) r.f[i] = fmaf(a.f[i], b.f[i], c.f[i]);  // one rounding, as vfmadd
     return r;
   }
-  static V set1(float v) {
-    V r;
-    for (int i = 0; i < 16; ++i) r.f[i] = v;
-    return r;
-  }
   static V load_partial(const float* v, int64_t count) {
     V r{};
     for (int64_t i = 0; i < count; ++i) r.f[i] = v[i];

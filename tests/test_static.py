@@ -232,6 +232,45 @@ def test_observers_match_pytorch(observer):
     assert row["out"].activation != want
 
 
+class _Masked(nn.Module):
+    """A linear called as a transformers model is: ``model(x, attention_mask=mask)``."""
+
+    def __init__(self, k=8):
+        super().__init__()
+        self.proj = nn.Linear(k, 4)
+
+    def forward(self, x, attention_mask=None):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("ignore_padding", [True, False])
+def test_padding_positions_are_not_observed(ignore_padding):
+    torch.manual_seed(0)
+    x = torch.rand(2, 5, 8) * 2 - 1  # real tokens in [-1, 1]
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    x[0, 3], x[0, 4] = 500.0, 1000.0  # the padding positions: never used, far outside the real range
+    real = x[mask.bool()]
+    net = _Masked()
+    torchq.static.prepare(net, torchq.int8_static_activation_int8_weight(), ignore_padding=ignore_padding)
+    net(x, attention_mask=mask)
+    net(x[:, :4], attention_mask=mask)  # a mask of another shape than the input's tokens: observed whole
+    row = torchq.static.convert(net).layers[0]
+    if ignore_padding:  # the second call (no usable mask) saw position 3 of row 0 (500), never position 4 (1000)
+        assert row.activation == StaticInt8.from_range(float(real.amin()), 500.0)
+    else:
+        assert row.activation == StaticInt8.from_range(float(x.amin()), float(x.amax()))
+
+
+def test_a_batch_of_padding_only_adds_nothing():
+    net = _Masked()
+    torchq.static.prepare(net)
+    x = torch.rand(1, 3, 8)
+    net(x, attention_mask=torch.ones(1, 3, dtype=torch.long))
+    net(torch.full((1, 3, 8), 1e6), attention_mask=torch.zeros(1, 3, dtype=torch.long))
+    row = torchq.static.convert(net).layers[0]
+    assert row.activation == StaticInt8.from_range(float(x.amin()), float(x.amax()))
+
+
 def test_percentile_observer_on_a_full_sample():
     torch.manual_seed(0)
     net = _Net()
@@ -289,6 +328,8 @@ def test_prepare_and_convert_refuse_bad_use():
         torchq.static.prepare(net, algorithm="awq")
     with pytest.raises(ValueError, match="alpha"):
         torchq.static.prepare(net, alpha=0.5)
+    with pytest.raises(ValueError, match="ignore_padding: expected a bool, got 'yes'"):
+        torchq.static.prepare(net, ignore_padding="yes")
     with pytest.raises(ValueError, match="not prepared"):
         torchq.static.convert(net)
     torchq.static.prepare(net)

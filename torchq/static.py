@@ -89,8 +89,13 @@ class _Site:
         self.norm: str | None = None
         self.last: tuple[weakref.ref, int] | None = None  # the tensor last observed in this forward, and its version
 
-    def observe(self, x: torch.Tensor) -> None:
-        rows = x.detach().reshape(-1, self.k).to(torch.float32).cpu()
+    def observe(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """Record ``x``'s rows (its last dimension is the feature), or with ``tokens`` (a bool mask of
+        ``x``'s leading dimensions) only the rows it marks."""
+        x = x.detach()
+        if tokens is not None:
+            x = x[tokens.to(x.device)]
+        rows = x.reshape(-1, self.k).to(torch.float32).cpu()
         if rows.shape[0] == 0:
             return
         finite = torch.isfinite(rows)
@@ -183,6 +188,7 @@ class _Calibration:
     first_input: tuple[tuple, dict] | None = None  # the model's first calibration call (SmoothQuant's fold check)
     first_output: list[torch.Tensor] | None = None
     pending_input: tuple[tuple, dict] | None = None
+    tokens: torch.Tensor | None = None  # this forward's attention_mask != 0 ([batch, sequence]), if ignore_padding
     replaying: bool = False
     last_norm: tuple[tuple[weakref.ref, int], str] | None = None
     site_calls: dict[int, int] = field(default_factory=dict)
@@ -240,7 +246,7 @@ def prepared_layers(model: nn.Module) -> dict[str, QuantConfig]:
 
 def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
             algorithm: str | None = None, alpha: float | None = None, alpha_grid: int = 21, sample_tokens: int = 512,
-            seed: int = 0) -> nn.Module:
+            seed: int = 0, ignore_padding: bool = True) -> nn.Module:
     """Add observers to the selected linears of ``model`` (in place; returns ``model``).
 
     ``config`` and ``filter_fn`` select and configure layers as in :func:`torchq.quantize_` (default:
@@ -251,7 +257,12 @@ def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Calla
     ``algorithm``: None or ``"smoothquant"`` (module docstring); ``alpha``: a fixed SmoothQuant
     exponent in [0, 1] (default: searched on ``alpha_grid`` evenly spaced values). ``sample_tokens``:
     the input rows each site keeps (percentile observers, SmoothQuant's search); ``seed``: the
-    sampling's. Then run the model on calibration data and call :func:`convert`."""
+    sampling's. ``ignore_padding``: when the model is called with an ``attention_mask`` keyword of
+    shape ``[batch, sequence]`` (a padded batch, as tokenizers return it), an input of shape
+    ``[batch, sequence, features]`` is observed at the positions the mask marks only (its padding
+    tokens' activations are never used, and min-max ranges that include them are wider than the
+    real tokens need); other inputs are observed whole. Then run the model on calibration data
+    and call :func:`convert`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if _ATTR in model.__dict__:
@@ -266,6 +277,8 @@ def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Calla
         raise ValueError(f"alpha_grid: expected an int >= 2, got {alpha_grid!r}")
     if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 1:
         raise ValueError(f"sample_tokens: expected a positive int, got {sample_tokens!r}")
+    if not isinstance(ignore_padding, bool):
+        raise ValueError(f"ignore_padding: expected a bool, got {ignore_padding!r}")
     if config is None:
         config = Int8StaticActivationInt8WeightConfig()
     filter_fn = filter_fn or default_filter
@@ -326,7 +339,8 @@ def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Calla
                 state.site_of[name] = site
             if not _same(site.last, x):
                 site.last = _mark(x)
-                site.observe(x)
+                mask = state.tokens
+                site.observe(x, mask if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape) else None)
                 state.site_calls[id(site)] = state.site_calls.get(id(site), 0) + 1
 
         return observe
@@ -350,6 +364,8 @@ def prepare(model: nn.Module, config: ConfigSpec | None = None, filter_fn: Calla
         for site in state.sites:  # a new forward: a tensor seen before is a new batch (a reused buffer, say)
             site.last = None
         state.last_norm = None
+        mask = kwargs.get("attention_mask") if ignore_padding else None
+        state.tokens = mask.detach() != 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         if state.first_output is None and algorithm == "smoothquant":
             state.pending_input = torch.utils._pytree.tree_map(keep, (args, kwargs))
 
