@@ -152,7 +152,11 @@ struct Int8Kernels {
 // 2 rows 1.02-1.07x, 4 rows 1.24-1.37x, 8 rows 2.4-3.6x (1.09-1.19x bf16 F.linear), 16 rows
 // 1.63-2.27x (0.88-0.96x bf16 F.linear), 24 rows 1.31-1.76x, 32 rows 1.09-1.48x (0.73-0.80x bf16
 // F.linear), 48 rows 0.96-1.25x, 64 rows 0.87-1.03x (the tiles keep 33+ rows); 1 row 0.97-1.00x
-// (the row kernel keeps it).
+// (the row kernel keeps it). Since the tiles keep their accumulators in registers (every loop
+// indexing them unrolled) and take the codes' bf16 words from their fp32 values with one vpermt2w
+// (not vcvtne2ps2bf16), against the tiles before, same shapes, alternating builds: 2 rows
+// 1.0-1.16x, 4 rows 1.03-1.13x, 8 rows 1.04-1.14x, 16 rows 1.03-1.17x, 32 rows 1.08-1.18x
+// (3072 x 576: 2 rows 107 -> 92 us, 16 rows 414 -> 360; bf16 F.linear 156 and 376).
 constexpr int64_t kInt8DotMinM = 2, kInt8DotMaxM = 32;
 // The AVX512_BF16 kernel, and its body on emulated instructions (int8_dot_emulated.cpp: the same
 // bits on any CPU). INT8_DOT_ON (the default) runs the first where the active table has it,

@@ -13,11 +13,20 @@ namespace tq {
 namespace {
 
 struct Int8DotOps : Avx512Bf16DotOps {
+  // Word j of the result: the high half of fp32 lane j of lo (j < 16) or j - 16 of hi. Every int8
+  // code is exact in bf16, so its fp32 value's low half is 0 and the high half is its bf16 word:
+  // one vpermt2w where vcvtne2ps2bf16 (which rounds) cost about 1.5x as much.
+  __attribute__((always_inline)) static B high_words(V lo, V hi) {
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                         31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return (B)_mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd, _mm512_castps_si512(hi));
+  }
+
   // 32 codes of a row (w[0..31]) as bf16 words, word j from byte j.
   __attribute__((always_inline)) static B codes(const int8_t* w) {
     const V lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
     const V hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return high_words(lo, hi);
   }
 
   // The first `count` (< 32) codes of w likewise, zero words after them (nothing read past w + count).
@@ -25,7 +34,7 @@ struct Int8DotOps : Avx512Bf16DotOps {
     const __m256i b = _mm256_maskz_loadu_epi8((__mmask32)((1u << count) - 1u), w);
     const V lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
     const V hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return high_words(lo, hi);
   }
 };
 
