@@ -11,6 +11,7 @@
 #include <atomic>
 
 #include "bf16_amx.h"
+#include "bf16_dp_gemm.h"
 #include "common.h"
 #include "kernels.h"
 #include "weight_abi.h"
@@ -69,6 +70,8 @@ struct Tables {
       by_isa[ISA_AVX512].lut4.dot_bf16 = kLut4Avx512Bf16.dot_bf16;
       by_isa[ISA_AVX512].int8.dot_bf16 = kInt8Avx512Bf16Dot;
       by_isa[ISA_AVX512].lut4.scaled_dot = kLut4Avx512Bf16ScaledDot;
+      by_isa[ISA_AVX512].bf16_dp_gemm = kBf16DpAvx512Bf16Gemm;
+      by_isa[ISA_AVX512].bf16_dp_int8_gemm = kInt8Avx512Bf16DpGemm;
     }
     if (!use_vnni()) {
       by_isa[ISA_AVX512].int8.dynamic_rows = kInt8Avx2.dynamic_rows;

@@ -41,6 +41,38 @@ struct EmulatedDotOps {
     return b;
   }
 
+  static B pair(const uint16_t* p) {
+    B b;
+    for (int i = 0; i < 16; ++i) {
+      b.h[2 * i] = p[0];
+      b.h[2 * i + 1] = p[1];
+    }
+    return b;
+  }
+  static void store(float* out, const V& v) { memcpy(out, v.f, sizeof v.f); }
+  static B zero_words() { return B{}; }
+  static void store_words(uint16_t* p, const B& b) { memcpy(p, b.h, sizeof b.h); }
+  static void transpose16(B (&v)[16]) {  // as dwords: dword j of v[i] to dword i of v[j]
+    B r[16];
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) {
+        r[j].h[2 * i] = v[i].h[2 * j];
+        r[j].h[2 * i + 1] = v[i].h[2 * j + 1];
+      }
+    for (int i = 0; i < 16; ++i) v[i] = r[i];
+  }
+  static V mul(const V& a, const V& b) {
+    V r;
+    for (int i = 0; i < 16; ++i) r.f[i] = a.f[i] * b.f[i];
+    return r;
+  }
+  static void store_bf16(uint16_t* dst, const V& v, int64_t count) {  // as the instructions round (bf16_round's rule)
+    for (int64_t i = 0; i < count && i < 16; ++i) {
+      uint32_t u;
+      memcpy(&u, &v.f[i], 4);
+      dst[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
   static V dp(V acc, const B& a, const B& b) {
     for (int i = 0; i < 16; ++i) {
       acc.f[i] = acc.f[i] + f32(a.h[2 * i + 1]) * f32(b.h[2 * i + 1]);

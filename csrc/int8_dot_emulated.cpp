@@ -1,10 +1,11 @@
-// The int8 weight-only bf16 dot path on emulated instructions (int8_dot_body.h over
+// The int8 weight-only bf16 dot path (and the bf16 dot-product GEMM's int8 form) on emulated instructions (int8_dot_body.h over
 // dot_bf16_emulated.h, plus the code conversion of int8_linear_avx512bf16.cpp on arrays). The same
 // bits as the AVX512_BF16 kernel, on any CPU:
 // tq_set_int8_dot(INT8_DOT_EMULATED) runs it (tests), with the active ISA's fp32 row kernel for
 // the weight rows that fall back. Compiled for the baseline ISA.
 #include "dot_bf16_emulated.h"
 #include "int8_dot_body.h"
+#include "bf16_dp_gemm_body.h"
 #include "kernels.h"
 
 namespace tq {
@@ -27,10 +28,24 @@ struct Int8EmulatedDotOps : EmulatedDotOps {
   }
 };
 
+// split_pairs (bf16_dp_gemm_body.h) on arrays.
+struct Int8EmulatedDpOps : Int8EmulatedDotOps {
+  static void split_pairs(const int8_t* chunk, int8_t* out) {
+    for (int t = 0; t < 16; ++t)
+      for (int j = 0; j < 2; ++j) {
+        out[2 * t + j] = chunk[4 * t + j];
+        out[32 + 2 * t + j] = chunk[4 * t + 2 + j];
+      }
+  }
+};
+
 void dot_rows(const Int8Params& p, int64_t n0, int64_t n1) { Int8Dot<Int8EmulatedDotOps>::rows(p, n0, n1, kernels().int8.weight_rows); }
+
+void dp_gemm(const Bf16DpGemm& g, int64_t n0, int64_t n1) { Bf16DpBody<Int8EmulatedDpOps, true>::gemm(g, n0, n1); }
 
 }  // namespace
 
 extern const Int8RowsFn kInt8EmulatedDot = &dot_rows;
+extern const Bf16DpGemmFn kBf16DpEmulatedInt8Gemm = &dp_gemm;
 
 }  // namespace tq

@@ -4,12 +4,14 @@
 #include "lut4_linear.h"  // lut4_paths(): the GEMM switch
 
 #include <float.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
 
 #include "bf16_amx.h"
+#include "bf16_dp_gemm.h"
 #include "common.h"
 #include "kernels.h"
 #include "weight_abi.h"
@@ -250,10 +252,34 @@ int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, 
   const int8_t* codes = w.codes;
   const float* scale = w.scales;
   const bool panels = w.codes_order == 1;
+  const AmxDecode decode{codes, scale, K, (K + 31) / 32 * 32, panels};
   if (dtype == DT_BF16 && M >= kBf16AmxMinM && M <= kBf16AmxMaxM && bf16_amx_active()) {
-    const AmxDecode decode{codes, scale, K, (K + 31) / 32 * 32, panels};
     const int status = bf16_amx_linear(static_cast<const uint16_t*>(x), M, K, decode.Kp, N, bias, amx_decode, &decode, out, threads, kSpinUs);
     if (status >= 0) return status;
+  }
+  if (dtype == DT_BF16) {
+    // the bf16 dot-product GEMM: codes (row-major or panels) with scales it can apply to the sums
+    // take its codes form, others their decoded rows q * s (the AMX GEMM's)
+    bool scales_ok = true;
+    for (int64_t n = 0; n < N && scales_ok; ++n) scales_ok = scale[n] == 0.0f || (fabsf(scale[n]) >= FLT_MIN && fabsf(scale[n]) <= FLT_MAX);
+    const Bf16DpGemmFn dp = bf16_dp_gemm(M, kBf16DpInt8MinM, scales_ok);
+    if (dp) {
+      Bf16DpGemm g{};
+      g.N = N;
+      g.K = decode.Kp;
+      g.bias = bias;
+      if (scales_ok) {
+        g.scale = scale;
+        g.codes = codes;
+        g.codes_k = K;
+        g.codes_panels = panels;
+      } else {
+        g.decode = amx_decode;
+        g.ctx = &decode;
+      }
+      const int status = bf16_dp_linear(dp, g, static_cast<const uint16_t*>(x), M, K, out, threads, kSpinUs);
+      if (status >= 0) return status;
+    }
   }
   const int64_t Kp = padded(K);
   float* xp = static_cast<float*>(aligned_alloc(64, M * Kp * sizeof(float)));

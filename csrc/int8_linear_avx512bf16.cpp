@@ -3,11 +3,12 @@
 // [-128, 127] is a bf16 value), vdpbf16ps multiplies them with the bf16 activations (products exact
 // in fp32) and sums in fp32, and each output is scaled once: out[m, n] = s[n] * sum_k q[n, k] x[m, k]
 // (+ bias[n]). cpu.cpp puts it into the AVX-512 table's int8.dot_bf16 on CPUs with AVX512_BF16
-// unless TORCHQ_NATIVE_AVX512BF16=0. Linkage: as lut4_linear_avx2.cpp.
+// unless TORCHQ_NATIVE_AVX512BF16=0; likewise the bf16 dot-product GEMM's int8 form. Linkage: as lut4_linear_avx2.cpp.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
 #include "simd_avx512bf16.h"
 #include "dot_bf16_avx512.h"
 #include "int8_dot_body.h"
+#include "bf16_dp_gemm_body.h"
 
 namespace tq {
 namespace {
@@ -38,10 +39,25 @@ struct Int8DotOps : Avx512Bf16DotOps {
   }
 };
 
+// split_pairs (bf16_dp_gemm_body.h) for Int8DotOps: within each 128-bit lane the 4 dwords' low
+// words then high words (vpshufb), then the lanes' low halves before their high halves (vpermq).
+struct Int8DpOps : Int8DotOps {
+  __attribute__((always_inline)) static void split_pairs(const int8_t* chunk, int8_t* out) {
+    const __m512i in = _mm512_loadu_si512(chunk);
+    const __m512i within = _mm512_set4_epi32(0x0F0E0B0A, 0x07060302, 0x0D0C0908, 0x05040100);
+    const __m512i halves = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_shuffle_epi8(in, within));
+    _mm512_storeu_si512(out, halves);
+  }
+};
+
 void dot_rows(const Int8Params& p, int64_t n0, int64_t n1) { Int8Dot<Int8DotOps>::rows(p, n0, n1, kInt8Avx512.weight_rows); }
+
+void dp_gemm(const Bf16DpGemm& g, int64_t n0, int64_t n1) { Bf16DpBody<Int8DpOps, true>::gemm(g, n0, n1); }
 
 }  // namespace
 
 extern const Int8RowsFn kInt8Avx512Bf16Dot = &dot_rows;
+// The bf16 dot-product GEMM's int8 form (bf16_dp_gemm.h): the codes' bf16 words as above.
+extern const Bf16DpGemmFn kInt8Avx512Bf16DpGemm = &dp_gemm;
 
 }  // namespace tq

@@ -8,6 +8,7 @@
 // a traits header (simd_<isa>.h) and one thin translation unit per kernel body that
 // instantiates the body with those traits and exports the ISA's kernel set.
 #pragma once
+#include "bf16_dp_gemm.h"
 #include "int8_linear.h"
 #include "lut4_linear.h"
 
@@ -17,6 +18,9 @@ struct KernelTable {
   int isa;  // Isa
   Lut4Kernels lut4;
   Int8Kernels int8;
+  // The bf16 dot-product GEMM (bf16_dp_gemm.h), decoded and int8 forms: AVX-512 with AVX512_BF16
+  // only, else null.
+  Bf16DpGemmFn bf16_dp_gemm = nullptr, bf16_dp_int8_gemm = nullptr;
 };
 
 // The active ISA's table (never null; changes only with tq_set_isa).

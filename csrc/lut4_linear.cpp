@@ -9,6 +9,7 @@
 #include <atomic>
 
 #include "bf16_amx.h"
+#include "bf16_dp_gemm.h"
 #include "common.h"
 #include "kernels.h"
 #include "weight_abi.h"
@@ -231,11 +232,22 @@ void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
 // the rows into an fp32 output, then rounds it to `dtype` (once, at the end).
 int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int threads) {
   const int64_t M = p.M, K = p.K, N = p.N;
+  const Lut4Kernels& lk = kernels().lut4;
+  const AmxDecode gemm_decode{&p, lk.dequant_bf16 && lut4_bf16_pairs(p) ? lk.dequant_bf16 : lk.dequant};
   if (dtype == DT_BF16 && M >= kBf16AmxMinM && M <= kBf16AmxMaxM && bf16_amx_active()) {
-    const Lut4Kernels& k = kernels().lut4;
-    const AmxDecode decode{&p, k.dequant_bf16 && lut4_bf16_pairs(p) ? k.dequant_bf16 : k.dequant};
-    const int status = bf16_amx_linear(static_cast<const uint16_t*>(x), M, K_in, K, N, p.bias, amx_decode, &decode, out, threads,
+    const int status = bf16_amx_linear(static_cast<const uint16_t*>(x), M, K_in, K, N, p.bias, amx_decode, &gemm_decode, out, threads,
                                        kLinearSpinUs);
+    if (status >= 0) return status;
+  }
+  const int64_t dp_min_m = lut4_bf16_dot_weights(p) && lut4_dot_kernel() ? kLut4DotMaxM + 1 : kBf16DpLut4MinM;
+  if (const Bf16DpGemmFn dp = dtype == DT_BF16 ? bf16_dp_gemm(M, dp_min_m, false) : nullptr) {
+    Bf16DpGemm g{};
+    g.N = N;
+    g.K = K;
+    g.bias = p.bias;
+    g.decode = amx_decode;
+    g.ctx = &gemm_decode;
+    const int status = bf16_dp_linear(dp, g, static_cast<const uint16_t*>(x), M, K_in, out, threads, kLinearSpinUs);
     if (status >= 0) return status;
   }
   // The scaled dot path serves its weights' bf16 calls up to kLut4ScaledDotMaxM rows, one row too
@@ -532,6 +544,7 @@ int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
 
 int lut4_dot_max_m(const tq_weight& w) {
   if (!valid_lut4(w) || w.format != TQ_FORMAT_LUT4) return 0;
+  if (bf16_dp_active()) return static_cast<int>(kBf16DpMaxM);  // the dot-product GEMM: every row count above the dot paths'
   if (bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);  // the AMX GEMM (above the dot paths' rows)
   const Lut4Params p = params(w, 0, nullptr);
   if (lut4_scaled_dot_allowed(p) && lut4_scaled_dot_kernel()) return static_cast<int>(kLut4ScaledDotMaxM);

@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "bf16_amx.h"
+#include "bf16_dp_gemm.h"
 #include "common.h"
 #include "kernels.h"
 
@@ -85,6 +86,7 @@ TQ_API int tq_dot_max_m(const tq_weight* w, int x_dtype) {
   using namespace tq;
   if (!valid_weight(w) || x_dtype != DT_BF16) return 0;
   if (w->format == TQ_FORMAT_INT8) {
+    if (bf16_dp_active()) return static_cast<int>(kBf16DpMaxM);
     if (bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);
     return int8_dot_rows(kInt8DotMaxM, DT_BF16) ? static_cast<int>(kInt8DotMaxM) : 0;
   }

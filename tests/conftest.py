@@ -51,9 +51,13 @@ def isa(request):
 def fast_bf16(request, monkeypatch):
     """Force :data:`torchq.prefill.FAST_BF16_MATMUL` to ``request.param`` for one test (indirect
     parametrization): bf16 inputs then take bf16 tiles (AMX / AVX512_BF16 CPUs) or fp32 tiles
-    (every other CPU) whatever this machine has, so both paths run everywhere."""
+    (every other CPU) whatever this machine has, so both paths run everywhere. The bf16
+    dot-product GEMM, which takes those rows first on AVX512_BF16 CPUs, is off meanwhile."""
+    from torchq.backends.native_cpu import library
+
     monkeypatch.setattr(prefill, "FAST_BF16_MATMUL", bool(request.param))
-    yield bool(request.param)
+    with library.bf16_dp_gemm("off"):
+        yield bool(request.param)
 
 
 @pytest.fixture

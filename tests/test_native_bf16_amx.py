@@ -87,36 +87,49 @@ def _gemm_switch_on():
         yield
 
 
+def mode_under_test(param: str, switch, calls, hardware: bool, skip_reason: str):
+    """A native GEMM's mode for one test (``param``: emulated, hardware or off; ``switch`` the
+    library's mode context, ``calls`` its call counter); afterwards the counter must show the GEMM
+    ran exactly when it was on (each test runs at least one call it takes)."""
+    saved = native.status().isa
+    if param == "hardware":
+        native.set_isa("avx512")
+        if not hardware or native.status().isa != "avx512":
+            native.set_isa(saved)
+            pytest.skip(skip_reason)
+    before = calls()
+    with switch({"emulated": "emulated", "hardware": "on", "off": "off"}[param]):
+        yield param
+    native.set_isa(saved)
+    ran = calls() - before
+    assert (ran > 0) == (param != "off"), (param, ran)
+
+
+def outputs_within_bound(mode: str, name: str, ms: list[int], fp32_weights: bool) -> None:
+    """Every shape of SHAPES at every row count of ``ms``: bf16 outputs of the right shape within
+    the sum bound of the bf16 reference."""
+    for i, (k, n) in enumerate(SHAPES):
+        layer = quantized(name, n, k, seed=i)
+        w = bf16_weight(layer)
+        for m in ms:
+            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + i)) * 3).to(torch.bfloat16)
+            y = F.linear(x, layer.weight, layer.bias)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            check_bound(y, x, w, layer.bias, (mode, name, m, k, n), fp32_weights=fp32_weights)
+
+
 @pytest.fixture(params=["emulated", "hardware", "off"])
 def amx(request):
-    """The bf16 AMX mode for one test; afterwards the counter must show the GEMM ran exactly when
-    it was on (each test runs at least one call it takes)."""
-    saved = native.status().isa
-    if request.param == "hardware":
-        native.set_isa("avx512")
-        if not HARDWARE or native.status().isa != "avx512":
-            native.set_isa(saved)
-            pytest.skip("no AMX-BF16 on this CPU (or Linux refused it, or the AVX-512 ISA is capped)")
-    before = library.bf16_amx_calls()
-    with library.bf16_amx({"emulated": "emulated", "hardware": "on", "off": "off"}[request.param]):
-        yield request.param
-    native.set_isa(saved)
-    ran = library.bf16_amx_calls() - before
-    assert (ran > 0) == (request.param != "off"), (request.param, ran)
+    """The bf16 AMX mode for one test (:func:`mode_under_test`)."""
+    yield from mode_under_test(request.param, library.bf16_amx, library.bf16_amx_calls, HARDWARE,
+                               "no AMX-BF16 on this CPU (or Linux refused it, or the AVX-512 ISA is capped)")
 
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("name", CONFIGS + ["int4-zint-g32", "int4-none-g32"])
 def test_outputs_are_within_the_sum_bound_of_the_bf16_reference(amx, threads, name):
-    for i, (k, n) in enumerate(SHAPES):
-        layer = quantized(name, n, k, seed=i)
-        w = bf16_weight(layer)
-        for m in MS:
-            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + i)) * 3).to(torch.bfloat16)
-            y = F.linear(x, layer.weight, layer.bias)
-            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-            check_bound(y, x, w, layer.bias, (amx, name, m, k, n), fp32_weights=amx == "off")
+    outputs_within_bound(amx, name, MS, fp32_weights=amx == "off")
 
 
 @needs_native

@@ -42,6 +42,14 @@ from torchq.ops.int4 import dequantize_int4_groupwise, int4_groupwise_linear
 from torchq.ops.int8 import int8_dynamic_linear, int8_weight_linear
 from torchq.primitives import ZeroPointDomain
 
+
+@pytest.fixture(autouse=True)
+def _no_bf16_dp_gemm():
+    """The paths these tests name, without the bf16 dot-product GEMM that takes many bf16 rows
+    first on AVX512_BF16 CPUs (its own tests: test_native_bf16_dp.py)."""
+    with library.bf16_dp_gemm("off"):
+        yield
+
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
 

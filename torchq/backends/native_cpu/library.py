@@ -32,13 +32,13 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "bf16_dp_gemm", "bf16_dp_gemm_calls", "BF16_DP_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
     "int8_panel_numel",
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
@@ -48,6 +48,7 @@ BF16_AMX_MODES = ("off", "on", "emulated")  # tq_set_bf16_amx
 INT8_DOT_MODES = ("off", "on", "emulated")  # tq_set_int8_dot
 LUT4_SCALED_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_scaled_dot
 LUT4_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_dot
+BF16_DP_MODES = ("off", "on", "emulated")  # tq_set_bf16_dp_gemm
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 # name -> (restype, argtypes) of every exported function
@@ -70,6 +71,8 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_set_bf16_amx": (_c_int, [_c_int]),  # index into BF16_AMX_MODES (negative: read)
     "tq_amx_bf16_supported": (_c_int, []),
     "tq_amx_bf16_calls": (_c_int64, []),
+    "tq_set_bf16_dp_gemm": (_c_int, [_c_int]),  # index into BF16_DP_MODES (negative: read)
+    "tq_bf16_dp_gemm_calls": (_c_int64, []),
     "tq_gemm_active": (_c_int, [_c_int]),  # weight format
     "tq_dot_max_m": (_c_int, [_ptr, _c_int]),  # weight, x dtype: the most rows its bf16 AMX GEMM or dot path takes (0: none)
     "tq_weight_abi": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_c_int), ctypes.POINTER(_c_int64)]),
@@ -125,6 +128,8 @@ def validate(lib: ctypes.CDLL, name: str) -> tuple[type[ctypes.Structure] | None
 _LIB, _PATH, _REASON, _WEIGHT_STRUCT = _load()
 # The bf16 AMX GEMM's mode as the library has it (TORCHQ_NATIVE_AMX at load; bf16_amx changes it).
 _BF16_AMX_MODE = "off" if _LIB is None else BF16_AMX_MODES[_LIB.tq_set_bf16_amx(-1)]
+# The bf16 dot-product GEMM's (bf16_dp_gemm changes it).
+_BF16_DP_MODE = "off" if _LIB is None else BF16_DP_MODES[_LIB.tq_set_bf16_dp_gemm(-1)]
 
 
 def _python_entry(lib: ctypes.CDLL | None) -> Callable[..., int] | None:
@@ -340,10 +345,37 @@ def bf16_amx_supported() -> bool:
     return _LIB is not None and bool(_LIB.tq_amx_bf16_supported())
 
 
+def _note_bf16_dp_mode(mode: str) -> None:
+    global _BF16_DP_MODE
+    _BF16_DP_MODE = mode
+
+
+def bf16_dp_gemm(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Within the block (process-wide), the bf16 dot-product GEMM of the weight-only kernels (lut4:
+    int4, NF4, FP4, from 5 rows; int8, from 12) for bf16 activations of any larger row count
+    (``csrc/bf16_dp_gemm.h``: each panel of 16 weight rows decoded once per call, ``vdpbf16ps``
+    with the activations' pairs broadcast): ``"on"`` (the default) on CPUs with AVX512_BF16 whose
+    AVX-512 ISA is active and where the AMX GEMM does not take the call, ``"off"`` never (the bf16
+    dot paths, dequantized tiles + ``torch.mm``), ``"emulated"`` its body on emulated instructions
+    on any CPU, the same bits (for tests). A GEMM form: ``lut4_paths(gemm=False)`` turns it off in
+    every mode."""
+    return _mode("tq_set_bf16_dp_gemm", BF16_DP_MODES, mode, _note_bf16_dp_mode)
+
+
+def bf16_dp_gemm_calls() -> int:
+    """How many weight-only calls have taken the bf16 dot-product GEMM (either kernel) since the
+    library loaded (for tests: which path ran)."""
+    return 0 if _LIB is None else int(_LIB.tq_bf16_dp_gemm_calls())
+
+
 def _bf16_native_max_m() -> int:
     """The most bf16 activation rows any weight-only weight's fused kernel may take above the
-    decode-sized ones: the bf16 AMX GEMM's while it may run, else the bf16 dot path's (each weight
-    says which it takes: :meth:`NativeWeight.dot_max_m`)."""
+    decode-sized ones: every count while the bf16 dot-product GEMM may run, the bf16 AMX GEMM's
+    while it may, else the bf16 dot path's (each weight says which it takes:
+    :meth:`NativeWeight.dot_max_m`)."""
+    if _BF16_DP_MODE == "emulated" or (_BF16_DP_MODE == "on" and _LIB is not None and ISA_NAMES[_LIB.tq_active_isa()] == "avx512"
+                                       and _LIB.tq_features() >> FEATURE_NAMES.index("avx512_bf16") & 1):
+        return BF16_DP_MAX_M
     if _BF16_AMX_MODE == "emulated" or (_BF16_AMX_MODE == "on" and bf16_amx_supported()):
         return max(BF16_AMX_MAX_M, DOT_MAX_M)
     return DOT_MAX_M
@@ -408,6 +440,7 @@ def eager_cpu(x: torch.Tensor) -> bool:
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DOT_MAX_M = 32  # the larger of kLut4DotMaxM and kInt8DotMaxM (csrc/lut4_linear.h, int8_linear.h): the most rows of any weight's bf16 dot path
 BF16_AMX_MAX_M = 64  # kBf16AmxMaxM (csrc/bf16_amx.h): the most rows of the bf16 AMX GEMM
+BF16_DP_MAX_M = 1 << 20  # kBf16DpMaxM (csrc/bf16_dp_gemm.h): the most rows of the bf16 dot-product GEMM
 
 
 def checked_ptr(name: str, t: torch.Tensor | None, dtype: torch.dtype, numel: int, op: str = "native call") -> int | None:
