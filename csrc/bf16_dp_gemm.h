@@ -52,10 +52,10 @@ enum Bf16Dp : int { BF16_DP_OFF = 0, BF16_DP_ON = 1, BF16_DP_EMULATED = 2 };
 extern const Bf16DpGemmFn kBf16DpAvx512Bf16Gemm, kInt8Avx512Bf16DpGemm, kBf16DpEmulatedGemm, kBf16DpEmulatedInt8Gemm;
 // Activation rows from which calls take it (below, the bf16 dot paths were faster: one Zen 4 core,
 // 576 x 3072, the GEMM against the paths before it: int8 24 rows 538 / 544 us, 16 rows 406 / 377;
-// int4 g32 fp32 scales 9 rows 422 / 440, 8 rows 402 / 346; NF4 5 rows 328 / 451; lut4 weights
-// with the bf16 pair dot path keep it through kLut4DotMaxM rows), and the most (the call packs
-// its M x K activations: a prompt's).
-constexpr int64_t kBf16DpInt8MinM = 25, kBf16DpLut4MinM = 9, kBf16DpMaxM = int64_t{1} << 20;
+// int4 with fp32 scales (the scaled dot path) 9 rows 422 / 440, 8 rows 402 / 346; NF4 (table
+// paths) 5 rows 328 / 451; lut4 weights with the bf16 pair dot path keep it through kLut4DotMaxM
+// rows), and the most (the call packs its M x K activations: a prompt's).
+constexpr int64_t kBf16DpInt8MinM = 25, kBf16DpLut4ScaledMinM = 9, kBf16DpLut4MinM = 5, kBf16DpMaxM = int64_t{1} << 20;
 // The GEMM (int8: the codes' form) for M rows from min_m on this call's ISA and mode, or null.
 Bf16DpGemmFn bf16_dp_gemm(int64_t M, int64_t min_m, bool int8);
 // Whether it serves any row count now (tq_dot_max_m).

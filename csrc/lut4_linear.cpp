@@ -239,7 +239,9 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
                                        kLinearSpinUs);
     if (status >= 0) return status;
   }
-  const int64_t dp_min_m = lut4_bf16_dot_weights(p) && lut4_dot_kernel() ? kLut4DotMaxM + 1 : kBf16DpLut4MinM;
+  const int64_t dp_min_m = lut4_bf16_dot_weights(p) && lut4_dot_kernel()                 ? kLut4DotMaxM + 1
+                           : lut4_scaled_dot_allowed(p) && lut4_scaled_dot_kernel() ? kBf16DpLut4ScaledMinM
+                                                                                    : kBf16DpLut4MinM;
   if (const Bf16DpGemmFn dp = dtype == DT_BF16 ? bf16_dp_gemm(M, dp_min_m, false) : nullptr) {
     Bf16DpGemm g{};
     g.N = N;

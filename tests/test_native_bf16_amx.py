@@ -17,6 +17,7 @@ and two threads.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -105,9 +106,9 @@ def mode_under_test(param: str, switch, calls, hardware: bool, skip_reason: str)
     assert (ran > 0) == (param != "off"), (param, ran)
 
 
-def outputs_within_bound(mode: str, name: str, ms: list[int], fp32_weights: bool) -> None:
+def outputs_within_bound(mode: str, name: str, ms: list[int], fp32_weights: bool | Callable[[int], bool]) -> None:
     """Every shape of SHAPES at every row count of ``ms``: bf16 outputs of the right shape within
-    the sum bound of the bf16 reference."""
+    the sum bound of the bf16 reference (``fp32_weights``: :func:`check_bound`'s, or per row count)."""
     for i, (k, n) in enumerate(SHAPES):
         layer = quantized(name, n, k, seed=i)
         w = bf16_weight(layer)
@@ -115,7 +116,8 @@ def outputs_within_bound(mode: str, name: str, ms: list[int], fp32_weights: bool
             x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + i)) * 3).to(torch.bfloat16)
             y = F.linear(x, layer.weight, layer.bias)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-            check_bound(y, x, w, layer.bias, (mode, name, m, k, n), fp32_weights=fp32_weights)
+            loose = fp32_weights(m) if callable(fp32_weights) else fp32_weights
+            check_bound(y, x, w, layer.bias, (mode, name, m, k, n), fp32_weights=loose)
 
 
 @pytest.fixture(params=["emulated", "hardware", "off"])

@@ -1,7 +1,7 @@
 """The bf16 dot-product GEMM of the native weight-only kernels (``csrc/bf16_dp_gemm.h``).
 
-For bf16 activations of many rows (lut4: int4 of every zero-point domain, NF4, FP4, from 9 rows,
-from 17 for int4 with bf16 scales in groups of 32; int8 weight-only from 25) on CPUs with AVX512_BF16 where the AMX GEMM does not take the call,
+For bf16 activations of many rows (lut4: NF4 and FP4 from 5 rows, int4 of every zero-point domain
+with fp32 scales from 9, with bf16 scales in groups of 32 from 17; int8 weight-only from 25) on CPUs with AVX512_BF16 where the AMX GEMM does not take the call,
 each panel of 16 weight rows becomes bf16 pairs once per call and ``vdpbf16ps`` multiplies them
 with the activations' pairs: every product exact, fp32 sums in an order of their own. The lut4
 panels hold the dequantized tiles' bf16 values; int8 panels hold the codes, each output scaled
@@ -30,7 +30,7 @@ from torchq import native
 from torchq.backends.native_cpu import library
 
 HARDWARE = NATIVE and "avx512_bf16" in (native.status().features or ())
-MS = [9, 16, 17, 25, 33, 70]
+MS = [5, 9, 16, 17, 25, 33, 70]
 
 
 def _hardware_here() -> bool:  # (the ISA may be capped per test)
@@ -55,8 +55,9 @@ def dp(request):
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("name", CONFIGS + ["int4-zint-g32", "int4-none-g32"])
 def test_outputs_are_within_the_sum_bound_of_the_bf16_reference(dp, threads, name):
-    # int8's panels hold q exactly and scale the sums: weights within 2^-8 of the bf16 ones
-    outputs_within_bound(dp, name, MS, fp32_weights=dp == "off" or name == "int8wo")
+    # int8's panels hold q exactly and scale the sums: weights within 2^-8 of the bf16 ones; int4
+    # below 17 rows may take its dot paths (the scaled one's weights are fp32)
+    outputs_within_bound(dp, name, MS, fp32_weights=lambda m: dp == "off" or name == "int8wo" or (name.startswith("int4") and m < 17))
 
 
 @needs_native
@@ -175,22 +176,25 @@ def test_int8_panel_order_gives_the_row_major_bits(dp):
 
 @needs_native
 def test_calls_it_does_not_serve():
-    """fp32 / fp16 activations, fewer rows than its minimum (lut4 9, int8 25), and the mode off."""
-    nf4, int8 = quantized("nf4", 40, 128), quantized("int8wo", 40, 128)
+    """fp32 / fp16 activations, fewer rows than its minimum (NF4 5, int4 with fp32 scales 9, int8 25), and the mode off."""
+    nf4, int4, int8 = quantized("nf4", 40, 128), quantized("int4-g64-fp32", 40, 128), quantized("int8wo", 40, 128)
     before = library.bf16_dp_gemm_calls()
-    with library.bf16_dp_gemm("emulated"):
+    # (the scaled dot path emulated: int4 with fp32 scales keeps it below 9 rows wherever it runs)
+    with library.bf16_dp_gemm("emulated"), library.lut4_scaled_dot("emulated"):
         F.linear(torch.randn(16, 128), nf4.weight)
         F.linear(torch.randn(16, 128, dtype=torch.float16), nf4.weight)
-        F.linear(torch.randn(8, 128, dtype=torch.bfloat16), nf4.weight)
+        F.linear(torch.randn(4, 128, dtype=torch.bfloat16), nf4.weight)
+        F.linear(torch.randn(8, 128, dtype=torch.bfloat16), int4.weight)
         F.linear(torch.randn(24, 128, dtype=torch.bfloat16), int8.weight)
     with library.bf16_dp_gemm("off"):
         F.linear(torch.randn(300, 128, dtype=torch.bfloat16), nf4.weight)
     assert library.bf16_dp_gemm_calls() == before
-    with library.bf16_dp_gemm("emulated"):
-        F.linear(torch.randn(9, 128, dtype=torch.bfloat16), nf4.weight)
+    with library.bf16_dp_gemm("emulated"), library.lut4_scaled_dot("emulated"):
+        F.linear(torch.randn(5, 128, dtype=torch.bfloat16), nf4.weight)
+        F.linear(torch.randn(9, 128, dtype=torch.bfloat16), int4.weight)
         F.linear(torch.randn(25, 128, dtype=torch.bfloat16), int8.weight)
         F.linear(torch.randn(300, 128, dtype=torch.bfloat16), int8.weight)
-    assert library.bf16_dp_gemm_calls() == before + 3
+    assert library.bf16_dp_gemm_calls() == before + 4
 
 
 @needs_native
