@@ -8,7 +8,9 @@
 //
 // Weights: a lut4 weight's rows as its dequantized bf16 tiles hold them (tq_dequantize_rows: the
 // reference's weights in a bf16 model); an int8 weight-only weight's codes, exact in bf16, with
-// each output scaled once (out = s[n] * sum_k q[n, k] x[m, k] (+ bias[n]), as its bf16 dot path).
+// each output scaled once (out = s[n] * sum_k q[n, k] x[m, k] (+ bias[n]), as its bf16 dot path):
+// read in panel order (Int8VnniLayout's, row-major codes put in it once per panel) and converted
+// to bf16 pairs in registers by every block of activation rows.
 // Sums in fp32 in an order of their own (per lane: position pairs in order, each pair as vdpbf16ps
 // adds it), within the bound bf16_amx.h states; one-hot activations give exactly the weight.
 // vdpbf16ps reads subnormal inputs as zero and flushes subnormal results, so calls take it only
@@ -50,12 +52,15 @@ enum Bf16Dp : int { BF16_DP_OFF = 0, BF16_DP_ON = 1, BF16_DP_EMULATED = 2 };
 // The kernels, decoded (lut4) and codes (int8) forms: AVX512_BF16 (cpu.cpp puts them into the AVX-512
 // table) and emulated.
 extern const Bf16DpGemmFn kBf16DpAvx512Bf16Gemm, kInt8Avx512Bf16DpGemm, kBf16DpEmulatedGemm, kBf16DpEmulatedInt8Gemm;
-// Activation rows from which calls take it (below, the bf16 dot paths were faster: one Zen 4 core,
-// 576 x 3072, the GEMM against the paths before it: int8 24 rows 538 / 544 us, 16 rows 406 / 377;
-// int4 with fp32 scales (the scaled dot path) 9 rows 422 / 440, 8 rows 402 / 346; NF4 (table
-// paths) 5 rows 328 / 451; lut4 weights with the bf16 pair dot path keep it through kLut4DotMaxM
-// rows), and the most (the call packs its M x K activations: a prompt's).
-constexpr int64_t kBf16DpInt8MinM = 25, kBf16DpLut4ScaledMinM = 9, kBf16DpLut4MinM = 5, kBf16DpMaxM = int64_t{1} << 20;
+// Activation rows from which calls take it (below, the paths before it were faster: one Zen 4
+// core, 576 x 3072, the GEMM against them: row-major int8 10 rows 274-281 / 293-298 us, 8 rows 202-249
+// / 203-205 (the int8 dot path; the codes' transpose costs about 40 us a call); panel-order int8
+// from 1 row, 1 row 119 / 151-156, 2 rows 132 / 155, 16 rows 320 / 443; int4 with fp32 scales
+// (the scaled dot path) 9 rows 422 / 440, 8 rows 402 / 346; NF4 (table paths) 5 rows 328 / 451;
+// lut4 weights with the bf16 pair dot path keep it through kLut4DotMaxM rows), and the most (the
+// call packs its M x K activations: a prompt's).
+constexpr int64_t kBf16DpInt8MinM = 10, kBf16DpInt8PanelMinM = 1, kBf16DpLut4ScaledMinM = 9, kBf16DpLut4MinM = 5,
+                  kBf16DpMaxM = int64_t{1} << 20;
 // The GEMM (int8: the codes' form) for M rows from min_m on this call's ISA and mode, or null.
 Bf16DpGemmFn bf16_dp_gemm(int64_t M, int64_t min_m, bool int8);
 // Whether it serves any row count now (tq_dot_max_m).

@@ -3,6 +3,8 @@
 // bits as the AVX512_BF16 kernel, on any CPU:
 // tq_set_int8_dot(INT8_DOT_EMULATED) runs it (tests), with the active ISA's fp32 row kernel for
 // the weight rows that fall back. Compiled for the baseline ISA.
+#include <string.h>
+
 #include "dot_bf16_emulated.h"
 #include "int8_dot_body.h"
 #include "bf16_dp_gemm_body.h"
@@ -28,13 +30,18 @@ struct Int8EmulatedDotOps : EmulatedDotOps {
   }
 };
 
-// split_pairs (bf16_dp_gemm_body.h) on arrays.
+// bytes64 and code_pairs (bf16_dp_gemm_body.h) on arrays.
 struct Int8EmulatedDpOps : Int8EmulatedDotOps {
-  static void split_pairs(const int8_t* chunk, int8_t* out) {
+  static B bytes64(const int8_t* w, int64_t count) {
+    B b{};
+    memcpy(b.h, w, static_cast<size_t>(count));
+    return b;
+  }
+  static void code_pairs(const int8_t* chunk, B& a, B& b) {
     for (int t = 0; t < 16; ++t)
       for (int j = 0; j < 2; ++j) {
-        out[2 * t + j] = chunk[4 * t + j];
-        out[32 + 2 * t + j] = chunk[4 * t + 2 + j];
+        a.h[2 * t + j] = bf16_of_code(chunk[4 * t + j]);
+        b.h[2 * t + j] = bf16_of_code(chunk[4 * t + 2 + j]);
       }
   }
 };

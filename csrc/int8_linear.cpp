@@ -257,12 +257,14 @@ int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, 
     const int status = bf16_amx_linear(static_cast<const uint16_t*>(x), M, K, decode.Kp, N, bias, amx_decode, &decode, out, threads, kSpinUs);
     if (status >= 0) return status;
   }
-  if (dtype == DT_BF16) {
-    // the bf16 dot-product GEMM: codes (row-major or panels) with scales it can apply to the sums
-    // take its codes form, others their decoded rows q * s (the AMX GEMM's)
+  // the bf16 dot-product GEMM: codes (row-major or panels) with scales it can apply to the sums
+  // take its codes form, others their decoded rows q * s (the AMX GEMM's); the scales are read
+  // only for a call it would take
+  const int64_t dp_min_m = panels ? kBf16DpInt8PanelMinM : kBf16DpInt8MinM;
+  if (dtype == DT_BF16 && bf16_dp_gemm(M, dp_min_m, true)) {
     bool scales_ok = true;
     for (int64_t n = 0; n < N && scales_ok; ++n) scales_ok = scale[n] == 0.0f || (fabsf(scale[n]) >= FLT_MIN && fabsf(scale[n]) <= FLT_MAX);
-    const Bf16DpGemmFn dp = bf16_dp_gemm(M, kBf16DpInt8MinM, scales_ok);
+    const Bf16DpGemmFn dp = bf16_dp_gemm(M, scales_ok ? dp_min_m : kBf16DpInt8MinM, scales_ok);
     if (dp) {
       Bf16DpGemm g{};
       g.N = N;
@@ -331,7 +333,7 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const Int8RowsFn amx = gemm_allowed && M >= kInt8AmxMinM ? int8_amx_gemm(panels) : nullptr;
   if (amx) g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   // a panel-order weight's decode rows: its VNNI kernel reads the panels as stored
-  const bool panel_rows = panels && !amx && M <= kInt8PanelRowsMaxM && kern.panel_rows && kern.dynamic_offset == 128;
+  const bool panel_rows = panels && !amx && kern.panel_rows && kern.dynamic_offset == 128;
   // Narrow kernels from kInt8NarrowGemmMinM rows only: below, the row sums they need cost as much
   // as the sign trick they save.
   const bool narrow = !amx && !panel_rows && qmin >= kNarrowMin && qmax <= kNarrowMax && kern.narrow_rows && M >= kInt8NarrowGemmMinM;
@@ -342,9 +344,10 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const size_t codes_bytes = (Mp * Kp + 63) / 64 * 64, xs_bytes = (M * sizeof(float) + 63) / 64 * 64;
   char* buf = static_cast<char*>(aligned_alloc(64, codes_bytes + xs_bytes));
   Output o;
-  // the AMX GEMM writes bf16 outputs itself (the fp32 buffer, untouched, serves its fallback)
-  const bool direct_bf16 = amx && dtype == DT_BF16;
-  if (!buf || !o.init(out, dtype, M * N)) {
+  // the AMX GEMM and the panel kernel write bf16 outputs themselves (the AMX GEMM's fp32 buffer,
+  // untouched, serves its fallback; the panel kernel needs none)
+  const bool direct_bf16 = (amx || panel_rows) && dtype == DT_BF16;
+  if (!buf || ((amx || !direct_bf16) && !o.init(out, dtype, M * N))) {
     free(buf);
     return OUT_OF_MEMORY;
   }
@@ -369,7 +372,7 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   bool ran = true;
   if (amx || panel_rows) {  // in place (a panel-order weight's own forms too): ranges of whole panels
     RowsJob job{p, panel_rows ? kern.panel_rows : rows};
-    parallel_for(N, panel_rows ? 64 : gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);
+    parallel_for(N, panel_rows || gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);
   } else {
     ran = run_int8_rows(p, rows, panels, gemm ? 16 : 4, threads);  // the GEMM's ranges: whole panels
   }

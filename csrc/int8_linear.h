@@ -24,9 +24,8 @@
 //   (n / 16) * 16 * Kp + (k / 4) * 64 + (n % 16) * 4 + k % 4      (Kp = K rounded up to 64),
 // zero where n >= N or k >= K, with each row's sum of codes beside them (code_sums, int32 [N]). From
 // kInt8AmxMinM rows AMX CPUs take the AMX GEMM with the panels as its B tiles (activation codes as A
-// tiles in place); other calls of up to kInt8PanelRowsMaxM activation rows on VNNI take a kernel
-// reading the panels as stored (registers of 16 rows' 4 codes, no horizontal sums, the stored row
-// sums for the +128 offset); every other call
+// tiles in place); other calls on VNNI take a kernel reading the panels as stored (registers of
+// 16 rows' 4 codes, no horizontal sums, the stored row sums for the +128 offset); every other call
 // unpacks chunks of rows into row-major scratch (unpack_panels) for the row-major kernels. The same
 // bits everywhere as the row-major codes.
 #pragma once
@@ -49,8 +48,8 @@ struct Int8Params {
   // and the zero point z; every dynamic kernel subtracts z * row_sums[n] from its int32 sum.
   const int32_t* row_sums;
   int32_t zero_point;
-  // The AMX GEMM only: where set, the outputs go here as bf16 ([M, N], rounded as from_f32_row
-  // rounds) instead of to `out` as fp32.
+  // The AMX GEMM and the VNNI panel kernel only: where set, the outputs go here as bf16 ([M, N],
+  // rounded as from_f32_row rounds) instead of to `out` as fp32.
   uint16_t* out_bf16 = nullptr;
   // How many weight rows p.w holds (bounds prefetches; -1: N). A panel-order weight's chunks of
   // rows, unpacked into scratch, hold fewer.
@@ -66,14 +65,15 @@ struct Int8Params {
 
 // The byte offset of panel n / 16 (of 16 rows x Kp codes) in a panel-order weight.
 inline int64_t int8_panel_offset(int64_t n, int64_t Kp) { return n / 16 * 16 * Kp; }
-// Activation rows up to which the VNNI panel kernel runs where the AMX form does not (below
-// kInt8AmxMinM on AMX CPUs; every row count to this on others): register tiles of up to 4 rows x 64
-// weight rows, the rows 4 at a time. 2 threads, bf16, against the plain layout: with AMX, M = 5-7
-// 1.3-2.0x (its row kernels), while at 8-16 rows this kernel ran at 0.6-0.9x the plain layout's AMX
-// form (which the panel AMX form matches); without AMX (Zen 4) 8-64 rows 0.95-1.47x plain's VNNI
-// GEMM and 1.04-1.7x that GEMM on unpacked panels, 128-256 rows 0.65-1.01x (where the unpacked GEMM
-// keeps them).
-constexpr int64_t kInt8PanelRowsMaxM = 64;
+// The VNNI panel kernel (where the AMX form does not run: below kInt8AmxMinM rows on AMX CPUs, every
+// row count on others): register tiles of up to 4 rows x 64 weight rows, the rows 4 at a time. 2
+// threads, bf16, against the plain layout: with AMX, M = 5-7 1.3-2.0x (its row kernels), while at
+// 8-16 rows this kernel ran at 0.6-0.9x the plain layout's AMX form (which the panel AMX form
+// matches); without AMX (Zen 4) 8-64 rows 0.95-1.47x plain's VNNI GEMM. At 128-256 rows it had run
+// at 0.65-0.91x that GEMM on unpacked panels with fp32 outputs converted after; writing bf16
+// outputs itself, it runs at 1.10-1.21x (one Zen 4 core, SmolLM2's 3072 x 576 and 576 x 1536,
+// against the unpacked GEMM: 128 rows 1341 -> 1107 and 714 -> 564 us, 256 rows 2555 -> 2263 and
+// 1381 -> 1123; vLLM's oneDNN W8A8 1122-1134 / 560-586 and 2266-2337 / 1095-1165).
 
 struct Int8Quant {
   float denom, eps;  // dynamic
@@ -126,8 +126,8 @@ struct Int8Kernels {
   // their row sums); narrow_rows the row tiles, where the GEMM forms are switched off.
   Int8RowsFn narrow_rows;
   Int8RowsFn narrow_gemm;
-  // Panel order (see above): rows into row-major scratch, and the VNNI panel kernel for up to
-  // kInt8PanelRowsMaxM rows of codes + 128 (p.xu; null where VNNI is absent or off), dynamic and
+  // Panel order (see above): rows into row-major scratch, and the VNNI panel kernel for rows of
+  // codes + 128 (p.xu; null where VNNI is absent or off; bf16 outputs to p.out_bf16), dynamic and
   // static (p.row_sums: the zero point's correction, exact while kInt8StaticGemmMaxK bounds K).
   Int8UnpackFn unpack_panels;
   Int8RowsFn panel_rows;

@@ -55,7 +55,8 @@ void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
 // The panel kernel (int8_linear.h, "Panel order"): R <= 4 activation rows x P <= 4 panels (64
 // weight rows) per register tile, 16 zmm sums of one vpdpbusd per step each (4 codes + 128 of a row
 // broadcast against a panel step's 16 rows x 4 codes, as stored), then minus 128 * the stored row
-// sums: the row kernel's int32 sums, without its horizontal sums and per-call row sums. The
+// sums: the row kernel's int32 sums, without its horizontal sums and per-call row sums. Outputs go
+// to p.out_bf16 where set (bf16 activations: no fp32 pass after), else to p.out. The
 // accumulators are pinned in registers (GCC otherwise rotates them through copies every step).
 template <int R, int P>
 __attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t m0, int64_t n, int64_t cols) {
@@ -92,17 +93,26 @@ __attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t m0, int64
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512i dot = _mm512_sub_epi32(acc[r][j], corr);
-      float* out = p.out + (m0 + r) * p.N + first;
+      __m512 o;
       if (!p.row_sums) {
-        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(p.xs[m0 + r])), sc));
-        continue;
+        o = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(p.xs[m0 + r])), sc);
+      } else {  // static activations: minus z * the row's sum in int64, as the row kernels
+        alignas(64) int32_t d[16];
+        alignas(64) float f[16] = {};
+        _mm512_store_si512(d, dot);
+        for (int64_t t = 0; t < (left < 16 ? left : 16); ++t) {
+          const int64_t total = static_cast<int64_t>(d[t]) - static_cast<int64_t>(p.zero_point) * p.row_sums[first + t];
+          f[t] = (static_cast<float>(total) * p.xs[m0 + r]) * p.scale[first + t];
+        }
+        o = _mm512_load_ps(f);
       }
-      // static activations: minus z * the row's sum in int64, as the row kernels
-      alignas(64) int32_t d[16];
-      _mm512_store_si512(d, dot);
-      for (int64_t t = 0; t < (left < 16 ? left : 16); ++t) {
-        const int64_t total = static_cast<int64_t>(d[t]) - static_cast<int64_t>(p.zero_point) * p.row_sums[first + t];
-        out[t] = (static_cast<float>(total) * p.xs[m0 + r]) * p.scale[first + t];
+      if (p.out_bf16) {  // rounded to nearest even, every NaN to 0x7FC0 (from_f32_row's bf16)
+        const __m512i u = _mm512_castps_si512(o);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+        const __m512i h = _mm512_mask_mov_epi32(Avx512::bf16_bits(o), nan, _mm512_set1_epi32(0x7FC0));
+        _mm256_mask_storeu_epi16(p.out_bf16 + (m0 + r) * p.N + first, mask, _mm512_cvtepi32_epi16(h));
+      } else {
+        _mm512_mask_storeu_ps(p.out + (m0 + r) * p.N + first, mask, o);
       }
     }
   }
@@ -118,7 +128,7 @@ void panel_block(const Int8Params& p, int64_t m0, int64_t n, int64_t cols) {
   }
 }
 
-// Output rows [n0, n1) (n0 a multiple of 16) for p.M <= kInt8PanelRowsMaxM activation rows: per 64
+// Output rows [n0, n1) (n0 a multiple of 16) for p.M activation rows: per 64
 // weight rows, the activation rows 4 at a time (the 64 rows' panels stay in L1 between them).
 void panel_rows(const Int8Params& p, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += 64) {

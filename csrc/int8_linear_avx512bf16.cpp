@@ -39,14 +39,25 @@ struct Int8DotOps : Avx512Bf16DotOps {
   }
 };
 
-// split_pairs (bf16_dp_gemm_body.h) for Int8DotOps: within each 128-bit lane the 4 dwords' low
-// words then high words (vpshufb), then the lanes' low halves before their high halves (vpermq).
+// bytes64 and code_pairs (bf16_dp_gemm_body.h) for Int8DotOps: a masked byte load; each quarter of the chunk (the 4 codes of 4
+// rows) sign-extended and converted to fp32, exact; one vpermt2w per two quarters takes the high
+// words of the pairs a and b want (8 rows each), and two vshufi64x2 put the halves together.
 struct Int8DpOps : Int8DotOps {
-  __attribute__((always_inline)) static void split_pairs(const int8_t* chunk, int8_t* out) {
-    const __m512i in = _mm512_loadu_si512(chunk);
-    const __m512i within = _mm512_set4_epi32(0x0F0E0B0A, 0x07060302, 0x0D0C0908, 0x05040100);
-    const __m512i halves = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_shuffle_epi8(in, within));
-    _mm512_storeu_si512(out, halves);
+  __attribute__((always_inline)) static B bytes64(const int8_t* w, int64_t count) {
+    return (B)_mm512_maskz_loadu_epi8(count >= 64 ? ~__mmask64{0} : (__mmask64{1} << count) - 1, w);
+  }
+  __attribute__((always_inline)) static V quarter(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  __attribute__((always_inline)) static void code_pairs(const int8_t* chunk, B& a, B& b) {
+    // word w of the result: lane 4 r + p of the quarters' 32 fp32 lanes (high word 2 (4 r + p) + 1),
+    // for a's rows r = w / 2, positions p = w % 2 (w < 16), b's rows (w - 16) / 2, positions 2 + w % 2
+    const __m512i pick = _mm512_set_epi16(63, 61, 55, 53, 47, 45, 39, 37, 31, 29, 23, 21, 15, 13, 7, 5,
+                                          59, 57, 51, 49, 43, 41, 35, 33, 27, 25, 19, 17, 11, 9, 3, 1);
+    const __m512i lo = _mm512_permutex2var_epi16(_mm512_castps_si512(quarter(chunk)), pick, _mm512_castps_si512(quarter(chunk + 16)));
+    const __m512i hi = _mm512_permutex2var_epi16(_mm512_castps_si512(quarter(chunk + 32)), pick, _mm512_castps_si512(quarter(chunk + 48)));
+    a = (B)_mm512_shuffle_i64x2(lo, hi, 0x44);
+    b = (B)_mm512_shuffle_i64x2(lo, hi, 0xEE);
   }
 };
 

@@ -1,11 +1,12 @@
 """The bf16 dot-product GEMM of the native weight-only kernels (``csrc/bf16_dp_gemm.h``).
 
 For bf16 activations of many rows (lut4: NF4 and FP4 from 5 rows, int4 of every zero-point domain
-with fp32 scales from 9, with bf16 scales in groups of 32 from 17; int8 weight-only from 25) on CPUs with AVX512_BF16 where the AMX GEMM does not take the call,
-each panel of 16 weight rows becomes bf16 pairs once per call and ``vdpbf16ps`` multiplies them
-with the activations' pairs: every product exact, fp32 sums in an order of their own. The lut4
-panels hold the dequantized tiles' bf16 values; int8 panels hold the codes, each output scaled
-once. So the outputs must be within the fp32 sum bound of the reference (the bf16 weights times
+with fp32 scales from 9, with bf16 scales in groups of 32 from 17; int8 weight-only from 10, or
+from 1 in panel order) on CPUs with AVX512_BF16 where the AMX GEMM does not take the call, each
+panel of 16 weight rows becomes bf16 pairs and ``vdpbf16ps`` multiplies them with the activations'
+pairs: every product exact, fp32 sums in an order of their own. The lut4 panels hold the
+dequantized tiles' bf16 values, built once per call; int8 panels hold the codes (row-major ones
+put in panel order once per call), converted in registers, each output scaled once. So the outputs must be within the fp32 sum bound of the reference (the bf16 weights times
 the bf16 activations; int8's exact q * s weights are within the same bound), exactly the weight
 for a one-hot row, and the calls it cannot take must go elsewhere. Its body runs here on emulated
 instructions (every machine, CI's AVX2-only ones included: the same bits as the instructions,
@@ -155,8 +156,9 @@ def test_panels_with_tiny_weights_sum_without_it(mode, name):
 @needs_native
 def test_int8_panel_order_gives_the_row_major_bits(dp):
     """An int8 weight in panel order (Int8VnniLayout): its 64-byte chunks already hold each row's
-    code pairs in lane order, and they become the same panels as the row-major codes, so the
-    outputs are the plain layout's bit for bit."""
+    code pairs in lane order, and the GEMM reads them as stored from 1 row; row-major codes are put
+    in the same order per panel. So where both take it (from 10 rows) the outputs are the plain
+    layout's bit for bit, and below, within the bound."""
     import torchq
     from torchq.layouts.int8_vnni import Int8VnniLayout
 
@@ -167,16 +169,21 @@ def test_int8_panel_order_gives_the_row_major_bits(dp):
         panels.load_state_dict(plain.state_dict())
         torchq.quantize_(plain, torchq.int8_weight_only())
         torchq.quantize_(panels, torchq.int8_weight_only(layout=Int8VnniLayout()))
-        for m in (25, 32, 37):
+        for m in (1, 3, 10, 16, 17, 37):
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            want = F.linear(x, plain[0].weight, plain[0].bias)
-            assert torch.equal(F.linear(x, panels[0].weight, panels[0].bias), want), (k, n, m)
-            check_bound(want, x, bf16_weight(plain[0]), plain[0].bias, (dp, k, n, m), fp32_weights=True)
+            before = library.bf16_dp_gemm_calls()
+            got = F.linear(x, panels[0].weight, panels[0].bias)
+            assert library.bf16_dp_gemm_calls() == before + (dp != "off")
+            check_bound(got, x, bf16_weight(plain[0]), plain[0].bias, (dp, k, n, m), fp32_weights=True)
+            if m >= 10:  # (below, the row-major codes take the int8 dot path)
+                before = library.bf16_dp_gemm_calls()
+                assert torch.equal(got, F.linear(x, plain[0].weight, plain[0].bias)), (k, n, m)
+                assert library.bf16_dp_gemm_calls() == before + (dp != "off")
 
 
 @needs_native
 def test_calls_it_does_not_serve():
-    """fp32 / fp16 activations, fewer rows than its minimum (NF4 5, int4 with fp32 scales 9, int8 25), and the mode off."""
+    """fp32 / fp16 activations, fewer rows than its minimum (NF4 5, int4 with fp32 scales 9, row-major int8 10), and the mode off."""
     nf4, int4, int8 = quantized("nf4", 40, 128), quantized("int4-g64-fp32", 40, 128), quantized("int8wo", 40, 128)
     before = library.bf16_dp_gemm_calls()
     # (the scaled dot path emulated: int4 with fp32 scales keeps it below 9 rows wherever it runs)
@@ -185,14 +192,14 @@ def test_calls_it_does_not_serve():
         F.linear(torch.randn(16, 128, dtype=torch.float16), nf4.weight)
         F.linear(torch.randn(4, 128, dtype=torch.bfloat16), nf4.weight)
         F.linear(torch.randn(8, 128, dtype=torch.bfloat16), int4.weight)
-        F.linear(torch.randn(24, 128, dtype=torch.bfloat16), int8.weight)
+        F.linear(torch.randn(9, 128, dtype=torch.bfloat16), int8.weight)
     with library.bf16_dp_gemm("off"):
         F.linear(torch.randn(300, 128, dtype=torch.bfloat16), nf4.weight)
     assert library.bf16_dp_gemm_calls() == before
     with library.bf16_dp_gemm("emulated"), library.lut4_scaled_dot("emulated"):
         F.linear(torch.randn(5, 128, dtype=torch.bfloat16), nf4.weight)
         F.linear(torch.randn(9, 128, dtype=torch.bfloat16), int4.weight)
-        F.linear(torch.randn(25, 128, dtype=torch.bfloat16), int8.weight)
+        F.linear(torch.randn(10, 128, dtype=torch.bfloat16), int8.weight)
         F.linear(torch.randn(300, 128, dtype=torch.bfloat16), int8.weight)
     assert library.bf16_dp_gemm_calls() == before + 4
 
@@ -249,3 +256,29 @@ def test_random_shapes_emulated(name, m, n, k_blocks, seed, magnitude):
     admissible = bool(((a == 0) | ((a >= 2.0**-59) & (a < 2.0**64))).all())
     assert library.bf16_dp_gemm_calls() == before + int(admissible)
     check_bound(y, x, bf16_weight(layer), layer.bias, (name, m, n, k), fp32_weights=True)
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 70), k=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_int8_panel_order_random_shapes_emulated(m, n, k, seed):
+    """Panel-order and row-major int8 codes of any shape (partial panels, K of any length: chunks
+    past K zero) give the same bits through the emulated GEMM, within the bound."""
+    import torchq
+    from torchq.layouts.int8_vnni import Int8VnniLayout
+
+    torch.manual_seed(seed)
+    plain = torch.nn.Sequential(torch.nn.Linear(k, n, dtype=torch.bfloat16))
+    panels = torch.nn.Sequential(torch.nn.Linear(k, n, dtype=torch.bfloat16))
+    panels.load_state_dict(plain.state_dict())
+    torchq.quantize_(plain, torchq.int8_weight_only())
+    torchq.quantize_(panels, torchq.int8_weight_only(layout=Int8VnniLayout()))
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    with library.bf16_dp_gemm("emulated"):
+        before = library.bf16_dp_gemm_calls()
+        got = F.linear(x, panels[0].weight, panels[0].bias)
+        want = F.linear(x, plain[0].weight, plain[0].bias)
+        assert library.bf16_dp_gemm_calls() == before + 1 + (m >= 10)
+    check_bound(got, x, bf16_weight(plain[0]), plain[0].bias, (m, n, k), fp32_weights=True)
+    if m >= 10:
+        assert torch.equal(got, want)

@@ -3,7 +3,9 @@ give the row-major codes' bits through every int8 path: weight-only (row tiles, 
 dequantized tiles), dynamic (the VNNI panel kernel to 4 rows, AMX B tiles on, emulated and off, the
 row kernels and GEMM forms on unpacked chunks, narrow ranges), static (with and without a zero
 point), dequantized rows; on every ISA this machine runs up to the cap; and through the layout
-(quantize_, compile, save / load)."""
+(quantize_, compile, save / load). The bf16 dot-product GEMM is off here: it takes panel-order
+codes from 1 bf16 row and row-major ones from 10, and test_native_bf16_dp.py compares the two
+(the same bits where both take it, the sum bound below)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ ISAS = [] if not NATIVE else [i for i in native_library.ISA_NAMES
                               if native_library.ISA_NAMES.index(i) <= native_library.ISA_NAMES.index(native.status().isa)]
 SHAPES = [(1, 1), (16, 64), (17, 65), (40, 130), (33, 576), (64, 200), (130, 1030)]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 40]
+
+
+@pytest.fixture(autouse=True)
+def _no_bf16_dp_gemm():
+    with native_library.bf16_dp_gemm("off"):
+        yield
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +94,23 @@ def test_panels_give_the_row_major_bits(isa: str, amx: str, n: int, k: int) -> N
             native_library.dequantize_rows(row, n0, n1, want)
             native_library.dequantize_rows(panel, n0, n1, got)
             assert torch.equal(want, got), (n0, n1, dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_many_rows_give_the_row_major_bits(isa: str, threads: int) -> None:
+    """Prompt-sized calls (65-257 rows): on VNNI without AMX the panel kernel takes every row count
+    and writes bf16 outputs itself; the same bits as the row-major GEMM, NaN rows included."""
+    row, panel, _held = _weights(200, 333, 7)
+    gen = torch.Generator().manual_seed(1)
+    with native_library.int8_amx("off"):
+        for m in (65, 130, 257):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(m, 333, generator=gen) * 3).to(dtype)
+                x[3, 5] = float("nan")
+                x[4] = 0
+                for a, b in list(_forms(row, panel))[1:]:  # the activation forms
+                    assert torch.equal(_bits(native_library.run_linear(a, x, None)), _bits(native_library.run_linear(b, x, None))), (m, dtype)
 
 
 @settings(max_examples=40, deadline=None)

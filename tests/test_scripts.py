@@ -28,6 +28,26 @@ def test_bench_linear_quick_runs_and_writes_json(tmp_path, capsys):
     assert "int4_native" in out or "int4_cpu" in out
 
 
+def test_bench_bf16_dp_runs_and_writes_json(tmp_path, capsys):
+    import json
+
+    from torchq.backends.native_cpu import library
+
+    if library.loaded() is None:
+        pytest.skip("the native library is not built")
+    spec = importlib.util.spec_from_file_location("bench_bf16_dp", ROOT / "benchmarks" / "bench_bf16_dp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "out.json"
+    assert mod.main(["--shape", "48x64", "--rows", "1,12", "--rounds", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["results"]
+    assert [r["rows"] for r in rows] == [1, 12]
+    for r in rows:
+        assert r["bf16"] > 0 and all(r[f"{fmt}/on"] > 0 and r[f"{fmt}/off"] > 0 for fmt in mod.FORMATS)
+        assert not r["int8wo/gemm_ran"] or r["rows"] >= 10  # row-major int8 from 10 rows
+    assert "int8wo-panels" in capsys.readouterr().out
+
+
 def test_bench_hostile_files_runs_and_writes_json(tmp_path, capsys):
     import json
 

@@ -12,10 +12,13 @@ static int8. Bytes per ``[N, K]`` weight, with ``Kp = ceil(K / 64) * 64``:
 
 The same bytes on every CPU. torchq's native int8-activation kernels read them as stored: on AMX
 CPUs from 8 rows the AMX GEMM with the panels as its B tiles (activation codes as A tiles in place:
-nothing packed per call); on AVX-512 VNNI otherwise, up to 64 activation rows, a register-tiled
-kernel with no horizontal sums and no per-call row sums; elsewhere (AVX2, scalar, more rows without
-AMX, and every weight-only call: those kernels sum in row-major order) the row-major kernels on
-chunks of rows unpacked into L2-sized scratch. Every path gives the plain layout's bits.
+nothing packed per call); on AVX-512 VNNI otherwise a register-tiled kernel with no horizontal
+sums and no per-call row sums; bf16 weight-only calls on AVX512_BF16 CPUs without AMX, the bf16
+dot-product GEMM (its pair vectors converted from the panels as stored; from 1 row, where plain
+codes take it from 10: there the same bits, below it a sum order of its own within the same
+bound); elsewhere (AVX2, scalar, other weight-only calls: those kernels sum in row-major order)
+the row-major kernels on chunks of rows unpacked into L2-sized scratch, with the plain layout's
+bits.
 
 Name it (``layout=Int8VnniLayout()`` in a config, ``weight.to_layout``); torchq's vLLM plugin takes
 it for int8-activation weights (dynamic, static) on CPUs whose native int8 kernels use VNNI (``fit`` allows automatic placement

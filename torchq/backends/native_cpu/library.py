@@ -352,9 +352,9 @@ def _note_bf16_dp_mode(mode: str) -> None:
 
 def bf16_dp_gemm(mode: str) -> contextlib.AbstractContextManager[None]:
     """Within the block (process-wide), the bf16 dot-product GEMM of the weight-only kernels (lut4:
-    NF4 and FP4 from 5 rows, int4 from 9, or 17 with bf16 scales in groups of 32; int8 from 25) for bf16 activations of any larger row count
-    (``csrc/bf16_dp_gemm.h``: each panel of 16 weight rows decoded once per call, ``vdpbf16ps``
-    with the activations' pairs broadcast): ``"on"`` (the default) on CPUs with AVX512_BF16 whose
+    NF4 and FP4 from 5 rows, int4 from 9, or 17 with bf16 scales in groups of 32; int8 from 10, or
+    from 1 in panel order) for bf16 activations of any larger row count (``csrc/bf16_dp_gemm.h``:
+    panels of 16 weight rows as bf16 pairs, ``vdpbf16ps`` with the activations' pairs broadcast): ``"on"`` (the default) on CPUs with AVX512_BF16 whose
     AVX-512 ISA is active and where the AMX GEMM does not take the call, ``"off"`` never (the bf16
     dot paths, dequantized tiles + ``torch.mm``), ``"emulated"`` its body on emulated instructions
     on any CPU, the same bits (for tests). A GEMM form: ``lut4_paths(gemm=False)`` turns it off in
