@@ -443,8 +443,9 @@ class _SiteSearch:
         return num / self.energy if self.energy > 0 else num
 
 
-#: the shrink factors of a static range SmoothQuant tries with each alpha (1: the observed range)
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5)
+#: the shrink factors of a static range SmoothQuant tries with each alpha (1: the observed range),
+#: 1 down to 0.5 in steps of 0.025
+CLIP_RATIOS = tuple(round(1.0 - 0.025 * i, 3) for i in range(21))
 
 
 def _smoothing(site: _Site, weights: dict[str, torch.Tensor], configs: dict[str, QuantConfig], alpha: float | None,
