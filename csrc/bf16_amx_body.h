@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "bf16_amx.h"
+#include "common.h"
 
 namespace tq {
 namespace {
@@ -27,14 +28,6 @@ inline bool bf16_weights_ok(const uint16_t* w, int64_t n) {
   return least >= (61u << 7) - 1u;
 }
 
-// fp32 -> bf16 bits: round to nearest even, every NaN to 0x7FC0 (as from_f32_row).
-inline uint16_t bf16_round(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 // fp32 value of a bf16 word.
 inline float bf16_value(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -53,7 +46,7 @@ inline void bf16_panel_portable(const Bf16AmxGemm& g, const uint16_t* w, int64_t
       float acc = 0.0f;
       for (int64_t k = 0; k < K; ++k)
         acc += bf16_value(w[t * K + k]) * bf16_value(x[(k / kBf16Step) * kBf16TileWords + (k % kBf16Step) / 2 * 32 + (k & 1)]);
-      g.out[m * g.N + n + t] = bf16_round(g.bias ? acc + g.bias[n + t] : acc);
+      g.out[m * g.N + n + t] = bf16_rne_nan(g.bias ? acc + g.bias[n + t] : acc);
     }
   }
 }

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16_amx_body.h"  // bf16_round, bf16_value, bf16_weights_ok
+#include "bf16_amx_body.h"  // bf16_value, bf16_weights_ok
 #include "bf16_dp_gemm.h"
 #include "tiling.h"
 
@@ -125,7 +125,7 @@ struct Bf16DpBody {
         for (int64_t k = 0; k < g.K; ++k)  // x[m, k] in its B tile (see block)
           acc += bf16_value(rows[t * g.K + k]) * bf16_value(g.x[(m / kRows) * kRows * g.K + (k / 2) * 32 + 2 * (m % kRows) + (k & 1)]);
         if (g.scale) acc = g.scale[n + t] * acc;
-        g.out[m * g.N + n + t] = bf16_round(g.bias ? acc + g.bias[n + t] : acc);
+        g.out[m * g.N + n + t] = bf16_rne_nan(g.bias ? acc + g.bias[n + t] : acc);
       }
   }
 

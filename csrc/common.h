@@ -60,4 +60,12 @@ static inline uint16_t bf16_rne(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// fp32 -> bf16 bits as torch's .to(torch.bfloat16) rounds (from_f32_row): nearest even, every NaN
+// to 0x7FC0 (torch's canonical bf16 NaN).
+static inline uint16_t bf16_rne_nan(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : bf16_rne(f);
+}
+
 }  // namespace tq

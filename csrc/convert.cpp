@@ -16,13 +16,7 @@ float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN (torch's canonical bf16 NaN)
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+uint16_t f32_to_bf16(float f) { return bf16_rne_nan(f); }
 
 float f16_to_f32_portable(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

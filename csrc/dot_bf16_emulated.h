@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
+
 namespace tq {
 namespace {
 
@@ -66,12 +68,8 @@ struct EmulatedDotOps {
     for (int i = 0; i < 16; ++i) r.f[i] = a.f[i] * b.f[i];
     return r;
   }
-  static void store_bf16(uint16_t* dst, const V& v, int64_t count) {  // as the instructions round (bf16_round's rule)
-    for (int64_t i = 0; i < count && i < 16; ++i) {
-      uint32_t u;
-      memcpy(&u, &v.f[i], 4);
-      dst[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    }
+  static void store_bf16(uint16_t* dst, const V& v, int64_t count) {  // as the instructions round (bf16_rne_nan's rule)
+    for (int64_t i = 0; i < count && i < 16; ++i) dst[i] = bf16_rne_nan(v.f[i]);
   }
   static V dp(V acc, const B& a, const B& b) {
     for (int i = 0; i < 16; ++i) {

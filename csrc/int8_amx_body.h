@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "int8_linear.h"
+#include "common.h"
 
 namespace tq {
 namespace {
@@ -40,14 +41,6 @@ typedef int32_t I32x16 __attribute__((vector_size(64)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef float F32x16 __attribute__((vector_size(64)));
 typedef uint16_t U16x16 __attribute__((vector_size(32)));
-
-// fp32 -> bf16 bits: round to nearest even, every NaN to 0x7FC0 (as from_f32_row).
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 // The B tiles of all M activation rows (each thread's range packs its own copy: M x Kp bytes): block
 // i (rows 16 i ..), step s at b + (i * steps + s) * 1024, row q holding positions 4q .. 4q + 3 of
@@ -92,7 +85,7 @@ void amx_int8_gemm(const Int8Params& p, int64_t n0, int64_t n1, Int8RowsFn fallb
     fallback(p, n0, n1);
     if (p.out_bf16)  // this range's fp32 outputs as bf16, rounded as the tiles' epilogue rounds
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) p.out_bf16[m * N + n] = bf16_bits(p.out[m * N + n]);
+        for (int64_t n = n0; n < n1; ++n) p.out_bf16[m * N + n] = bf16_rne_nan(p.out[m * N + n]);
     return;
   }
   if constexpr (!PANELS) pack_activations<Tiles>(p, b);

@@ -43,6 +43,16 @@ std::atomic<int64_t> g_amx_calls{0};
 // The weight-only calls that took the bf16 dot path (tq_dot_calls_int8, for tests), and its mode (Int8Dot).
 std::atomic<int64_t> g_dot_calls{0};
 std::atomic<int> g_dot{INT8_DOT_ON};
+std::atomic<int> g_panel{INT8_PANEL_ON};
+std::atomic<int64_t> g_panel_calls{0};
+
+// The panel kernel for this call's ISA and mode (activation codes + 128), or null.
+Int8RowsFn int8_panel_kernel() {
+  const int mode = g_panel.load(std::memory_order_relaxed);
+  if (mode == INT8_PANEL_EMULATED) return kInt8EmulatedPanelRows;
+  const Int8Kernels& kern = kernels().int8;
+  return mode == INT8_PANEL_ON && kern.dynamic_offset == 128 ? kern.panel_rows : nullptr;
+}
 
 struct QuantJob {
   Int8QuantizeFn quantize;
@@ -333,11 +343,12 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const Int8RowsFn amx = gemm_allowed && M >= kInt8AmxMinM ? int8_amx_gemm(panels) : nullptr;
   if (amx) g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   // a panel-order weight's decode rows: its VNNI kernel reads the panels as stored
-  const bool panel_rows = panels && !amx && kern.panel_rows && kern.dynamic_offset == 128;
+  const Int8RowsFn panel_kernel = panels && !amx ? int8_panel_kernel() : nullptr;
+  const bool panel_rows = panel_kernel != nullptr;
   // Narrow kernels from kInt8NarrowGemmMinM rows only: below, the row sums they need cost as much
   // as the sign trick they save.
   const bool narrow = !amx && !panel_rows && qmin >= kNarrowMin && qmax <= kNarrowMax && kern.narrow_rows && M >= kInt8NarrowGemmMinM;
-  const int offset = amx ? 0 : narrow ? kNarrowOffset : kern.dynamic_offset;
+  const int offset = amx ? 0 : panel_rows ? 128 : narrow ? kNarrowOffset : kern.dynamic_offset;
   const bool offset_codes = offset != 0;
   // the panel AMX form loads its activation tiles in place: rows up to a multiple of 16, zero
   const int64_t Mp = amx && panels ? (M + 15) / 16 * 16 : M;
@@ -371,7 +382,8 @@ int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, v
   const Int8RowsFn rows = amx ? amx : gemm ? gemm_fn : narrow ? kern.narrow_rows : kern.dynamic_rows;
   bool ran = true;
   if (amx || panel_rows) {  // in place (a panel-order weight's own forms too): ranges of whole panels
-    RowsJob job{p, panel_rows ? kern.panel_rows : rows};
+    RowsJob job{p, panel_rows ? panel_kernel : rows};
+    if (panel_rows) g_panel_calls.fetch_add(1, std::memory_order_relaxed);
     parallel_for(N, panel_rows || gemm ? 16 : 4, threads, run_rows, &job, kSpinUs, M * N * K);
   } else {
     ran = run_int8_rows(p, rows, panels, gemm ? 16 : 4, threads);  // the GEMM's ranges: whole panels
@@ -455,5 +467,15 @@ TQ_API int tq_set_int8_dot(int mode) {
 }
 // How many int8 weight-only calls have taken the bf16 dot path since the library loaded.
 TQ_API int64_t tq_dot_calls_int8() { return tq::g_dot_calls.load(); }
+// The panel kernel's mode (tq::Int8Panel; negative: read); returns the mode before, or -1
+// (unchanged) for a mode that is not one. INT8_PANEL_ON where the CPU lacks VNNI (or the ISA is
+// capped below AVX-512) leaves panel-order calls unpacking chunks for the row-major kernels.
+TQ_API int tq_set_int8_panel(int mode) {
+  if (mode < 0) return tq::g_panel.load();
+  if (mode > tq::INT8_PANEL_EMULATED) return -1;
+  return tq::g_panel.exchange(mode);
+}
+// How many int8 activation calls have taken the panel kernel (VNNI or emulated) since the library loaded.
+TQ_API int64_t tq_panel_calls_int8() { return tq::g_panel_calls.load(); }
 // Whether this process may run the AMX int8 kernel (the CPU has AMX-INT8, Linux granted the tile state).
 TQ_API int tq_amx_int8_supported() { return tq::amx_int8_supported() ? 1 : 0; }

@@ -163,6 +163,13 @@ constexpr int64_t kInt8DotMinM = 2, kInt8DotMaxM = 32;
 // INT8_DOT_EMULATED the second on every ISA (tests), INT8_DOT_OFF neither (tq_set_int8_dot).
 extern const Int8RowsFn kInt8Avx512Bf16Dot, kInt8EmulatedDot;
 enum Int8Dot : int { INT8_DOT_OFF = 0, INT8_DOT_ON = 1, INT8_DOT_EMULATED = 2 };
+// The VNNI panel kernel (Int8Kernels.panel_rows, int8_panel_body.h) and its body on emulated
+// instructions (int8_panel_emulated.cpp: the same bits on any CPU). INT8_PANEL_ON (the default) runs
+// the first where the active table has it (VNNI), INT8_PANEL_EMULATED the second on every ISA
+// (tests), INT8_PANEL_OFF neither: panel-order calls unpack chunks for the row-major kernels
+// (tq_set_int8_panel).
+extern const Int8RowsFn kInt8EmulatedPanelRows;
+enum Int8Panel : int { INT8_PANEL_OFF = 0, INT8_PANEL_ON = 1, INT8_PANEL_EMULATED = 2 };
 // The dot path's kernel for this call's ISA and mode, or null (off, absent, or the decode paths
 // switched off: lut4_paths()).
 Int8RowsFn int8_dot_kernel();

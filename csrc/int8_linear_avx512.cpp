@@ -6,6 +6,7 @@
 #include "simd_avx512.h"
 #include "int8_gemm_body.h"
 #include "int8_linear_body.h"
+#include "int8_panel_body.h"
 #include "int8_panels_body.h"
 
 namespace tq {
@@ -52,97 +53,43 @@ void dynamic_gemm(const Int8Params& p, int64_t n0, int64_t n1) {
   int8_gemm<VnniStep>(p, n0, n1, Int8DotKernel<Avx512VnniDot>::dynamic_rows);
 }
 
-// The panel kernel (int8_linear.h, "Panel order"): R <= 4 activation rows x P <= 4 panels (64
-// weight rows) per register tile, 16 zmm sums of one vpdpbusd per step each (4 codes + 128 of a row
-// broadcast against a panel step's 16 rows x 4 codes, as stored), then minus 128 * the stored row
-// sums: the row kernel's int32 sums, without its horizontal sums and per-call row sums. Outputs go
-// to p.out_bf16 where set (bf16 activations: no fp32 pass after), else to p.out. The
-// accumulators are pinned in registers (GCC otherwise rotates them through copies every step).
-template <int R, int P>
-__attribute__((noinline)) void panel_tile(const Int8Params& p, int64_t m0, int64_t n, int64_t cols) {
-  const int64_t steps = p.Kp / 4, panel_bytes = steps * 64;
-  const int8_t* base = p.w + int8_panel_offset(n, p.Kp);
-  __m512i acc[R][P];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_si512();
-  for (int64_t s = 0; s < steps; ++s) {
-    __m512i b[P];
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) b[j] = _mm512_loadu_si512(base + j * panel_bytes + s * 64);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      int32_t x4;
-      memcpy(&x4, p.xu + (m0 + r) * p.Kp + 4 * s, 4);
-      const __m512i xb = _mm512_set1_epi32(x4);
-#pragma GCC unroll 4
-      for (int j = 0; j < P; ++j) {
-        acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xb, b[j]);
-        asm("" : "+v"(acc[r][j]));
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int j = 0; j < P; ++j) {
-    const int64_t left = cols - 16 * j, first = n + 16 * j;
-    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
+// The panel kernel's instructions (int8_panel_body.h): vpdpbusd on zmm registers; outputs by 16
+// lanes, bf16 rounded to nearest even with every NaN to 0x7FC0 (from_f32_row's bf16).
+struct Avx512VnniPanelOps {
+  using V = __m512i;
+  static V zero() { return _mm512_setzero_si512(); }
+  static V load(const int8_t* w) { return _mm512_loadu_si512(w); }
+  static V broadcast(int32_t x4) { return _mm512_set1_epi32(x4); }
+  static V dpbusd(V acc, V x, V w) { return _mm512_dpbusd_epi32(acc, x, w); }
+  static void pin(V& acc) { asm("" : "+v"(acc)); }
+  static void finish(const Int8Params& p, V acc, int64_t m, int64_t first, int64_t count) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
     // 128 * the row sums, modulo 2^32 as the sums
     const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.code_sums + first), 7);
-    const __m512 sc = _mm512_maskz_loadu_ps(mask, p.scale + first);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m512i dot = _mm512_sub_epi32(acc[r][j], corr);
-      __m512 o;
-      if (!p.row_sums) {
-        o = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(p.xs[m0 + r])), sc);
-      } else {  // static activations: minus z * the row's sum in int64, as the row kernels
-        alignas(64) int32_t d[16];
-        alignas(64) float f[16] = {};
-        _mm512_store_si512(d, dot);
-        for (int64_t t = 0; t < (left < 16 ? left : 16); ++t) {
-          const int64_t total = static_cast<int64_t>(d[t]) - static_cast<int64_t>(p.zero_point) * p.row_sums[first + t];
-          f[t] = (static_cast<float>(total) * p.xs[m0 + r]) * p.scale[first + t];
-        }
-        o = _mm512_load_ps(f);
-      }
-      if (p.out_bf16) {  // rounded to nearest even, every NaN to 0x7FC0 (from_f32_row's bf16)
-        const __m512i u = _mm512_castps_si512(o);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-        const __m512i h = _mm512_mask_mov_epi32(Avx512::bf16_bits(o), nan, _mm512_set1_epi32(0x7FC0));
-        _mm256_mask_storeu_epi16(p.out_bf16 + (m0 + r) * p.N + first, mask, _mm512_cvtepi32_epi16(h));
-      } else {
-        _mm512_mask_storeu_ps(p.out + (m0 + r) * p.N + first, mask, o);
-      }
+    const __m512i dot = _mm512_sub_epi32(acc, corr);
+    __m512 o;
+    if (!p.row_sums) {
+      o = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(p.xs[m])),
+                        _mm512_maskz_loadu_ps(mask, p.scale + first));
+    } else {
+      alignas(64) int32_t d[16];
+      alignas(64) float f[16] = {};
+      _mm512_store_si512(d, dot);
+      int8_panel_static_outputs(p, d, m, first, count, f);
+      o = _mm512_load_ps(f);
+    }
+    if (p.out_bf16) {
+      const __m512i u = _mm512_castps_si512(o);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+      const __m512i h = _mm512_mask_mov_epi32(Avx512::bf16_bits(o), nan, _mm512_set1_epi32(0x7FC0));
+      _mm256_mask_storeu_epi16(p.out_bf16 + m * p.N + first, mask, _mm512_cvtepi32_epi16(h));
+    } else {
+      _mm512_mask_storeu_ps(p.out + m * p.N + first, mask, o);
     }
   }
-}
+};
 
-template <int R>
-void panel_block(const Int8Params& p, int64_t m0, int64_t n, int64_t cols) {
-  switch ((cols + 15) / 16) {
-    case 1: panel_tile<R, 1>(p, m0, n, cols); break;
-    case 2: panel_tile<R, 2>(p, m0, n, cols); break;
-    case 3: panel_tile<R, 3>(p, m0, n, cols); break;
-    default: panel_tile<R, 4>(p, m0, n, cols); break;
-  }
-}
-
-// Output rows [n0, n1) (n0 a multiple of 16) for p.M activation rows: per 64
-// weight rows, the activation rows 4 at a time (the 64 rows' panels stay in L1 between them).
-void panel_rows(const Int8Params& p, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 64) {
-    const int64_t cols = n1 - n < 64 ? n1 - n : 64;
-    int64_t m = 0;
-    for (; m + 4 <= p.M; m += 4) panel_block<4>(p, m, n, cols);
-    switch (p.M - m) {
-      case 1: panel_block<1>(p, m, n, cols); break;
-      case 2: panel_block<2>(p, m, n, cols); break;
-      case 3: panel_block<3>(p, m, n, cols); break;
-      default: break;
-    }
-  }
-}
+void panel_rows(const Int8Params& p, int64_t n0, int64_t n1) { int8_panel_rows<Avx512VnniPanelOps>(p, n0, n1); }
 
 }  // namespace
 

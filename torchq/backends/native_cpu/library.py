@@ -32,13 +32,13 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "bf16_dp_gemm", "bf16_dp_gemm_calls", "BF16_DP_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "bf16_dp_gemm", "bf16_dp_gemm_calls", "BF16_DP_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "int8_panel", "int8_panel_calls", "INT8_PANEL_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
     "int8_panel_numel",
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
@@ -46,6 +46,7 @@ FEATURE_NAMES = ("avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 INT8_AMX_MODES = ("off", "on", "emulated")  # tq_set_int8_amx
 BF16_AMX_MODES = ("off", "on", "emulated")  # tq_set_bf16_amx
 INT8_DOT_MODES = ("off", "on", "emulated")  # tq_set_int8_dot
+INT8_PANEL_MODES = ("off", "on", "emulated")  # tq_set_int8_panel
 LUT4_SCALED_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_scaled_dot
 LUT4_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_dot
 BF16_DP_MODES = ("off", "on", "emulated")  # tq_set_bf16_dp_gemm
@@ -64,6 +65,8 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_amx_int8_calls": (_c_int64, []),
     "tq_dot_calls_int8": (_c_int64, []),
     "tq_set_int8_dot": (_c_int, [_c_int]),  # index into INT8_DOT_MODES (negative: read)
+    "tq_set_int8_panel": (_c_int, [_c_int]),  # index into INT8_PANEL_MODES (negative: read)
+    "tq_panel_calls_int8": (_c_int64, []),
     "tq_scaled_dot_calls_lut4": (_c_int64, []),
     "tq_set_lut4_scaled_dot": (_c_int, [_c_int]),  # index into LUT4_SCALED_DOT_MODES (negative: read)
     "tq_dot_calls_lut4": (_c_int64, []),
@@ -275,6 +278,21 @@ def int8_dot_calls() -> int:
     """How many int8 weight-only calls have taken the bf16 dot path (csrc/int8_linear.h) since the
     library loaded (for tests: which path ran)."""
     return 0 if _LIB is None else int(_LIB.tq_dot_calls_int8())
+
+
+def int8_panel(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Within the block (process-wide), the int8 dynamic and static kernels' VNNI panel kernel for
+    panel-order weights (``Int8VnniLayout``, ``csrc/int8_panel_body.h``): ``"on"`` (the default) on
+    CPUs with AVX-512 VNNI whose AVX-512 ISA is active, ``"off"`` never (chunks of the panels are
+    unpacked for the row-major kernels), ``"emulated"`` its body on emulated instructions on any
+    CPU, the same bits (for tests). Calls that take the AMX form do not take it."""
+    return _mode("tq_set_int8_panel", INT8_PANEL_MODES, mode)
+
+
+def int8_panel_calls() -> int:
+    """How many int8 dynamic / static calls have taken the panel kernel (VNNI or emulated) since
+    the library loaded (for tests: which path ran)."""
+    return 0 if _LIB is None else int(_LIB.tq_panel_calls_int8())
 
 
 def lut4_dot(mode: str) -> contextlib.AbstractContextManager[None]:
