@@ -21,11 +21,6 @@ struct Int8Dot {
   using B = typename Ops::B;
   struct NoContext {};  // (the tiles' context: none)
 
-  // Whether scale s lets a weight row take the dot path: 0, or finite and normal (its product with
-  // the fp32 sum is then the reference's weights' up to rounding; inf / NaN scales would give inf
-  // where the reference's 0 * inf weights give NaN).
-  static bool dot_scale(float s) { return s == 0.0f || (__builtin_fabsf(s) >= FLT_MIN && __builtin_fabsf(s) <= FLT_MAX); }
-
   // NT weight rows from n x MT activation rows from m0: NT * MT (<= 16) accumulators over K. p.xb
   // holds chunk c's 32 positions of row m at (c * M + m) * 32 (see Int8Params), so one pointer and
   // constant offsets address a chunk's rows.
@@ -80,12 +75,12 @@ struct Int8Dot {
     }
   }
 
-  // DotSchedule's hooks: weight rows [n, n + rows) take the path if every scale is dot_scale's,
+  // DotSchedule's hooks: weight rows [n, n + rows) take the path if every scale is int8_dot_scale's,
   // else the fp32 row kernel (p.x holds the fp32 rows) runs them for every activation row.
   using Params = Int8Params;
   static bool tile_ok(const Int8Params& p, int64_t n, int64_t rows) {
     bool safe = true;
-    for (int64_t t = 0; t < rows; ++t) safe &= dot_scale(p.scale[n + t]);
+    for (int64_t t = 0; t < rows; ++t) safe &= int8_dot_scale(p.scale[n + t]);
     return safe;
   }
 

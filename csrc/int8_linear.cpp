@@ -273,7 +273,7 @@ int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, 
   const int64_t dp_min_m = panels ? kBf16DpInt8PanelMinM : kBf16DpInt8MinM;
   if (dtype == DT_BF16 && bf16_dp_gemm(M, dp_min_m, true)) {
     bool scales_ok = true;
-    for (int64_t n = 0; n < N && scales_ok; ++n) scales_ok = scale[n] == 0.0f || (fabsf(scale[n]) >= FLT_MIN && fabsf(scale[n]) <= FLT_MAX);
+    for (int64_t n = 0; n < N && scales_ok; ++n) scales_ok = int8_dot_scale(scale[n]);
     const Bf16DpGemmFn dp = bf16_dp_gemm(M, scales_ok ? dp_min_m : kBf16DpInt8MinM, scales_ok);
     if (dp) {
       Bf16DpGemm g{};

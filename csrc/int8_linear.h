@@ -29,6 +29,7 @@
 // unpacks chunks of rows into row-major scratch (unpack_panels) for the row-major kernels. The same
 // bits everywhere as the row-major codes.
 #pragma once
+#include <float.h>
 #include <stdint.h>
 
 namespace tq {
@@ -158,6 +159,11 @@ struct Int8Kernels {
 // 1.0-1.16x, 4 rows 1.03-1.13x, 8 rows 1.04-1.14x, 16 rows 1.03-1.17x, 32 rows 1.08-1.18x
 // (3072 x 576: 2 rows 107 -> 92 us, 16 rows 414 -> 360; bf16 F.linear 156 and 376).
 constexpr int64_t kInt8DotMinM = 2, kInt8DotMaxM = 32;
+// Whether a weight row's scale s lets the bf16 dot forms (this path, the bf16 dot-product GEMM's
+// codes form) scale its exact code sums once: 0, or finite and normal (its product with the fp32
+// sum is then the reference's weights' up to rounding; inf / NaN scales would give inf where the
+// reference's 0 * inf weights give NaN).
+static inline bool int8_dot_scale(float s) { return s == 0.0f || (__builtin_fabsf(s) >= FLT_MIN && __builtin_fabsf(s) <= FLT_MAX); }
 // The AVX512_BF16 kernel, and its body on emulated instructions (int8_dot_emulated.cpp: the same
 // bits on any CPU). INT8_DOT_ON (the default) runs the first where the active table has it,
 // INT8_DOT_EMULATED the second on every ISA (tests), INT8_DOT_OFF neither (tq_set_int8_dot).
