@@ -11,6 +11,7 @@
 
 #include "bf16_amx_body.h"  // bf16_value, bf16_weights_ok
 #include "bf16_dp_gemm.h"
+#include "int8_linear.h"  // int8_panel_k, int8_panel_offset
 #include "tiling.h"
 
 namespace tq {
@@ -22,6 +23,7 @@ struct Bf16DpBody {
   using V = typename Ops::V;
   using B = typename Ops::B;
   static constexpr int kRows = 16;  // weight rows per panel (the lanes), activation rows per block
+  static_assert(kRows == 16, "panel-order int8 codes come in panels of 16 rows (int8_panel_offset)");
 
   // Rows v[0..15] (32 words each: 16 pairs) of 32 positions from step s into the panel: pair q of
   // row t to word (16 (16 s + q) + t) * 2.
@@ -144,12 +146,12 @@ struct Bf16DpBody {
         return;
       }
     }
-    const int64_t Kp = (g.codes_k + 63) / 64 * 64;  // a panel-order panel's bytes per row
+    const int64_t Kp = int8_panel_k(g.codes_k);  // a panel-order panel's bytes per row
     for (int64_t n = n0; n < n1; n += kRows) {
       const int64_t cols = n1 - n < kRows ? n1 - n : kRows;
       if constexpr (kCodes) {
         int8_t* chunks = static_cast<int8_t*>(buf);
-        if (g.codes_panels) chunks = const_cast<int8_t*>(g.codes + n / kRows * kRows * Kp);
+        if (g.codes_panels) chunks = const_cast<int8_t*>(g.codes + int8_panel_offset(n, Kp));
         else code_panel_from_rows(g, n, cols, chunks);
         blocks(g, FromCodePanels{chunks}, n, cols);
       } else {

@@ -88,8 +88,6 @@ void quantize_rows(void* ctx, int64_t m0, int64_t m1) {
   free(row);
 }
 
-int64_t padded(int64_t K) { return (K + 63) / 64 * 64; }
-
 // A panel-order weight (int8_linear.h, "Panel order") under a row-major kernel: each thread's rows
 // unpacked a chunk at a time (about 256 KB: it stays in L2) into scratch, and the kernel run on the
 // chunk with its weight-row-indexed pointers moved to the chunk's first row.
@@ -148,7 +146,7 @@ bool run_int8_rows(const Int8Params& p, Int8RowsFn rows, bool panels, int64_t gr
 void dequant_panel_row(const int8_t* panels, const float* scale, int64_t K, int64_t n, void* dst, bool bf16) {
   constexpr int64_t kPiece = 1024;
   alignas(64) int8_t piece[kPiece];
-  const int8_t* row = panels + int8_panel_offset(n, padded(K)) + (n % 16) * 4;
+  const int8_t* row = panels + int8_panel_offset(n, int8_panel_k(K)) + (n % 16) * 4;
   for (int64_t k0 = 0; k0 < K; k0 += kPiece) {
     const int64_t len = K - k0 < kPiece ? K - k0 : kPiece;
     for (int64_t k = 0; k < len; k += 4) memcpy(piece + k, row + (k0 + k) * 16, static_cast<size_t>(len - k < 4 ? len - k : 4));
@@ -293,7 +291,7 @@ int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, 
       if (status >= 0) return status;
     }
   }
-  const int64_t Kp = padded(K);
+  const int64_t Kp = int8_panel_k(K);
   float* xp = static_cast<float*>(aligned_alloc(64, M * Kp * sizeof(float)));
   Output o;
   if (!xp || !o.init(out, dtype, M * N)) {
@@ -333,7 +331,7 @@ int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, 
 // dtype). Codes in [qmin, qmax] with qmin >= -127 (the AVX2 sign trick needs |x| <= 127).
 int activation_linear(const tq_weight& w, const void* x, int dtype, int64_t M, void* out, int threads) {
   const bool is_static = w.format == TQ_FORMAT_INT8_STATIC;
-  const int64_t K = w.k, N = w.n, Kp = padded(K);
+  const int64_t K = w.k, N = w.n, Kp = int8_panel_k(K);
   const int qmin = w.act_qmin, qmax = w.act_qmax;
   const Int8Kernels& kern = kernels().int8;
   const bool panels = w.codes_order == 1;

@@ -64,6 +64,9 @@ struct Int8Params {
   int64_t kx = 0;
 };
 
+// A panel-order weight's bytes per weight row, Kp: K rounded up to 64 (also the stride of the padded
+// activation codes).
+inline int64_t int8_panel_k(int64_t K) { return (K + 63) / 64 * 64; }
 // The byte offset of panel n / 16 (of 16 rows x Kp codes) in a panel-order weight.
 inline int64_t int8_panel_offset(int64_t n, int64_t Kp) { return n / 16 * 16 * Kp; }
 // The VNNI panel kernel (where the AMX form does not run: below kInt8AmxMinM rows on AMX CPUs, every

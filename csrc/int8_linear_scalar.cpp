@@ -38,7 +38,7 @@ void dynamic_rows(const Int8Params& p, int64_t n0, int64_t n1) {
 
 // Rows of a panel-order weight, 4 codes at a time (int8_linear.h, "Panel order").
 void unpack_panels(const int8_t* panels, int64_t K, int64_t n0, int64_t n1, int8_t* dst) {
-  const int64_t Kp = (K + 63) / 64 * 64;
+  const int64_t Kp = int8_panel_k(K);
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* src = panels + int8_panel_offset(n, Kp) + (n % 16) * 4;
     for (int64_t k = 0; k < K; k += 4) memcpy(dst + (n - n0) * K + k, src + k * 16, static_cast<size_t>(K - k < 4 ? K - k : 4));

@@ -22,7 +22,7 @@ inline void unpack_panel_row(const int8_t* panels, int64_t K, int64_t Kp, int64_
 }
 
 void unpack_panels_avx2(const int8_t* panels, int64_t K, int64_t n0, int64_t n1, int8_t* dst) {
-  const int64_t Kp = (K + 63) / 64 * 64, full = K / 32 * 32;
+  const int64_t Kp = int8_panel_k(K), full = K / 32 * 32;
   int64_t n = n0;
   for (; n < n1 && n % 16; ++n) unpack_panel_row(panels, K, Kp, n, dst + (n - n0) * K);
   for (; n + 16 <= n1; n += 16) {
