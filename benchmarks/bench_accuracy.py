@@ -36,7 +36,10 @@ searched per site) to either; its "quantize s" includes the calibration passes.
 QAT (``--qat``, algorithm ``qat``): :func:`torchq.qat.prepare` on a copy of the float model, a
 fine-tune on the calibration text by distillation from the float model (SmolLM2: KL divergence of
 the next-token distributions; MiniLM: 1 - cosine of the sentence embeddings plus the token states'
-squared error), then :func:`torchq.qat.convert`; its "quantize s" is the training time.
+squared error), then :func:`torchq.qat.convert`; its "quantize s" is the training time. With
+``--qat-train float`` the model is quantized first (GPTQ with ``--qat-init gptq``, else round to
+nearest) and only its float parameters train (:func:`torchq.qat.prepare_float_tuning`: norms and
+biases), by the same distillation; nothing is converted after.
 """
 
 from __future__ import annotations
@@ -267,12 +270,18 @@ def qat_fine_tune(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argp
     ``--qat-steps`` steps or ``--qat-minutes``, whichever ends first (the schedule assumes the steps)."""
     t_init = time.perf_counter()
     init = ""
-    if args.qat_init == "gptq":
-        init = ", " + start_from_gptq(bench, student, cfg, args)
+    if args.qat_train == "float":  # quantized first (GPTQ as its row, or round to nearest); its float parameters train
+        init = ", " + quantize_for_float_tuning(bench, student, cfg, args)
+        params = torchq.qat.prepare_float_tuning(student)
+        what = f"{sum(p.numel() for p in params)} float parameters (norms, biases)"
+    else:
+        if args.qat_init == "gptq":
+            init = ", " + start_from_gptq(bench, student, cfg, args)
+        torchq.qat.prepare(student, cfg, scales=args.qat_scales)
+        params = [p for p in student.parameters() if p.requires_grad]
+        what = f"weights, scales {args.qat_scales}"
     t_init = time.perf_counter() - t_init
-    torchq.qat.prepare(student, cfg, scales=args.qat_scales)
     student.eval()  # no dropout: the student matches the teacher's deterministic outputs
-    params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.qat_lr, weight_decay=0.0)
     warm = max(1, args.qat_steps // 10)
 
@@ -299,12 +308,30 @@ def qat_fine_tune(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argp
             print(f"  qat step {step}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         if time.perf_counter() - t0 > args.qat_minutes * 60:
             break
-    torchq.qat.convert(student)
+    t_train = time.perf_counter() - t0
+    if args.qat_train == "float":
+        for p in params:
+            p.requires_grad_(False)
+    else:
+        torchq.qat.convert(student)
     first = sum(losses[:5]) / len(losses[:5])
     last = sum(losses[-5:]) / len(losses[-5:])
-    return student, (f"{step + 1} steps of {args.qat_batch} x {args.qat_seq}, lr {args.qat_lr:g}, scales {args.qat_scales}{init}; "
-                     f"distillation loss {first:.4f} -> {last:.4f}; training {time.perf_counter() - t0:.0f} s"
-                     + (f" + GPTQ start {t_init:.0f} s" if init else ""))
+    return student, (f"{step + 1} steps of {args.qat_batch} x {args.qat_seq}, lr {args.qat_lr:g}, {what}{init}; "
+                     f"distillation loss {first:.4f} -> {last:.4f}; training {t_train:.0f} s"
+                     + (f" + start {t_init:.0f} s" if init else ""))
+
+
+def quantize_for_float_tuning(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argparse.Namespace) -> str:
+    """``--qat-train float``: quantize ``student`` for good before training its float parameters:
+    with ``--qat-init gptq`` as the GPTQ row does (AWQ-scaled columns included), else round to nearest."""
+    if args.qat_init != "gptq":
+        torchq.quantize_(student, cfg)
+        return "after round to nearest"
+    g_cfg = ({k: (None if v is None else dataclasses.replace(v, algorithm="gptq")) for k, v in cfg.items()}
+             if isinstance(cfg, dict) else dataclasses.replace(cfg, algorithm="gptq"))
+    torchq.calibrate(student, bench.calibration, g_cfg, act_order=args.act_order, gptq_clip=args.gptq_clip,
+                     gptq_awq_scale=args.gptq_awq_scale, sequential=args.sequential, progress=False)
+    return "after GPTQ"
 
 
 def start_from_gptq(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argparse.Namespace) -> str:
@@ -490,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qat-scales", choices=("recompute", "learned"), default="recompute", help="qat: torchq.qat scales mode")
     p.add_argument("--qat-init", choices=("float", "gptq"), default="float",
                    help="qat: train from the float weights (default) or from GPTQ's dequantized weights")
+    p.add_argument("--qat-train", choices=("weights", "float"), default="weights",
+                   help="qat: train the weights through the quantizer (torchq.qat.prepare, default), or quantize first "
+                        "(GPTQ with --qat-init gptq, else round to nearest) and train only the float parameters "
+                        "(torchq.qat.prepare_float_tuning: norms, biases)")
     p.add_argument("--qat-progress", type=int, default=0, help="qat: print the loss every N steps (0: never)")
     p.add_argument("--float-head", action="store_true",
                    help="smollm: leave lm_head (tied to the embeddings) in float, as W8A8 deployments usually do")

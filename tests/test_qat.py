@@ -507,3 +507,113 @@ def test_fsdp2_qat_matches_one_process(tmp_path):
             for k, v in r["ref_weights"].items():
                 torch.testing.assert_close(r["weights"][k], v, rtol=1e-5, atol=1e-6)
             assert torch.equal(r["prepared"], r["converted"])
+
+
+# -- tuning the float parameters of a quantized model ----------------------------------------------
+class NormNet(nn.Module):
+    """Linear (bias) -> LayerNorm -> GELU -> Linear (no bias) -> a model's own RMSNorm class."""
+
+    class OwnRMSNorm(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(128, 256)
+        self.norm = nn.LayerNorm(256)
+        self.down = nn.Linear(256, 128, bias=False)
+        self.out_norm = NormNet.OwnRMSNorm(128)
+
+    def forward(self, x):
+        return self.out_norm(self.down(nn.functional.gelu(self.norm(self.up(x)))))
+
+
+def norm_net(seed=0) -> NormNet:
+    torch.manual_seed(seed)
+    m = NormNet()
+    with torch.no_grad():  # not the identity, so that the tuned values start somewhere
+        m.norm.weight.uniform_(0.5, 1.5)
+        m.norm.bias.uniform_(-0.1, 0.1)
+        m.out_norm.weight.uniform_(0.5, 1.5)
+    return m
+
+
+def test_float_tuning_selects_norms_and_biases_and_freezes_the_rest():
+    m = norm_net()
+    torchq.quantize_(m, CONFIGS["int4-g32"])
+    names = lambda ps: sorted(n for n, p in m.named_parameters() if any(p is q for q in ps))  # noqa: E731
+    both = qat.prepare_float_tuning(m)
+    assert names(both) == ["norm.bias", "norm.weight", "out_norm.weight", "up.bias"]
+    assert [n for n, p in m.named_parameters() if p.requires_grad] == ["up.bias", "norm.weight", "norm.bias", "out_norm.weight"]
+    assert names(qat.prepare_float_tuning(m, ["norms"])) == ["norm.bias", "norm.weight", "out_norm.weight"]
+    assert not m.up.bias.requires_grad
+    assert names(qat.prepare_float_tuning(m, "biases")) == ["up.bias"]
+    assert [n for n, p in m.named_parameters() if p.requires_grad] == ["up.bias"]
+
+
+def test_float_tuning_trains_through_the_quantized_layers_and_keeps_their_codes():
+    """A 3-bit model's norms and biases, distilled from its float teacher, bring the outputs on
+    held-out inputs closer to the teacher's; the quantized weights stay bit for bit."""
+    teacher = norm_net()
+    student = norm_net()
+    torchq.quantize_(student, CONFIGS["intx3-g32"])
+    before = {n: m.weight.dequantize().clone() for n, m in student.named_modules() if isinstance(getattr(m, "weight", None), AQT)}
+    assert sorted(before) == ["down", "up"]
+    x = inputs(999, shape=(256, 128))
+    with torch.no_grad():
+        err_before = float((student(x) - teacher(x)).square().mean())
+    params = qat.prepare_float_tuning(student)
+    opt = torch.optim.Adam(params, lr=1e-2)
+    data = [inputs(100 + i, shape=(64, 128)) for i in range(8)]
+    for _ in range(20):
+        for d in data:
+            with torch.no_grad():
+                t = teacher(d)
+            loss = (student(d) - t).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    with torch.no_grad():
+        err_after = float((student(x) - teacher(x)).square().mean())
+    assert err_after < 0.95 * err_before, (err_after, err_before)  # measured: 0.913x (untrained: 1x)
+    for n, m in student.named_modules():
+        if n in before:
+            assert isinstance(m.weight, AQT) and not m.weight.requires_grad
+            assert torch.equal(m.weight.dequantize(), before[n])
+
+
+def test_float_tuning_bad_arguments_change_nothing():
+    m = norm_net()
+    torchq.quantize_(m, CONFIGS["int8wo"])
+    flags = [p.requires_grad for p in m.parameters()]
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got dict"):
+        qat.prepare_float_tuning({})
+    with pytest.raises(ValueError, match=r"kinds: expected some of \['norms', 'biases'\], got \['norm'\]"):
+        qat.prepare_float_tuning(m, ["norm"])
+    with pytest.raises(ValueError, match=r"kinds: expected some of .*got \[\]"):
+        qat.prepare_float_tuning(m, [])
+    bare = nn.Sequential(nn.Linear(64, 64, bias=False))
+    torchq.quantize_(bare, CONFIGS["int8wo"])
+    with pytest.raises(ValueError, match="model: no parameter of kinds"):
+        qat.prepare_float_tuning(bare)
+    assert [p.requires_grad for p in m.parameters()] == flags
+
+
+def test_float_tuning_of_a_transformers_llama_trains_its_rmsnorms():
+    m = _tiny_llama()
+    torchq.quantize_(m, {"lm_head": None, "_default": CONFIGS["int4-g32"]})
+    params = qat.prepare_float_tuning(m)
+    expected = sorted(n for n, _ in m.named_parameters() if "norm" in n)  # 2 layers x 2 + the final norm
+    assert len(expected) == 5
+    assert sorted(n for n, p in m.named_parameters() if p.requires_grad) == expected
+    assert len(params) == 5 and not m.lm_head.weight.requires_grad
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    assert all(p.grad is None for n, p in m.named_parameters() if n not in expected)

