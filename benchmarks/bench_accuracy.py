@@ -321,15 +321,21 @@ def qat_fine_tune(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argp
                      + (f" + start {t_init:.0f} s" if init else ""))
 
 
+def _gptq_config(cfg: torchq.QuantConfig | dict) -> torchq.QuantConfig | dict:
+    """``cfg`` (a config, or a per-layer dict of configs with ``None`` for float layers) with
+    ``algorithm="gptq"``."""
+    if isinstance(cfg, dict):
+        return {k: (None if v is None else dataclasses.replace(v, algorithm="gptq")) for k, v in cfg.items()}
+    return dataclasses.replace(cfg, algorithm="gptq")
+
+
 def quantize_for_float_tuning(bench, student: nn.Module, cfg: torchq.QuantConfig, args: argparse.Namespace) -> str:
     """``--qat-train float``: quantize ``student`` for good before training its float parameters:
     with ``--qat-init gptq`` as the GPTQ row does (AWQ-scaled columns included), else round to nearest."""
     if args.qat_init != "gptq":
         torchq.quantize_(student, cfg)
         return "after round to nearest"
-    g_cfg = ({k: (None if v is None else dataclasses.replace(v, algorithm="gptq")) for k, v in cfg.items()}
-             if isinstance(cfg, dict) else dataclasses.replace(cfg, algorithm="gptq"))
-    torchq.calibrate(student, bench.calibration, g_cfg, act_order=args.act_order, gptq_clip=args.gptq_clip,
+    torchq.calibrate(student, bench.calibration, _gptq_config(cfg), act_order=args.act_order, gptq_clip=args.gptq_clip,
                      gptq_awq_scale=args.gptq_awq_scale, sequential=args.sequential, progress=False)
     return "after GPTQ"
 
@@ -338,10 +344,8 @@ def start_from_gptq(bench, student: nn.Module, cfg: torchq.QuantConfig, args: ar
     """``--qat-init gptq``: GPTQ (without AWQ-scaled columns, whose input scales QAT's plain config
     cannot hold) on a copy of ``student``, whose dequantized weights become ``student``'s starting
     float weights: training starts from GPTQ's rounding instead of round to nearest's."""
-    g_cfg = ({k: (None if v is None else dataclasses.replace(v, algorithm="gptq")) for k, v in cfg.items()}
-             if isinstance(cfg, dict) else dataclasses.replace(cfg, algorithm="gptq"))
     gptq_model = copy.deepcopy(student)
-    torchq.calibrate(gptq_model, bench.calibration, g_cfg, act_order=args.act_order, gptq_clip=args.gptq_clip,
+    torchq.calibrate(gptq_model, bench.calibration, _gptq_config(cfg), act_order=args.act_order, gptq_clip=args.gptq_clip,
                      gptq_awq_scale=False, sequential=args.sequential, progress=False)
     quantized = {n: m.weight for n, m in gptq_model.named_modules() if isinstance(getattr(m, "weight", None), torchq.AffineQuantizedTensor)}
     mods = dict(student.named_modules())

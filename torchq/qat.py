@@ -515,7 +515,7 @@ def prepare_float_tuning(model: nn.Module, kinds: Iterable[str] = FLOAT_KINDS) -
     for mod in model.modules():
         norm = _is_norm(mod)
         for pname, p in mod.named_parameters(recurse=False):
-            if p is None or isinstance(p, AffineQuantizedTensor) or not p.is_floating_point():
+            if isinstance(p, AffineQuantizedTensor) or not p.is_floating_point():
                 continue
             if (norm and "norms" in kinds) or (pname == "bias" and not norm and "biases" in kinds):
                 chosen[id(p)] = p
