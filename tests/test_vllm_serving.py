@@ -283,6 +283,55 @@ def test_corrupted_folder_is_refused_before_serving(tiny_folder: Path, tmp_path:
     assert "EngineCore" not in out
 
 
+def test_weights_of_another_row_count_are_refused(tiny_folder: Path, tmp_path: Path) -> None:
+    """A checkpoint whose gate/up weights have 256 rows served as a model whose config says 240:
+    vLLM's loaders would cut 240 of them without a word; the plugin refuses, naming the weight."""
+    folder = quantized_folder(tiny_folder, "int4-g32", tmp_path / "rows")
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 240
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = serve(folder, [[1, 2]], check=False)
+    assert proc.returncode != 0
+    assert "'model.layers.0.mlp.gate_proj.weight' has 256 output rows, the model 240" in proc.stdout + proc.stderr
+
+
+def test_layers_vllm_would_leave_unloaded_are_refused(tiny_folder: Path, tmp_path: Path) -> None:
+    """vLLM loads only tensors stored under their own names and checks for missing weights only
+    without a quantization method: a linear weight stored only as an alias, or an embedding the
+    checkpoint lacks, would be served as uninitialized memory. Refused when vLLM asks for the
+    layer's method; a head vLLM ties to the embedding is not loaded and passes."""
+    from test_checkpoint_fuzz import StFile
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from torchq.checkpoint.codec import CheckpointError
+    from torchq.vllm.method import TorchqVllmConfig
+
+    folder = quantized_folder(tiny_folder, "int4-g32", tmp_path / "aliased")
+    path = folder / "model.safetensors"
+    f = StFile(path.read_bytes())
+    tq = f.tq()
+    tq["aliases"]["model.layers.5.self_attn.o_proj.weight"] = "model.layers.1.self_attn.o_proj.weight"
+    f.set_tq(tq)
+    path.write_bytes(f.to_bytes())
+    config = TorchqVllmConfig(json.loads((folder / "config.json").read_text())["quantization_config"])
+    config.maybe_update_config(str(folder), hf_config=transformers.AutoConfig.from_pretrained(folder))
+    assert config.tied is False
+    linear, embedding, head = (object.__new__(c) for c in (RowParallelLinear, VocabParallelEmbedding, ParallelLMHead))
+    assert config.get_quant_method(linear, "model.layers.1.self_attn.o_proj") is not None
+    with pytest.raises(CheckpointError, match=r"\['model.layers.5.self_attn.o_proj.weight'\] are stored only as aliases of "
+                                              r"\['model.layers.1.self_attn.o_proj.weight'\]"):
+        config.get_quant_method(linear, "model.layers.5.self_attn.o_proj")
+    assert config.get_quant_method(embedding, "model.embed_tokens") is None  # stored in float
+    assert config.get_quant_method(embedding, "") is None  # built without a name
+    with pytest.raises(CheckpointError, match=r"has no 'model.other_embed.weight' for vLLM layer 'model.other_embed'"):
+        config.get_quant_method(embedding, "model.other_embed")
+    with pytest.raises(CheckpointError, match=r"has no 'head.weight'"):  # untied: the head must be stored
+        config.get_quant_method(head, "head")
+    config.tied = True
+    assert config.get_quant_method(head, "head") is None
+
+
 def _free_port() -> int:
     import socket
 

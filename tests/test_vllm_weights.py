@@ -137,6 +137,12 @@ def test_refusals_name_the_layer_and_sizes() -> None:
     plan_shard("down_proj", ["down"], [rec3], [8], 384, 128, 128)
     with pytest.raises(CheckpointError, match=r"'x' has 256 input features, the model 128"):
         plan_shard("x", ["x"], [rec32], [64], 128, 128, 0)
+    # vLLM's loaders would cut 32 of 64 rows without a word: the model's row counts are checked
+    plan_shard("layers.0.gate_up_proj", ["g", "u"], [rec32, rec32], [32, 32], 256, 256, 0, full_rows=[64, 64])
+    with pytest.raises(CheckpointError, match=r"'layers.0.gate_up_proj'.*'u' has 64 output rows, the model 48"):
+        plan_shard("layers.0.gate_up_proj", ["g", "u"], [rec32, rec32], [32, 24], 256, 256, 0, full_rows=[64, 48])
+    with pytest.raises(CheckpointError, match=r"the model has 1 weights here, the checkpoint \['g', 'u'\]"):
+        plan_shard("layers.0.gate_up_proj", ["g", "u"], [rec32, rec32], [32, 32], 256, 256, 0, full_rows=[128])
     per_tensor = codec.parse_record({**codec.encode(_tensor_scaled())[0], "label": None}, "t")
     with pytest.raises(CheckpointError, match="blocks spanning"):
         plan_shard("x", ["x"], [per_tensor], [per_tensor.shape[0]], per_tensor.shape[1], per_tensor.shape[1], 0)
@@ -200,6 +206,63 @@ def test_a_float_folder_is_not_served_as_torchq(tmp_path) -> None:
         ServedCheckpoint(tmp_path)
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         ServedCheckpoint(tmp_path / "nothing-here")
+
+
+def _edit_header(path, edit) -> None:
+    """Rewrite the torchq header of a safetensors file through ``edit(header dict)``, its CRC
+    recomputed (a crafted file, not a corrupted one)."""
+    from test_checkpoint_fuzz import StFile
+
+    f = StFile(path.read_bytes())
+    tq = f.tq()
+    edit(tq)
+    f.set_tq(tq)
+    path.write_bytes(f.to_bytes())
+
+
+def test_a_record_bigger_than_its_stored_parts_is_refused(tmp_path) -> None:
+    """A header whose record claims 2**30 rows over the stored 64 (the parts' CRCs those of the
+    small tensors): each worker would allocate the record's size before reading a byte (here 32
+    GiB of codes and 1 GiB of scale codes), so the folder is refused in the front process."""
+    folder, _ = _folder(tmp_path, "nf4-double")
+
+    def grow(tq: dict) -> None:
+        rec = tq["quantized"]["0.weight"]
+        rows = 2**30
+        rec["shape"][0] = rows
+        rec["parts"]["codes"]["shape"][0] = rows
+        rec["parts"]["scale_codes"]["shape"][0] = rows
+        rec["parts"]["scale_absmax"]["shape"] = [math.ceil(rows / 256)]
+
+    _edit_header(folder / "model.safetensors", grow)
+    with pytest.raises(CheckpointError, match=r"'0.weight': part 'codes' is stored as torch.uint8 \[64, 32\], its record "
+                                              r"says torch.uint8 \[1073741824, 32\]"):
+        ServedCheckpoint(folder)
+
+
+def test_an_alias_of_nothing_is_refused(tmp_path) -> None:
+    folder, _ = _folder(tmp_path)
+    _edit_header(folder / "model.safetensors", lambda tq: tq["aliases"].update({"3.weight": "9.weight"}))
+    with pytest.raises(CheckpointError, match=r"aliases \['3.weight'\] name tensors the checkpoint does not store "
+                                              r"\(\['9.weight'\]\)"):
+        ServedCheckpoint(folder)
+    folder2, _ = _folder(tmp_path / "tied")
+    _edit_header(folder2 / "model.safetensors", lambda tq: tq["aliases"].update({"3.weight": "2.weight"}))
+    ckpt = ServedCheckpoint(folder2)
+    assert ckpt.holds("3.weight") and not ckpt.stores("3.weight") and ckpt.stores("2.weight")
+    assert ckpt.record("3.weight").shape == (32, 64)
+
+
+def test_another_safetensors_file_beside_an_unindexed_checkpoint_is_refused(tmp_path) -> None:
+    """Without an index vLLM loads every *.safetensors file of the folder: one torchq did not
+    check could replace float tensors unchecked."""
+    from safetensors.torch import save_file
+
+    folder, _ = _folder(tmp_path)
+    save_file({"1.weight": torch.ones(64)}, str(folder / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"holds \['extra.safetensors'\] beside model.safetensors and no "
+                                              r"model.safetensors.index.json"):
+        ServedCheckpoint(folder)
 
 
 @pytest.mark.parametrize("cfg_name", ["int8wo", "int8dq"])

@@ -49,7 +49,7 @@ from .codec import CheckpointError
 from .model_state import BufferInit, Incoming, dedupe, install_checkpoint, model_slots
 
 __all__ = ["save_quantized", "load_quantized", "flatten_model", "FILE_FORMAT", "FILE_VERSION", "INDEX_NAME", "SINGLE_NAME",
-           "part_key", "checkpoint_files", "CheckpointFile", "WholeCheckpoint"]
+           "part_key", "checkpoint_files", "checked_entries", "CheckpointFile", "WholeCheckpoint"]
 
 FILE_FORMAT = "torchq.checkpoint"
 FILE_VERSION = 1
@@ -394,9 +394,9 @@ class WholeCheckpoint:
         return f.get(f.stored[key])
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def _float_incoming(f: CheckpointFile | WholeCheckpoint, name: str, part: Any, verify: bool) -> Incoming:
@@ -407,7 +407,7 @@ def _float_incoming(f: CheckpointFile | WholeCheckpoint, name: str, part: Any, v
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{where}: cannot read its header entry ({e})") from None
-        stored = _SAFETENSORS_DTYPES.get(dtype)
+        stored = SAFETENSORS_DTYPES.get(dtype)
         return Incoming(name, shape, False, f"float {dtype}", lambda device: f.get(name).to(device), dtype=stored)
     if not isinstance(part, dict) or set(part) != {"dtype", "shape", "crc32"} or not isinstance(part["shape"], list):
         raise CheckpointError(f"{where}: header entry must have dtype, shape and crc32, got {part!r}")
@@ -445,13 +445,15 @@ def _quantized_incoming(f: CheckpointFile | WholeCheckpoint, name: str, record: 
     return Incoming(name, codec.logical_shape(rec), True, rec.spec.describe(), load, rec)
 
 
-def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.LayoutPolicy = "saved",
-                    verify: bool = True, require_header: str | None = None) -> tuple[dict[str, Incoming], dict[str, str]]:
-    """The checkpoint at ``path`` (a file, a folder or a sharded index; torchq's or a plain float
-    safetensors checkpoint), its files opened in ``stack``: ``(incoming, aliases)``, each
-    :class:`Incoming` reading, checking and decoding its tensor only when loaded. ``require_header``:
-    a file without a torchq header is an error, the reason given (a damaged ``"torchq"`` metadata key
-    would otherwise make a torchq file read as a plain float one)."""
+def checked_entries(path: Path, stack: contextlib.ExitStack, require_header: str | None = None
+                    ) -> tuple[list[tuple[CheckpointFile | WholeCheckpoint, str, str, Any]], dict[str, str]]:
+    """The header entries of the checkpoint at ``path`` (a file, a folder or a sharded index), its
+    files opened in ``stack``, after every check that needs no tensor bytes: each file against the
+    index's ``weight_map`` and its ``shard`` number, no name stored twice, no alias mapped two ways.
+    Returns ``(entries, aliases)``: ``(file, kind, name, header entry)`` in file order, ``kind``
+    ``"quantized"`` (the entry is the raw record) or ``"float"``. ``require_header``: a file without
+    a torchq header is an error, the reason given (a damaged ``"torchq"`` metadata key would
+    otherwise make a torchq file read as a plain float one)."""
     files, weight_map = checkpoint_files(path)
     opened: list[CheckpointFile | WholeCheckpoint] = [CheckpointFile(f, stack) for f in files]
     for f in opened:
@@ -464,7 +466,7 @@ def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.Layou
                 raise CheckpointError(f"{f.path}: its tensors do not match the index's weight_map for this shard")
     if any(f.whole for f in opened):
         opened = [WholeCheckpoint(path, opened)]
-    incoming: dict[str, Incoming] = {}
+    entries: list[tuple[CheckpointFile | WholeCheckpoint, str, str, Any]] = []
     aliases: dict[str, str] = {}
     owner: dict[str, Path] = {}
     for f in opened:
@@ -472,18 +474,28 @@ def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.Layou
         if weight_map is not None and isinstance(f, CheckpointFile):
             if not f.plain and h.get("shard") != [files.index(f.path) + 1, len(files)]:
                 raise CheckpointError(f"{f.path}: header says shard {h.get('shard')!r}, index lists {len(files)} shards")
-        for name, rec in h["quantized"].items():
-            _claim(owner, name, f.path)
-            incoming[name] = _quantized_incoming(f, name, rec, layout, verify)
-        for name, part in h["float"].items():
-            _claim(owner, name, f.path)
-            incoming[name] = _float_incoming(f, name, part, verify)
+        for kind in ("quantized", "float"):
+            for name, entry in h[kind].items():
+                _claim(owner, name, f.path)
+                entries.append((f, kind, name, entry))
         for alias, target in h["aliases"].items():
             if not isinstance(target, str) or aliases.get(alias, target) != target:
                 raise CheckpointError(f"{f.path}: inconsistent alias {alias!r} -> {target!r}")
             aliases[alias] = target
     if weight_map is not None and set(weight_map) != {k for f in opened for k in f.keys}:
         raise CheckpointError(f"{path}: index weight_map does not match the shards' tensors")
+    return entries, aliases
+
+
+def open_checkpoint(path: Path, stack: contextlib.ExitStack, layout: codec.LayoutPolicy = "saved",
+                    verify: bool = True, require_header: str | None = None) -> tuple[dict[str, Incoming], dict[str, str]]:
+    """The checkpoint at ``path`` (a file, a folder or a sharded index; torchq's or a plain float
+    safetensors checkpoint), its files opened in ``stack`` and checked (:func:`checked_entries`):
+    ``(incoming, aliases)``, each :class:`Incoming` reading, checking and decoding its tensor only
+    when loaded."""
+    entries, aliases = checked_entries(path, stack, require_header)
+    incoming = {name: _quantized_incoming(f, name, entry, layout, verify) if kind == "quantized"
+                else _float_incoming(f, name, entry, verify) for f, kind, name, entry in entries}
     return incoming, aliases
 
 

@@ -16,7 +16,7 @@ from ..blockwise.nested import NESTED_BLOCKSIZE, double_dequantize
 from ..canonical import PlainForm, decode_codes
 from ..checkpoint import codec
 from ..checkpoint.codec import CheckpointError
-from ..checkpoint.safetensors_io import CheckpointFile, WholeCheckpoint, checkpoint_files, part_key
+from ..checkpoint.safetensors_io import SAFETENSORS_DTYPES, CheckpointFile, WholeCheckpoint, checkpoint_files, part_key
 from ..layouts.base import choose_layout
 from ..primitives import scale_shape
 from .placement import dtensor_types, local_and_placement, set_weight, shard_width
@@ -49,6 +49,12 @@ class SliceReader:
             index.append(slice(*cols) if cols is not None else slice(None))
         t = sl[tuple(index)] if index else self.opened.get(key)
         return t.clone().contiguous()
+
+    def stored(self, key: str) -> tuple[torch.dtype | None, tuple[int, ...]]:
+        """The stored tensor's dtype (None for one torch has no dtype for) and shape, from the file's
+        header (no bytes read)."""
+        sl = self._slice(key)
+        return SAFETENSORS_DTYPES.get(sl.get_dtype()), tuple(sl.get_shape())
 
     def crc32(self, key: str) -> int:
         """CRC-32 of the stored tensor's bytes, read ``CRC_CHUNK_BYTES`` at a time."""

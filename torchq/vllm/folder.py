@@ -3,12 +3,15 @@ vLLM builds the model (imports no vLLM).
 
 vLLM reads ``config.json`` and builds the quantization config in its front process, then loads the
 weights in its worker processes. :class:`ServedCheckpoint` runs in the front process
-(``TorchqVllmConfig.maybe_update_config``): it opens the folder as :func:`torchq.load_quantized`
-does (the torchq header's CRC, the files it names, every record parsed) and checks the CRC-32 of
-every stored tensor, quantized parts and float tensors alike, reading ``CRC_CHUNK_BYTES`` at a
-time. A corrupted folder is refused there with a :class:`torchq.CheckpointError` naming the file
-and tensor, before any worker starts. Workers check each quantized part's CRC again on the bytes
-they actually load (:mod:`torchq.vllm.method`).
+(``TorchqVllmConfig.maybe_update_config``): it opens the folder with :func:`torchq.load_quantized`'s
+checks (``checked_entries``: the torchq header's CRC, the files it names against the index, no
+name stored twice, every record parsed), checks that each quantized part is stored in the dtype
+and shape its record gives (a worker allocates what the record says before reading a byte), that
+every alias names a stored tensor and that no other ``*.safetensors`` file lies in an index-less
+folder (vLLM would load it too), and checks the CRC-32 of every stored tensor, quantized parts and
+float tensors alike, reading ``CRC_CHUNK_BYTES`` at a time. A bad folder is refused there with a
+:class:`torchq.CheckpointError` naming the file and tensor, before any worker starts. Workers
+check each quantized part's CRC again on the bytes they actually load (:mod:`torchq.vllm.method`).
 
 What it keeps is small and picklable (vLLM sends the config to its workers): the raw record of
 each quantized weight and the names of the float ones.
@@ -23,7 +26,7 @@ from typing import Any
 
 from ..checkpoint import codec
 from ..checkpoint.codec import CheckpointError, ParsedRecord
-from ..checkpoint.safetensors_io import CheckpointFile, WholeCheckpoint, checkpoint_files, part_key
+from ..checkpoint.safetensors_io import INDEX_NAME, checked_entries, checkpoint_files, part_key
 from ..distributed.sharded_file import SliceReader
 
 __all__ = ["ServedCheckpoint", "local_folder"]
@@ -40,40 +43,49 @@ class ServedCheckpoint:
         self.path = Path(path)
         self.records: dict[str, dict[str, Any]] = {}
         self.floats: set[str] = set()
-        self.aliases: dict[str, str] = {}
         with contextlib.ExitStack() as stack:
-            files, _ = checkpoint_files(self.path)
-            opened: list[CheckpointFile | WholeCheckpoint] = [CheckpointFile(f, stack) for f in files]
-            if any(f.whole for f in opened):
-                opened = [WholeCheckpoint(self.path, opened)]
-            for f in opened:
-                if f.plain:
+            files, weight_map = checkpoint_files(self.path)
+            if weight_map is None and self.path.is_dir():
+                # without an index, vLLM loads every *.safetensors file of the folder
+                extra = sorted(p.name for p in self.path.glob("*.safetensors") if p.name not in {f.name for f in files})
+                if extra:
                     raise CheckpointError(
-                        f"{f.path}: config.json says quant_method 'torchq', but this file has no torchq header "
-                        f"(save the model with save_pretrained after torchq.quantize_, or torchq.save_quantized)"
+                        f"{self.path}: holds {extra} beside {files[0].name} and no {INDEX_NAME}; vLLM would load every "
+                        f"*.safetensors file of the folder, so serve a folder holding only the checkpoint's files"
                     )
-                reader = SliceReader(f)
-                for name, raw in f.header["quantized"].items():
+            entries, self.aliases = checked_entries(
+                self.path, stack, require_header="config.json says quant_method 'torchq' (save the model with "
+                                                 "save_pretrained after torchq.quantize_, or torchq.save_quantized)")
+            readers: dict[int, SliceReader] = {}
+            for f, kind, name, entry in entries:
+                reader = readers.setdefault(id(f), SliceReader(f))
+                if kind == "quantized":
                     try:
-                        rec = codec.parse_record(raw, name)
+                        rec = codec.parse_record(entry, name)
                     except CheckpointError as e:
                         raise CheckpointError(f"{f.path}: {e}") from None
-                    if verify:
-                        for part, (_, _, crc) in rec.parts.items():
-                            if crc is None or reader.crc32(part_key(name, part)) != crc:
-                                raise CheckpointError(f"{f.path}: quantized tensor {name!r}: part {part!r} is corrupted "
-                                                      f"(crc32 mismatch)")
-                    self.records[name] = raw
-                for name, entry in f.header["float"].items():
+                    for part, (dtype, shape, crc) in rec.parts.items():
+                        key = part_key(name, part)
+                        # the record sizes what each worker allocates: the file must hold exactly that
+                        stored_dtype, stored_shape = reader.stored(key)
+                        if stored_dtype != dtype or stored_shape != shape:
+                            raise CheckpointError(
+                                f"{f.path}: quantized tensor {name!r}: part {part!r} is stored as "
+                                f"{stored_dtype} {list(stored_shape)}, its record says {dtype} {list(shape)}")
+                        if verify and (crc is None or reader.crc32(key) != crc):
+                            raise CheckpointError(f"{f.path}: quantized tensor {name!r}: part {part!r} is corrupted "
+                                                  f"(crc32 mismatch)")
+                    self.records[name] = entry
+                else:
                     if verify:
                         crc = entry.get("crc32") if isinstance(entry, dict) else None
                         if crc is None or reader.crc32(name) != crc:
                             raise CheckpointError(f"{f.path}: tensor {name!r} is corrupted (crc32 mismatch)")
                     self.floats.add(name)
-                for alias, target in f.header["aliases"].items():
-                    if not (isinstance(alias, str) and isinstance(target, str)):
-                        raise CheckpointError(f"{f.path}: torchq header 'aliases' must map names to names")
-                    self.aliases[alias] = target
+            dangling = sorted(a for a, t in self.aliases.items() if t not in self.records and t not in self.floats)
+            if dangling:
+                raise CheckpointError(f"{self.path}: aliases {dangling[:8]} name tensors the checkpoint does not store "
+                                      f"({[self.aliases[a] for a in dangling[:8]]})")
 
     def record(self, name: str) -> ParsedRecord | None:
         """The parsed record of quantized weight ``name`` (an alias resolves to its target), or None."""
@@ -84,6 +96,11 @@ class ServedCheckpoint:
     def holds(self, name: str) -> bool:
         """Whether the checkpoint stores ``name`` at all (quantized, float or as an alias)."""
         return name in self.records or name in self.floats or name in self.aliases
+
+    def stores(self, name: str) -> bool:
+        """Whether the checkpoint stores ``name`` under its own name (vLLM loads only such tensors:
+        an alias is a name in the header, not a tensor in a file)."""
+        return name in self.records or name in self.floats
 
 
 def local_folder(model: str, revision: str | None = None) -> Path:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.model_executor.utils import set_weight_attrs
 
@@ -106,6 +106,7 @@ class TorchqVllmConfig(QuantizationConfig):
         self.checkpoint: ServedCheckpoint | None = None
         self.renames: WeightsMapper | None = None
         self._index: dict[str, str] | None = None  # vLLM name -> stored name, built on first use
+        self.tied: bool | None = None  # the model config's tie_word_embeddings (None: not known)
 
     def __repr__(self) -> str:
         where = None if self.checkpoint is None else str(self.checkpoint.path)
@@ -133,6 +134,9 @@ class TorchqVllmConfig(QuantizationConfig):
         """Open and check the checkpoint (vLLM calls this in its front process, with the model's
         folder or Hub id, before any worker starts)."""
         self.checkpoint = ServedCheckpoint(local_folder(model_name, revision))
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        tied = getattr(text, "tie_word_embeddings", None)
+        self.tied = tied if isinstance(tied, bool) else None
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
         self.renames = hf_to_vllm_mapper
@@ -173,6 +177,11 @@ class TorchqVllmConfig(QuantizationConfig):
         if isinstance(layer, VocabParallelEmbedding):  # the token embedding, or the LM head (ParallelLMHead)
             name = self._stored_name(f"{prefix}.weight")
             record = ckpt.record(name)
+            # vLLM builds some models' embedding without a name (Llama's); a head vLLM ties to the
+            # embedding is not loaded; any other embedding the checkpoint lacks would serve
+            # uninitialized memory (vLLM checks for missing weights only without a quantization method)
+            if prefix and not ckpt.holds(name) and not (isinstance(layer, ParallelLMHead) and self.tied is not False):
+                raise CheckpointError(f"{ckpt.path}: the checkpoint has no {name!r} for vLLM layer {prefix!r}")
             return None if record is None else TorchqEmbeddingMethod(self, prefix, [name], [record])
         if not isinstance(layer, LinearBase):
             return None
@@ -181,6 +190,13 @@ class TorchqVllmConfig(QuantizationConfig):
         missing = [n for n in names if not ckpt.holds(n)]
         if missing:
             raise CheckpointError(f"{ckpt.path}: the checkpoint has no {missing} for vLLM layer {prefix!r}")
+        aliased = [n for n in names if not ckpt.stores(n)]
+        if aliased:
+            raise CheckpointError(
+                f"{ckpt.path}: vLLM layer {prefix!r}: {aliased} are stored only as aliases of "
+                f"{[ckpt.aliases[n] for n in aliased]}; vLLM loads a linear layer's weights from tensors stored under "
+                f"their own names (save the model with the weights untied)"
+            )
         if all(r is None for r in records):
             return UnquantizedLinearMethod()
         if any(r is None for r in records):
@@ -208,7 +224,7 @@ class TorchqLinearMethod(LinearMethodBase):
                                   f"checkpoint weights {self.names}")
         tp_rank = getattr(layer, "tp_rank", 0) if input_size_per_partition != input_size else 0
         plan = plan_shard(self.prefix, self.names, self.records, output_partition_sizes, input_size,
-                          input_size_per_partition, tp_rank * input_size_per_partition)
+                          input_size_per_partition, tp_rank * input_size_per_partition, _model_rows(layer, output_size))
         layer_loader = extra_weight_attrs.pop("weight_loader")
         from vllm.model_executor.layers.linear import QKVParallelLinear
 
@@ -285,6 +301,24 @@ class TorchqEmbeddingMethod(TorchqLinearMethod):
             layer.register_parameter(PARAM_PREFIX + part.name, getattr(embed_tokens, PARAM_PREFIX + part.name))
         layer.torchq_state = embed_tokens.torchq_state
         return layer
+
+
+def _model_rows(layer: torch.nn.Module, output_size: int) -> list[int]:
+    """The rows of each checkpoint weight of ``layer`` on all ranks, as the model's config gives
+    them: the vocabulary (without padding) of an embedding or LM head, each of q / k / v (the kv
+    heads counted once, however many ranks replicate them), each fused weight of a merged layer,
+    else the layer's output size."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    if isinstance(layer, VocabParallelEmbedding):
+        return [layer.org_vocab_size]
+    sizes = getattr(layer, "output_sizes", None)
+    if isinstance(layer, QKVParallelLinear) and len(sizes) == 3:
+        kv = layer.total_num_kv_heads
+        return [layer.total_num_heads * layer.head_size, kv * layer.head_size, kv * layer.v_head_size]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(sizes)
+    return [output_size]
 
 
 class _LayerState:

@@ -89,11 +89,13 @@ def _signature(rec: ParsedRecord) -> tuple:
 
 
 def plan_shard(prefix: str, names: Sequence[str], records: Sequence[ParsedRecord], local_rows: Sequence[int],
-               k: int, k_local: int, k_start: int) -> ShardPlan:
+               k: int, k_local: int, k_start: int, full_rows: Sequence[int] | None = None) -> ShardPlan:
     """The parameters of layer ``prefix`` on this rank: the fused checkpoint weights ``names``
     (their ``records``), of which it holds ``local_rows[i]`` rows each and input features
-    ``[k_start, k_start + k_local)`` of ``k``. A CheckpointError (naming the layer) for weights
-    that cannot be served this way."""
+    ``[k_start, k_start + k_local)`` of ``k``; ``full_rows[i]``: the rows the model gives weight
+    ``i`` on all ranks, which its record must have (vLLM's loaders cut a rank's rows out of a
+    longer weight without a word, and stop with an error naming nothing at a shorter one). A
+    CheckpointError (naming the layer) for weights that cannot be served this way."""
     where = f"vLLM layer {prefix!r}"
     first = records[0]
     for name, rec in zip(names, records):
@@ -107,6 +109,12 @@ def plan_shard(prefix: str, names: Sequence[str], records: Sequence[ParsedRecord
             raise CheckpointError(f"{where}: {name!r} is stored transposed; vLLM linear weights are [out, in]")
         if rec.shape[1] != k:
             raise CheckpointError(f"{where}: {name!r} has {rec.shape[1]} input features, the model {k}")
+    if full_rows is not None:
+        if len(full_rows) != len(names):
+            raise CheckpointError(f"{where}: the model has {len(full_rows)} weights here, the checkpoint {list(names)}")
+        for name, rec, rows in zip(names, records, full_rows):
+            if rec.shape[0] != rows:
+                raise CheckpointError(f"{where}: {name!r} has {rec.shape[0]} output rows, the model {rows}")
     spec = first.spec
     if spec.block_size[0] != 1:
         raise CheckpointError(
