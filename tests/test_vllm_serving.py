@@ -312,6 +312,7 @@ def test_layers_vllm_would_leave_unloaded_are_refused(tiny_folder: Path, tmp_pat
     f = StFile(path.read_bytes())
     tq = f.tq()
     tq["aliases"]["model.layers.5.self_attn.o_proj.weight"] = "model.layers.1.self_attn.o_proj.weight"
+    tq["aliases"]["head2.weight"] = "lm_head.weight"
     f.set_tq(tq)
     path.write_bytes(f.to_bytes())
     config = TorchqVllmConfig(json.loads((folder / "config.json").read_text())["quantization_config"])
@@ -324,12 +325,15 @@ def test_layers_vllm_would_leave_unloaded_are_refused(tiny_folder: Path, tmp_pat
         config.get_quant_method(linear, "model.layers.5.self_attn.o_proj")
     assert config.get_quant_method(embedding, "model.embed_tokens") is None  # stored in float
     assert config.get_quant_method(embedding, "") is None  # built without a name
-    with pytest.raises(CheckpointError, match=r"has no 'model.other_embed.weight' for vLLM layer 'model.other_embed'"):
+    assert config.get_quant_method(head, "lm_head") is None  # stored in float
+    with pytest.raises(CheckpointError, match=r"stores no 'model.other_embed.weight' for vLLM layer 'model.other_embed'$"):
         config.get_quant_method(embedding, "model.other_embed")
-    with pytest.raises(CheckpointError, match=r"has no 'head.weight'"):  # untied: the head must be stored
+    with pytest.raises(CheckpointError, match=r"stores no 'head.weight'"):  # untied: the head must be stored
         config.get_quant_method(head, "head")
+    with pytest.raises(CheckpointError, match=r"stores no 'head2.weight' .*\(only as an alias of 'lm_head.weight'"):
+        config.get_quant_method(head, "head2")
     config.tied = True
-    assert config.get_quant_method(head, "head") is None
+    assert config.get_quant_method(head, "head") is None and config.get_quant_method(head, "head2") is None
 
 
 def _free_port() -> int:

@@ -253,16 +253,29 @@ def test_an_alias_of_nothing_is_refused(tmp_path) -> None:
     assert ckpt.record("3.weight").shape == (32, 64)
 
 
-def test_another_safetensors_file_beside_an_unindexed_checkpoint_is_refused(tmp_path) -> None:
-    """Without an index vLLM loads every *.safetensors file of the folder: one torchq did not
-    check could replace float tensors unchecked."""
+def test_safetensors_files_vllm_would_load_beside_the_checkpoint_are_refused(tmp_path) -> None:
+    """Without an index vLLM loads every *.safetensors file of the folder, and with consolidated*
+    files (Mistral's format) only those, index or not: a file torchq did not check could replace
+    tensors unchecked. Other files beside an indexed checkpoint are not loaded, and pass."""
     from safetensors.torch import save_file
 
-    folder, _ = _folder(tmp_path)
+    folder, _ = _folder(tmp_path / "single")
     save_file({"1.weight": torch.ones(64)}, str(folder / "extra.safetensors"))
-    with pytest.raises(CheckpointError, match=r"holds \['extra.safetensors'\] beside model.safetensors and no "
-                                              r"model.safetensors.index.json"):
+    with pytest.raises(CheckpointError, match=r"holds \['extra.safetensors'\] beside the checkpoint's "
+                                              r"\['model.safetensors'\]; vLLM would load every \*.safetensors file of a "
+                                              r"folder without model.safetensors.index.json unchecked"):
         ServedCheckpoint(folder)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 32))
+    torchq.quantize_(model, CONFIGS["int4-g32"]())
+    sharded = tmp_path / "sharded"
+    assert len(torchq.save_quantized(model, sharded, max_shard_size=4096)) > 1
+    save_file({"1.weight": torch.ones(64)}, str(sharded / "extra.safetensors"))
+    ServedCheckpoint(sharded)
+    save_file({"1.weight": torch.ones(64)}, str(sharded / "consolidated.safetensors"))
+    with pytest.raises(CheckpointError, match=r"holds \['consolidated.safetensors'\] beside the checkpoint's .*vLLM "
+                                              r"would load them unchecked"):
+        ServedCheckpoint(sharded)
 
 
 @pytest.mark.parametrize("cfg_name", ["int8wo", "int8dq"])

@@ -7,8 +7,8 @@ weights in its worker processes. :class:`ServedCheckpoint` runs in the front pro
 checks (``checked_entries``: the torchq header's CRC, the files it names against the index, no
 name stored twice, every record parsed), checks that each quantized part is stored in the dtype
 and shape its record gives (a worker allocates what the record says before reading a byte), that
-every alias names a stored tensor and that no other ``*.safetensors`` file lies in an index-less
-folder (vLLM would load it too), and checks the CRC-32 of every stored tensor, quantized parts and
+every alias names a stored tensor and that the folder holds no ``*.safetensors`` file vLLM would
+load beside the checkpoint's, and checks the CRC-32 of every stored tensor, quantized parts and
 float tensors alike, reading ``CRC_CHUNK_BYTES`` at a time. A bad folder is refused there with a
 :class:`torchq.CheckpointError` naming the file and tensor, before any worker starts. Workers
 check each quantized part's CRC again on the bytes they actually load (:mod:`torchq.vllm.method`).
@@ -45,13 +45,17 @@ class ServedCheckpoint:
         self.floats: set[str] = set()
         with contextlib.ExitStack() as stack:
             files, weight_map = checkpoint_files(self.path)
-            if weight_map is None and self.path.is_dir():
-                # without an index, vLLM loads every *.safetensors file of the folder
-                extra = sorted(p.name for p in self.path.glob("*.safetensors") if p.name not in {f.name for f in files})
+            if self.path.is_dir():
+                # vLLM loads only consolidated*.safetensors files where there are any (Mistral's
+                # format), and without an index every *.safetensors file of the folder
+                ours = {f.name for f in files}
+                extra = sorted(p.name for p in self.path.glob("*.safetensors")
+                               if p.name not in ours and (weight_map is None or p.name.startswith("consolidated")))
                 if extra:
                     raise CheckpointError(
-                        f"{self.path}: holds {extra} beside {files[0].name} and no {INDEX_NAME}; vLLM would load every "
-                        f"*.safetensors file of the folder, so serve a folder holding only the checkpoint's files"
+                        f"{self.path}: holds {extra} beside the checkpoint's {sorted(ours)}; vLLM would load "
+                        f"{'them' if weight_map is not None else 'every *.safetensors file of a folder without ' + INDEX_NAME} "
+                        f"unchecked, so serve a folder holding only the checkpoint's files"
                     )
             entries, self.aliases = checked_entries(
                 self.path, stack, require_header="config.json says quant_method 'torchq' (save the model with "

@@ -134,9 +134,11 @@ class TorchqVllmConfig(QuantizationConfig):
         """Open and check the checkpoint (vLLM calls this in its front process, with the model's
         folder or Hub id, before any worker starts)."""
         self.checkpoint = ServedCheckpoint(local_folder(model_name, revision))
+        # tied where the text config or the top-level one says so (vLLM's transformers backend
+        # reads both; a multimodal config's text config may say False under a True top level)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        tied = getattr(text, "tie_word_embeddings", None)
-        self.tied = tied if isinstance(tied, bool) else None
+        said = [getattr(c, "tie_word_embeddings", None) for c in (hf_config, text)]
+        self.tied = True if True in said else False if False in said else None
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
         self.renames = hf_to_vllm_mapper
@@ -178,10 +180,12 @@ class TorchqVllmConfig(QuantizationConfig):
             name = self._stored_name(f"{prefix}.weight")
             record = ckpt.record(name)
             # vLLM builds some models' embedding without a name (Llama's); a head vLLM ties to the
-            # embedding is not loaded; any other embedding the checkpoint lacks would serve
-            # uninitialized memory (vLLM checks for missing weights only without a quantization method)
-            if prefix and not ckpt.holds(name) and not (isinstance(layer, ParallelLMHead) and self.tied is not False):
-                raise CheckpointError(f"{ckpt.path}: the checkpoint has no {name!r} for vLLM layer {prefix!r}")
+            # embedding is not loaded; any other embedding the checkpoint does not store under its
+            # own name (an alias is no tensor vLLM loads) would serve uninitialized memory (vLLM
+            # checks for missing weights only without a quantization method)
+            if prefix and not ckpt.stores(name) and not (isinstance(layer, ParallelLMHead) and self.tied is not False):
+                alias = f" (only as an alias of {ckpt.aliases[name]!r}: vLLM loads stored tensors)" if name in ckpt.aliases else ""
+                raise CheckpointError(f"{ckpt.path}: the checkpoint stores no {name!r} for vLLM layer {prefix!r}{alias}")
             return None if record is None else TorchqEmbeddingMethod(self, prefix, [name], [record])
         if not isinstance(layer, LinearBase):
             return None
@@ -303,22 +307,31 @@ class TorchqEmbeddingMethod(TorchqLinearMethod):
         return layer
 
 
-def _model_rows(layer: torch.nn.Module, output_size: int) -> list[int]:
+def _model_rows(layer: torch.nn.Module, output_size: int) -> list[int] | None:
     """The rows of each checkpoint weight of ``layer`` on all ranks, as the model's config gives
     them: the vocabulary (without padding) of an embedding or LM head, each of q / k / v (the kv
     heads counted once, however many ranks replicate them), each fused weight of a merged layer,
-    else the layer's output size."""
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    the output size of the other plain layers. None (not checked) for vLLM's subclasses of these,
+    whose sizes may count a replicated piece once per rank."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
 
-    if isinstance(layer, VocabParallelEmbedding):
+    kind = type(layer)
+    if kind in (VocabParallelEmbedding, ParallelLMHead):
         return [layer.org_vocab_size]
-    sizes = getattr(layer, "output_sizes", None)
-    if isinstance(layer, QKVParallelLinear) and len(sizes) == 3:
+    if kind is QKVParallelLinear:
         kv = layer.total_num_kv_heads
         return [layer.total_num_heads * layer.head_size, kv * layer.head_size, kv * layer.v_head_size]
-    if isinstance(layer, MergedColumnParallelLinear):
-        return list(sizes)
-    return [output_size]
+    if kind is MergedColumnParallelLinear:
+        return list(layer.output_sizes)
+    if kind in (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear):
+        return [output_size]
+    return None
 
 
 class _LayerState:
