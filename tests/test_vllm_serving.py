@@ -336,6 +336,86 @@ def test_layers_vllm_would_leave_unloaded_are_refused(tiny_folder: Path, tmp_pat
     assert config.get_quant_method(head, "head") is None and config.get_quant_method(head, "head2") is None
 
 
+
+@pytest.fixture(scope="module")
+def bias_folder(tmp_path_factory) -> Path:
+    """A random Llama with biases on q/k/v/o and the MLP (``attention_bias``, ``mlp_bias``), in fp32."""
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # transformers zeroes them: a bias served wrong would not show
+                p.normal_(0, 0.5)
+    out = tmp_path_factory.mktemp("bias-float")
+    model.save_pretrained(out)
+    return out
+
+
+def _drop_bias(folder: Path, name: str) -> None:
+    """Remove float tensor ``name`` from the folder's file and from its torchq header: a
+    consistent checkpoint that lacks it."""
+    from test_checkpoint_fuzz import StFile, st_rewrite
+
+    path = folder / "model.safetensors"
+    f = StFile(st_rewrite(path.read_bytes(), drop=(name,)))
+    tq = f.tq()
+    del tq["float"][name]
+    f.set_tq(tq)
+    path.write_bytes(f.to_bytes())
+
+
+def test_biases_served_and_a_missing_one_refused(bias_folder: Path, tmp_path: Path) -> None:
+    """Biases on fused q/k/v and gate/up of quantized weights, and on a float o_proj, give
+    transformers' tokens. The same folder without one of o_proj's biases (a float layer, vLLM's
+    own method) is refused after loading, naming it: vLLM does not check a quantized model's
+    weights for missing tensors and would serve ``torch.empty``'s memory."""
+    folder = quantized_folder(bias_folder, "int4-g32", tmp_path / "bias", modules_to_not_convert=["lm_head", "o_proj"])
+    assert serve(folder, TINY_PROMPTS)["tokens"] == reference(folder, TINY_PROMPTS)
+    _drop_bias(folder, "model.layers.1.self_attn.o_proj.bias")
+    proc = serve(folder, [[1, 2]], check=False)
+    assert proc.returncode != 0
+    assert ("vLLM layer 'model.layers.1.self_attn.o_proj' has a bias, but the checkpoint stores no "
+            "['model.layers.1.self_attn.o_proj.bias']") in proc.stdout + proc.stderr
+
+
+def test_missing_bias_of_a_fused_part_is_refused(bias_folder: Path, tmp_path: Path) -> None:
+    """One missing bias of three fused into a quantized qkv_proj: vLLM's own tracking
+    (``enable_weights_track``) counts the fused bias loaded once any part is; the plugin names
+    the missing part, for quantized and float layers, and a layer without a bias is not asked."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    from torchq.checkpoint.codec import CheckpointError
+    from torchq.vllm.method import TorchqFloatLinearMethod, TorchqLinearMethod, TorchqVllmConfig
+
+    folder = quantized_folder(bias_folder, "int4-g32", tmp_path / "bias", modules_to_not_convert=["lm_head", "o_proj"])
+    _drop_bias(folder, "model.layers.1.self_attn.k_proj.bias")
+    _drop_bias(folder, "model.layers.0.self_attn.o_proj.bias")
+    config = TorchqVllmConfig(json.loads((folder / "config.json").read_text())["quantization_config"])
+    config.maybe_update_config(str(folder), hf_config=transformers.AutoConfig.from_pretrained(folder))
+    config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def layer(cls: type, bias: bool) -> torch.nn.Module:
+        m = object.__new__(cls)
+        torch.nn.Module.__init__(m)
+        m.register_parameter("bias", torch.nn.Parameter(torch.empty(4)) if bias else None)
+        return m
+
+    qkv = config.get_quant_method(layer(QKVParallelLinear, True), "model.layers.1.self_attn.qkv_proj")
+    assert isinstance(qkv, TorchqLinearMethod)
+    with pytest.raises(CheckpointError, match=r"vLLM layer 'model.layers.1.self_attn.qkv_proj' has a bias, but the "
+                                              r"checkpoint stores no \['model.layers.1.self_attn.k_proj.bias'\]$"):
+        qkv.process_weights_after_loading(layer(QKVParallelLinear, True))
+    config.check_bias(layer(QKVParallelLinear, True), "model.layers.0.self_attn.qkv_proj")  # all three stored
+    config.check_bias(layer(QKVParallelLinear, False), "model.layers.1.self_attn.qkv_proj")  # no bias, nothing asked
+    o_proj = config.get_quant_method(layer(RowParallelLinear, True), "model.layers.0.self_attn.o_proj")
+    assert isinstance(o_proj, TorchqFloatLinearMethod)
+    with pytest.raises(CheckpointError, match=r"stores no \['model.layers.0.self_attn.o_proj.bias'\]$"):
+        o_proj.process_weights_after_loading(layer(RowParallelLinear, True))
+
 def _free_port() -> int:
     import socket
 

@@ -85,6 +85,7 @@ from ..activation import Float8Activations
 from ..canonical import FLOAT8_CODEBOOK, PlainForm, QuantSpec
 from ..checkpoint.codec import CheckpointError
 from ..checkpoint.model_state import BufferInit, Incoming, install_checkpoint
+from ..checkpoint.safetensors_io import SAFETENSORS_DTYPES
 from ..float8 import FLOAT8_DTYPE
 from ..hooks import prepare_weights_installed
 from ..patterns import SafePattern, check_total_states, compile_pattern
@@ -694,9 +695,6 @@ def _module_classes(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 # -- files --------------------------------------------------------------------------------------------------
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": FLOAT8_DTYPE,
-              "I64": torch.int64,
-              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def _checkpoint_files(path: Path) -> tuple[list[Path], Path | None]:
@@ -773,7 +771,7 @@ def load_compressed_tensors(
                     raise CheckpointError(f"{f}: tensor {name!r} is also stored in another file")
                 sl = h.get_slice(name)
                 handles[name] = h
-                meta[name] = (_ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
+                meta[name] = (SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
 
         def read(name: str) -> torch.Tensor:
             try:

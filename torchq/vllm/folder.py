@@ -62,7 +62,9 @@ class ServedCheckpoint:
                                                  "save_pretrained after torchq.quantize_, or torchq.save_quantized)")
             readers: dict[int, SliceReader] = {}
             for f, kind, name, entry in entries:
-                reader = readers.setdefault(id(f), SliceReader(f))
+                reader = readers.get(id(f))
+                if reader is None:
+                    reader = readers[id(f)] = SliceReader(f)
                 if kind == "quantized":
                     try:
                         rec = codec.parse_record(entry, name)

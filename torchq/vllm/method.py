@@ -4,7 +4,8 @@
 ``quantization_config`` (what :class:`torchq.hf.TorchqConfig` writes). It opens the folder's torchq
 header before vLLM builds the model and checks every stored tensor (:mod:`torchq.vllm.folder`), then
 gives each vLLM linear layer whose checkpoint weights are quantized a :class:`TorchqLinearMethod`;
-layers the checkpoint keeps in float get vLLM's own ``UnquantizedLinearMethod``.
+layers the checkpoint keeps in float get vLLM's own ``UnquantizedLinearMethod`` (as
+:class:`TorchqFloatLinearMethod`, which checks their biases after loading).
 
 :class:`TorchqLinearMethod` follows vLLM's contract for a linear method:
 
@@ -16,8 +17,9 @@ layers the checkpoint keeps in float get vLLM's own ``UnquantizedLinearMethod``.
   which checks the part's dtype, shape and CRC-32 against the record, then lets the layer's own
   loader cut and copy the rank's rows or columns (fused ``q/k/v`` and ``gate/up`` weights land
   in their row ranges);
-* ``process_weights_after_loading`` checks that every part of every fused weight arrived and
-  packs them into the device's layout as an ``AffineQuantizedTensor`` (``layer.weight``);
+* ``process_weights_after_loading`` checks that every part of every fused weight arrived (and
+  that the checkpoint stores each fused weight's bias where the layer has one) and packs them
+  into the device's layout as an ``AffineQuantizedTensor`` (``layer.weight``);
 * ``apply`` is ``F.linear`` on it: torchq's dispatch picks the kernel, exactly as in a
   transformers model quantized by torchq.
 
@@ -50,7 +52,7 @@ from ..layouts import Layout, layout_from_json
 from .folder import ServedCheckpoint, local_folder
 from .weights import ShardPlan, build_weight, nested_scale, plan_shard, whole_offsets
 
-__all__ = ["QUANT_METHOD", "TorchqVllmConfig", "TorchqLinearMethod", "TorchqEmbeddingMethod"]
+__all__ = ["QUANT_METHOD", "TorchqVllmConfig", "TorchqLinearMethod", "TorchqFloatLinearMethod", "TorchqEmbeddingMethod"]
 
 QUANT_METHOD = "torchq"
 PARAM_PREFIX = "tq_"
@@ -166,13 +168,25 @@ class TorchqVllmConfig(QuantizationConfig):
             raise CheckpointError("torchq's vLLM config has not read its checkpoint (vLLM did not call maybe_update_config)")
         return self.checkpoint
 
-    def fused_names(self, prefix: str) -> list[str]:
-        """The checkpoint weights of vLLM layer ``prefix``: its own, or those vLLM fuses into it."""
+    def fused_names(self, prefix: str, param: str = "weight") -> list[str]:
+        """The checkpoint's ``param`` tensors (``weight`` or ``bias``) of vLLM layer ``prefix``: its
+        own, or those vLLM fuses into it."""
         parent, _, last = prefix.rpartition(".")
         subs = self.packed_modules_mapping.get(last)
         if not subs:
-            return [self._stored_name(f"{prefix}.weight")]
-        return [self._stored_name(f"{parent}.{s}.weight" if parent else f"{s}.weight") for s in subs]
+            return [self._stored_name(f"{prefix}.{param}")]
+        return [self._stored_name(f"{parent}.{s}.{param}" if parent else f"{s}.{param}") for s in subs]
+
+    def check_bias(self, layer: torch.nn.Module, prefix: str) -> None:
+        """A layer vLLM built with a bias needs every fused part's bias stored: with a quantization
+        method vLLM does not check for missing tensors (and without one it checks per fused
+        parameter, not per part), so a missing one would serve the memory ``torch.empty`` left."""
+        if getattr(layer, "bias", None) is None:
+            return
+        ckpt = self._checked()
+        absent = [n for n in self.fused_names(prefix, "bias") if not ckpt.stores(n)]
+        if absent:
+            raise CheckpointError(f"{ckpt.path}: vLLM layer {prefix!r} has a bias, but the checkpoint stores no {absent}")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         ckpt = self._checked()
@@ -202,7 +216,7 @@ class TorchqVllmConfig(QuantizationConfig):
                 f"their own names (save the model with the weights untied)"
             )
         if all(r is None for r in records):
-            return UnquantizedLinearMethod()
+            return TorchqFloatLinearMethod(self, prefix)
         if any(r is None for r in records):
             floats = [n for n, r in zip(names, records) if r is None]
             raise CheckpointError(
@@ -248,6 +262,7 @@ class TorchqLinearMethod(LinearMethodBase):
         layer.torchq_state = state
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.config.check_bias(layer, self.prefix)
         state: _LayerState = layer.torchq_state
         plan = state.plan
         if state.weight is None:
@@ -274,6 +289,20 @@ class TorchqLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+
+class TorchqFloatLinearMethod(UnquantizedLinearMethod):
+    """vLLM's own method for a linear layer the checkpoint keeps in float, with the checkpoint's
+    bias check (:meth:`TorchqVllmConfig.check_bias`) after loading."""
+
+    def __init__(self, config: TorchqVllmConfig, prefix: str) -> None:
+        super().__init__()
+        self.config = config
+        self.prefix = prefix
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.config.check_bias(layer, self.prefix)
+        super().process_weights_after_loading(layer)
 
 
 class TorchqEmbeddingMethod(TorchqLinearMethod):
