@@ -490,6 +490,56 @@ def test_torch_compile_matches_eager(scales):
         torch.testing.assert_close(a, b)
 
 
+
+# -- CUDA (run by benchmarks/gpu_suite.sh where a GPU is lent; skipped elsewhere) -----------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA_CONFIGS = ["int4-g32", "int4-g128-none", "nf4", "int8wo", "int8dq", "int4a8", "intx3-g32", "fp8wo", "fp8dq-row"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_CONFIGS)
+@pytest.mark.parametrize("scales", ["recompute", "learned"])
+def test_cuda_bf16_training_converts_bit_for_bit(name, scales):
+    """On a GPU, a bf16 model prepared on the device trains (finite gradients that move the weights)
+    and converts to the layout and kernels CUDA gives ``quantize_``, computing the prepared model's
+    outputs bit for bit; the converted codes are those the CPU computes from the same weights."""
+    if name.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 kernels need compute capability 8.9")
+    if scales == "learned" and name not in LEARNABLE:
+        pytest.skip(f"{name} has no learnable scales")
+    w = quiet()
+    try:
+        m = qat.prepare(net(dtype=torch.bfloat16).cuda(), CONFIGS[name], scales=scales)
+        before = m.up.weight.detach().clone()
+        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+        for i in range(2):
+            m(inputs(10 + i, torch.bfloat16).cuda()).float().square().mean().backward()
+            assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+        assert not torch.equal(before, m.up.weight.detach())
+        x = inputs(dtype=torch.bfloat16).cuda()
+        cpu = None
+        if scales == "recompute":  # the same float weights quantized on the CPU
+            cpu = net(dtype=torch.bfloat16)
+            cpu.load_state_dict({k: v.cpu() for k, v in m.state_dict().items()})
+            torchq.quantize_(cpu, CONFIGS[name])
+        with torch.no_grad():
+            prepared = m(x)
+            qat.convert(m)
+            converted = m(x)
+    finally:
+        w.__exit__(None, None, None)
+    assert isinstance(m.up.weight, AQT) and m.up.weight.device.type == "cuda"
+    assert prepared.dtype == torch.bfloat16 and torch.equal(prepared, converted)
+    if cpu is not None:
+        for layer in ("up", "down"):
+            ours, theirs = getattr(m, layer).weight.to_plain(), getattr(cpu, layer).weight.to_plain()
+            assert torch.equal(ours.codes.cpu(), theirs.codes), layer
+            assert torch.equal(ours.scale.cpu(), theirs.scale), layer
+            assert (ours.zero_point is None) == (theirs.zero_point is None), layer
+            assert ours.zero_point is None or torch.equal(ours.zero_point.cpu(), theirs.zero_point), layer
+
 @pytest.mark.slow
 def test_fsdp2_qat_matches_one_process(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
