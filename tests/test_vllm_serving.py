@@ -378,43 +378,67 @@ def test_biases_served_and_a_missing_one_refused(bias_folder: Path, tmp_path: Pa
     _drop_bias(folder, "model.layers.1.self_attn.o_proj.bias")
     proc = serve(folder, [[1, 2]], check=False)
     assert proc.returncode != 0
-    assert ("vLLM layer 'model.layers.1.self_attn.o_proj' has a bias, but the checkpoint stores no "
-            "['model.layers.1.self_attn.o_proj.bias']") in proc.stdout + proc.stderr
+    assert ("vLLM layer 'model.layers.1.self_attn.o_proj' has a bias, but vLLM loaded none for "
+            "['model.layers.1.self_attn.o_proj.bias'] from the checkpoint") in proc.stdout + proc.stderr
 
 
-def test_missing_bias_of_a_fused_part_is_refused(bias_folder: Path, tmp_path: Path) -> None:
-    """One missing bias of three fused into a quantized qkv_proj: vLLM's own tracking
-    (``enable_weights_track``) counts the fused bias loaded once any part is; the plugin names
-    the missing part, for quantized and float layers, and a layer without a bias is not asked."""
+def test_bias_parts_vllm_did_not_load_are_refused(bias_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    """vLLM loads a linear layer's bias through the layer's own weight_loader, once per fused part
+    or once whole; both methods record what arrived. A quantized qkv_proj whose k part never came is
+    refused, naming it (vLLM's own ``enable_weights_track`` counts a fused bias loaded once any
+    part is); all three parts (Whisper's made-up zero k bias arrives that way too) or one whole
+    load pass; a float layer whose bias never came is refused; a layer without a bias is not asked."""
     from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.utils import set_weight_attrs
 
     from torchq.checkpoint.codec import CheckpointError
     from torchq.vllm.method import TorchqFloatLinearMethod, TorchqLinearMethod, TorchqVllmConfig
 
     folder = quantized_folder(bias_folder, "int4-g32", tmp_path / "bias", modules_to_not_convert=["lm_head", "o_proj"])
-    _drop_bias(folder, "model.layers.1.self_attn.k_proj.bias")
-    _drop_bias(folder, "model.layers.0.self_attn.o_proj.bias")
     config = TorchqVllmConfig(json.loads((folder / "config.json").read_text())["quantization_config"])
     config.maybe_update_config(str(folder), hf_config=transformers.AutoConfig.from_pretrained(folder))
     config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    arrived: list = []
+    for cls in (QKVParallelLinear, RowParallelLinear):  # the layers' own loaders, reduced to a record
+        monkeypatch.setattr(cls, "weight_loader", lambda self, param, w, part=None: arrived.append(part))
+    import vllm.model_executor.parameter as vllm_parameter  # the float weight's parameter asks for the TP rank
 
-    def layer(cls: type, bias: bool) -> torch.nn.Module:
+    monkeypatch.setattr(vllm_parameter, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(vllm_parameter, "get_tensor_model_parallel_world_size", lambda: 1)
+
+    def built(cls: type, prefix: str, sizes: list[int], bias: bool = True):
+        """The layer as vLLM builds it: quant method, create_weights, then the bias with the layer's loader."""
         m = object.__new__(cls)
         torch.nn.Module.__init__(m)
-        m.register_parameter("bias", torch.nn.Parameter(torch.empty(4)) if bias else None)
-        return m
+        m.total_num_heads, m.head_size, m.total_num_kv_heads, m.v_head_size = 4, 32, 2, 32
+        method = config.get_quant_method(m, prefix)
+        method.create_weights(m, 128, sizes, 128, sum(sizes), torch.float32, weight_loader=lambda *a: None)
+        m.register_parameter("bias", torch.nn.Parameter(torch.empty(sum(sizes))) if bias else None)
+        if bias:
+            set_weight_attrs(m.bias, {"output_dim": 0, "weight_loader": m.weight_loader})
+        return m, method
 
-    qkv = config.get_quant_method(layer(QKVParallelLinear, True), "model.layers.1.self_attn.qkv_proj")
-    assert isinstance(qkv, TorchqLinearMethod)
-    with pytest.raises(CheckpointError, match=r"vLLM layer 'model.layers.1.self_attn.qkv_proj' has a bias, but the "
-                                              r"checkpoint stores no \['model.layers.1.self_attn.k_proj.bias'\]$"):
-        qkv.process_weights_after_loading(layer(QKVParallelLinear, True))
-    config.check_bias(layer(QKVParallelLinear, True), "model.layers.0.self_attn.qkv_proj")  # all three stored
-    config.check_bias(layer(QKVParallelLinear, False), "model.layers.1.self_attn.qkv_proj")  # no bias, nothing asked
-    o_proj = config.get_quant_method(layer(RowParallelLinear, True), "model.layers.0.self_attn.o_proj")
-    assert isinstance(o_proj, TorchqFloatLinearMethod)
-    with pytest.raises(CheckpointError, match=r"stores no \['model.layers.0.self_attn.o_proj.bias'\]$"):
-        o_proj.process_weights_after_loading(layer(RowParallelLinear, True))
+    qkv, method = built(QKVParallelLinear, "model.layers.1.self_attn.qkv_proj", [128, 64, 64])
+    assert isinstance(method, TorchqLinearMethod)
+    for part in ("q", "v"):
+        qkv.bias.weight_loader(qkv.bias, torch.zeros(128 if part == "q" else 64), part)
+    assert arrived == ["q", "v"]  # the layer's own loader still loads them
+    with pytest.raises(CheckpointError, match=r"vLLM layer 'model.layers.1.self_attn.qkv_proj' has a bias, but vLLM "
+                                              r"loaded none for \['model.layers.1.self_attn.k_proj.bias'\] from the checkpoint"):
+        method.process_weights_after_loading(qkv)
+    qkv.bias.weight_loader(qkv.bias, torch.zeros(64), "k")
+    config.check_bias(qkv, "model.layers.1.self_attn.qkv_proj")
+    whole, _ = built(QKVParallelLinear, "model.layers.0.self_attn.qkv_proj", [128, 64, 64])
+    whole.bias.weight_loader(whole.bias, torch.zeros(256))
+    config.check_bias(whole, "model.layers.0.self_attn.qkv_proj")
+    unbiased, _ = built(QKVParallelLinear, "model.layers.0.self_attn.qkv_proj", [128, 64, 64], bias=False)
+    config.check_bias(unbiased, "model.layers.0.self_attn.qkv_proj")
+    o_proj, method = built(RowParallelLinear, "model.layers.0.self_attn.o_proj", [128])
+    assert isinstance(method, TorchqFloatLinearMethod)
+    with pytest.raises(CheckpointError, match=r"loaded none for \['model.layers.0.self_attn.o_proj.bias'\]"):
+        method.process_weights_after_loading(o_proj)
+    o_proj.bias.weight_loader(o_proj.bias, torch.zeros(128))
+    config.check_bias(o_proj, "model.layers.0.self_attn.o_proj")
 
 def _free_port() -> int:
     import socket

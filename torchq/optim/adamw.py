@@ -10,7 +10,7 @@ lr schedulers, lr as a float or a 0-d tensor). Per parameter and step, in fp32:
     p = p - (m / (sqrt(v) / sqrt(1 - beta2^step) + eps)) * (lr / (1 - beta1^step))
 
 with the scalars computed in Python floats and rounded once to fp32, every tensor operation one
-correctly rounded fp32 operation (no fused multiply-add; sqrt computed in fp64 and rounded once,
+correctly rounded fp32 operation on every device (no fused multiply-add, no reciprocal; sqrt computed in fp64 and rounded once,
 since torch's fp32 CPU sqrt is not correctly rounded): torch.optim.AdamW's formula, bias correction included,
 evaluated in a fixed order. The parameter moves with the *unquantized* new moments; then each
 moment is re-encoded (:mod:`torchq.optim.formats`: new absmax per block = max |updated value|).
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from ..division import divide
 from ..native import warn_reference
 from ..tensor import AffineQuantizedTensor
 from . import native
@@ -75,7 +76,8 @@ def _adamw_fp32(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
     v = v * s["beta2"] + (g * g) * s["one_minus_beta2"]
     p = p * s["decay"]
     # sqrt correctly rounded (in fp64, rounded once): torch's fp32 CPU sqrt is not (an ulp off at times)
-    denom = v.double().sqrt().float() / s["bias_correction2_sqrt"] + s["eps"]
+    # divided, not multiplied by a reciprocal (CUDA's division by a Python number): the CPU's bits everywhere
+    denom = divide(v.double().sqrt().float(), s["bias_correction2_sqrt"]) + s["eps"]
     return p - (m / denom) * s["step_size"], m, v
 
 

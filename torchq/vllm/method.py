@@ -18,7 +18,7 @@ layers the checkpoint keeps in float get vLLM's own ``UnquantizedLinearMethod`` 
   loader cut and copy the rank's rows or columns (fused ``q/k/v`` and ``gate/up`` weights land
   in their row ranges);
 * ``process_weights_after_loading`` checks that every part of every fused weight arrived (and
-  that the checkpoint stores each fused weight's bias where the layer has one) and packs them
+  every part of the layer's bias, where it has one) and packs them
   into the device's layout as an ``AffineQuantizedTensor`` (``layer.weight``);
 * ``apply`` is ``F.linear`` on it: torchq's dispatch picks the kernel, exactly as in a
   transformers model quantized by torchq.
@@ -53,6 +53,14 @@ from .folder import ServedCheckpoint, local_folder
 from .weights import ShardPlan, build_weight, nested_scale, plan_shard, whole_offsets
 
 __all__ = ["QUANT_METHOD", "TorchqVllmConfig", "TorchqLinearMethod", "TorchqFloatLinearMethod", "TorchqEmbeddingMethod"]
+
+try:  # vLLM picks a linear method's weight loader by its class name
+    from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method as _weight_loader_v2
+except ImportError:  # pragma: no cover - older vLLM: the v1 loader
+
+    def _weight_loader_v2(cls: type) -> type:
+        return cls
+
 
 QUANT_METHOD = "torchq"
 PARAM_PREFIX = "tq_"
@@ -178,15 +186,25 @@ class TorchqVllmConfig(QuantizationConfig):
         return [self._stored_name(f"{parent}.{s}.{param}" if parent else f"{s}.{param}") for s in subs]
 
     def check_bias(self, layer: torch.nn.Module, prefix: str) -> None:
-        """A layer vLLM built with a bias needs every fused part's bias stored: with a quantization
-        method vLLM does not check for missing tensors (and without one it checks per fused
-        parameter, not per part), so a missing one would serve the memory ``torch.empty`` left."""
+        """After loading: a layer vLLM built with a bias got every fused part of it from the
+        checkpoint (:func:`record_bias_loads` saw them arrive). With a quantization method vLLM does
+        not check for missing tensors (and without one, it counts a fused bias loaded once any part
+        is), so a missing part would serve the memory ``torch.empty`` left."""
         if getattr(layer, "bias", None) is None:
             return
-        ckpt = self._checked()
-        absent = [n for n in self.fused_names(prefix, "bias") if not ckpt.stores(n)]
-        if absent:
-            raise CheckpointError(f"{ckpt.path}: vLLM layer {prefix!r} has a bias, but the checkpoint stores no {absent}")
+        loads = layer.__dict__.get(_BIAS_LOADS)
+        if loads is None or None in loads:  # not recorded, or loaded whole
+            return
+        parts = _bias_parts(layer)
+        missing = [p for p in parts if p not in loads] if parts else [] if loads else [None]
+        if missing:
+            names = self.fused_names(prefix, "bias")
+            if parts and len(names) == len(parts):
+                names = [names[parts.index(p)] for p in missing]
+            raise CheckpointError(
+                f"{self._checked().path}: vLLM layer {prefix!r} has a bias, but vLLM loaded none for {names} from the "
+                f"checkpoint (with a quantization method vLLM does not check for missing tensors: the layer would "
+                f"add uninitialized memory)")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         ckpt = self._checked()
@@ -260,6 +278,8 @@ class TorchqLinearMethod(LinearMethodBase):
             set_weight_attrs(param, extra_weight_attrs)
             layer.register_parameter(PARAM_PREFIX + part.name, param)
         layer.torchq_state = state
+        if isinstance(layer, LinearBase):
+            record_bias_loads(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.config.check_bias(layer, self.prefix)
@@ -291,14 +311,19 @@ class TorchqLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight, bias)
 
 
+@_weight_loader_v2
 class TorchqFloatLinearMethod(UnquantizedLinearMethod):
-    """vLLM's own method for a linear layer the checkpoint keeps in float, with the checkpoint's
-    bias check (:meth:`TorchqVllmConfig.check_bias`) after loading."""
+    """vLLM's own method for a linear layer the checkpoint keeps in float (its weight loader too),
+    with the bias check (:meth:`TorchqVllmConfig.check_bias`) after loading."""
 
     def __init__(self, config: TorchqVllmConfig, prefix: str) -> None:
         super().__init__()
         self.config = config
         self.prefix = prefix
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().create_weights(layer, *args, **kwargs)
+        record_bias_loads(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.config.check_bias(layer, self.prefix)
@@ -334,6 +359,41 @@ class TorchqEmbeddingMethod(TorchqLinearMethod):
             layer.register_parameter(PARAM_PREFIX + part.name, getattr(embed_tokens, PARAM_PREFIX + part.name))
         layer.torchq_state = embed_tokens.torchq_state
         return layer
+
+
+_BIAS_LOADS = "torchq_bias_loads"
+
+
+def record_bias_loads(layer: torch.nn.Module) -> None:
+    """Make ``layer`` record which parts of its bias vLLM loads: vLLM creates a linear layer's bias
+    after ``create_weights`` and gives it the layer's own ``weight_loader``, called once per fused
+    part (``"q"``, ``"k"``, ``"v"``; 0, 1, ...) or once for the whole bias (None). That loader is
+    wrapped here, for this layer only; what arrived is kept for
+    :meth:`TorchqVllmConfig.check_bias`. A part vLLM makes up (Whisper's zero ``k_proj`` bias)
+    arrives through it too."""
+    loader = layer.weight_loader
+    loads: set[Any] = set()
+
+    def weight_loader(param: Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if param is getattr(layer, "bias", None):
+            part = args[0] if args else kwargs.get("loaded_shard_id")
+            loads.update(part if isinstance(part, tuple) else (part,))
+        return loader(param, loaded_weight, *args, **kwargs)
+
+    layer.weight_loader = weight_loader
+    layer.__dict__[_BIAS_LOADS] = loads
+
+
+def _bias_parts(layer: torch.nn.Module) -> list[Any]:
+    """The parts vLLM loads a fused layer's bias in, for its plain fused classes; [] for others
+    (one load, whole, or parts this module does not know)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    if type(layer) is QKVParallelLinear:
+        return ["q", "k", "v"]
+    if type(layer) is MergedColumnParallelLinear:
+        return list(range(len(layer.output_sizes)))
+    return []
 
 
 def _model_rows(layer: torch.nn.Module, output_size: int) -> list[int] | None:
