@@ -13,11 +13,24 @@ Both int8 paths get the same int8 per-channel weights. The candidates alternate 
 best round. Run it in vLLM's environment (``bash .ci/vllm_env .venv-vllm``):
 
     .venv-vllm/bin/python benchmarks/bench_vllm_kernels.py --threads 2 --json kernels.json
+
+``--configs`` adds a second table: torchq configs (``config_from_name`` names, each in the layout
+the plugin's ``auto`` policy serves it in on this CPU) against the float kernel vLLM's own
+linear runs on the bf16 weight (``dispatch_cpu_unquantized_gemm``: its packed SGL kernel on AMX
+CPUs, else oneDNN on a prepacked weight), which is what ``× float`` in ``bench_vllm.py`` compares
+against, and ``F.linear``. A layer called again and again keeps its weight in the CPU's caches;
+a served model reads every layer's weight from memory once per step: ``--stream-mb N`` gives each
+candidate copies of its weight, at least N MB of bf16 weights' worth, and each call takes the
+next (N above the last-level cache).
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_kernels.py --threads 1 --rows 1,16,256 \
+        --configs int4-g32,int4-g32-fp32,nf4,int8wo,int8dq,int4a8 --stream-mb 256
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -28,6 +41,8 @@ import torch
 import torch.nn.functional as F
 
 import torchq
+from torchq.activation import PerTokenInt8, StaticInt8
+from torchq.configs import config_from_name
 from torchq.layouts.int8_vnni import Int8VnniLayout
 from torchq.layouts.plain import PlainLayout
 
@@ -71,6 +86,77 @@ def _vllm_sgl(codes: torch.Tensor, scales: torch.Tensor):
     packed = torch.ops._C.convert_weight_packed(codes)
     w_scale = scales.reshape(n, 1)
     return lambda x: torch.ops._C.int8_scaled_mm_with_quant(x, packed, w_scale, None, x.dtype, True)
+
+
+def _vllm_float(weight: torch.Tensor):
+    """The kernel vLLM's ``UnquantizedLinearMethod`` runs on this bf16 ``[N, K]`` weight here (its
+    ``dispatch_cpu_unquantized_gemm``), as a function of the activations."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    return lambda x: layer.cpu_linear(x, layer.weight, None)
+
+
+def _copies(make, weight: torch.Tensor, stream_mb: int) -> list:
+    """``make(weight)`` for enough copies of ``weight`` to hold ``stream_mb`` MB of bf16 weights (one
+    copy for 0: the weight stays in the caches)."""
+    count = max(1, -(-stream_mb * 2**20 // (weight.numel() * 2))) if stream_mb else 1
+    return [make(weight.clone()) for _ in range(count)]
+
+
+def _streamed(fns: list):
+    """One call of the next function in ``fns`` per call."""
+    state = {"i": 0}
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        i = state["i"]
+        state["i"] = (i + 1) % len(fns)
+        return fns[i](x)
+
+    return run
+
+
+def _torchq_layer(weight: torch.Tensor, config) -> torch.nn.Linear:
+    """A bf16 linear of ``weight`` quantized with ``config``, in the layout the plugin serves it in
+    (``serving_layout``: int8 weights with int8 activations on VNNI panels where those fit)."""
+    n, k = weight.shape
+    layer = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    torchq.quantize_(layer, config)
+    q = layer.weight
+    if type(q.act_quant) in (PerTokenInt8, StaticInt8):
+        vnni = _served_layout()
+        if vnni.fit(q.tensor_impl.spec, tuple(q.shape), q.to_plain().scale.dtype, "cpu").automatic:
+            layer.weight = torch.nn.Parameter(q.to_layout(vnni), requires_grad=False)
+    return layer
+
+
+def measure_configs(rows: list[int], rounds: int, reps: int, names: list[str], stream_mb: int) -> list[dict]:
+    """Each config's layer against vLLM's float kernel and F.linear on the same bf16 weights."""
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        weight = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+        cands = {"vLLM float": _streamed(_copies(_vllm_float, weight, stream_mb)),
+                 "F.linear": _streamed(_copies(lambda w: functools.partial(F.linear, weight=w), weight, stream_mb))}
+        layouts = {}
+        for name in names:
+            config = config_from_name(name)
+            layers = _copies(lambda w, c=config: _torchq_layer(w, c), weight, stream_mb)
+            cands[name] = _streamed([functools.partial(F.linear, weight=q.weight) for q in layers])
+            layouts[name] = layers[0].weight.tensor_impl.layout.name
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            best = dict.fromkeys(cands, float("inf"))
+            with torch.no_grad():
+                for _ in range(rounds):
+                    for name, fn in cands.items():
+                        best[name] = min(best[name], _timed(functools.partial(fn, x), reps))
+            results.append({"n": n, "k": k, "m": m, "us": best, "layouts": layouts, "stream_mb": stream_mb})
+    return results
 
 
 def _served_layout():
@@ -123,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each candidate keeps its best")
     ap.add_argument("--reps", type=int, default=20, help="calls per timing")
+    ap.add_argument("--configs", default="", help="comma-separated torchq configs for the second table (e.g. int4-g32,nf4)")
+    ap.add_argument("--stream-mb", type=int, default=0, help="second table: MB of bf16 weights each candidate cycles "
+                                                               "through (0: one weight, cache-resident)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     try:
@@ -145,8 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     layouts = sorted({r["layout"] for r in results})
     print(f"vs: the other's time / torchq's (above 1: torchq faster), vLLM's the kernel it would run here; torchq: layout "
           f"{', '.join(layouts)}, plain: the row-major layout; {args.threads} threads, best of {args.rounds} interleaved rounds")
+    names = [c for c in args.configs.split(",") if c]
+    configs = measure_configs([int(r) for r in args.rows.split(",") if r], args.rounds, args.reps, names, args.stream_mb) if names else []
+    if configs:
+        where = f"each call a new copy of {args.stream_mb} MB of bf16 weights" if args.stream_mb else "one weight, cache-resident"
+        print(f"\ntorchq configs against vLLM's float linear on the bf16 weight (us; x: vLLM float's time / the "
+              f"config's); {where}")
+        print(f"{'layer (N x K)':14} {'M':>4} {'vLLM float':>10} {'F.linear':>9} " + " ".join(f"{c:>18}" for c in names))
+        for r in configs:
+            us = r["us"]
+            cells = " ".join(f"{us[c]:>10.1f} {us['vLLM float'] / us[c]:>6.2f}x" for c in names)
+            print(f"{r['n']:>5} x {r['k']:<6} {r['m']:>4} {us['vLLM float']:>10.1f} {us['F.linear']:>9.1f} {cells}")
+        print("layouts: " + ", ".join(f"{c} {layout}" for c, layout in configs[0]["layouts"].items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"threads": args.threads, "results": results, "configs": configs}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

@@ -493,3 +493,17 @@ def test_vllm_serve_openai_server(tiny_folder: Path, tmp_path: Path) -> None:
                 server.kill()
                 server.wait()
     assert served == reference(folder, TINY_PROMPTS)
+
+
+def test_kernel_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/bench_vllm_kernels.py, smallest run: both tables, vLLM's float kernel timed."""
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run([sys.executable, "benchmarks/bench_vllm_kernels.py", "--threads", "1", "--rows", "1", "--rounds", "1",
+                           "--reps", "1", "--configs", "int4-g32,int8dq", "--stream-mb", "4", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert {r["m"] for r in data["results"]} == {1} and len(data["configs"]) == 4
+    assert all(set(r["us"]) == {"vLLM float", "F.linear", "int4-g32", "int8dq"} and r["stream_mb"] == 4 for r in data["configs"])
+    assert data["configs"][0]["layouts"]["int4-g32"] and "vLLM float" in proc.stdout
