@@ -21,7 +21,8 @@ layers the checkpoint keeps in float get vLLM's own ``UnquantizedLinearMethod`` 
   every part of the layer's bias, where it has one) and packs them
   into the device's layout as an ``AffineQuantizedTensor`` (``layer.weight``);
 * ``apply`` is ``F.linear`` on it: torchq's dispatch picks the kernel, exactly as in a
-  transformers model quantized by torchq.
+  transformers model quantized by torchq (through :class:`torchq.dispatch.DirectLinear`, which
+  calls the kernel's cached per-call form directly once an input shape has run).
 
 Tensor-parallel row-parallel layers need each rank's input features to be whole groups (and a
 multiple of 8 for sub-byte codes); weights whose input features cannot be cut that way are
@@ -48,6 +49,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from ..checkpoint.codec import CheckpointError, ParsedRecord, check_version, tensor_crc32
 from ..checkpoint.safetensors_io import FILE_FORMAT, FILE_VERSION
+from ..dispatch import DirectLinear
 from ..layouts import Layout, layout_from_json
 from .folder import ServedCheckpoint, local_folder
 from .weights import ShardPlan, build_weight, nested_scale, plan_shard, whole_offsets
@@ -252,6 +254,7 @@ class TorchqLinearMethod(LinearMethodBase):
         self.prefix = prefix
         self.names = names
         self.records = records
+        self.direct = DirectLinear()  # apply's calls, past each input shape's first
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
@@ -308,7 +311,7 @@ class TorchqLinearMethod(LinearMethodBase):
         return build_weight(plan, params, self.prefix, state.dtype, self.config.layout)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return self.direct(x, layer.weight, bias)
 
 
 @_weight_loader_v2

@@ -802,6 +802,9 @@ def _data_pointers(values: tuple) -> tuple[int, ...]:
     return tuple(v.data_ptr() for v in values if isinstance(v, torch.Tensor))
 
 
+_DATA_PTR = torch.Tensor.data_ptr  # tuple(map(_DATA_PTR, tensors)): 0.7 us for three, a generator 1.4
+
+
 _OP_WEIGHTS = IdentityCache()
 
 
@@ -933,7 +936,8 @@ class BoundLinear:
 
     def __call__(self, x: torch.Tensor, quantized_weight: Any, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the signature (dtype, shape, CPU; the bias's dtype and shape) is the dispatch key's
-        if (quantized_weight.tensor_impl.shape != self.shape or _data_pointers(self.held) != self.pointers or not x.is_contiguous()
+        if (quantized_weight.tensor_impl.shape != self.shape or tuple(map(_DATA_PTR, self.held)) != self.pointers
+                or not x.is_contiguous()
                 or x.storage_offset() * self.element_size + self.nbytes > x.untyped_storage().nbytes()
                 or (self.recheck_tiles and use_tiles(self.m, self.dtype) and self.m > self.weight.dot_max_m(self.dtype))):
             return None
