@@ -15,7 +15,8 @@ best round. Run it in vLLM's environment (``bash .ci/vllm_env .venv-vllm``):
     .venv-vllm/bin/python benchmarks/bench_vllm_kernels.py --threads 2 --json kernels.json
 
 ``--configs`` adds a second table: torchq configs (``config_from_name`` names, each in the layout
-the plugin's ``auto`` policy serves it in on this CPU) against the float kernel vLLM's own
+the plugin's ``auto`` policy serves it in on this CPU, called as its ``apply`` calls them: through a
+``torchq.dispatch.DirectLinear`` per layer; ``--call f.linear`` times ``F.linear`` instead) against the float kernel vLLM's own
 linear runs on the bf16 weight (``dispatch_cpu_unquantized_gemm``: its packed SGL kernel on AMX
 CPUs, else oneDNN on a prepacked weight), which is what ``× float`` in ``bench_vllm.py`` compares
 against, and ``F.linear``. A layer called again and again keeps its weight in the CPU's caches;
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 import torchq
 from torchq.activation import PerTokenInt8, StaticInt8
 from torchq.configs import config_from_name
+from torchq.dispatch import DirectLinear
 from torchq.layouts.int8_vnni import Int8VnniLayout
 from torchq.layouts.plain import PlainLayout
 
@@ -134,8 +136,11 @@ def _torchq_layer(weight: torch.Tensor, config) -> torch.nn.Linear:
     return layer
 
 
-def measure_configs(rows: list[int], rounds: int, reps: int, names: list[str], stream_mb: int) -> list[dict]:
-    """Each config's layer against vLLM's float kernel and F.linear on the same bf16 weights."""
+def measure_configs(rows: list[int], rounds: int, reps: int, names: list[str], stream_mb: int,
+                    call: str = "direct") -> list[dict]:
+    """Each config's layer against vLLM's float kernel and F.linear on the same bf16 weights;
+    ``call``: how the torchq layers are called (``direct``: a DirectLinear per layer, as the plugin's
+    ``apply``; ``f.linear``)."""
     results = []
     gen = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
@@ -150,7 +155,8 @@ def measure_configs(rows: list[int], rounds: int, reps: int, names: list[str], s
         for name in names:
             config = config_from_name(name)
             layers = _copies(lambda w, c=config: _torchq_layer(w, c), weight, stream_mb)
-            cands[name] = _streamed([functools.partial(F.linear, weight=q.weight) for q in layers])
+            calls_of = (lambda: F.linear) if call == "f.linear" else DirectLinear
+            cands[name] = _streamed([functools.partial(calls_of(), weight=q.weight) for q in layers])
             layouts[name] = layers[0].weight.tensor_impl.layout.name
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
@@ -159,7 +165,7 @@ def measure_configs(rows: list[int], rounds: int, reps: int, names: list[str], s
                 for _ in range(rounds):
                     for name, fn in cands.items():
                         best[name] = min(best[name], _timed(functools.partial(fn, x), calls))
-            results.append({"n": n, "k": k, "m": m, "us": best, "layouts": layouts, "stream_mb": stream_mb})
+            results.append({"n": n, "k": k, "m": m, "us": best, "layouts": layouts, "stream_mb": stream_mb, "call": call})
     return results
 
 
@@ -216,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="", help="comma-separated torchq configs for the second table (e.g. int4-g32,nf4)")
     ap.add_argument("--stream-mb", type=int, default=0, help="second table: MB of bf16 weights each candidate cycles "
                                                                "through (0: one weight, cache-resident)")
+    ap.add_argument("--call", choices=("direct", "f.linear"), default="direct",
+                    help="second table: call torchq's layers as the plugin's apply does (direct) or through F.linear")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     try:
@@ -239,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vs: the other's time / torchq's (above 1: torchq faster), vLLM's the kernel it would run here; torchq: layout "
           f"{', '.join(layouts)}, plain: the row-major layout; {args.threads} threads, best of {args.rounds} interleaved rounds")
     names = [c for c in args.configs.split(",") if c]
-    configs = measure_configs([int(r) for r in args.rows.split(",") if r], args.rounds, args.reps, names, args.stream_mb) if names else []
+    configs = measure_configs([int(r) for r in args.rows.split(",") if r], args.rounds, args.reps, names, args.stream_mb,
+                              args.call) if names else []
     if configs:
         where = f"each call a new copy of {args.stream_mb} MB of bf16 weights" if args.stream_mb else "one weight, cache-resident"
-        print(f"\ntorchq configs against vLLM's float linear on the bf16 weight (us; x: vLLM float's time / the "
+        print(f"\ntorchq configs ({args.call} calls) against vLLM's float linear on the bf16 weight (us; x: vLLM float's time / the "
               f"config's); {where}")
         print(f"{'layer (N x K)':14} {'M':>4} {'vLLM float':>10} {'F.linear':>9} " + " ".join(f"{c:>18}" for c in names))
         for r in configs:
