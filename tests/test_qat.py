@@ -78,11 +78,12 @@ def quiet():
     return w
 
 
-def train_steps(m, steps=2, dtype=torch.float32, lr=1e-2):
+def train_steps(m, steps=2, dtype=torch.float32, lr=1e-2, device="cpu"):
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     for i in range(steps):
-        loss = m(inputs(10 + i, dtype)).float().square().mean()
+        loss = m(inputs(10 + i, dtype).to(device)).float().square().mean()
         loss.backward()
+        assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in m.parameters())
         opt.step()
         opt.zero_grad()
 
@@ -511,12 +512,7 @@ def test_cuda_bf16_training_converts_bit_for_bit(name, scales):
     try:
         m = qat.prepare(net(dtype=torch.bfloat16).cuda(), CONFIGS[name], scales=scales)
         before = m.up.weight.detach().clone()
-        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
-        for i in range(2):
-            m(inputs(10 + i, torch.bfloat16).cuda()).float().square().mean().backward()
-            assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in m.parameters())
-            opt.step()
-            opt.zero_grad()
+        train_steps(m, dtype=torch.bfloat16, device="cuda")
         assert not torch.equal(before, m.up.weight.detach())
         x = inputs(dtype=torch.bfloat16).cuda()
         cpu = None

@@ -495,6 +495,22 @@ def test_vllm_serve_openai_server(tiny_folder: Path, tmp_path: Path) -> None:
     assert served == reference(folder, TINY_PROMPTS)
 
 
+def test_steps_benchmark_runs(tiny_folder: Path, tmp_path: Path) -> None:
+    """benchmarks/bench_vllm_steps.py on a tiny int4 folder: decode steps alternate between the
+    plugin's apply and F.linear, each timed with the linear calls inside it."""
+    folder = quantized_folder(tiny_folder, "int4-g32", tmp_path / "int4")
+    out = tmp_path / "steps.json"
+    proc = subprocess.run([sys.executable, "benchmarks/bench_vllm_steps.py", "--folder", str(folder), "--tokens", "12",
+                           "--rounds", "1", "--max-len", "128", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = json.loads(out.read_text())["rows"][0]
+    for mode in ("direct", "f.linear"):
+        assert row[mode]["steps"] >= 4 and 0 < row[mode]["linears_ms"] < row[mode]["step_ms"], row
+    assert "direct / F.linear" in proc.stdout
+
+
 def test_kernel_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/bench_vllm_kernels.py, smallest run: both tables, vLLM's float kernel timed."""
     out = tmp_path / "kernels.json"
