@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from . import native
 from .identity_cache import IdentityCache
 from .ops.devices import check_op_devices
-from .tracing import _is_compiling, traced
+from .tracing import traced
 
 __all__ = [
     "ALL_LAYOUTS",
@@ -675,6 +675,7 @@ class _QuantizedLinearGrad(torch.autograd.Function):
 
 
 _grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 
 
 def _run(impl: Impl, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
