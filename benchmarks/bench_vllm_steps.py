@@ -43,7 +43,7 @@ def _measure(folder: str, tokens: int, rounds: int, max_len: int = 512) -> dict:
 
     clock = time.perf_counter
     steps: list[tuple[int, float, float]] = []  # (mode, step seconds, seconds in apply)
-    now = {"mode": 0, "first": None, "start": None, "inside": 0.0}
+    now = {"mode": 0, "first": None, "start": None, "inside": 0.0, "torchq": False}
 
     def timed(original, alternative=None):
         def apply(self, layer, x, bias=None):
@@ -54,7 +54,9 @@ def _measure(folder: str, tokens: int, rounds: int, max_len: int = 512) -> dict:
                 if now["start"] is not None:
                     steps.append((now["mode"], t - now["start"], now["inside"]))
                 now["start"], now["inside"] = t, 0.0
-                now["mode"] ^= 1 if alternative is not None else 0
+                now["mode"] ^= 1 if now["torchq"] else 0  # torchq folders alternate (whichever layer comes first)
+            if alternative is not None:
+                now["torchq"] = True
             t = clock()
             if now["mode"] == 1 and alternative is not None:  # (float layers run as they are)
                 y = alternative(x, layer.weight, bias)
@@ -74,7 +76,7 @@ def _measure(folder: str, tokens: int, rounds: int, max_len: int = 512) -> dict:
             steps.clear()  # the first generate warms up
         now["start"] = None  # a prefill and a pause between generates are not a step
         llm.generate([{"prompt_token_ids": list(range(100 + r, 116 + r))}], params, use_tqdm=False)
-    out = {}
+    out = {}  # "direct": the methods' own apply (vLLM's for float layers); "f.linear": torchq's layers through F.linear
     for mode, name in ((0, "direct"), (1, "f.linear")):
         mine = [s for s in steps if s[0] == mode]
         if mine:

@@ -76,6 +76,7 @@ def general(monkeypatch) -> list:
     return calls
 
 
+@needs_native
 def test_the_general_path_runs_whenever_f_linear_would_choose_afresh(general):
     m = quantized("int8wo")
     x = torch.randn(2, K)
@@ -93,8 +94,8 @@ def test_the_general_path_runs_whenever_f_linear_would_choose_afresh(general):
         with native.disabled():  # another selection state: F.linear's choice for it
             off = direct(x, m.weight, m.bias)
             assert len(general) == 3
-            direct(x, m.weight, m.bias)  # remembered for that state (the reference kernel binds nothing)
-            assert len(general) == 4
+            direct(x, m.weight, m.bias)  # the reference kernel binds nothing: F.linear, remembered as such
+            assert len(general) == 4 and len(direct) == 1
         assert torch.allclose(off, ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(direct(x, m.weight, m.bias), ref) and len(general) == 5
         direct(x, m.weight, m.bias)
@@ -167,25 +168,111 @@ def test_an_input_the_bound_form_declines_runs_f_linear(general):
 
 
 @needs_native
-def test_compiled_callers_trace_f_linear():
+def test_compiled_callers_trace_f_linear(general):
     m = quantized("int8dq")
     direct = dispatch.DirectLinear()
     x = torch.randn(1, K)
     with torch.no_grad():
         eager = direct(x, m.weight, m.bias)
         direct(x, m.weight, m.bias)
+        assert len(general) == 1
         compiled = torch.compile(lambda x: direct(x, m.weight, m.bias), fullgraph=True, backend="aot_eager")
         assert torch.equal(compiled(x), eager)
+        assert len(general) == 2  # traced through F.linear
+
+
+@needs_native
+def test_weights_sharing_one_direct_linear_each_get_their_own_bits(general):
+    """A DirectLinear called with another weight of the same shape (or a weight whose data
+    torch.utils.swap_tensors replaced) asks F.linear, never the other weight's bound form."""
+    a = quantized("int4-g32")
+    torch.manual_seed(5)
+    b = torch.nn.Linear(K, a.out_features)
+    torchq.quantize_(b, CONFIGS["int4-g32"]())  # the same shape and layout, other codes
+    x = torch.randn(1, K)
+    direct = dispatch.DirectLinear()
+    with torch.no_grad():
+        ya, yb = F.linear(x, a.weight, a.bias), F.linear(x, b.weight, a.bias)
+        assert not torch.equal(ya, yb)
+        for _ in range(2):
+            assert torch.equal(direct(x, a.weight, a.bias), ya)
+            assert torch.equal(direct(x, a.weight, a.bias), ya)
+            assert torch.equal(direct(x, b.weight, a.bias), yb)
+        torch.utils.swap_tensors(a.weight, b.weight)  # a's weight object now holds b's packed data
+        assert torch.equal(direct(x, a.weight, a.bias), yb)
+        assert torch.equal(direct(x, b.weight, a.bias), ya)
+
+
+@needs_native
+def test_other_fields_on_the_same_packed_data_ask_f_linear(general):
+    from torchq.activation import PerTokenInt8
+
+    m = quantized("int8wo", bias=False)
+    impl = m.weight.tensor_impl
+    x = torch.randn(1, K)
+    direct = dispatch.DirectLinear()
+    perm = torch.randperm(K)
+    permuted = AffineQuantizedTensor(impl, torch.float32, input_perm=perm)
+    dynamic = AffineQuantizedTensor(impl, torch.float32, act_quant=PerTokenInt8())
+    with torch.no_grad():
+        plain = direct(x, m.weight)
+        direct(x, m.weight)
+        assert len(general) == 1
+        assert torch.equal(direct(x, permuted), F.linear(x, permuted))
+        assert torch.equal(direct(x, permuted), F.linear(x.index_select(-1, perm), m.weight))
+        assert torch.equal(direct(x, dynamic), F.linear(x, dynamic))
+        assert not torch.equal(direct(x, dynamic), plain)  # int8 activations
+        assert torch.equal(direct(x, m.weight), plain)
+
+
+@needs_native
+def test_a_bias_that_wants_a_gradient_takes_the_autograd_path():
+    m = quantized("nf4")
+    x = torch.randn(1, K)
+    direct = dispatch.DirectLinear()
+    with torch.no_grad():
+        direct(x, m.weight, m.bias)
+    y = direct(x, m.weight, m.bias)  # grad enabled, only the bias wants one
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert torch.equal(m.bias.grad, torch.ones_like(m.bias))
+
+
+@needs_native
+def test_a_torch_function_mode_sees_every_call():
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.linear:
+                seen.append(1)
+            return func(*args, **(kwargs or {}))
+
+    m = quantized("int8dq")
+    x = torch.randn(1, K)
+    direct = dispatch.DirectLinear()
+    with torch.no_grad():
+        ref = direct(x, m.weight, m.bias)
+        direct(x, m.weight, m.bias)
+        with Count():
+            for _ in range(3):
+                assert torch.equal(direct(x, m.weight, m.bias), ref)
+    assert len(seen) == 3
 
 
 @needs_native
 def test_it_keeps_nothing_alive_and_a_bounded_number_of_signatures():
     m = quantized("int8dq")  # bound at every row count
     direct = dispatch.DirectLinear()
+    cap = dispatch.DirectLinear.MAX_SIGNATURES
     with torch.no_grad():
-        for rows in range(1, dispatch.DirectLinear.MAX_SIGNATURES + 3):
+        for rows in range(1, cap + 3):
             direct(torch.randn(rows, K), m.weight, m.bias)
-            assert len(direct) == (rows - 1) % dispatch.DirectLinear.MAX_SIGNATURES + 1
+            assert len(direct) == min(rows, cap)
+    shapes = [k[0][0] for k in direct._calls]
+    assert shapes == list(range(3, cap + 3))  # the oldest dropped first
     impl = weakref.ref(m.weight.tensor_impl)
     del m
     gc.collect()

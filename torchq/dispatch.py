@@ -594,10 +594,11 @@ class DirectLinear:
     A call takes the direct form only when it would take it through ``F.linear``: the same weight
     fields as the cached choice (tensor impl, dtype, compute dtype, activation quantization; no
     ``input_scale`` / ``input_perm``), the same kernel choices (no :func:`clear_kernel_cache` or
-    change of the selection state since), a plain tensor, not compiling or recording, and no
-    gradient wanted. Anything else, and a bound form that declines the call, runs ``F.linear``.
-    Keeps at most :attr:`MAX_SIGNATURES` signatures (prefills of every length would otherwise
-    add one each)."""
+    change of the selection state since), a plain tensor, not compiling or recording, no
+    ``TorchFunctionMode`` active, and no gradient wanted. Anything else, and a bound form that
+    declines the call, runs ``F.linear``. Signatures without a bound form are remembered too (they
+    run ``F.linear`` without asking the cache again). Keeps at most :attr:`MAX_SIGNATURES`
+    signatures, dropping the oldest (prefills of every length would otherwise add one each)."""
 
     MAX_SIGNATURES = 64
     __slots__ = ("_calls",)
@@ -605,38 +606,43 @@ class DirectLinear:
     def __init__(self) -> None:
         # (x shape, dtype, device, bias signature) -> weak references to the tensor impl, the weight
         # fields, (generation, selection state), a weak reference to the cached plan (which lives as
-        # long as the impl's cache entry: nothing here keeps the weight's tensors alive)
+        # long as the impl's cache entry: nothing here keeps the weight's tensors alive), or None
+        # where the dispatch has no bound form for the signature (F.linear, without asking again)
         self._calls: dict[tuple, tuple] = {}
 
     def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _is_compiling() or _RECORDERS or type(x) is not torch.Tensor:
+        if _is_compiling() or _RECORDERS or type(x) is not torch.Tensor or _function_mode():
             return F.linear(x, weight, bias)
         key = (x.shape, x.dtype, x.device, None if bias is None else (bias.dtype, bias.shape, bias.device))
         d = weight.__dict__
         entry = self._calls.get(key)
         if (entry is not None and entry[0]() is d.get("tensor_impl") and entry[1] == _weight_fields(d)
-                and entry[2] == (_GENERATION, _selection_state())
-                and (not _grad_enabled() or not (x.requires_grad or (bias is not None and bias.requires_grad)))):
+                and entry[2] == (_GENERATION, _selection_state())):
+            if entry[3] is None:  # no bound form for this signature
+                return F.linear(x, weight, bias)
             plan = entry[3]()
-            y = None if plan is None else plan.bound(x, weight, bias)
-            if y is not None:
-                return y
+            if plan is not None:
+                if not _grad_enabled() or not (x.requires_grad or (bias is not None and bias.requires_grad)):
+                    y = plan.bound(x, weight, bias)
+                    if y is not None:
+                        return y
+                return F.linear(x, weight, bias)  # a gradient is wanted, or the bound form declined x
         y = F.linear(x, weight, bias)
-        if d.get("input_scale") is None and d.get("input_perm") is None:  # (again, after a stale entry)
+        if d.get("input_scale") is None and d.get("input_perm") is None:  # first call, or a stale entry
             self._remember(key, x, weight, bias)
         return y
 
     def _remember(self, key: tuple, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> None:
         impl = weight.__dict__.get("tensor_impl")
         plans = None if impl is None else _KERNEL_CACHE.get(impl)
-        plan = None if plans is None else plans.get(_signature(x, weight, bias))
-        if plan is None or plan.bound is None:
-            self._calls.pop(key, None)
+        if plans is None:  # not a quantized weight the dispatch cached a choice for
             return
-        if len(self._calls) >= self.MAX_SIGNATURES and key not in self._calls:
-            self._calls.clear()
-        self._calls[key] = (weakref.ref(impl), _weight_fields(weight.__dict__), (_GENERATION, _selection_state()),
-                            weakref.ref(plan))
+        plan = plans.get(_signature(x, weight, bias))
+        calls = self._calls
+        if len(calls) >= self.MAX_SIGNATURES and key not in calls:
+            del calls[next(iter(calls))]  # the oldest
+        calls[key] = (weakref.ref(impl), _weight_fields(weight.__dict__), (_GENERATION, _selection_state()),
+                      None if plan is None or plan.bound is None else weakref.ref(plan))
 
     def clear(self) -> None:
         """Forget every signature (the next calls run ``F.linear`` again)."""
@@ -676,6 +682,7 @@ class _QuantizedLinearGrad(torch.autograd.Function):
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
+_function_mode = torch._C._is_torch_function_mode_enabled  # F.linear would call an active TorchFunctionMode
 
 
 def _run(impl: Impl, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
