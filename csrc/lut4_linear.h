@@ -112,7 +112,12 @@
 // 16; groups of 128 1.26-1.49x at 1, 1.1-1.3x at 2, 1.26-1.44x at 4, 1.1-1.4x at 8, 1.0-1.2x at 16.
 // At 16 rows vdpbf16ps plus an FMA per 64 positions and row costs about what the table path's fp32
 // FMAs do (bf16 F.linear: about 0.55x). The emulation (lut4_scaled_dot_emulated.cpp) gives the same
-// bits on any CPU (tq_set_lut4_scaled_dot).
+// bits on any CPU (tq_set_lut4_scaled_dot). At one row the tile is compiled per block size (fixed
+// loads, masks and scale spreads), a last chunk of at most 64 positions runs on 256-bit halves, and
+// the guard checks a tile's scales and zeros 16 at a time in one pass (a running minimum and
+// maximum of their magnitudes' bits): one Zen 4 core, cache-resident, best of 3 alternating runs,
+// 3072 x 576 69.2 -> 63.6 us, 576 x 1536 37.8 -> 33.9, 960 x 576 26.4 -> 24.4, 576 x 576
+// 17.9 -> 16.5 (through DirectLinear; each streamed from memory about 5% less).
 //
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not);

@@ -58,6 +58,8 @@ void dot_rows(const Lut4Params& p, int64_t n0, int64_t n1) { Lut4DotBody<Lut4Dot
 // The scaled dot path's weights (lut4_scaled_dot_body.h): codebook values as bf16 words by vpermw.
 struct Lut4ScaledDotOps : Avx512Bf16DotOps {
   using Tab = __m512i;
+  static constexpr bool kConstantBlocks = true;  // Lut4ScaledDot::tile
+  static constexpr bool kHalfChunk = true;  // Lut4ScaledDot::chunk's LOW form: weights_low, dp_low
 
   // Words c and c + 16: codebook[c] as bf16 (exact: the caller allows only integer codebooks that are bf16 values).
   static Tab table(const float* codebook) {
@@ -79,6 +81,46 @@ struct Lut4ScaledDotOps : Avx512Bf16DotOps {
     q[1] = (B)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
     q[2] = (B)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab);
     q[3] = (B)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab);
+  }
+
+  // weights() for bytes <= 32: the 64 weights of the low 256 bits only (words 0-15), the upper
+  // halves of q zero.
+  __attribute__((always_inline)) static void weights_low(const Tab& tab, const uint8_t* w, int bytes, B (&q)[4]) {
+    const __m256i v = _mm256_maskz_loadu_epi8(bytes >= 32 ? ~0u : (1u << bytes) - 1u, w);
+    const __m256i t = _mm512_castsi512_si256(tab);  // vpermw on 256 bits reads 4 index bits: words 0-15
+    q[0] = (B)_mm512_zextsi256_si512(_mm256_permutexvar_epi16(v, t));
+    q[1] = (B)_mm512_zextsi256_si512(_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 4), t));
+    q[2] = (B)_mm512_zextsi256_si512(_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 8), t));
+    q[3] = (B)_mm512_zextsi256_si512(_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 12), t));
+  }
+  // dp() on lanes 0-7 (the low 256 bits of each operand); lanes 8-15 of the result +0.
+  __attribute__((always_inline)) static V dp_low(V acc, B a, B b) {
+    return _mm512_zextps256_ps512(_mm256_dpbf16_ps(_mm512_castps512_ps256(acc), (__m256bh)_mm512_castsi512_si256((__m512i)a),
+                                                   (__m256bh)_mm512_castsi512_si256((__m512i)b)));
+  }
+
+  // Lut4EmulatedDotOps::values_ok, 16 values at a time: with a = |bits|, every a is 0 or in
+  // [2^-126, 2^100] exactly when (unsigned) a - 1 >= 2^-126's bits - 1 (a - 1 wraps 0 to the top)
+  // and a <= 2^100's bits; the running minimum of a - 1 and maximum of a over both arrays, compared once.
+  static bool values_ok(const float* v, const float* w, int64_t count) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), minus1 = _mm512_set1_epi32(-1);
+    __m512i lo = minus1, hi = _mm512_setzero_si512();
+    auto take = [&](__m512i bits) {
+      const __m512i a = _mm512_and_si512(bits, magnitude);
+      lo = _mm512_min_epu32(lo, _mm512_add_epi32(a, minus1));
+      hi = _mm512_max_epu32(hi, a);
+    };
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+      take(_mm512_loadu_si512(v + i));
+      if (w) take(_mm512_loadu_si512(w + i));
+    }
+    if (i < count) {  // the rest: masked-off lanes read as 0, which passes
+      const __mmask16 rest = static_cast<__mmask16>((1u << (count - i)) - 1u);
+      take(_mm512_maskz_loadu_epi32(rest, v + i));
+      if (w) take(_mm512_maskz_loadu_epi32(rest, w + i));
+    }
+    return !(_mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32(0x007FFFFF)) | _mm512_cmpgt_epu32_mask(hi, _mm512_set1_epi32(0x71800000)));
   }
 
   // Lane l: v[l / per] (per 4, 8 or 16) where l / per < count, else 0; one masked load and a

@@ -31,24 +31,10 @@ struct Lut4ScaledDot {
   using B = typename Ops::B;
   using Tab = typename Ops::Tab;
 
-  // Whether each of the scales or zeros v[0..count) lets its weight row take the path: 0, or normal
-  // and at most 2^100 (so that no weight c s is subnormal or overflows where the reference's would not;
-  // inf / NaN scales would give NaN where the reference's weights give inf). On the bits, so that
-  // the loop vectorizes (a scalar check per value cost as much as the row's dot products).
-  static bool values_ok(const float* v, int64_t count) {
-    uint32_t bad = 0;
-    for (int64_t i = 0; i < count; ++i) {
-      uint32_t u;
-      memcpy(&u, v + i, sizeof u);
-      const uint32_t a = u & 0x7FFFFFFFu;
-      bad |= static_cast<uint32_t>(a != 0u) & static_cast<uint32_t>(a - 0x00800000u > 0x71800000u - 0x00800000u);
-    }
-    return bad == 0;
-  }
   // Weight rows [n, n + rows): whether all may take the path.
   static bool rows_ok(const Lut4Params& p, int64_t n, int64_t rows) {
     const int64_t G = p.blocks_per_row;
-    return values_ok(p.absmax + n * G, rows * G) && (!p.zeros || values_ok(p.zeros + n * G, rows * G));
+    return Ops::values_ok(p.absmax + n * G, p.zeros ? p.zeros + n * G : nullptr, rows * G);
   }
 
   // NT weight rows from n x MT activation rows from m0: NT * MT (<= 16) accumulators over K, in
@@ -57,12 +43,64 @@ struct Lut4ScaledDot {
   // address a chunk's rows. Lane i of a chunk's sums covers its positions [8 i, 8 i + 8), so a
   // block of 32 positions is 4 lanes, of 64 is 8, and a larger block all 16: one scale vector per
   // chunk.
+  // One activation row on the instructions: the block size a compile-time constant (PER lanes per
+  // block: 4 for blocks of 32, 8 for 64, 16 for 128 and more), so the full chunks' loads, masks and
+  // scale spreads compile to fixed ones (with the half chunk below, 3072 x 576 at one row on one Zen 4
+  // core: 69 -> 64 us); else, and on the emulation (its tiles compile once), PER 0: the lanes per
+  // block read from p.
   template <int NT, int MT>
-  TQ_TILE static void tile(const Lut4Params& p, const Tab& tab, int64_t n, int64_t m0) {
+  static void tile(const Lut4Params& p, const Tab& tab, int64_t n, int64_t m0) {
+    if constexpr (MT == 1 && Ops::kConstantBlocks) {
+      if (p.block == 32) return tile_per<NT, MT, 4>(p, tab, n, m0);
+      if (p.block == 64) return tile_per<NT, MT, 8>(p, tab, n, m0);
+      return tile_per<NT, MT, 16>(p, tab, n, m0);
+    }
+    tile_per<NT, MT, 0>(p, tab, n, m0);
+  }
+
+  // One chunk of 128 positions from k for the tile's rows: `bytes` packed bytes of each (64 but in
+  // the last chunk), their scales from s[t] + si, `per` lanes per block, `blocks` scales (per 16:
+  // one).
+  // LOW (a last chunk of at most 64 positions, Ops::kHalfChunk): the lookups and vdpbf16ps on the
+  // low halves only (lanes 0-7, positions < 64), lanes 8-15 of each sum +0, which the full width
+  // also gives there (codes read as 0 against the zero-padded activations, summed onto +0): the same
+  // bits at half the work (K = 576: a tenth of a row's).
+  template <int NT, int MT, bool LOW = false>
+  __attribute__((always_inline)) static void chunk(const Tab& tab, const uint8_t* const* w, const float* const* s, int64_t k, int64_t si,
+                                                   int bytes, int per, int blocks, const uint16_t* x, V (&tot)[NT * MT]) {
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t) {
+      B c[4];
+      if constexpr (LOW) Ops::weights_low(tab, w[t] + k / 2, bytes, c);
+      else Ops::weights(tab, w[t] + k / 2, bytes, c);
+      const V sv = Ops::spread(s[t] + si, per, blocks);
+#pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) {
+        const uint16_t* xm = x + m * 128;
+        V a;
+        if constexpr (LOW) {
+          a = Ops::dp_low(Ops::zero(), c[0], Ops::x32(xm));
+          a = Ops::dp_low(a, c[1], Ops::x32(xm + 32));
+          a = Ops::dp_low(a, c[2], Ops::x32(xm + 64));
+          a = Ops::dp_low(a, c[3], Ops::x32(xm + 96));
+        } else {
+          a = Ops::dp(Ops::zero(), c[0], Ops::x32(xm));
+          a = Ops::dp(a, c[1], Ops::x32(xm + 32));
+          a = Ops::dp(a, c[2], Ops::x32(xm + 64));
+          a = Ops::dp(a, c[3], Ops::x32(xm + 96));
+        }
+        tot[t * MT + m] = Ops::fma(a, sv, tot[t * MT + m]);
+      }
+    }
+  }
+
+  // tile<NT, MT> with PER lanes per block (0: read from p).
+  template <int NT, int MT, int PER>
+  TQ_TILE static void tile_per(const Lut4Params& p, const Tab& tab, int64_t n, int64_t m0) {
     static_assert(NT * MT <= 16, "one sum16 per tile");
     const int64_t K = p.K, G = p.blocks_per_row, step = p.M * 128;
     const int shift = __builtin_ctzll(static_cast<unsigned long long>(p.block));  // a power of two
-    const int per = p.block >= 128 ? 16 : static_cast<int>(p.block / 8);  // lanes per block
+    const int per = PER ? PER : p.block >= 128 ? 16 : static_cast<int>(p.block / 8);  // lanes per block
     // every loop that indexes tot is unrolled, so that it stays in registers (an array indexed at
     // run time lives in memory: a store per FMA; one row of 3072 x 576 took 88 us against 73)
     V tot[NT * MT];
@@ -76,31 +114,28 @@ struct Lut4ScaledDot {
     }
     const char* ahead = reinterpret_cast<const char*>(p.packed + (n + NT) * (K / 2));
     const char* ahead_end = reinterpret_cast<const char*>(p.packed + p.N * (K / 2));
-    const uint16_t* x = p.xb + m0 * 128;
-    for (int64_t k = 0; k < K; k += 128, x += step) {  // 64 bytes of each row: as many of the next tile's
+    auto fetch_ahead = [&]() {  // 64 bytes of each row: as many of the next tile's
       for (int q = 0; q < 64 * NT; q += 64)
         if (ahead + q < ahead_end) _mm_prefetch(ahead + q, _MM_HINT_T0);
       ahead += 64 * NT;
+    };
+    const uint16_t* x = p.xb + m0 * 128;
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128, x += step) {
+      fetch_ahead();
+      chunk<NT, MT>(tab, w, s, k, k >> shift, 64, per, per == 16 ? 1 : 16 / per, x, tot);
+    }
+    if (k < K) {
       // the last chunk may hold 32, 64 or 96 positions: nothing past the row or its scales is read
       // (the bytes read as zero: codes whose products with the zero activations there are 0; the
       // scales of blocks past K as 0)
-      const int64_t rest = K - k;
-      const int bytes = rest >= 128 ? 64 : static_cast<int>(rest / 2);
-      const int blocks = per == 16 ? 1 : static_cast<int>((rest < 128 ? rest : 128) >> shift);
-#pragma GCC unroll 16
-      for (int t = 0; t < NT; ++t) {
-        B c[4];
-        Ops::weights(tab, w[t] + k / 2, bytes, c);
-        const V sv = Ops::spread(s[t] + (k >> shift), per, blocks);
-#pragma GCC unroll 16
-        for (int m = 0; m < MT; ++m) {
-          const uint16_t* xm = x + m * 128;
-          V a = Ops::dp(Ops::zero(), c[0], Ops::x32(xm));
-          a = Ops::dp(a, c[1], Ops::x32(xm + 32));
-          a = Ops::dp(a, c[2], Ops::x32(xm + 64));
-          a = Ops::dp(a, c[3], Ops::x32(xm + 96));
-          tot[t * MT + m] = Ops::fma(a, sv, tot[t * MT + m]);
-        }
+      fetch_ahead();
+      const int bytes = static_cast<int>((K - k) / 2), blocks = per == 16 ? 1 : static_cast<int>((K - k) >> shift);
+      if constexpr (Ops::kHalfChunk) {
+        if (bytes <= 32) chunk<NT, MT, true>(tab, w, s, k, k >> shift, bytes, per, blocks, x, tot);
+        else chunk<NT, MT>(tab, w, s, k, k >> shift, bytes, per, blocks, x, tot);
+      } else {
+        chunk<NT, MT>(tab, w, s, k, k >> shift, bytes, per, blocks, x, tot);
       }
     }
     if (p.zeros)  // per lane, 16 blocks at a time: z_b X_b (X_b in p.xsums [M, G])

@@ -3,6 +3,8 @@
 // arrays). The same bits as the AVX512_BF16 kernel, on any CPU: tq_set_lut4_scaled_dot(
 // LUT4_SCALED_DOT_EMULATED) runs it (tests), with the active ISA's table path for the weight rows
 // that fall back. Compiled for the baseline ISA.
+#include <initializer_list>
+
 #include "dot_bf16_emulated.h"
 #include "kernels.h"
 #include "lut4_scaled_dot_body.h"
@@ -11,6 +13,8 @@ namespace tq {
 namespace {
 
 struct Lut4EmulatedDotOps : EmulatedDotOps {
+  static constexpr bool kConstantBlocks = false;  // Lut4ScaledDot::tile
+  static constexpr bool kHalfChunk = false;  // its full width gives the LOW form's bits (Lut4ScaledDot::chunk)
   struct Tab {
     uint16_t h[16];
   };
@@ -26,6 +30,20 @@ struct Lut4EmulatedDotOps : EmulatedDotOps {
       const unsigned word = (2 * j < bytes ? w[2 * j] : 0u) | (2 * j + 1 < bytes ? w[2 * j + 1] : 0u) << 8;
       for (int i = 0; i < 4; ++i) q[i].h[j] = tab.h[(word >> (4 * i)) & 15];
     }
+  }
+
+  // Whether each of v[0..count) and w[0..count) (w may be null) lets its weight row take the path:
+  // 0, or normal and at most 2^100 (so that no weight c s is subnormal or overflows where the
+  // reference's would not; inf / NaN scales would give NaN where the reference's weights give inf).
+  static bool values_ok(const float* v, const float* w, int64_t count) {
+    for (const float* a : {v, w})
+      for (int64_t i = 0; a && i < count; ++i) {
+        uint32_t u;
+        memcpy(&u, a + i, sizeof u);
+        const uint32_t m = u & 0x7FFFFFFFu;
+        if (m != 0u && (m < 0x00800000u || m > 0x71800000u)) return false;
+      }
+    return true;
   }
 
   static V spread(const float* v, int per, int count) {
