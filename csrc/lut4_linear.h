@@ -113,11 +113,11 @@
 // At 16 rows vdpbf16ps plus an FMA per 64 positions and row costs about what the table path's fp32
 // FMAs do (bf16 F.linear: about 0.55x). The emulation (lut4_scaled_dot_emulated.cpp) gives the same
 // bits on any CPU (tq_set_lut4_scaled_dot). At one row the tile is compiled per block size (fixed
-// loads, masks and scale spreads), a last chunk of at most 64 positions runs on 256-bit halves, and
-// the guard checks a tile's scales and zeros 16 at a time in one pass (a running minimum and
-// maximum of their magnitudes' bits): one Zen 4 core, cache-resident, best of 3 alternating runs,
-// 3072 x 576 69.2 -> 63.6 us, 576 x 1536 37.8 -> 33.9, 960 x 576 26.4 -> 24.4, 576 x 576
-// 17.9 -> 16.5 (through DirectLinear; each streamed from memory about 5% less).
+// loads, masks and scale spreads); at every row count a last chunk of at most 64 positions runs on
+// 256-bit halves, and the guard checks a tile's scales and zeros 16 at a time in one pass (a running
+// minimum and maximum of their magnitudes' bits): one row on one Zen 4 core, cache-resident, best of
+// 3 alternating runs, 3072 x 576 69.2 -> 63.6 us, 576 x 1536 37.8 -> 33.9, 960 x 576 26.4 -> 24.4,
+// 576 x 576 17.9 -> 16.5 (through DirectLinear; 3072 x 576 streamed from memory 81.4 -> 77.3).
 //
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not);

@@ -6,12 +6,16 @@
 // sum) is added per lane before the lanes are summed. Written once over an Ops type: the AVX512_BF16
 // instructions (dot_bf16_avx512.h + lut4_linear_avx512bf16.cpp's Lut4ScaledDotOps) or their
 // emulation on arrays (dot_bf16_emulated.h + lut4_scaled_dot_emulated.cpp: the same operations in
-// the same order, so the same bits, on any CPU, for tests). Beside those headers' operations, Ops
-// provides Tab, table(codebook) (the 16 codebook values as bf16 words, each twice: words c and
-// c + 16), weights(tab, w, bytes, q[4]) (the 128 weights of `bytes` <= 64 packed bytes at w, bytes
-// past them zero: with word j the bytes 2j and 2j + 1 as a little-endian 16-bit word, q[i] word j
-// is the value of its nibble at bits 4i..4i+3, the weight at position 4j + (1, 0, 3, 2)[i]) and
-// spread(v, per, count) (lane l: v[l / per] where l / per < count, else 0; v[count..] not read).
+// the same order, so the same bits, on any CPU, for tests; the kernel's narrower last chunk, `chunk`'s
+// LOW form, gives the full width's bits). Beside those headers' operations, Ops provides Tab,
+// table(codebook) (the 16 codebook values as bf16 words, each twice: words c and c + 16),
+// weights(tab, w, bytes, q[4]) (the 128 weights of `bytes` <= 64 packed bytes at w, bytes past them
+// zero: with word j the bytes 2j and 2j + 1 as a little-endian 16-bit word, q[i] word j is the value
+// of its nibble at bits 4i..4i+3, the weight at position 4j + (1, 0, 3, 2)[i]), spread(v, per,
+// count) (lane l: v[l / per] where l / per < count, else 0; v[count..] not read), values_ok(v, w,
+// count) (the guard: every v[i] and w[i] (w may be null) 0, or normal and at most 2^100),
+// kConstantBlocks (one-row tiles compiled per block size) and kHalfChunk (with it, weights_low(tab, w,
+// bytes <= 32, q[4]) and dp_low(acc, a, b): weights and dp on lanes 0-7 only, the rest zero).
 // Templates in an anonymous namespace only (see common.h).
 #pragma once
 #include <float.h>
@@ -45,17 +49,18 @@ struct Lut4ScaledDot {
   // chunk.
   // One activation row on the instructions: the block size a compile-time constant (PER lanes per
   // block: 4 for blocks of 32, 8 for 64, 16 for 128 and more), so the full chunks' loads, masks and
-  // scale spreads compile to fixed ones (with the half chunk below, 3072 x 576 at one row on one Zen 4
-  // core: 69 -> 64 us); else, and on the emulation (its tiles compile once), PER 0: the lanes per
-  // block read from p.
+  // scale spreads compile to fixed ones (with the half chunk below and the vectorized guard, 3072 x
+  // 576 at one row on one Zen 4 core: 69 -> 64 us); else, and on the emulation (its tiles compile
+  // once), PER 0: the lanes per block read from p.
   template <int NT, int MT>
   static void tile(const Lut4Params& p, const Tab& tab, int64_t n, int64_t m0) {
     if constexpr (MT == 1 && Ops::kConstantBlocks) {
-      if (p.block == 32) return tile_per<NT, MT, 4>(p, tab, n, m0);
-      if (p.block == 64) return tile_per<NT, MT, 8>(p, tab, n, m0);
-      return tile_per<NT, MT, 16>(p, tab, n, m0);
+      if (p.block == 32) tile_per<NT, MT, 4>(p, tab, n, m0);
+      else if (p.block == 64) tile_per<NT, MT, 8>(p, tab, n, m0);
+      else tile_per<NT, MT, 16>(p, tab, n, m0);
+    } else {
+      tile_per<NT, MT, 0>(p, tab, n, m0);
     }
-    tile_per<NT, MT, 0>(p, tab, n, m0);
   }
 
   // One chunk of 128 positions from k for the tile's rows: `bytes` packed bytes of each (64 but in
@@ -125,7 +130,7 @@ struct Lut4ScaledDot {
       fetch_ahead();
       chunk<NT, MT>(tab, w, s, k, k >> shift, 64, per, per == 16 ? 1 : 16 / per, x, tot);
     }
-    if (k < K) {
+    if (PER != 16 && k < K) {  // blocks of 128 or more divide K: no last chunk
       // the last chunk may hold 32, 64 or 96 positions: nothing past the row or its scales is read
       // (the bytes read as zero: codes whose products with the zero activations there are 0; the
       // scales of blocks past K as 0)
