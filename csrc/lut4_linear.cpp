@@ -584,6 +584,17 @@ TQ_API int tq_set_lut4_scaled_dot(int mode) {
   if (mode > tq::LUT4_SCALED_DOT_EMULATED) return -1;
   return tq::g_scaled_dot.exchange(mode);
 }
+// The guard of the scaled dot kernel that the current mode runs (lut4_scaled_dot_body.h's
+// values_ok), for tests: 1 where every v[i] and w[i] (w may be null; count >= 0 of each) lets its
+// weight row take the path (0, or normal and at most 2^100), 0 where one does not; -1 where no
+// kernel runs (the mode, the ISA or lut4_paths) or v is null.
+TQ_API int tq_lut4_scaled_dot_values_ok(const float* v, const float* w, int64_t count) {
+  const tq::Lut4RowsFn kernel = tq::lut4_scaled_dot_kernel();
+  if (!v || count < 0) return -1;
+  if (kernel == tq::kLut4EmulatedScaledDot) return tq::kLut4EmulatedScaledDotValuesOk(v, w, count);
+  if (kernel && kernel == tq::kLut4Avx512Bf16ScaledDot) return tq::kLut4Avx512Bf16ScaledDotValuesOk(v, w, count);
+  return -1;
+}
 // How many lut4 calls have taken the scaled dot path since the library loaded.
 TQ_API int64_t tq_scaled_dot_calls_lut4() { return tq::g_scaled_dot_calls.load(); }
 // The bf16 dot path's mode (tq::Lut4DotMode; negative: read), as tq_set_lut4_scaled_dot's.

@@ -338,6 +338,10 @@ static inline bool lut4_scaled_dot_allowed(const Lut4Params& p) {
 // it, LUT4_SCALED_DOT_EMULATED the second on every ISA (tests), LUT4_SCALED_DOT_OFF neither
 // (tq_set_lut4_scaled_dot); LUT4_DECODE off (lut4_paths) turns it off in every mode.
 extern const Lut4RowsFn kLut4Avx512Bf16ScaledDot, kLut4EmulatedScaledDot;
+// Their guard (Ops::values_ok, lut4_scaled_dot_body.h): whether every v[i] and w[i] (w may be null)
+// of [0, count) lets its weight row take the path (tq_lut4_scaled_dot_values_ok, for tests).
+using Lut4ValuesOkFn = bool (*)(const float* v, const float* w, int64_t count);
+extern const Lut4ValuesOkFn kLut4Avx512Bf16ScaledDotValuesOk, kLut4EmulatedScaledDotValuesOk;
 enum Lut4ScaledDotMode : int { LUT4_SCALED_DOT_OFF = 0, LUT4_SCALED_DOT_ON = 1, LUT4_SCALED_DOT_EMULATED = 2 };
 Lut4RowsFn lut4_scaled_dot_kernel();
 // The bf16 dot path likewise: the AVX512_BF16 kernel (Lut4Kernels.dot_bf16) and its body on emulated

@@ -141,4 +141,5 @@ void scaled_dot_rows(const Lut4Params& p, int64_t n0, int64_t n1) { Lut4ScaledDo
 // AVX-512 table); the scaled dot path goes to its scaled_dot.
 extern const Lut4Kernels kLut4Avx512Bf16 = {&Body::rows, &Body::dequant, nullptr, 0, nullptr, false, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &dot_rows, 0};
 extern const Lut4RowsFn kLut4Avx512Bf16ScaledDot = &scaled_dot_rows;
+extern const Lut4ValuesOkFn kLut4Avx512Bf16ScaledDotValuesOk = &Lut4ScaledDotOps::values_ok;
 }  // namespace tq

@@ -6,9 +6,10 @@
 // sum) is added per lane before the lanes are summed. Written once over an Ops type: the AVX512_BF16
 // instructions (dot_bf16_avx512.h + lut4_linear_avx512bf16.cpp's Lut4ScaledDotOps) or their
 // emulation on arrays (dot_bf16_emulated.h + lut4_scaled_dot_emulated.cpp: the same operations in
-// the same order, so the same bits, on any CPU, for tests; the kernel's narrower last chunk, `chunk`'s
-// LOW form, gives the full width's bits). Beside those headers' operations, Ops provides Tab,
-// table(codebook) (the 16 codebook values as bf16 words, each twice: words c and c + 16),
+// the same order, so the same bits, on any CPU, for tests, the narrower last chunk (`chunk`'s LOW
+// form) included; only the one-row tiles per block size are the kernel's alone). Beside those
+// headers' operations, Ops provides Tab, table(codebook) (the 16 codebook values as bf16 words,
+// each twice: words c and c + 16),
 // weights(tab, w, bytes, q[4]) (the 128 weights of `bytes` <= 64 packed bytes at w, bytes past them
 // zero: with word j the bytes 2j and 2j + 1 as a little-endian 16-bit word, q[i] word j is the value
 // of its nibble at bits 4i..4i+3, the weight at position 4j + (1, 0, 3, 2)[i]), spread(v, per,

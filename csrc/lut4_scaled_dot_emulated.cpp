@@ -14,7 +14,7 @@ namespace {
 
 struct Lut4EmulatedDotOps : EmulatedDotOps {
   static constexpr bool kConstantBlocks = false;  // Lut4ScaledDot::tile
-  static constexpr bool kHalfChunk = false;  // its full width gives the LOW form's bits (Lut4ScaledDot::chunk)
+  static constexpr bool kHalfChunk = true;  // the LOW form (Lut4ScaledDot::chunk), as the kernel runs it
   struct Tab {
     uint16_t h[16];
   };
@@ -30,6 +30,22 @@ struct Lut4EmulatedDotOps : EmulatedDotOps {
       const unsigned word = (2 * j < bytes ? w[2 * j] : 0u) | (2 * j + 1 < bytes ? w[2 * j + 1] : 0u) << 8;
       for (int i = 0; i < 4; ++i) q[i].h[j] = tab.h[(word >> (4 * i)) & 15];
     }
+  }
+
+  // weights() of bytes <= 32 on lanes 0-7 (words 0-15), words 16-31 zero, as the kernel's 256-bit
+  // vpermw; and dp() on lanes 0-7, lanes 8-15 of the result +0.
+  static void weights_low(const Tab& tab, const uint8_t* w, int bytes, B (&q)[4]) {
+    weights(tab, w, bytes < 32 ? bytes : 32, q);
+    for (int i = 0; i < 4; ++i)
+      for (int j = 16; j < 32; ++j) q[i].h[j] = 0;
+  }
+  static V dp_low(const V& acc, const B& a, const B& b) {
+    V r{};
+    for (int i = 0; i < 8; ++i) {
+      r.f[i] = acc.f[i] + f32(a.h[2 * i + 1]) * f32(b.h[2 * i + 1]);
+      r.f[i] = r.f[i] + f32(a.h[2 * i]) * f32(b.h[2 * i]);
+    }
+    return r;
   }
 
   // Whether each of v[0..count) and w[0..count) (w may be null) lets its weight row take the path:
@@ -60,5 +76,6 @@ void scaled_dot_rows(const Lut4Params& p, int64_t n0, int64_t n1) {
 }  // namespace
 
 extern const Lut4RowsFn kLut4EmulatedScaledDot = &scaled_dot_rows;
+extern const Lut4ValuesOkFn kLut4EmulatedScaledDotValuesOk = &Lut4EmulatedDotOps::values_ok;
 
 }  // namespace tq

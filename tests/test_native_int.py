@@ -583,6 +583,80 @@ def test_int4_fp32_scale_scaled_dot_path_emulated_gives_the_kernels_bits(threads
                 assert torch.equal(on, emulated), (n, k, g, domain, m)
 
 
+# float32 bit patterns at the scaled dot guard's edges: +-0, the subnormals' ends, FLT_MIN, 2^100 and
+# the next float past it, inf, NaNs (quiet, signalling, negative)
+GUARD_EDGE_BITS = (0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x007FFFFF, 0x00800000, 0x80800000, 0x71800000,
+                   0xF1800000, 0x71800001, 0xF1800001, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF)
+
+
+def _guard_admits(bits: int) -> bool:
+    """The scaled dot path's contract for one scale or zero (csrc/lut4_linear.h): 0, or normal and
+    at most 2^100 in magnitude."""
+    magnitude = bits & 0x7FFFFFFF
+    return magnitude == 0 or 0x00800000 <= magnitude <= 0x71800000
+
+
+def _floats(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["on", "emulated"])
+@settings(max_examples=150, deadline=None)
+@given(count=st.integers(0, 70), zeros=st.booleans(), data=st.data())
+def test_int4_scaled_dot_guard_admits_exactly_zero_and_normal_values_up_to_2_100(mode, count, zeros, data):
+    """The guard that sends a weight row to the table path where a scale or zero would make a
+    weight c s subnormal or overflow (the path's error bound assumes neither) admits exactly 0 and
+    the normal values of magnitude <= 2^100, in the scales and the zeros alike, at every position
+    of a tile's run (the AVX-512 form: 16 at a time, a masked rest): checked directly, since a
+    subnormal weight's difference rarely survives the bf16 output. Arrays of admitted values with
+    edge patterns (and any bit pattern) put at drawn positions; on CPUs without the kernel, "on"
+    reports None."""
+    admitted = st.integers(0x00800000, 0x71800000).map(lambda m: m | (0x80000000 if m & 1 else 0))
+    scale_bits = data.draw(st.lists(admitted, min_size=count, max_size=count))
+    zero_bits = data.draw(st.lists(admitted, min_size=count, max_size=count)) if zeros else None
+    if count:
+        pattern = st.one_of(st.sampled_from(GUARD_EDGE_BITS), st.integers(0, 2**32 - 1))
+        for _ in range(data.draw(st.integers(0, 3))):
+            target = zero_bits if zero_bits is not None and data.draw(st.booleans()) else scale_bits
+            target[data.draw(st.sampled_from([0, count - 1, count // 2, data.draw(st.integers(0, count - 1))]))] = data.draw(pattern)
+    want = all(_guard_admits(b) for b in scale_bits + (zero_bits or []))
+    with library.lut4_scaled_dot(mode):
+        got = library.lut4_scaled_dot_values_ok(_floats(scale_bits), None if zero_bits is None else _floats(zero_bits))
+    if mode == "on" and not _scaled_dot_path_runs():
+        assert got is None
+        return
+    assert got is want, ([hex(b) for b in scale_bits], zero_bits and [hex(b) for b in zero_bits])
+
+
+@needs_native
+def test_int4_scaled_dot_guard_rejects_each_edge_pattern_alone_and_checks_its_arguments():
+    """Each edge pattern alone, in the scales or the zeros, at each position of 1 to 33 values:
+    only the admitted ones pass (so a bound moved by one float is caught); mismatched or non-fp32
+    arguments raise naming the argument, and no kernel (decode paths off) gives None."""
+    modes = ["emulated"] + (["on"] if _scaled_dot_path_runs() else [])
+    for mode in modes:
+        with library.lut4_scaled_dot(mode):
+            for count in (1, 15, 16, 17, 33):
+                for bits in GUARD_EDGE_BITS:
+                    for at in {0, count // 2, count - 1}:
+                        values = [0x3F800000] * count
+                        values[at] = bits
+                        for in_zeros in (False, True):
+                            scales = _floats([0x3F800000] * count if in_zeros else values)
+                            zeros = _floats(values) if in_zeros else None
+                            assert library.lut4_scaled_dot_values_ok(scales, zeros) is _guard_admits(bits), (mode, count, hex(bits), at)
+            assert library.lut4_scaled_dot_values_ok(torch.ones(0)) is True
+            with pytest.raises(ValueError, match="zeros: expected a contiguous CPU torch.float32 tensor of 4 elements"):
+                library.lut4_scaled_dot_values_ok(torch.ones(4), torch.ones(3))
+            with pytest.raises(ValueError, match="scales: expected a contiguous CPU torch.float32 tensor"):
+                library.lut4_scaled_dot_values_ok(torch.ones(4, dtype=torch.float64))
+            with library.lut4_paths(decode=False):
+                assert library.lut4_scaled_dot_values_ok(torch.ones(4)) is None
+    with library.lut4_scaled_dot("off"):
+        assert library.lut4_scaled_dot_values_ok(torch.ones(4)) is None
+
+
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_int4_bf16_dot_path_emulated_gives_the_kernels_bits(threads):

@@ -32,13 +32,13 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "bf16_dp_gemm", "bf16_dp_gemm_calls", "BF16_DP_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "int8_panel", "int8_panel_calls", "INT8_PANEL_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "bf16_dp_gemm", "bf16_dp_gemm_calls", "BF16_DP_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "int8_panel", "int8_panel_calls", "INT8_PANEL_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "lut4_scaled_dot_values_ok", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
     "int8_panel_numel",
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
@@ -69,6 +69,7 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_panel_calls_int8": (_c_int64, []),
     "tq_scaled_dot_calls_lut4": (_c_int64, []),
     "tq_set_lut4_scaled_dot": (_c_int, [_c_int]),  # index into LUT4_SCALED_DOT_MODES (negative: read)
+    "tq_lut4_scaled_dot_values_ok": (_c_int, [_ptr, _ptr, _c_int64]),  # scales, zeros or null, count: 1 / 0 (-1: no kernel)
     "tq_dot_calls_lut4": (_c_int64, []),
     "tq_set_lut4_dot": (_c_int, [_c_int]),  # index into LUT4_DOT_MODES (negative: read)
     "tq_set_bf16_amx": (_c_int, [_c_int]),  # index into BF16_AMX_MODES (negative: read)
@@ -327,6 +328,23 @@ def lut4_scaled_dot_calls() -> int:
     """How many lut4 calls have taken the scaled dot path (csrc/lut4_linear.h) since the library
     loaded (for tests: which path ran)."""
     return 0 if _LIB is None else int(_LIB.tq_scaled_dot_calls_lut4())
+
+
+def lut4_scaled_dot_values_ok(scales: torch.Tensor, zeros: torch.Tensor | None = None) -> bool | None:
+    """The scaled dot path's guard (csrc/lut4_scaled_dot_body.h's ``values_ok``) as the kernel that
+    the current :func:`lut4_scaled_dot` mode runs computes it, on fp32 ``scales`` and ``zeros`` (a
+    weight row's; zeros of the same size, or None): True where every value lets the row take the
+    path (0, or normal and at most 2^100), False where one sends it to the table path, None where
+    no scaled dot kernel runs (for tests: the guard checked directly, as outputs cannot always show
+    it)."""
+    if _LIB is None:
+        return None
+    count = scales.numel() if isinstance(scales, torch.Tensor) else 0
+    v = checked_ptr("scales", scales, torch.float32, count, "lut4_scaled_dot_values_ok")
+    w = checked_ptr("zeros", zeros, torch.float32, count, "lut4_scaled_dot_values_ok")
+    scratch = torch.zeros(1)  # an empty tensor's data pointer may be null, which the call reads as "no kernel"
+    got = int(_LIB.tq_lut4_scaled_dot_values_ok(v if count else scratch.data_ptr(), w if count else None, count))
+    return None if got < 0 else bool(got)
 
 
 def int8_amx_supported() -> bool:
