@@ -132,10 +132,11 @@ struct Avx2 {
   }
   // The per-lane value of per-block values s (s[0] for the chunk's first block) when blocks of
   // `block` < 64 weights split a chunk: lane l holds weights 8l..8l+7, block 8l / block.
+  // `block` is a power of two (lut4_linear.h): a shift, not the eight 64-bit divisions of 8 l /
+  // block that every decode tile began with (see Lut4Kernel::decode_tile).
   static I block_lane_index(int64_t block) {
-    alignas(32) int idx[8];
-    for (int l = 0; l < 8; ++l) idx[l] = static_cast<int>(8 * l / block);
-    return _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+    const int shift = block < 64 ? __builtin_ctzll(static_cast<unsigned long long>(block)) : 31;
+    return _mm256_srlv_epi32(_mm256_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56), _mm256_set1_epi32(shift));
   }
   static F block_lanes(const float* s, int64_t count, I index) {  // count = 2 (block 32)
     (void)count;
