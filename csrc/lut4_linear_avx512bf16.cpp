@@ -59,7 +59,6 @@ void dot_rows(const Lut4Params& p, int64_t n0, int64_t n1) { Lut4DotBody<Lut4Dot
 struct Lut4ScaledDotOps : Avx512Bf16DotOps {
   using Tab = __m512i;
   static constexpr bool kConstantBlocks = true;  // Lut4ScaledDot::tile
-  static constexpr bool kHalfChunk = true;  // Lut4ScaledDot::chunk's LOW form: weights_low, dp_low
 
   // Words c and c + 16: codebook[c] as bf16 (exact: the caller allows only integer codebooks that are bf16 values).
   static Tab table(const float* codebook) {

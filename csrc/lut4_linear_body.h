@@ -152,7 +152,7 @@ struct Lut4Kernel {
   // branch: with it, NF4 measured 15% slower).
   template <int NT, int MT, bool PAIRED>
   TQ_TILE static void fused_tile(const Lut4Params& p, const Pairs& pr, int64_t n, int64_t m0) {
-    const int64_t K = p.K, G = p.blocks_per_row;  // (a division per tile: see decode_tile)
+    const int64_t K = p.K, G = p.blocks_per_row;  // hoisted: no division per tile (see decode_tile)
     const Table code = load_code(p.codebook);
     F acc[NT][MT][2];
     for (int t = 0; t < NT; ++t)
@@ -364,10 +364,10 @@ struct Lut4Kernel {
   TQ_TILE static void decode_tile(const Lut4Params& p, const RowWork* r, int64_t n, int64_t m0) {
     constexpr int A = MT == 1 ? 2 : 1;  // accumulators per output
     constexpr int64_t C = kDecodeChunk;
-    // Shifts, not divisions, from the block size (a power of two): each tile begins here, and
-    // 64-bit divisions cost it several percent (NF4 3072 x 576 at one row, the AVX2 kernel on one
-    // Zen 4 core, best of 3 alternating runs: 165 -> 157 us, 576 x 1536 81 -> 79
-    // with block_lane_index's and these gone).
+    // Shifts, not divisions, from the block size (a power of two): each tile begins here, and its
+    // 64-bit divisions (these and block_lane_index's) cost several percent: NF4 at one row on the
+    // AVX2 kernel, one Zen 4 core, best of 3 alternating runs, 3072 x 576 165 -> 157 us, 576 x
+    // 1536 81 -> 79.
     const int64_t K = p.K, B = p.block, span = B > C ? B : C;
     const int log_b = __builtin_ctzll(static_cast<unsigned long long>(B)), log_span = B > C ? log_b : __builtin_ctzll(C);
     const int64_t spans = K >> log_span;
@@ -453,7 +453,7 @@ struct Lut4Kernel {
   template <int KIND>
   static void decode_kind(const Lut4Params& p, int64_t n0, int64_t n1) {
     constexpr int R = T::kLut4DecodeRows;
-    const int64_t G = p.K / p.block;
+    const int64_t G = p.blocks_per_row;
     const size_t per_row = row_work_bytes(G);
     char* work = static_cast<char*>(aligned_alloc(64, R * per_row));
     if (!work) {

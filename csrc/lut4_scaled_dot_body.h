@@ -15,8 +15,8 @@
 // of its nibble at bits 4i..4i+3, the weight at position 4j + (1, 0, 3, 2)[i]), spread(v, per,
 // count) (lane l: v[l / per] where l / per < count, else 0; v[count..] not read), values_ok(v, w,
 // count) (the guard: every v[i] and w[i] (w may be null) 0, or normal and at most 2^100),
-// kConstantBlocks (one-row tiles compiled per block size) and kHalfChunk (with it, weights_low(tab, w,
-// bytes <= 32, q[4]) and dp_low(acc, a, b): weights and dp on lanes 0-7 only, the rest zero).
+// weights_low(tab, w, bytes <= 32, q[4]) and dp_low(acc, a, b) (weights and dp on lanes 0-7 only,
+// the rest zero) and kConstantBlocks (one-row tiles compiled per block size).
 // Templates in an anonymous namespace only (see common.h).
 #pragma once
 #include <float.h>
@@ -67,10 +67,10 @@ struct Lut4ScaledDot {
   // One chunk of 128 positions from k for the tile's rows: `bytes` packed bytes of each (64 but in
   // the last chunk), their scales from s[t] + si, `per` lanes per block, `blocks` scales (per 16:
   // one).
-  // LOW (a last chunk of at most 64 positions, Ops::kHalfChunk): the lookups and vdpbf16ps on the
-  // low halves only (lanes 0-7, positions < 64), lanes 8-15 of each sum +0, which the full width
-  // also gives there (codes read as 0 against the zero-padded activations, summed onto +0): the same
-  // bits at half the work (K = 576: a tenth of a row's).
+  // LOW (a last chunk of at most 64 positions): the lookups and vdpbf16ps on the low halves only
+  // (lanes 0-7, positions < 64), lanes 8-15 of each sum +0, which the full width also gives there
+  // (codes read as 0 against the zero-padded activations, summed onto +0): the same bits at half
+  // the work (K = 576: a tenth of a row's).
   template <int NT, int MT, bool LOW = false>
   __attribute__((always_inline)) static void chunk(const Tab& tab, const uint8_t* const* w, const float* const* s, int64_t k, int64_t si,
                                                    int bytes, int per, int blocks, const uint16_t* x, V (&tot)[NT * MT]) {
@@ -137,12 +137,8 @@ struct Lut4ScaledDot {
       // scales of blocks past K as 0)
       fetch_ahead();
       const int bytes = static_cast<int>((K - k) / 2), blocks = per == 16 ? 1 : static_cast<int>((K - k) >> shift);
-      if constexpr (Ops::kHalfChunk) {
-        if (bytes <= 32) chunk<NT, MT, true>(tab, w, s, k, k >> shift, bytes, per, blocks, x, tot);
-        else chunk<NT, MT>(tab, w, s, k, k >> shift, bytes, per, blocks, x, tot);
-      } else {
-        chunk<NT, MT>(tab, w, s, k, k >> shift, bytes, per, blocks, x, tot);
-      }
+      if (bytes <= 32) chunk<NT, MT, true>(tab, w, s, k, k >> shift, bytes, per, blocks, x, tot);
+      else chunk<NT, MT>(tab, w, s, k, k >> shift, bytes, per, blocks, x, tot);
     }
     if (p.zeros)  // per lane, 16 blocks at a time: z_b X_b (X_b in p.xsums [M, G])
 #pragma GCC unroll 16

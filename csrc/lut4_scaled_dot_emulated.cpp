@@ -14,7 +14,6 @@ namespace {
 
 struct Lut4EmulatedDotOps : EmulatedDotOps {
   static constexpr bool kConstantBlocks = false;  // Lut4ScaledDot::tile
-  static constexpr bool kHalfChunk = true;  // the LOW form (Lut4ScaledDot::chunk), as the kernel runs it
   struct Tab {
     uint16_t h[16];
   };

@@ -22,7 +22,10 @@ if not torch.cuda.is_available():
 from torchq import dispatch, native, prefill
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# Local runs (random, as CI's are not) also print a failure's @reproduce_failure blob: a rare
+# example (a float bound missed once in thousands) survives a cut log or a lost database.
+settings.register_profile("local", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "local"))
 
 
 @pytest.fixture(autouse=True)

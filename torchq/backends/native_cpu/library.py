@@ -337,12 +337,14 @@ def lut4_scaled_dot_values_ok(scales: torch.Tensor, zeros: torch.Tensor | None =
     path (0, or normal and at most 2^100), False where one sends it to the table path, None where
     no scaled dot kernel runs (for tests: the guard checked directly, as outputs cannot always show
     it)."""
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"torchq lut4_scaled_dot_values_ok: scales: expected a tensor, got {type(scales).__name__}")
     if _LIB is None:
         return None
-    count = scales.numel() if isinstance(scales, torch.Tensor) else 0
+    count = scales.numel()
     v = checked_ptr("scales", scales, torch.float32, count, "lut4_scaled_dot_values_ok")
     w = checked_ptr("zeros", zeros, torch.float32, count, "lut4_scaled_dot_values_ok")
-    scratch = torch.zeros(1)  # an empty tensor's data pointer may be null, which the call reads as "no kernel"
+    scratch = None if count else torch.zeros(1)  # an empty tensor's pointer may be null, which the call reads as "no kernel"
     got = int(_LIB.tq_lut4_scaled_dot_values_ok(v if count else scratch.data_ptr(), w if count else None, count))
     return None if got < 0 else bool(got)
 
