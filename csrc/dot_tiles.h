@@ -1,8 +1,8 @@
 // The tile schedule of the bf16 dot paths (int8_dot_body.h, lut4_scaled_dot_body.h): weight rows in
 // blocks, activation rows in chunks, tiles of up to 16 accumulators. Kernel provides Params (with
 // M: the activation rows), tile<NT, MT>(p, ctx, n, m0) (NT weight rows from n x MT activation
-// rows from m0, NT * MT <= 16) and tile_ok(p, n, rows) (whether weight rows [n, n + rows) may take
-// the path; else `fallback` runs them for every activation row). Templates in an anonymous
+// rows from m0, NT * MT <= 16) and tile_ok(p, ctx, n, rows) (whether weight rows [n, n + rows) may take
+// the path, called before their tiles run: it may prepare them in ctx; else `fallback` runs them for every activation row). Templates in an anonymous
 // namespace only (see common.h).
 #pragma once
 #include <stdint.h>
@@ -54,7 +54,7 @@ struct DotSchedule {
         const int64_t mt = p.M - m0 < chunk ? p.M - m0 : chunk;
         tiles_then_singles<NT>(b0, b1, [&](auto r, int64_t n) {
           constexpr int R = decltype(r)::value;
-          if (Kernel::tile_ok(p, n, R)) weight_rows<R>(p, ctx, n, m0, mt);
+          if (Kernel::tile_ok(p, ctx, n, R)) weight_rows<R>(p, ctx, n, m0, mt);
           else if (m0 == 0) fallback(p, n, n + R);
         });
       }

@@ -78,7 +78,7 @@ struct Int8Dot {
   // DotSchedule's hooks: weight rows [n, n + rows) take the path if every scale is int8_dot_scale's,
   // else the fp32 row kernel (p.x holds the fp32 rows) runs them for every activation row.
   using Params = Int8Params;
-  static bool tile_ok(const Int8Params& p, int64_t n, int64_t rows) {
+  static bool tile_ok(const Int8Params& p, const NoContext&, int64_t n, int64_t rows) {
     bool safe = true;
     for (int64_t t = 0; t < rows; ++t) safe &= int8_dot_scale(p.scale[n + t]);
     return safe;

@@ -66,6 +66,16 @@ std::atomic<int> g_paths{[] {
 // The scaled dot path's mode (Lut4ScaledDotMode) and the calls that took it (tq_scaled_dot_calls_lut4, for tests).
 std::atomic<int> g_scaled_dot{LUT4_SCALED_DOT_ON};
 std::atomic<int64_t> g_scaled_dot_calls{0};
+// Whether the scaled dot path's table kind (NF4 / FP4) runs (tq_set_lut4_table_dot): by default on
+// AMD CPUs, where it was measured faster than the table path (Zen 4), not on Intel ones, where
+// vdpbf16ps costs about two FMAs and it was measured slower (lut4_linear.h);
+// TORCHQ_NATIVE_TABLE_DOT=0 / 1 (read at load) overrides.
+std::atomic<int> g_table_dot{[] {
+  const char* s = getenv("TORCHQ_NATIVE_TABLE_DOT");
+  if (s && *s) return strcmp(s, "0") != 0 ? 1 : 0;
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? 1 : 0;
+}()};
 // The bf16 dot path's mode (Lut4DotMode) and the calls that took it (tq_dot_calls_lut4).
 std::atomic<int> g_dot{LUT4_DOT_ON};
 std::atomic<int64_t> g_dot_calls{0};
@@ -254,7 +264,8 @@ int linear(Lut4Params p, const void* x, int dtype, int64_t K_in, void* out, int 
   }
   // The scaled dot path serves its weights' bf16 calls up to kLut4ScaledDotMaxM rows, one row too
   // (ahead of the lookup path); the activations' guard comes after they are prepared.
-  const Lut4RowsFn scaled = dtype == DT_BF16 && M >= kLut4ScaledDotMinM && M <= kLut4ScaledDotMaxM && lut4_scaled_dot_allowed(p)
+  const Lut4RowsFn scaled = dtype == DT_BF16 && M >= kLut4ScaledDotMinM && M <= kLut4ScaledDotMaxM &&
+                                    (lut4_scaled_dot_allowed(p) || lut4_table_dot_active(p))
                                 ? lut4_scaled_dot_kernel()
                                 : nullptr;
   Lut4DecodeFn decode = nullptr;
@@ -549,7 +560,7 @@ int lut4_dot_max_m(const tq_weight& w) {
   if (bf16_dp_active()) return static_cast<int>(kBf16DpMaxM);  // the dot-product GEMM: every row count above the dot paths'
   if (bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);  // the AMX GEMM (above the dot paths' rows)
   const Lut4Params p = params(w, 0, nullptr);
-  if (lut4_scaled_dot_allowed(p) && lut4_scaled_dot_kernel()) return static_cast<int>(kLut4ScaledDotMaxM);
+  if ((lut4_scaled_dot_allowed(p) || lut4_table_dot_active(p)) && lut4_scaled_dot_kernel()) return static_cast<int>(kLut4ScaledDotMaxM);
   return lut4_bf16_dot_weights(p) && lut4_dot_kernel() ? static_cast<int>(kLut4DotMaxM) : 0;
 }
 
@@ -557,6 +568,16 @@ Lut4RowsFn lut4_dot_kernel() {
   if (!(lut4_paths() & LUT4_DECODE)) return nullptr;
   const int mode = g_dot.load(std::memory_order_relaxed);
   return mode == LUT4_DOT_EMULATED ? kLut4EmulatedDot : mode == LUT4_DOT_ON ? kernels().lut4.dot_bf16 : nullptr;
+}
+
+bool lut4_table_dot_active(const Lut4Params& p) { return g_table_dot.load(std::memory_order_relaxed) && lut4_table_dot_allowed(p); }
+
+// The guard of `kernel` (one of the scaled dot kernels, or null: -1) with the given lower bound.
+int scaled_dot_values_ok(Lut4RowsFn kernel, const float* v, const float* w, int64_t count, uint32_t min_bits) {
+  if (!v || count < 0) return -1;
+  if (kernel == kLut4EmulatedScaledDot) return kLut4EmulatedScaledDotValuesOk(v, w, count, min_bits);
+  if (kernel && kernel == kLut4Avx512Bf16ScaledDot) return kLut4Avx512Bf16ScaledDotValuesOk(v, w, count, min_bits);
+  return -1;
 }
 
 Lut4RowsFn lut4_scaled_dot_kernel() {
@@ -589,11 +610,19 @@ TQ_API int tq_set_lut4_scaled_dot(int mode) {
 // weight row take the path (0, or normal and at most 2^100), 0 where one does not; -1 where no
 // kernel runs (the mode, the ISA or lut4_paths) or v is null.
 TQ_API int tq_lut4_scaled_dot_values_ok(const float* v, const float* w, int64_t count) {
-  const tq::Lut4RowsFn kernel = tq::lut4_scaled_dot_kernel();
-  if (!v || count < 0) return -1;
-  if (kernel == tq::kLut4EmulatedScaledDot) return tq::kLut4EmulatedScaledDotValuesOk(v, w, count);
-  if (kernel && kernel == tq::kLut4Avx512Bf16ScaledDot) return tq::kLut4Avx512Bf16ScaledDotValuesOk(v, w, count);
-  return -1;
+  return tq::scaled_dot_values_ok(tq::lut4_scaled_dot_kernel(), v, w, count, 0x00800000u);
+}
+// The table kind's guard (NF4 / FP4 absmax, lut4_linear.h) likewise: 1 where every v[i] of [0, count)
+// is 0 or of magnitude in [2^-40, 2^100], 0 where one is not; -1 where no kernel runs or v is null.
+TQ_API int tq_lut4_table_dot_values_ok(const float* v, int64_t count) {
+  return tq::scaled_dot_values_ok(tq::lut4_scaled_dot_kernel(), v, nullptr, count, tq::kLut4TableDotMinBits);
+}
+// The scaled dot path's table kind on (1) or off (0; negative: read); returns the setting before, or
+// -1 (unchanged) for a value that is not one.
+TQ_API int tq_set_lut4_table_dot(int on) {
+  if (on < 0) return tq::g_table_dot.load();
+  if (on > 1) return -1;
+  return tq::g_table_dot.exchange(on);
 }
 // How many lut4 calls have taken the scaled dot path since the library loaded.
 TQ_API int64_t tq_scaled_dot_calls_lut4() { return tq::g_scaled_dot_calls.load(); }

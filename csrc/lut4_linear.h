@@ -119,6 +119,23 @@
 // 3 alternating runs, 3072 x 576 69.2 -> 63.6 us, 576 x 1536 37.8 -> 33.9, 960 x 576 26.4 -> 24.4,
 // 576 x 576 17.9 -> 16.5 (through DirectLinear; 3072 x 576 streamed from memory 81.4 -> 77.3).
 //
+// Its table kind (lut4_table_dot_allowed weights: NF4 / FP4, plain or double-quantized absmax,
+// blocks of a multiple of 64, bf16 activations): the reference casts each fp32 weight
+// codebook[c] * absmax_b to bf16 before F.linear (torchq.ops.blockwise), so per 128-position chunk
+// the 16 entries of each of its blocks are built as those bf16 values (an fp32 multiply, then
+// vcvtne2ps2bf16 for both blocks at once: [A | B] 32 words), the 128 weights come out of four vpermw
+// lookups (the index's bit 4 set for the second block's words, a block of 64 being words 16-31; in
+// blocks of 128 or more both halves are the chunk's one block) and vdpbf16ps multiplies them with the
+// activations into the tile's sums directly (no scale FMA: the weights are the reference's, bit for
+// bit). Double-quantized absmax is decoded per tile of weight rows (map[code] * absmax2 + offset, two
+// roundings, 16 at a time), as the reference decodes it. One-hot rows give exactly the reference's
+// weight; else the products are the reference's and only the fp32 sums' order differs:
+// |out - sum_k w_k x_k| <= ~K u sum_k |w_k x_k|, w_k the bf16 weight. Guard: every absmax of a tile 0
+// or in [2^-40, 2^100] (with the codebook's nonzero magnitudes in [2^-8, 1], each weight is 0 or at
+// least 2^-48, so with the activations' guard every product and partial sum is 0 or a normal multiple
+// of 2^-121; no weight rounds to inf), else the tile takes the table path. At one row, one Zen 4 core,
+// SmolLM2's 3072 x 576 in NF4 blocks of 64: see docs/native-cpu.md.
+//
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not);
 // for DECODE_AFFINE also nonzero ones below 2^-102 (their prescaled x 16^-6 could lose bits).
@@ -333,6 +350,22 @@ static inline bool lut4_scaled_dot_allowed(const Lut4Params& p) {
     if (!(p.codebook[c] == __builtin_truncf(p.codebook[c]) && __builtin_fabsf(p.codebook[c]) <= 256.0f)) return false;  // also NaN
   return true;
 }
+// Whether p's weight allows the scaled dot path's table kind (above): no shifts, zeros or roundings
+// (NF4 / FP4, absmax plain or double-quantized), blocks of a multiple of 64, and every codebook value
+// finite, of magnitude at most 1 and 0 or at least 2^-8 (NF4's smallest nonzero is 0.0796, FP4's 1/192).
+static inline bool lut4_table_dot_allowed(const Lut4Params& p) {
+  if (p.shifts || p.zeros || p.round_mul != ROUND_NONE || p.block % 64 != 0 || lut4_scaled_dot_allowed(p)) return false;
+  for (int c = 0; c < 16; ++c) {
+    const float a = __builtin_fabsf(p.codebook[c]);
+    if (!(a == 0.0f || (a >= 0x1p-8f && a <= 1.0f))) return false;  // also NaN
+  }
+  return true;
+}
+// Whether p's calls take the table kind: it is allowed and on (tq_set_lut4_table_dot, its default the
+// CPU's: lut4_linear.cpp).
+bool lut4_table_dot_active(const Lut4Params& p);
+// The table kind's guard on an absmax (above): 0 or in [2^-40, 2^100] (fp32 bits 0x2B800000).
+static constexpr uint32_t kLut4TableDotMinBits = 0x2B800000u;
 // The AVX512_BF16 kernel, and its body on emulated instructions (lut4_scaled_dot_emulated.cpp: the
 // same bits on any CPU). LUT4_SCALED_DOT_ON (the default) runs the first where the active table has
 // it, LUT4_SCALED_DOT_EMULATED the second on every ISA (tests), LUT4_SCALED_DOT_OFF neither
@@ -340,10 +373,13 @@ static inline bool lut4_scaled_dot_allowed(const Lut4Params& p) {
 extern const Lut4RowsFn kLut4Avx512Bf16ScaledDot, kLut4EmulatedScaledDot;
 // Their guard (Ops::values_ok, lut4_scaled_dot_body.h): whether every v[i] and w[i] (w may be null)
 // of [0, count) lets its weight row take the path (tq_lut4_scaled_dot_values_ok, for tests).
-using Lut4ValuesOkFn = bool (*)(const float* v, const float* w, int64_t count);
+// The table kind's guard on absmax values: the same check with its lower bound (min_bits: fp32 bits of
+// the least admitted magnitude; the scaled kind's is FLT_MIN's).
+using Lut4ValuesOkFn = bool (*)(const float* v, const float* w, int64_t count, uint32_t min_bits);
 extern const Lut4ValuesOkFn kLut4Avx512Bf16ScaledDotValuesOk, kLut4EmulatedScaledDotValuesOk;
 enum Lut4ScaledDotMode : int { LUT4_SCALED_DOT_OFF = 0, LUT4_SCALED_DOT_ON = 1, LUT4_SCALED_DOT_EMULATED = 2 };
 Lut4RowsFn lut4_scaled_dot_kernel();
+int scaled_dot_values_ok(Lut4RowsFn kernel, const float* v, const float* w, int64_t count, uint32_t min_bits);
 // The bf16 dot path likewise: the AVX512_BF16 kernel (Lut4Kernels.dot_bf16) and its body on emulated
 // instructions (lut4_dot_emulated.cpp), by tq_set_lut4_dot's mode; LUT4_DECODE off turns it off.
 extern const Lut4RowsFn kLut4EmulatedDot;

@@ -71,6 +71,52 @@ struct Lut4ScaledDotOps : Avx512Bf16DotOps {
     return _mm512_load_si512(words);
   }
 
+  // The table kind (lut4_scaled_dot_body.h): the codebook as fp32 lanes 0-15, and a chunk's table
+  // [bf16(code * a) | bf16(code * b)] (one fp32 rounding each, then vcvtne2ps2bf16's).
+  static V code(const float* codebook) { return _mm512_loadu_ps(codebook); }
+  __attribute__((always_inline)) static Tab table2(const V& code, float a, float b) {
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(code, _mm512_set1_ps(b)), _mm512_mul_ps(code, _mm512_set1_ps(a)));
+  }
+  // weights() of 64 bytes with each index's bit 4 (the next nibble's low bit there) replaced by the
+  // block: 0 for words 0-15 (positions 0-63), 1 for words 16-31 (one vpternlog: (v & 15) | that bit).
+  __attribute__((always_inline)) static void weights_split(const Tab& tab, const uint8_t* w, B (&q)[4]) {
+    const __m512i v = _mm512_loadu_si512(w);
+    const __m512i block = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1), low = _mm512_set1_epi16(15);
+    q[0] = (B)_mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(v, low, block, 0xEA), tab);
+    q[1] = (B)_mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low, block, 0xEA), tab);
+    q[2] = (B)_mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low, block, 0xEA), tab);
+    q[3] = (B)_mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(v, 12), block), tab);
+  }
+  // lut4_scale of flat blocks [b0, b0 + count) into dst, 16 at a time: map[code] by eight vpermi2ps
+  // (32 entries each, by the code's low 5 bits) and three blends (bits 5, 6, 7), times absmax2 of
+  // its 256-block (16 consecutive blocks span at most two), plus the offset: two roundings, as
+  // lut4_scale (no FMA).
+  static void decode_scales(const Lut4Params& p, int64_t b0, int64_t count, float* dst) {
+    __m512 map[16];
+    for (int i = 0; i < 16; ++i) map[i] = _mm512_loadu_ps(p.nested_map + 16 * i);
+    const __m512 offset = _mm512_set1_ps(p.nested_offset);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t i = 0; i < count; i += 16) {
+      const int c = count - i < 16 ? static_cast<int>(count - i) : 16;
+      const __mmask16 keep = static_cast<__mmask16>((1u << c) - 1u);
+      const __m512i code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(keep, p.nested_codes + b0 + i));
+      __m512 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm512_permutex2var_ps(map[2 * j], code, map[2 * j + 1]);
+      const __mmask16 bit5 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(32)), bit6 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(64)),
+                      bit7 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(128));
+      for (int j = 0; j < 4; ++j) r[j] = _mm512_mask_blend_ps(bit5, r[2 * j], r[2 * j + 1]);
+      for (int j = 0; j < 2; ++j) r[j] = _mm512_mask_blend_ps(bit6, r[2 * j], r[2 * j + 1]);
+      const __m512 value = _mm512_mask_blend_ps(bit7, r[0], r[1]);
+      const int64_t g0 = (b0 + i) >> 8, g1 = (b0 + i + c - 1) >> 8;
+      __m512 absmax2 = _mm512_set1_ps(p.nested_absmax[g0]);
+      if (g1 != g0) {  // lanes from 256 - (b0 + i) % 256 on are the next group's
+        const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>((b0 + i) & 255)));
+        absmax2 = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(256)), absmax2, _mm512_set1_ps(p.nested_absmax[g1]));
+      }
+      _mm512_mask_storeu_ps(dst + i, keep, _mm512_add_ps(_mm512_mul_ps(value, absmax2), offset));
+    }
+  }
+
   // vpermw reads an index's low 5 bits: each 16-bit word of the packed bytes indexes by its nibble
   // at bits 0-3 (words c and c + 16 are equal), its others after a shift by 4, 8 and 12.
   __attribute__((always_inline)) static void weights(const Tab& tab, const uint8_t* w, int bytes, B (&q)[4]) {
@@ -92,16 +138,16 @@ struct Lut4ScaledDotOps : Avx512Bf16DotOps {
     q[2] = (B)_mm512_zextsi256_si512(_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 8), t));
     q[3] = (B)_mm512_zextsi256_si512(_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 12), t));
   }
-  // dp() on lanes 0-7 (the low 256 bits of each operand); lanes 8-15 of the result +0.
+  // dp() on lanes 0-7 (the low 256 bits of each operand); lanes 8-15 of the result acc's.
   __attribute__((always_inline)) static V dp_low(V acc, B a, B b) {
-    return _mm512_zextps256_ps512(_mm256_dpbf16_ps(_mm512_castps512_ps256(acc), (__m256bh)_mm512_castsi512_si256((__m512i)a),
-                                                   (__m256bh)_mm512_castsi512_si256((__m512i)b)));
+    return _mm512_insertf32x8(acc, _mm256_dpbf16_ps(_mm512_castps512_ps256(acc), (__m256bh)_mm512_castsi512_si256((__m512i)a),
+                                                    (__m256bh)_mm512_castsi512_si256((__m512i)b)), 0);
   }
 
   // Lut4EmulatedDotOps::values_ok, 16 values at a time: with a = |bits|, every a is 0 or in
-  // [2^-126, 2^100] exactly when (unsigned) a - 1 >= 2^-126's bits - 1 (a - 1 wraps 0 to the top)
+  // [min, 2^100] exactly when (unsigned) a - 1 >= min_bits - 1 (a - 1 wraps 0 to the top)
   // and a <= 2^100's bits; the running minimum of a - 1 and maximum of a over both arrays, compared once.
-  static bool values_ok(const float* v, const float* w, int64_t count) {
+  static bool values_ok(const float* v, const float* w, int64_t count, uint32_t min_bits) {
     const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), minus1 = _mm512_set1_epi32(-1);
     __m512i lo = minus1, hi = _mm512_setzero_si512();
     auto take = [&](__m512i bits) {
@@ -119,7 +165,8 @@ struct Lut4ScaledDotOps : Avx512Bf16DotOps {
       take(_mm512_maskz_loadu_epi32(rest, v + i));
       if (w) take(_mm512_maskz_loadu_epi32(rest, w + i));
     }
-    return !(_mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32(0x007FFFFF)) | _mm512_cmpgt_epu32_mask(hi, _mm512_set1_epi32(0x71800000)));
+    return !(_mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32(static_cast<int>(min_bits - 1u))) |
+             _mm512_cmpgt_epu32_mask(hi, _mm512_set1_epi32(0x71800000)));
   }
 
   // Lane l: v[l / per] (per 4, 8 or 16) where l / per < count, else 0; one masked load and a
@@ -132,7 +179,7 @@ struct Lut4ScaledDotOps : Avx512Bf16DotOps {
   }
 };
 
-void scaled_dot_rows(const Lut4Params& p, int64_t n0, int64_t n1) { Lut4ScaledDot<Lut4ScaledDotOps>::rows(p, n0, n1, &Body::rows); }
+void scaled_dot_rows(const Lut4Params& p, int64_t n0, int64_t n1) { Lut4ScaledDotPath<Lut4ScaledDotOps>::rows(p, n0, n1, &Body::rows); }
 
 }  // namespace
 

@@ -12,8 +12,10 @@ after its first call, and the library's CPython entry that it (and ``run_linear`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -303,9 +305,17 @@ def test_a_bound_call_asks_the_tile_switch_again_above_the_fused_rows(fast_bf16,
         assert torch.equal(m(x), plan.kernel.impl(x, m.weight, m.bias))
 
 
+@contextlib.contextmanager
+def _nf4_table_dot(mode: str) -> Iterator[None]:
+    """The scaled dot path's table kind (NF4) switched on (off in mode "off"), the path in ``mode``."""
+    with library.lut4_table_dot("off" if mode == "off" else "on"), library.lut4_scaled_dot(mode):
+        yield
+
+
 DOT_PATHS = {  # config -> its bf16 dot path's mode switch and call counter
     "int8wo": (library.int8_dot, library.int8_dot_calls),
     "int4-g64-fp32-scales": (library.lut4_scaled_dot, library.lut4_scaled_dot_calls),
+    "nf4": (_nf4_table_dot, library.lut4_scaled_dot_calls),
 }
 
 
@@ -314,8 +324,8 @@ DOT_PATHS = {  # config -> its bf16 dot path's mode switch and call counter
 @pytest.mark.parametrize("config", list(DOT_PATHS))
 @pytest.mark.parametrize("mode", ["on", "emulated"])
 def test_a_bound_call_asks_the_dot_path_switch_again(fast_bf16, config, mode):
-    """bf16 rows above the fused ones (bf16 AMX GEMM off): int8 weight-only's bf16 dot path, and int4
-    with fp32 scales' scaled dot path, take them in the bound call while their switch allows it (on
+    """bf16 rows above the fused ones (bf16 AMX GEMM off): int8 weight-only's bf16 dot path, int4
+    with fp32 scales' scaled dot path and NF4's table kind of it, take them in the bound call while their switch allows it (on
     AVX512_BF16 CPUs; emulated on every CPU); switched off, the bound call declines and the impl
     takes dequantized tiles. On other CPUs in mode "on" the bound call declines both times."""
     switch, calls = DOT_PATHS[config]

@@ -337,3 +337,215 @@ def test_quantized_model_reports_the_kernel():
         y = m(torch.randn(1, 256))
     assert y.shape == (1, 64)
     assert torchq.explain(m, torch.randn(1, 256)).kernels() == {"weight": "blockwise_4bit_linear"}
+
+
+# The scaled dot path's table kind (csrc/lut4_linear.h): NF4 / FP4 in blocks of a multiple of 64,
+# bf16 activations, 1-16 rows; each 128 positions' weights looked up as the reference's bf16 values.
+
+
+def _table_dot_kernel_runs() -> bool:
+    """Whether the AVX512_BF16 kernel serves the path here (else only its emulation runs)."""
+    st = native.status()
+    return "avx512_bf16" in st.features and st.isa == "avx512"
+
+
+def _table_dot_calls(fn, *args):
+    """fn(*args) and how many lut4 calls took the scaled dot path (either kind) in it."""
+    before = native_library.lut4_scaled_dot_calls()
+    out = fn(*args)
+    return out, native_library.lut4_scaled_dot_calls() - before
+
+
+def _bf16_weight_bound(y: torch.Tensor, x: torch.Tensor, w_bf16: torch.Tensor, bias) -> None:
+    """``y`` within fp32 accumulation (any order) of x @ w_bf16.T (+ bias), rounded once to bf16:
+    the table kind's products are the reference's exactly, only their sum's order differs."""
+    k = x.shape[-1]
+    exact = x.double() @ w_bf16.double().T + (0 if bias is None else bias.double())
+    mag = x.double().abs() @ w_bf16.double().abs().T + (0 if bias is None else bias.double().abs())
+    bound = (k + 2) * U32 * mag + 2.0**-8 * exact.abs() + torch.finfo(torch.bfloat16).smallest_normal * 2.0**-7
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+
+
+def _edge_absmax_weight(n: int, k: int, block: int, quant_type: str, seed: int):
+    """weight() (plain absmax) with rows whose absmax the table kind refuses (inf, NaN, subnormal,
+    just below 2^-40, above 2^100: their tiles take the table path) or takes (0, 2^-40, 2^100)."""
+    packed, args, _ = weight(n, k, block, quant_type, nested=False, seed=seed)
+    absmax = args["absmax"].clone().reshape(n, k // block)
+    edges = ((3, float("inf")), (17, float("nan")), (30, 1e-40), (31, 0.0), (32, 2.0**-40), (33, 2.0**-40 * (1 - 2.0**-24)),
+             (40, 2.0**100), (44, 2.0**101))
+    for row, v in edges:
+        absmax[row, 1 % absmax.shape[1]] = v
+    absmax = absmax.reshape(-1)
+    dense = ops.dequantize_4bit(packed, absmax, block, quant_type, [n, k], torch.float32)
+    return packed, dict(args, absmax=absmax), dense
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["on", "emulated"])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("weights", ["edges", "nested"])
+@pytest.mark.parametrize("block,k", [(64, 576), (64, 640), (128, 1152), (256, 512), (64, 3200)])
+def test_table_dot_one_hot_bound_and_fallbacks(mode, threads, quant_type, weights, block, k):
+    """bf16 activations, 1..16 rows, NF4 / FP4: the scaled dot path's table kind (on AVX512_BF16
+    CPUs, or its body on emulated instructions anywhere) serves the call; K = 576 and 640 end in a
+    half chunk (one block of 64 on 256-bit halves), 3200 runs the activation rows in chunks of 4
+    and the weight rows in blocks; N = 45 ends in partial tiles, and its 405 nested blocks cross a
+    256-block group of the double-quantized absmax inside a tile. One-hot rows give exactly the
+    reference's bf16 weights; random rows with a bias stay within fp32 accumulation of the
+    reference's products; rows whose absmax is inf, NaN, subnormal, below 2^-40 or above 2^100 take
+    the table path (the reference's non-finite outputs), as do calls with activations below 2^-59
+    or inf / NaN, the table kind switched off, and the decode paths' switch off."""
+    runs = mode == "emulated" or _table_dot_kernel_runs()
+    n = 45
+    if weights == "nested":
+        packed, args, dense = weight(n, k, block, quant_type, nested=True, seed=k + block)
+    else:
+        packed, args, dense = _edge_absmax_weight(n, k, block, quant_type, seed=k + block)
+    w_bf16 = dense.to(torch.bfloat16)
+    finite = dense.isfinite().all(1)
+    with native_library.bf16_amx("off"), native_library.bf16_dp_gemm("off"), native_library.lut4_table_dot("on"), \
+            native_library.lut4_scaled_dot(mode):
+        for m in (1, 2, 3, 5, 9, 16):
+            gen = torch.Generator().manual_seed(m + k)
+            cols = torch.cat([torch.tensor([0, k - 1, block, block - 1, 64, 63]), torch.randint(0, k, (m,), generator=gen)])[:m]
+            one_hot = torch.zeros(m, k, dtype=torch.bfloat16)
+            one_hot[torch.arange(m), cols] = 1.0
+            got, calls = _table_dot_calls(run, one_hot, packed, args, n, k, block, quant_type)
+            assert calls == runs, m
+            assert torch.equal(got[:, finite], w_bf16[finite][:, cols].T), m
+            tiny, calls = _table_dot_calls(run, one_hot * 2.0**-70, packed, args, n, k, block, quant_type)
+            assert calls == 0 and torch.equal(tiny[:, finite], (dense[finite][:, cols].T * 2.0**-70).to(torch.bfloat16))  # the table path's fp32 weights
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+            y, calls = _table_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
+            assert calls == runs
+            if weights == "nested":  # every tile on the path: the reference's products, summed in another order
+                _bf16_weight_bound(y, x, w_bf16.float(), bias)
+            else:  # the refused rows' tiles on the table path (fp32 weights)
+                assert_within_bound(y[:, finite], x, dense[finite], bias[finite], torch.bfloat16)
+            ref = torch.nn.functional.linear(x.double(), dense.double(), bias.double())
+            assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+            for switch in (native_library.lut4_table_dot("off"), native_library.lut4_paths(decode=False)):
+                with switch:
+                    off, calls = _table_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
+                assert calls == 0
+                assert_within_bound(off[:, finite], x, dense[finite], bias[finite], torch.bfloat16)
+            x[0, 1] = float("inf")
+            x[m - 1, k - 1] = float("nan")
+            y, calls = _table_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
+            assert calls == 0
+            ref = torch.nn.functional.linear(x.double(), dense.double(), bias.double())
+            assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_table_dot_emulated_gives_the_kernels_bits(threads):
+    """The emulated body (csrc/lut4_scaled_dot_emulated.cpp: the tables' fp32 products rounded to
+    bf16, vpermw's index bits, vdpbf16ps's pair order, the nested absmax decoded lane by lane) gives
+    the AVX512_BF16 kernel's bits for every row count, blocks of 64 to 256, K ending 64 positions
+    into a chunk, odd N, plain and double-quantized absmax (groups of 256 blocks crossed inside a
+    tile), NF4 and FP4, a bias and tiny and huge activations within the path's range."""
+    if not _table_dot_kernel_runs():
+        pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
+    gen = torch.Generator().manual_seed(5)
+    for n, k, block in ((45, 576, 64), (64, 1152, 64), (17, 1152, 128), (33, 640, 64), (8, 512, 256), (300, 192, 64)):
+        for quant_type in ("nf4", "fp4"):
+            for nested in (False, True):
+                packed, args, _ = weight(n, k, block, quant_type, nested, seed=n + k)
+                bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+                for m in (1, 2, 3, 4, 5, 8, 9, 16):
+                    x = torch.randn(m, k, generator=gen)
+                    x[0, : k // 4] = (x[0, : k // 4].abs() + 1) * x[0, : k // 4].sign() * 2.0**-50  # tiny, still >= 2^-59
+                    x[m - 1, k // 2:] *= 2.0**40
+                    x = x.to(torch.bfloat16)
+                    outs = []
+                    for mode in ("on", "emulated"):
+                        with native_library.bf16_amx("off"), native_library.bf16_dp_gemm("off"), native_library.lut4_table_dot("on"), \
+                                native_library.lut4_scaled_dot(mode):
+                            outs.append(_table_dot_calls(run, x, packed, args, n, k, block, quant_type, bias))
+                    (on, calls_on), (emulated, calls_emulated) = outs
+                    assert calls_on == calls_emulated == 1
+                    assert torch.equal(on, emulated), (n, k, block, quant_type, nested, m)
+
+
+def _table_guard_admits(bits: int) -> bool:
+    """The table kind's contract for one absmax (csrc/lut4_linear.h): 0, or of magnitude in
+    [2^-40, 2^100]."""
+    magnitude = bits & 0x7FFFFFFF
+    return magnitude == 0 or 0x2B800000 <= magnitude <= 0x71800000
+
+
+# float32 bit patterns at the table kind's guard edges: +-0, subnormals, FLT_MIN, 2^-40 and the float
+# below it, 2^100 and the float above it, inf, NaNs
+TABLE_GUARD_EDGE_BITS = (0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000, 0x2B800000, 0xAB800000, 0x2B7FFFFF,
+                         0xAB7FFFFF, 0x71800000, 0xF1800000, 0x71800001, 0xF1800001, 0x7F800000, 0xFF800000, 0x7FC00000,
+                         0x7F800001, 0xFFFFFFFF, 0x3F800000)
+
+
+def _floats(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(mode=st.sampled_from(["on", "emulated"]), count=st.integers(0, 70), data=st.data())
+def test_table_dot_guard_admits_exactly_zero_and_magnitudes_from_2_minus_40_to_2_100(mode, count, data):
+    """The table kind's guard, as the kernel of each mode computes it (the AVX-512 one 16 values at a
+    time, masked at the end), on arbitrary bit patterns and the edge patterns at drawn positions."""
+    if mode == "on" and not _table_dot_kernel_runs():
+        pytest.skip("no AVX512_BF16 kernel here")
+    admitted = data.draw(st.lists(st.integers(0x2B800000, 0x71800000) | st.just(0), min_size=count, max_size=count))
+    signs = data.draw(st.lists(st.booleans(), min_size=count, max_size=count))
+    bits = [b | (0x80000000 if s else 0) for b, s in zip(admitted, signs)]
+    if count:
+        for _ in range(data.draw(st.integers(0, 3))):
+            at = data.draw(st.integers(0, count - 1))
+            bits[at] = data.draw(st.sampled_from(TABLE_GUARD_EDGE_BITS) | st.integers(0, 0xFFFFFFFF))
+    with native_library.lut4_scaled_dot(mode):
+        got = native_library.lut4_table_dot_values_ok(_floats(bits))
+    assert got is all(_table_guard_admits(b) for b in bits)
+
+
+def test_table_dot_guard_rejects_each_edge_pattern_alone_and_checks_its_arguments():
+    """Each edge pattern alone at the start, middle and end of 1-33 admitted values, in every mode
+    that has a kernel here; None where no kernel runs; a bad argument named."""
+    if not NATIVE:
+        pytest.skip("native library not built")
+    modes = ["emulated"] + (["on"] if _table_dot_kernel_runs() else [])
+    for mode in modes:
+        with native_library.lut4_scaled_dot(mode):
+            for count in (1, 15, 16, 17, 33):
+                for bits in TABLE_GUARD_EDGE_BITS:
+                    for at in {0, count // 2, count - 1}:
+                        values = [0x3F000000] * count  # 0.5
+                        values[at] = bits
+                        assert native_library.lut4_table_dot_values_ok(_floats(values)) is _table_guard_admits(bits), (mode, count, hex(bits), at)
+            assert native_library.lut4_table_dot_values_ok(torch.ones(0)) is True
+            with pytest.raises(ValueError, match="absmax"):
+                native_library.lut4_table_dot_values_ok(torch.ones(4, dtype=torch.float64))
+    with native_library.lut4_scaled_dot("off"):
+        assert native_library.lut4_table_dot_values_ok(torch.ones(4)) is None
+    with pytest.raises(TypeError, match="absmax: expected a tensor"):
+        native_library.lut4_table_dot_values_ok(None)
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        with native_library.lut4_table_dot("emulated"):
+            pass
+
+
+@needs_native
+def test_table_dot_serves_the_layout_and_reports_its_rows():
+    """nf4_weight_only's eager path takes the table kind for 1-16 bf16 rows where it is on (the
+    weight's dot_max_m says 16), not where it is off."""
+    lin = torch.nn.Linear(576, 96, bias=True).to(torch.bfloat16)
+    torchq.quantize_(lin, torchq.nf4_weight_only())
+    with native_library.bf16_amx("off"), native_library.bf16_dp_gemm("off"), native_library.lut4_scaled_dot("emulated"):
+        for setting in ("on", "off"):
+            with native_library.lut4_table_dot(setting), torch.no_grad():
+                for m in (1, 4, 16):
+                    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+                    y, calls = _table_dot_calls(lin, x)
+                    assert calls == (setting == "on"), (setting, m)
+                    assert torch.isfinite(y).all()

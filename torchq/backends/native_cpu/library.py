@@ -32,13 +32,13 @@ from . import abi
 __all__ = [
     "ABI_VERSION", "BIAS_AFTER_FORMATS", "BoundLinear", "DISABLED", "DTYPE_CODES", "ISA_NAMES", "NativeWeight", "bind_linear", "check", "check_bias", "checked_bias", "checked_ptr",
     "checked_tile", "decode_linear", "decode_weight", "dequantize_rows", "eager_cpu", "int8_weight", "library", "load_error", "loaded",
-    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "bf16_dp_gemm", "bf16_dp_gemm_calls", "BF16_DP_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "int8_panel", "int8_panel_calls", "INT8_PANEL_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "lut4_scaled_dot_values_ok", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
+    "bf16_amx", "bf16_amx_calls", "bf16_amx_supported", "BF16_AMX_MODES", "bf16_dp_gemm", "bf16_dp_gemm_calls", "BF16_DP_MODES", "gemm_active", "int8_amx", "int8_amx_calls", "int8_amx_supported", "INT8_AMX_MODES", "int8_dot", "int8_dot_calls", "INT8_DOT_MODES", "int8_panel", "int8_panel_calls", "INT8_PANEL_MODES", "lut4_dot", "lut4_dot_calls", "LUT4_DOT_MODES", "lut4_scaled_dot", "lut4_scaled_dot_calls", "lut4_scaled_dot_values_ok", "lut4_table_dot", "LUT4_TABLE_DOT_MODES", "lut4_table_dot_values_ok", "LUT4_SCALED_DOT_MODES", "LINEAR_ENTRIES", "linear_entry", "lut4_gemm_active", "lut4_paths", "lut4_weight", "min_parallel_work", "RowSums", "THREAD_POOLS", "thread_pool", "cached_op_weight", "op_weight", "ptr", "run_linear", "takes_fused", "threads", "validate", "weight_args",
     "weight_struct",
     "int8_panel_numel",
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 14
+ABI_VERSION = 15
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
@@ -48,6 +48,7 @@ BF16_AMX_MODES = ("off", "on", "emulated")  # tq_set_bf16_amx
 INT8_DOT_MODES = ("off", "on", "emulated")  # tq_set_int8_dot
 INT8_PANEL_MODES = ("off", "on", "emulated")  # tq_set_int8_panel
 LUT4_SCALED_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_scaled_dot
+LUT4_TABLE_DOT_MODES = ("off", "on")  # tq_set_lut4_table_dot
 LUT4_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_dot
 BF16_DP_MODES = ("off", "on", "emulated")  # tq_set_bf16_dp_gemm
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -70,6 +71,8 @@ _SIGNATURES: dict[str, tuple[object, list]] = {
     "tq_scaled_dot_calls_lut4": (_c_int64, []),
     "tq_set_lut4_scaled_dot": (_c_int, [_c_int]),  # index into LUT4_SCALED_DOT_MODES (negative: read)
     "tq_lut4_scaled_dot_values_ok": (_c_int, [_ptr, _ptr, _c_int64]),  # scales, zeros or null, count: 1 / 0 (-1: no kernel)
+    "tq_lut4_table_dot_values_ok": (_c_int, [_ptr, _c_int64]),  # NF4 / FP4 absmax, count: 1 / 0 (-1: no kernel)
+    "tq_set_lut4_table_dot": (_c_int, [_c_int]),  # index into LUT4_TABLE_DOT_MODES (negative: read)
     "tq_dot_calls_lut4": (_c_int64, []),
     "tq_set_lut4_dot": (_c_int, [_c_int]),  # index into LUT4_DOT_MODES (negative: read)
     "tq_set_bf16_amx": (_c_int, [_c_int]),  # index into BF16_AMX_MODES (negative: read)
@@ -209,7 +212,7 @@ def threads() -> int:
 def lut4_paths(decode: bool = True, gemm: bool = True, lookup_any_isa: bool = False) -> Iterator[None]:
     """Allow or forbid the lut4 kernel's decode paths (AVX2, M <= 4; with them the AVX-512 lookup path,
     M = 1 int4 g32 with fp32 scales, the AVX512_BF16 bf16 dot paths: int4 with bf16 scales, 2-16
-    bf16 rows, int4 with fp32 scales, 1-16 (:func:`lut4_scaled_dot`), and int8 weight-only's,
+    bf16 rows, int4 with fp32 scales and NF4 / FP4 in blocks of 64+, 1-16 (:func:`lut4_scaled_dot`), and int8 weight-only's,
     2-32 (:func:`int8_dot`)) and GEMM
     (M >= 64) paths (see csrc/lut4_linear.h) within the block, process-wide: for tests and benchmarks
     that compare them with the table and panel paths (and tiles). ``gemm`` also switches the GEMM
@@ -315,13 +318,23 @@ def lut4_dot_calls() -> int:
 
 def lut4_scaled_dot(mode: str) -> contextlib.AbstractContextManager[None]:
     """Within the block (process-wide), the lut4 kernel's scaled dot path for 1 to 16 rows of bf16
-    activations (``csrc/lut4_linear.h``: int4 with fp32 scales, any group size; the codes' values as
-    bf16 into ``vdpbf16ps``, each block's sum scaled once): ``"on"`` (the default) on CPUs with
+    activations (``csrc/lut4_linear.h``: int4 with fp32 scales, any group size, the codes' values as
+    bf16 into ``vdpbf16ps``, each block's sum scaled once; and its table kind, NF4 / FP4 in blocks of
+    a multiple of 64, each 128 positions' bf16 weights looked up from their blocks' tables): ``"on"`` (the default) on CPUs with
     AVX512_BF16 whose AVX-512 ISA is active, ``"off"`` never (the lookup, table and decode paths
     or dequantized tiles serve those rows), ``"emulated"`` its body on emulated instructions on any
     CPU, the same bits (for tests). A decode path: ``lut4_paths(decode=False)`` turns it off in
     every mode."""
     return _mode("tq_set_lut4_scaled_dot", LUT4_SCALED_DOT_MODES, mode)
+
+
+def lut4_table_dot(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Within the block (process-wide), the scaled dot path's table kind (NF4 / FP4 in blocks of a
+    multiple of 64, ``csrc/lut4_linear.h``) ``"on"`` or ``"off"`` (then the table path serves those
+    calls). Its default is the CPU's: on for AMD (measured faster on Zen 4), off for Intel (slower
+    there: ``vdpbf16ps`` costs about two FMAs); ``TORCHQ_NATIVE_TABLE_DOT=0`` / ``1`` at load
+    overrides. The :func:`lut4_scaled_dot` mode chooses its kernel (``"emulated"``: on any CPU)."""
+    return _mode("tq_set_lut4_table_dot", LUT4_TABLE_DOT_MODES, mode)
 
 
 def lut4_scaled_dot_calls() -> int:
@@ -346,6 +359,22 @@ def lut4_scaled_dot_values_ok(scales: torch.Tensor, zeros: torch.Tensor | None =
     w = checked_ptr("zeros", zeros, torch.float32, count, "lut4_scaled_dot_values_ok")
     scratch = None if count else torch.zeros(1)  # an empty tensor's pointer may be null, which the call reads as "no kernel"
     got = int(_LIB.tq_lut4_scaled_dot_values_ok(v if count else scratch.data_ptr(), w if count else None, count))
+    return None if got < 0 else bool(got)
+
+
+def lut4_table_dot_values_ok(absmax: torch.Tensor) -> bool | None:
+    """The scaled dot path's guard for its table kind (NF4 / FP4) as the kernel that the current
+    :func:`lut4_scaled_dot` mode runs computes it, on fp32 ``absmax`` (a tile's, plain or decoded):
+    True where every value is 0 or of magnitude in [2^-40, 2^100], False where one sends the tile to
+    the table path, None where no scaled dot kernel runs (for tests)."""
+    if not isinstance(absmax, torch.Tensor):
+        raise TypeError(f"torchq lut4_table_dot_values_ok: absmax: expected a tensor, got {type(absmax).__name__}")
+    if _LIB is None:
+        return None
+    count = absmax.numel()
+    v = checked_ptr("absmax", absmax, torch.float32, count, "lut4_table_dot_values_ok")
+    scratch = None if count else torch.zeros(1)  # an empty tensor's pointer may be null, which the call reads as "no kernel"
+    got = int(_LIB.tq_lut4_table_dot_values_ok(v if count else scratch.data_ptr(), count))
     return None if got < 0 else bool(got)
 
 
