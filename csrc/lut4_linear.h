@@ -133,8 +133,10 @@
 // |out - sum_k w_k x_k| <= ~K u sum_k |w_k x_k|, w_k the bf16 weight. Guard: every absmax of a tile 0
 // or in [2^-40, 2^100] (with the codebook's nonzero magnitudes in [2^-8, 1], each weight is 0 or at
 // least 2^-48, so with the activations' guard every product and partial sum is 0 or a normal multiple
-// of 2^-121; no weight rounds to inf), else the tile takes the table path. At one row, one Zen 4 core,
-// SmolLM2's 3072 x 576 in NF4 blocks of 64: see docs/native-cpu.md.
+// of 2^-121; no weight rounds to inf), else the tile takes the table path. On by default on AMD CPUs
+// (Zen 4: a standalone copy of its loop ran 3072 x 512 in 45-57 us against the fp32 table loop's 69-77), off on Intel ones, where
+// vdpbf16ps costs about two FMAs (one core of an Intel AMX machine, SmolLM2's layers, NF4: 0.74-0.94x
+// the table path at 1-4 rows; docs/native-cpu.md); tq_set_lut4_table_dot / TORCHQ_NATIVE_TABLE_DOT.
 //
 // Calls with inf / NaN activations, or any of magnitude 2^64 or more, take the table path (its
 // products are the reference's; the separate terms above could overflow where the sum does not);

@@ -52,6 +52,26 @@ def test_bench_bf16_dp_runs_and_writes_json(tmp_path, capsys):
     assert "int8wo-panels" in capsys.readouterr().out
 
 
+def test_bench_dot_paths_runs_and_writes_json(tmp_path, capsys):
+    import json
+
+    from torchq import native
+    from torchq.backends.native_cpu import library
+
+    if library.loaded() is None:
+        pytest.skip("the native library is not built")
+    mod = _load_script("bench_dot_paths")
+    path = tmp_path / "out.json"
+    assert mod.main(["--shapes", "48x128", "--rows", "1,3", "--rounds", "1", "--budget", "0.01", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["config"], r["rows"]) for r in rows] == [(c, m) for c in mod.CONFIGS for m in (1, 3)]
+    kernel = "avx512_bf16" in native.status().features and native.status().isa == "avx512"
+    for r in rows:
+        assert r["on_us"] > 0 and r["off_us"] > 0 and r["flinear_us"] > 0
+        assert r["path_ran"] == kernel, r
+    assert "| nf4 | 48 × 128 | 1 |" in capsys.readouterr().out
+
+
 def test_bench_hostile_files_runs_and_writes_json(tmp_path, capsys):
     import json
 
