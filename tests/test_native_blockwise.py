@@ -343,13 +343,14 @@ def test_quantized_model_reports_the_kernel():
 # bf16 activations, 1-16 rows; each 128 positions' weights looked up as the reference's bf16 values.
 
 
-def _table_dot_kernel_runs() -> bool:
-    """Whether the AVX512_BF16 kernel serves the path here (else only its emulation runs)."""
+def _scaled_dot_path_runs() -> bool:
+    """Whether the AVX512_BF16 scaled dot kernel (either kind) serves calls here (else only its
+    emulation runs)."""
     st = native.status()
     return "avx512_bf16" in st.features and st.isa == "avx512"
 
 
-def _table_dot_calls(fn, *args):
+def _scaled_dot_calls(fn, *args):
     """fn(*args) and how many lut4 calls took the scaled dot path (either kind) in it."""
     before = native_library.lut4_scaled_dot_calls()
     out = fn(*args)
@@ -407,7 +408,7 @@ def test_table_dot_one_hot_bound_and_fallbacks(mode, threads, quant_type, weight
     reference's products; rows whose absmax is inf, NaN, subnormal, below 2^-40 or above 2^100 take
     the table path (the reference's non-finite outputs), as do calls with activations below 2^-59
     or inf / NaN, the table kind switched off, and the decode paths' switch off."""
-    runs = mode == "emulated" or _table_dot_kernel_runs()
+    runs = mode == "emulated" or _scaled_dot_path_runs()
     n = 45
     if weights == "nested":
         packed, args, dense = weight(n, k, block, quant_type, nested=True, seed=k + block)
@@ -424,15 +425,15 @@ def test_table_dot_one_hot_bound_and_fallbacks(mode, threads, quant_type, weight
             one_hot[torch.arange(m), cols] = 1.0
             # without the path, 5+ rows take dequantized tiles + torch.mm, which may flush subnormal weights
             flushes = not runs and m >= 5
-            got, calls = _table_dot_calls(run, one_hot, packed, args, n, k, block, quant_type)
+            got, calls = _scaled_dot_calls(run, one_hot, packed, args, n, k, block, quant_type)
             assert calls == runs, m
             _assert_one_hot(got[:, finite], w_bf16[finite][:, cols].T, flushes)
-            tiny, calls = _table_dot_calls(run, one_hot * 2.0**-70, packed, args, n, k, block, quant_type)
+            tiny, calls = _scaled_dot_calls(run, one_hot * 2.0**-70, packed, args, n, k, block, quant_type)
             assert calls == 0
             _assert_one_hot(tiny[:, finite], (dense[finite][:, cols].T * 2.0**-70).to(torch.bfloat16), flushes)  # the table path's fp32 weights
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-            y, calls = _table_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
+            y, calls = _scaled_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
             assert calls == runs
             if runs and weights == "nested":  # every tile on the path: the reference's products, summed in another order
                 _bf16_weight_bound(y, x, w_bf16.float(), bias)
@@ -442,12 +443,12 @@ def test_table_dot_one_hot_bound_and_fallbacks(mode, threads, quant_type, weight
             assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
             for switch in (native_library.lut4_table_dot("off"), native_library.lut4_paths(decode=False)):
                 with switch:
-                    off, calls = _table_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
+                    off, calls = _scaled_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
                 assert calls == 0
                 assert_within_bound(off[:, finite], x, dense[finite], bias[finite], torch.bfloat16)
             x[0, 1] = float("inf")
             x[m - 1, k - 1] = float("nan")
-            y, calls = _table_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
+            y, calls = _scaled_dot_calls(run, x, packed, args, n, k, block, quant_type, bias)
             assert calls == 0
             ref = torch.nn.functional.linear(x.double(), dense.double(), bias.double())
             assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
@@ -461,7 +462,7 @@ def test_table_dot_emulated_gives_the_kernels_bits(threads):
     the AVX512_BF16 kernel's bits for every row count, blocks of 64 to 256, K ending 64 positions
     into a chunk, odd N, plain and double-quantized absmax (groups of 256 blocks crossed inside a
     tile), NF4 and FP4, a bias and tiny and huge activations within the path's range."""
-    if not _table_dot_kernel_runs():
+    if not _scaled_dot_path_runs():
         pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
     gen = torch.Generator().manual_seed(5)
     for n, k, block in ((45, 576, 64), (64, 1152, 64), (17, 1152, 128), (33, 640, 64), (8, 512, 256), (300, 192, 64)):
@@ -478,7 +479,7 @@ def test_table_dot_emulated_gives_the_kernels_bits(threads):
                     for mode in ("on", "emulated"):
                         with native_library.bf16_amx("off"), native_library.bf16_dp_gemm("off"), native_library.lut4_table_dot("on"), \
                                 native_library.lut4_scaled_dot(mode):
-                            outs.append(_table_dot_calls(run, x, packed, args, n, k, block, quant_type, bias))
+                            outs.append(_scaled_dot_calls(run, x, packed, args, n, k, block, quant_type, bias))
                     (on, calls_on), (emulated, calls_emulated) = outs
                     assert calls_on == calls_emulated == 1
                     assert torch.equal(on, emulated), (n, k, block, quant_type, nested, m)
@@ -499,6 +500,7 @@ TABLE_GUARD_EDGE_BITS = (0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800
 
 
 def _floats(bits: list[int]) -> torch.Tensor:
+    """float32 values of the given bit patterns (each 0 <= b < 2^32)."""
     return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
 
 
@@ -508,7 +510,7 @@ def _floats(bits: list[int]) -> torch.Tensor:
 def test_table_dot_guard_admits_exactly_zero_and_magnitudes_from_2_minus_40_to_2_100(mode, count, data):
     """The table kind's guard, as the kernel of each mode computes it (the AVX-512 one 16 values at a
     time, masked at the end), on arbitrary bit patterns and the edge patterns at drawn positions."""
-    if mode == "on" and not _table_dot_kernel_runs():
+    if mode == "on" and not _scaled_dot_path_runs():
         pytest.skip("no AVX512_BF16 kernel here")
     admitted = data.draw(st.lists(st.integers(0x2B800000, 0x71800000) | st.just(0), min_size=count, max_size=count))
     signs = data.draw(st.lists(st.booleans(), min_size=count, max_size=count))
@@ -527,7 +529,7 @@ def test_table_dot_guard_rejects_each_edge_pattern_alone_and_checks_its_argument
     that has a kernel here; None where no kernel runs; a bad argument named."""
     if not NATIVE:
         pytest.skip("native library not built")
-    modes = ["emulated"] + (["on"] if _table_dot_kernel_runs() else [])
+    modes = ["emulated"] + (["on"] if _scaled_dot_path_runs() else [])
     for mode in modes:
         with native_library.lut4_scaled_dot(mode):
             for count in (1, 15, 16, 17, 33):
@@ -559,7 +561,7 @@ def test_table_dot_serves_the_layout_and_reports_its_rows():
             with native_library.lut4_table_dot(setting), torch.no_grad():
                 for m in (1, 4, 16):
                     x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-                    y, calls = _table_dot_calls(lin, x)
+                    y, calls = _scaled_dot_calls(lin, x)
                     assert calls == (setting == "on"), (setting, m)
                     assert torch.isfinite(y).all()
 

@@ -29,7 +29,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_native_blockwise import ISAS, NATIVE, assert_within_bound, forced_tiles, needs_native
+from test_native_blockwise import (
+    ISAS,
+    NATIVE,
+    _floats,
+    _scaled_dot_calls,
+    _scaled_dot_path_runs,
+    assert_within_bound,
+    forced_tiles,
+    needs_native,
+)
 
 import torchq
 from torchq import native
@@ -442,18 +451,6 @@ def _dot_path_checks(k: int, g: int, runs: bool) -> None:
         assert torch.equal(lin(x), run_int4(x, impl)), m
 
 
-def _scaled_dot_path_runs() -> bool:
-    st = native.status()
-    return "avx512_bf16" in st.features and st.isa == "avx512"
-
-
-def _scaled_dot_calls(fn, *args):
-    """fn(*args) and how many lut4 calls took the scaled dot path in it."""
-    before = library.lut4_scaled_dot_calls()
-    out = fn(*args)
-    return out, library.lut4_scaled_dot_calls() - before
-
-
 def fp32_scale_edge_plain(n: int, k: int, g: int, domain: str, seed: int) -> PlainForm:
     """int4_plain with fp32 scales, and rows whose scale or zero the scaled dot path refuses (inf, NaN,
     subnormal, above 2^100: those rows take the table path) or takes (0, FLT_MIN, 2^100)."""
@@ -594,10 +591,6 @@ def _guard_admits(bits: int) -> bool:
     at most 2^100 in magnitude."""
     magnitude = bits & 0x7FFFFFFF
     return magnitude == 0 or 0x00800000 <= magnitude <= 0x71800000
-
-
-def _floats(bits: list[int]) -> torch.Tensor:
-    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
 
 
 @needs_native

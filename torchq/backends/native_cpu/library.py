@@ -343,6 +343,24 @@ def lut4_scaled_dot_calls() -> int:
     return 0 if _LIB is None else int(_LIB.tq_scaled_dot_calls_lut4())
 
 
+def _guard_answer(op: str, function: str, named: list[tuple[str, torch.Tensor | None]]) -> bool | None:
+    """A guard's answer from the library's ``function`` on the fp32 tensors ``named`` (the first
+    required, the others of its size or None), then the count: True / False, or None where no
+    kernel runs (-1) or the library is not loaded."""
+    first_name, first = named[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"torchq {op}: {first_name}: expected a tensor, got {type(first).__name__}")
+    if _LIB is None:
+        return None
+    count = first.numel()
+    ptrs = [checked_ptr(name, t, torch.float32, count, op) for name, t in named]
+    scratch = None if count else torch.zeros(1)  # an empty tensor's pointer may be null, which the call reads as "no kernel"
+    if scratch is not None:
+        ptrs = [scratch.data_ptr()] + [None] * (len(named) - 1)
+    got = int(getattr(_LIB, function)(*ptrs, count))
+    return None if got < 0 else bool(got)
+
+
 def lut4_scaled_dot_values_ok(scales: torch.Tensor, zeros: torch.Tensor | None = None) -> bool | None:
     """The scaled dot path's guard (csrc/lut4_scaled_dot_body.h's ``values_ok``) as the kernel that
     the current :func:`lut4_scaled_dot` mode runs computes it, on fp32 ``scales`` and ``zeros`` (a
@@ -350,16 +368,7 @@ def lut4_scaled_dot_values_ok(scales: torch.Tensor, zeros: torch.Tensor | None =
     path (0, or normal and at most 2^100), False where one sends it to the table path, None where
     no scaled dot kernel runs (for tests: the guard checked directly, as outputs cannot always show
     it)."""
-    if not isinstance(scales, torch.Tensor):
-        raise TypeError(f"torchq lut4_scaled_dot_values_ok: scales: expected a tensor, got {type(scales).__name__}")
-    if _LIB is None:
-        return None
-    count = scales.numel()
-    v = checked_ptr("scales", scales, torch.float32, count, "lut4_scaled_dot_values_ok")
-    w = checked_ptr("zeros", zeros, torch.float32, count, "lut4_scaled_dot_values_ok")
-    scratch = None if count else torch.zeros(1)  # an empty tensor's pointer may be null, which the call reads as "no kernel"
-    got = int(_LIB.tq_lut4_scaled_dot_values_ok(v if count else scratch.data_ptr(), w if count else None, count))
-    return None if got < 0 else bool(got)
+    return _guard_answer("lut4_scaled_dot_values_ok", "tq_lut4_scaled_dot_values_ok", [("scales", scales), ("zeros", zeros)])
 
 
 def lut4_table_dot_values_ok(absmax: torch.Tensor) -> bool | None:
@@ -367,15 +376,7 @@ def lut4_table_dot_values_ok(absmax: torch.Tensor) -> bool | None:
     :func:`lut4_scaled_dot` mode runs computes it, on fp32 ``absmax`` (a tile's, plain or decoded):
     True where every value is 0 or of magnitude in [2^-40, 2^100], False where one sends the tile to
     the table path, None where no scaled dot kernel runs (for tests)."""
-    if not isinstance(absmax, torch.Tensor):
-        raise TypeError(f"torchq lut4_table_dot_values_ok: absmax: expected a tensor, got {type(absmax).__name__}")
-    if _LIB is None:
-        return None
-    count = absmax.numel()
-    v = checked_ptr("absmax", absmax, torch.float32, count, "lut4_table_dot_values_ok")
-    scratch = None if count else torch.zeros(1)  # an empty tensor's pointer may be null, which the call reads as "no kernel"
-    got = int(_LIB.tq_lut4_table_dot_values_ok(v if count else scratch.data_ptr(), count))
-    return None if got < 0 else bool(got)
+    return _guard_answer("lut4_table_dot_values_ok", "tq_lut4_table_dot_values_ok", [("absmax", absmax)])
 
 
 def int8_amx_supported() -> bool:
