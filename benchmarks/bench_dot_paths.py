@@ -106,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     if not st.available:
         print(f"the native library is not active: {st.reason}", file=sys.stderr)
         return 1
+    saved_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    with library.bf16_amx("off"), library.bf16_dp_gemm("off"):
-        rows = run(args)
+    try:
+        with library.bf16_amx("off"), library.bf16_dp_gemm("off"):
+            rows = run(args)
+    finally:
+        torch.set_num_threads(saved_threads)
     print(f"{st}; {platform.processor() or platform.machine()}, {args.threads} thread(s); best of {args.rounds} alternating rounds")
     print("| config | N × K | rows | path on µs | off µs | on / off speed-up | bf16 F.linear µs | × F.linear | path ran |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -120,7 +120,8 @@
 // 576 x 576 17.9 -> 16.5 (through DirectLinear; 3072 x 576 streamed from memory 81.4 -> 77.3).
 //
 // Its table kind (lut4_table_dot_allowed weights: NF4 / FP4, plain or double-quantized absmax,
-// blocks of a multiple of 64, bf16 activations): the reference casts each fp32 weight
+// blocks of a multiple of 64, bf16 activations; 1-4 rows where the bf16 AMX or dot-product GEMM
+// takes NF4's rows from kBf16AmxMinM / kBf16DpLut4MinM = 5): the reference casts each fp32 weight
 // codebook[c] * absmax_b to bf16 before F.linear (torchq.ops.blockwise), so per 128-position chunk
 // the 16 entries of each of its blocks are built as those bf16 values (an fp32 multiply, then
 // vcvtne2ps2bf16 for both blocks at once: [A | B] 32 words), the 128 weights come out of four vpermw

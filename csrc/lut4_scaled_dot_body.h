@@ -178,7 +178,9 @@ struct Lut4ScaledDot {
       fetch_ahead();
       const int bytes = static_cast<int>((K - k) / 2), blocks = per == 16 ? 1 : static_cast<int>((K - k) >> shift);
       if (bytes <= 32) chunk<NT, MT, true>(ctx, w, s, k, k >> shift, bytes, per, blocks, x, tot);
-      else if constexpr (!TABLE) chunk<NT, MT>(ctx, w, s, k, k >> shift, bytes, per, blocks, x, tot);  // (the table kind's blocks of 64 leave 64)
+      // (the table kind's last chunk is always 32 bytes: its blocks are multiples of 64 positions
+      // and divide K, lut4_linear.cpp's valid_shape)
+      else if constexpr (!TABLE) chunk<NT, MT>(ctx, w, s, k, k >> shift, bytes, per, blocks, x, tot);
     }
     if (!TABLE && p.zeros)  // per lane, 16 blocks at a time: z_b X_b (X_b in p.xsums [M, G])
 #pragma GCC unroll 16

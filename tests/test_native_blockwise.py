@@ -553,7 +553,7 @@ def test_table_dot_guard_rejects_each_edge_pattern_alone_and_checks_its_argument
 @needs_native
 def test_table_dot_serves_the_layout_and_reports_its_rows():
     """nf4_weight_only's eager path takes the table kind for 1-16 bf16 rows where it is on (the
-    weight's dot_max_m says 16), not where it is off."""
+    GEMMs of many rows off), not where it is off."""
     lin = torch.nn.Linear(576, 96, bias=True).to(torch.bfloat16)
     torchq.quantize_(lin, torchq.nf4_weight_only())
     with native_library.bf16_amx("off"), native_library.bf16_dp_gemm("off"), native_library.lut4_scaled_dot("emulated"):

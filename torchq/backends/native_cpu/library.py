@@ -320,7 +320,8 @@ def lut4_scaled_dot(mode: str) -> contextlib.AbstractContextManager[None]:
     """Within the block (process-wide), the lut4 kernel's scaled dot path for 1 to 16 rows of bf16
     activations (``csrc/lut4_linear.h``: int4 with fp32 scales, any group size, the codes' values as
     bf16 into ``vdpbf16ps``, each block's sum scaled once; and its table kind, NF4 / FP4 in blocks of
-    a multiple of 64, each 128 positions' bf16 weights looked up from their blocks' tables): ``"on"`` (the default) on CPUs with
+    a multiple of 64, each 128 positions' bf16 weights looked up from their blocks' tables; 1-4
+    rows where the bf16 AMX or dot-product GEMM takes 5 and more): ``"on"`` (the default) on CPUs with
     AVX512_BF16 whose AVX-512 ISA is active, ``"off"`` never (the lookup, table and decode paths
     or dequantized tiles serve those rows), ``"emulated"`` its body on emulated instructions on any
     CPU, the same bits (for tests). A decode path: ``lut4_paths(decode=False)`` turns it off in
