@@ -1,6 +1,6 @@
 """The bf16 dot-product GEMM of the native weight-only kernels (``csrc/bf16_dp_gemm.h``) on and off,
 one linear layer, bf16 activations, per row count: on AVX512_BF16 CPUs without AMX it takes many
-rows (the thresholds in ``bf16_dp_gemm.h``); off, the paths before it serve every call (the bf16
+rows (the thresholds in ``bf16_dp_gemm.h``; on AMX CPUs at most 16, ``--all`` times its mode "all" there); off, the paths before it serve every call (the bf16
 dot paths, table paths, dequantized tiles + ``torch.mm``). bf16 ``F.linear`` on the float weight is
 the baseline. Each cell is microseconds per call; the modes alternate within each round (this VM's
 speed drifts over minutes, so only interleaved timings compare) and each keeps its best round. A
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each cell keeps its best")
+    ap.add_argument("--all", action="store_true", help='"on" is its mode "all": every row count on AMX CPUs too')
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if library.loaded() is None:
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             cell["bf16"] = min(cell["bf16"], _best_us(lambda x=x: F.linear(x, lin.weight, lin.bias), reps, 1))
             for fmt, layer in layers.items():
                 for mode in ("off", "on"):
-                    with library.bf16_dp_gemm(mode):
+                    with library.bf16_dp_gemm("all" if args.all and mode == "on" else mode):
                         before = library.bf16_dp_gemm_calls()
                         us = _best_us(lambda x=x, layer=layer: F.linear(x, layer.weight, layer.bias), reps, 1)
                         took[(fmt, mode)] = library.bf16_dp_gemm_calls() > before

@@ -46,9 +46,11 @@ struct Bf16DpGemm {
 typedef void (*Bf16DpGemmFn)(const Bf16DpGemm& g, int64_t n0, int64_t n1);
 
 // The mode: on by default where the CPU has AVX512_BF16 (TORCHQ_NATIVE_AVX512BF16=0 at load leaves
-// it no kernel), off with TORCHQ_NATIVE_BF16_DP=0 at load; tq_set_bf16_dp_gemm sets it. The GEMM switch (TORCHQ_NATIVE_GEMM=0) turns it off
-// in any mode. BF16_DP_EMULATED runs its body on emulated instructions on any ISA (tests).
-enum Bf16Dp : int { BF16_DP_OFF = 0, BF16_DP_ON = 1, BF16_DP_EMULATED = 2 };
+// it no kernel), off with TORCHQ_NATIVE_BF16_DP=0 at load, every row count with =all; tq_set_bf16_dp_gemm sets it. The GEMM switch (TORCHQ_NATIVE_GEMM=0) turns it off
+// in any mode. BF16_DP_ON serves at most kBf16DpAmxCpuMaxM rows on CPUs with AMX-BF16, BF16_DP_ALL
+// every row count on any CPU with the instructions (tests, A/B runs); BF16_DP_EMULATED runs its body on
+// emulated instructions on any ISA, every row count (tests).
+enum Bf16Dp : int { BF16_DP_OFF = 0, BF16_DP_ON = 1, BF16_DP_EMULATED = 2, BF16_DP_ALL = 3 };
 // The kernels, decoded (lut4) and codes (int8) forms: AVX512_BF16 (cpu.cpp puts them into the AVX-512
 // table) and emulated.
 extern const Bf16DpGemmFn kBf16DpAvx512Bf16Gemm, kInt8Avx512Bf16DpGemm, kBf16DpEmulatedGemm, kBf16DpEmulatedInt8Gemm;
@@ -61,10 +63,18 @@ extern const Bf16DpGemmFn kBf16DpAvx512Bf16Gemm, kInt8Avx512Bf16DpGemm, kBf16DpE
 // call packs its M x K activations: a prompt's).
 constexpr int64_t kBf16DpInt8MinM = 10, kBf16DpInt8PanelMinM = 1, kBf16DpLut4ScaledMinM = 9, kBf16DpLut4MinM = 5,
                   kBf16DpMaxM = int64_t{1} << 20;
+// The most rows it takes in BF16_DP_ON on CPUs with AMX-BF16 (amx_bf16_supported): there torch.mm's
+// bf16 GEMM runs on AMX, so dequantized tiles + torch.mm (and the bf16 AMX GEMM, 5-64 rows) beat
+// vdpbf16ps from a few rows. One Sapphire Rapids-class core (a 2-core VM), 3072 x 576, bf16, the AMX
+// GEMM off, the paths without it -> the GEMM (us, benchmarks/bench_bf16_dp.py): NF4 8 rows 608 -> 512, 16
+// rows 638 -> 759, 32 rows 698 -> 1257; int4 g32 32 rows 826 -> 1426; panel-order int8 16 rows 864 ->
+// 681, 64 rows 975 -> 2627; with the AMX GEMM on, 65 rows: tiles 875-1000 against the GEMM 2365-2745,
+// 256 rows 1710-1817 against 8198-10113 (bf16 F.linear 461, 903).
+constexpr int64_t kBf16DpAmxCpuMaxM = 16;
 // The GEMM (int8: the codes' form) for M rows from min_m on this call's ISA and mode, or null.
 Bf16DpGemmFn bf16_dp_gemm(int64_t M, int64_t min_m, bool int8);
-// Whether it serves any row count now (tq_dot_max_m).
-bool bf16_dp_active();
+// The most rows it serves now (0: none; tq_dot_max_m): kBf16DpMaxM, or kBf16DpAmxCpuMaxM (above).
+int64_t bf16_dp_max_m();
 // out = x @ W.T through `gemm` (null: -1) for bf16 x [M, K_in] (K_in <= args.K): args as above
 // but for x, out, M and failed. OK, or -1 where an activation rules it out or scratch could not be
 // had (the caller's paths serve the call).

@@ -19,18 +19,21 @@ namespace {
 
 void gemm(const Bf16DpGemm& g, int64_t n0, int64_t n1) { Bf16DpBody<EmulatedDotOps, false>::gemm(g, n0, n1); }
 
-// TORCHQ_NATIVE_BF16_DP=0 at load: off (A/B runs of a whole process, e.g. a served model).
+// TORCHQ_NATIVE_BF16_DP=0 at load: off, =all: every row count (A/B runs of a whole process, e.g. a served model).
 std::atomic<int> g_mode{[] {
   const char* s = getenv("TORCHQ_NATIVE_BF16_DP");
-  return s && strcmp(s, "0") == 0 ? BF16_DP_OFF : BF16_DP_ON;
+  return s && strcmp(s, "0") == 0 ? BF16_DP_OFF : s && strcmp(s, "all") == 0 ? BF16_DP_ALL : BF16_DP_ON;
 }()};
 std::atomic<int64_t> g_calls{0};
 
 Bf16DpGemmFn for_mode(int mode, bool int8) {
   if (!(lut4_paths() & LUT4_GEMM)) return nullptr;
   if (mode == BF16_DP_EMULATED) return int8 ? kBf16DpEmulatedInt8Gemm : kBf16DpEmulatedGemm;
-  return mode == BF16_DP_ON ? (int8 ? kernels().bf16_dp_int8_gemm : kernels().bf16_dp_gemm) : nullptr;
+  return mode == BF16_DP_ON || mode == BF16_DP_ALL ? (int8 ? kernels().bf16_dp_int8_gemm : kernels().bf16_dp_gemm) : nullptr;
 }
+
+// The most rows of `mode` where it has a kernel (bf16_dp_gemm.h).
+int64_t max_m(int mode) { return mode == BF16_DP_ON && amx_bf16_supported() ? kBf16DpAmxCpuMaxM : kBf16DpMaxM; }
 
 struct Job {
   Bf16DpGemm g;
@@ -47,11 +50,15 @@ void run_range(void* ctx, int64_t n0, int64_t n1) {
 extern const Bf16DpGemmFn kBf16DpEmulatedGemm = &gemm;
 
 Bf16DpGemmFn bf16_dp_gemm(int64_t M, int64_t min_m, bool int8) {
-  if (M < min_m || M > kBf16DpMaxM) return nullptr;
-  return for_mode(g_mode.load(std::memory_order_relaxed), int8);
+  const int mode = g_mode.load(std::memory_order_relaxed);
+  if (M < min_m || M > max_m(mode)) return nullptr;
+  return for_mode(mode, int8);
 }
 
-bool bf16_dp_active() { return for_mode(g_mode.load(std::memory_order_relaxed), false) != nullptr; }
+int64_t bf16_dp_max_m() {
+  const int mode = g_mode.load(std::memory_order_relaxed);
+  return for_mode(mode, false) ? max_m(mode) : 0;
+}
 
 int bf16_dp_linear(Bf16DpGemmFn gemm, Bf16DpGemm g, const uint16_t* x, int64_t M, int64_t K_in, void* out, int threads, int spin_us) {
   if (!gemm) return -1;
@@ -81,7 +88,7 @@ int bf16_dp_linear(Bf16DpGemmFn gemm, Bf16DpGemm g, const uint16_t* x, int64_t M
 // capped below AVX-512) leaves the other paths serving every call.
 TQ_API int tq_set_bf16_dp_gemm(int mode) {
   if (mode < 0) return tq::g_mode.load();
-  if (mode > tq::BF16_DP_EMULATED) return -1;
+  if (mode > tq::BF16_DP_ALL) return -1;
   return tq::g_mode.exchange(mode);
 }
 // How many calls have taken the bf16 dot-product GEMM (either kernel) since the library loaded.

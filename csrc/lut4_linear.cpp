@@ -557,11 +557,15 @@ int lut4_linear(const tq_weight& w, const void* x, int dtype, int64_t M, const f
 
 int lut4_dot_max_m(const tq_weight& w) {
   if (!valid_lut4(w) || w.format != TQ_FORMAT_LUT4) return 0;
-  if (bf16_dp_active()) return static_cast<int>(kBf16DpMaxM);  // the dot-product GEMM: every row count above the dot paths'
-  if (bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);  // the AMX GEMM (above the dot paths' rows)
+  // the largest of the dot-product GEMM's (every row count above the dot paths', but on AMX CPUs),
+  // the AMX GEMM's and the dot paths'
+  int64_t most = bf16_dp_max_m();
+  if (bf16_amx_active() && kBf16AmxMaxM > most) most = kBf16AmxMaxM;
   const Lut4Params p = params(w, 0, nullptr);
-  if ((lut4_scaled_dot_allowed(p) || lut4_table_dot_active(p)) && lut4_scaled_dot_kernel()) return static_cast<int>(kLut4ScaledDotMaxM);
-  return lut4_bf16_dot_weights(p) && lut4_dot_kernel() ? static_cast<int>(kLut4DotMaxM) : 0;
+  const int64_t dot = (lut4_scaled_dot_allowed(p) || lut4_table_dot_active(p)) && lut4_scaled_dot_kernel() ? kLut4ScaledDotMaxM
+                      : lut4_bf16_dot_weights(p) && lut4_dot_kernel()                                   ? kLut4DotMaxM
+                                                                                                         : 0;
+  return static_cast<int>(dot > most ? dot : most);
 }
 
 Lut4RowsFn lut4_dot_kernel() {

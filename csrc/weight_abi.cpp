@@ -78,17 +78,19 @@ TQ_API int tq_gemm_active(int format) {
 
 // The most activation rows of `x_dtype` for which tq_linear runs a path of its own above the
 // decode-sized ones on the active kernels, so that callers pass it those rows instead of
-// dequantized tiles: kBf16AmxMaxM where the bf16 AMX GEMM is on (bf16_amx.h: bf16 activations,
-// lut4 and int8 weight-only weights), else the AVX512_BF16 dot paths' (lut4_linear.h: kLut4DotMaxM
-// for int4 with bf16 scales in blocks of 32, kLut4ScaledDotMaxM for int4 with fp32 scales;
-// int8_linear.h: kInt8DotMaxM); 0 where it has none.
+// dequantized tiles: the largest of the bf16 dot-product GEMM's (bf16_dp_gemm.h: every row count, or
+// kBf16DpAmxCpuMaxM on AMX CPUs), kBf16AmxMaxM where the bf16 AMX GEMM is on (bf16_amx.h: bf16
+// activations, lut4 and int8 weight-only weights) and the AVX512_BF16 dot paths' (lut4_linear.h:
+// kLut4DotMaxM for int4 with bf16 scales in blocks of 32, kLut4ScaledDotMaxM for int4 with fp32
+// scales and NF4 / FP4; int8_linear.h: kInt8DotMaxM); 0 where it has none.
 TQ_API int tq_dot_max_m(const tq_weight* w, int x_dtype) {
   using namespace tq;
   if (!valid_weight(w) || x_dtype != DT_BF16) return 0;
   if (w->format == TQ_FORMAT_INT8) {
-    if (bf16_dp_active()) return static_cast<int>(kBf16DpMaxM);
-    if (bf16_amx_active()) return static_cast<int>(kBf16AmxMaxM);
-    return int8_dot_rows(kInt8DotMaxM, DT_BF16) ? static_cast<int>(kInt8DotMaxM) : 0;
+    int64_t most = bf16_dp_max_m();
+    if (bf16_amx_active() && kBf16AmxMaxM > most) most = kBf16AmxMaxM;
+    if (int8_dot_rows(kInt8DotMaxM, DT_BF16) && kInt8DotMaxM > most) most = kInt8DotMaxM;
+    return static_cast<int>(most);
   }
   if (w->format != TQ_FORMAT_LUT4) return 0;
   return lut4_dot_max_m(*w);

@@ -88,10 +88,11 @@ def _gemm_switch_on():
         yield
 
 
-def mode_under_test(param: str, switch, calls, hardware: bool, skip_reason: str):
+def mode_under_test(param: str, switch, calls, hardware: bool, skip_reason: str, hardware_mode: str = "on"):
     """A native GEMM's mode for one test (``param``: emulated, hardware or off; ``switch`` the
-    library's mode context, ``calls`` its call counter); afterwards the counter must show the GEMM
-    ran exactly when it was on (each test runs at least one call it takes)."""
+    library's mode context, ``calls`` its call counter; ``hardware_mode`` the switch's mode that runs
+    the instructions); afterwards the counter must show the GEMM ran exactly when it was on (each
+    test runs at least one call it takes)."""
     saved = native.status().isa
     if param == "hardware":
         native.set_isa("avx512")
@@ -99,7 +100,7 @@ def mode_under_test(param: str, switch, calls, hardware: bool, skip_reason: str)
             native.set_isa(saved)
             pytest.skip(skip_reason)
     before = calls()
-    with switch({"emulated": "emulated", "hardware": "on", "off": "off"}[param]):
+    with switch({"emulated": "emulated", "hardware": hardware_mode, "off": "off"}[param]):
         yield param
     native.set_isa(saved)
     ran = calls() - before

@@ -18,6 +18,9 @@ activation blocks, K not a multiple of 32 (int8), one and two threads.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -47,9 +50,10 @@ def _gemm_on_amx_off():
 
 @pytest.fixture(params=["emulated", "hardware", "off"])
 def dp(request):
-    """The GEMM's mode for one test (:func:`test_native_bf16_amx.mode_under_test`)."""
+    """The GEMM's mode for one test (:func:`test_native_bf16_amx.mode_under_test`; the instructions
+    at every row count: "all", as "on" on CPUs without AMX)."""
     yield from mode_under_test(request.param, library.bf16_dp_gemm, library.bf16_dp_gemm_calls, HARDWARE,
-                               "no AVX512_BF16 on this CPU (or TORCHQ_NATIVE_AVX512BF16=0, or the AVX-512 ISA is capped)")
+                               "no AVX512_BF16 on this CPU (or TORCHQ_NATIVE_AVX512BF16=0, or the AVX-512 ISA is capped)", "all")
 
 
 @needs_native
@@ -96,7 +100,7 @@ def test_the_instructions_give_the_emulations_bits(name):
             layer = quantized(name, n, k, seed=m)
             x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 2).to(torch.bfloat16)
             before = library.bf16_dp_gemm_calls()
-            with library.bf16_dp_gemm("on"):
+            with library.bf16_dp_gemm("all"):
                 hw = F.linear(x, layer.weight, layer.bias)
             with library.bf16_dp_gemm("emulated"):
                 em = F.linear(x, layer.weight, layer.bias)
@@ -146,7 +150,7 @@ def test_panels_with_tiny_weights_sum_without_it(mode, name):
     x = ((torch.rand(30, k, generator=g) + 0.5) * signs * 2.0**-48).to(torch.bfloat16)
     exact = x.double() @ w.double().t()
     before = library.bf16_dp_gemm_calls()
-    with library.bf16_dp_gemm("on" if mode == "hardware" else "emulated"):
+    with library.bf16_dp_gemm("all" if mode == "hardware" else "emulated"):
         y = F.linear(x, layer.weight)
     assert library.bf16_dp_gemm_calls() == before + 1
     check_bound(y, x, w, None, (mode, name), floor=2.0**-133)
@@ -282,3 +286,65 @@ def test_int8_panel_order_random_shapes_emulated(m, n, k, seed):
     check_bound(got, x, bf16_weight(plain[0]), plain[0].bias, (m, n, k), fp32_weights=True)
     if m >= 10:
         assert torch.equal(got, want)
+
+
+def _native_weights() -> dict:
+    """Each weight-only format's NativeWeight (built by its layout's eager path)."""
+    from torchq.layouts import blockwise_4bit, int4_native, plain
+
+    builders = {"nf4": blockwise_4bit._cached_native_weight, "int4-g32": int4_native._cached_native_weight,
+                "int4-g64-fp32": int4_native._cached_native_weight, "int8wo": plain._in_place_int8_weight}
+    return {name: library.weight_args(quantized(name, 40, 128).weight.tensor_impl, build) for name, build in builders.items()}
+
+
+@needs_native
+def test_on_amx_cpus_its_default_mode_leaves_prompts_to_amx():
+    """On CPUs with AMX-BF16, torch.mm's bf16 GEMM runs on AMX: mode "on" takes at most
+    BF16_DP_AMX_CPU_MAX_M rows (more go to the AMX GEMM's 5-64, then dequantized tiles +
+    torch.mm), "all" every count, as "on" does on CPUs without AMX (the weights' dot_max_m says so)."""
+    if not _hardware_here():
+        pytest.skip("no AVX512_BF16 on this CPU (or TORCHQ_NATIVE_AVX512BF16=0, or the AVX-512 ISA is capped)")
+    layer, most = quantized("nf4", 40, 128), library.BF16_DP_AMX_CPU_MAX_M
+    weights = _native_weights()
+    capped = library.bf16_amx_supported()
+    with library.bf16_dp_gemm("off"):  # the dot paths' own rows (the AMX GEMM is off here)
+        dot_paths = {name: weight.dot_max_m(torch.bfloat16) for name, weight in weights.items()}
+    for mode, takes_more in (("on", not capped), ("all", True)):
+        with library.bf16_dp_gemm(mode):
+            for m, takes in ((most, True), (most + 1, takes_more), (300, takes_more)):
+                before = library.bf16_dp_gemm_calls()
+                x = torch.randn(m, 128, dtype=torch.bfloat16)
+                check_bound(F.linear(x, layer.weight, layer.bias), x, bf16_weight(layer), layer.bias, (mode, m))
+                assert library.bf16_dp_gemm_calls() - before == takes, (mode, m)
+            for name, weight in weights.items():
+                assert weight.dot_max_m(torch.bfloat16) == (library.BF16_DP_MAX_M if takes_more else max(most, dot_paths[name])), (mode, name)
+                assert library._bf16_native_max_m() >= weight.dot_max_m(torch.bfloat16), (mode, name)
+
+
+@needs_native
+@pytest.mark.parametrize("amx", ["off", "on", "emulated"])
+@pytest.mark.parametrize("dp", ["off", "on", "all", "emulated"])
+def test_the_python_bound_covers_every_weights_rows(dp, amx):
+    """library._bf16_native_max_m (the quick check before a weight is built) is never below a weight's
+    own dot_max_m (the kernel's), under every mode of both GEMMs, on every ISA leg."""
+    weights = _native_weights()
+    with library.bf16_dp_gemm(dp), library.bf16_amx(amx):
+        for name, weight in weights.items():
+            own = weight.dot_max_m(torch.bfloat16)
+            assert library._bf16_native_max_m() >= own, (name, dp, amx)
+            if "emulated" in (dp, amx):  # (a GEMM on every ISA)
+                assert own >= (library.BF16_DP_MAX_M if dp == "emulated" else library.BF16_AMX_MAX_M), (name, dp, amx)
+
+
+@needs_native
+def test_the_environment_sets_its_mode_at_load():
+    """TORCHQ_NATIVE_BF16_DP=0: off, =all: every row count on any CPU, else (unset, anything else) on."""
+    code = "from torchq.backends.native_cpu import library; print(library.BF16_DP_MODES[library.library().tq_set_bf16_dp_gemm(-1)])"
+
+    def mode(value: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "TORCHQ_NATIVE_BF16_DP"}
+        if value is not None:
+            env["TORCHQ_NATIVE_BF16_DP"] = value
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert [mode(v) for v in (None, "0", "all", "1")] == ["on", "off", "all", "on"]

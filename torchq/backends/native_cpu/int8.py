@@ -64,8 +64,8 @@ def weight_linear_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     weight = _int8_weight("int8_weight_linear", codes, scale, n, k)
     if not native_library.takes_fused(weight, x):
         b = native_library.checked_bias(bias, n, "int8_weight_linear")
-        out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
-        return out.to(x.dtype).reshape(*x.shape[:-1], n)
+        out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b, x.dtype)
+        return out.reshape(*x.shape[:-1], n)
     return native_library.run_linear(weight, x, bias)
 
 

@@ -62,8 +62,8 @@ def panel_weight_linear_cpu(x: torch.Tensor, panels: torch.Tensor, code_sums: to
         m = x.numel() // k
         b = native_library.checked_bias(bias, n, "int8_panel_weight_linear")
         out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w),
-                           tile_dtype(x.dtype), b)
-        return out.to(x.dtype).reshape(*x.shape[:-1], n)
+                           tile_dtype(x.dtype), b, x.dtype)
+        return out.reshape(*x.shape[:-1], n)
     return native_library.run_linear(weight, x, bias)
 
 

@@ -38,7 +38,7 @@ __all__ = [
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 15
+ABI_VERSION = 16
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
@@ -50,7 +50,7 @@ INT8_PANEL_MODES = ("off", "on", "emulated")  # tq_set_int8_panel
 LUT4_SCALED_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_scaled_dot
 LUT4_TABLE_DOT_MODES = ("off", "on")  # tq_set_lut4_table_dot
 LUT4_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_dot
-BF16_DP_MODES = ("off", "on", "emulated")  # tq_set_bf16_dp_gemm
+BF16_DP_MODES = ("off", "on", "emulated", "all")  # tq_set_bf16_dp_gemm
 _c_int64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 # name -> (restype, argtypes) of every exported function
@@ -424,10 +424,12 @@ def bf16_dp_gemm(mode: str) -> contextlib.AbstractContextManager[None]:
     NF4 and FP4 from 5 rows, int4 from 9, or 17 with bf16 scales in groups of 32; int8 from 10, or
     from 1 in panel order) for bf16 activations of any larger row count (``csrc/bf16_dp_gemm.h``:
     panels of 16 weight rows as bf16 pairs, ``vdpbf16ps`` with the activations' pairs broadcast): ``"on"`` (the default) on CPUs with AVX512_BF16 whose
-    AVX-512 ISA is active and where the AMX GEMM does not take the call, ``"off"`` never (the bf16
-    dot paths, dequantized tiles + ``torch.mm``), ``"emulated"`` its body on emulated instructions
-    on any CPU, the same bits (for tests). A GEMM form: ``lut4_paths(gemm=False)`` turns it off in
-    every mode."""
+    AVX-512 ISA is active and where the AMX GEMM does not take the call, on CPUs with AMX-BF16 only up
+    to ``BF16_DP_AMX_CPU_MAX_M`` rows (there ``torch.mm`` runs on AMX: dequantized tiles + ``torch.mm``
+    take more); ``"all"`` the same at every row count on any CPU (tests, A/B runs; ``TORCHQ_NATIVE_BF16_DP=all``
+    for a process); ``"off"`` never (the bf16 dot paths, dequantized tiles + ``torch.mm``);
+    ``"emulated"`` its body on emulated instructions on any CPU at every row count, the same bits (for
+    tests). A GEMM form: ``lut4_paths(gemm=False)`` turns it off in every mode."""
     return _mode("tq_set_bf16_dp_gemm", BF16_DP_MODES, mode, _note_bf16_dp_mode)
 
 
@@ -439,15 +441,18 @@ def bf16_dp_gemm_calls() -> int:
 
 def _bf16_native_max_m() -> int:
     """The most bf16 activation rows any weight-only weight's fused kernel may take above the
-    decode-sized ones: every count while the bf16 dot-product GEMM may run, the bf16 AMX GEMM's
-    while it may, else the bf16 dot path's (each weight says which it takes:
-    :meth:`NativeWeight.dot_max_m`)."""
-    if _BF16_DP_MODE == "emulated" or (_BF16_DP_MODE == "on" and _LIB is not None and ISA_NAMES[_LIB.tq_active_isa()] == "avx512"
+    decode-sized ones: the largest of the bf16 dot-product GEMM's while it may run (every count, but
+    ``BF16_DP_AMX_CPU_MAX_M`` in its mode "on" on AMX CPUs), the bf16 AMX GEMM's while it may and the
+    bf16 dot paths' (each weight says which it takes: :meth:`NativeWeight.dot_max_m`)."""
+    most = DOT_MAX_M
+    if _BF16_DP_MODE == "emulated" or (_BF16_DP_MODE in ("on", "all") and _LIB is not None and ISA_NAMES[_LIB.tq_active_isa()] == "avx512"
                                        and _LIB.tq_features() >> FEATURE_NAMES.index("avx512_bf16") & 1):
-        return BF16_DP_MAX_M
+        if _BF16_DP_MODE != "on" or not bf16_amx_supported():
+            return BF16_DP_MAX_M
+        most = max(most, BF16_DP_AMX_CPU_MAX_M)
     if _BF16_AMX_MODE == "emulated" or (_BF16_AMX_MODE == "on" and bf16_amx_supported()):
-        return max(BF16_AMX_MAX_M, DOT_MAX_M)
-    return DOT_MAX_M
+        most = max(most, BF16_AMX_MAX_M)
+    return most
 
 
 def lut4_gemm_active() -> bool:
@@ -510,6 +515,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DOT_MAX_M = 32  # the larger of kLut4DotMaxM and kInt8DotMaxM (csrc/lut4_linear.h, int8_linear.h): the most rows of any weight's bf16 dot path
 BF16_AMX_MAX_M = 64  # kBf16AmxMaxM (csrc/bf16_amx.h): the most rows of the bf16 AMX GEMM
 BF16_DP_MAX_M = 1 << 20  # kBf16DpMaxM (csrc/bf16_dp_gemm.h): the most rows of the bf16 dot-product GEMM
+BF16_DP_AMX_CPU_MAX_M = 16  # kBf16DpAmxCpuMaxM: its most in mode "on" on CPUs with AMX-BF16
 
 
 def checked_ptr(name: str, t: torch.Tensor | None, dtype: torch.dtype, numel: int, op: str = "native call") -> int | None:
@@ -627,10 +633,11 @@ class NativeWeight:
 
     def dot_max_m(self, dtype: torch.dtype) -> int:
         """The most activation rows of ``dtype`` the fused kernel takes for this weight above the
-        decode-sized ones, instead of dequantized tiles: the bf16 AMX GEMM's (up to
-        ``BF16_AMX_MAX_M``: bf16 activations, lut4 and int8 weight-only weights: :func:`bf16_amx`), else its bf16 dot path's
-        (AVX512_BF16: int4 with bf16 scales in groups of 32 and int4 with fp32 scales, 16 rows;
-        int8 weight-only, 32); 0 where it has neither (asked per call: the ISA and modes may change)."""
+        decode-sized ones, instead of dequantized tiles: the largest of the bf16 dot-product GEMM's
+        (:func:`bf16_dp_gemm`), the bf16 AMX GEMM's (up to ``BF16_AMX_MAX_M``: bf16 activations, lut4 and
+        int8 weight-only weights: :func:`bf16_amx`) and its bf16 dot path's (AVX512_BF16: int4 and
+        NF4 / FP4, 16 rows; int8 weight-only, 32); 0 where it has none (asked per call: the ISA and
+        modes may change)."""
         if dtype != torch.bfloat16 or self.format not in (abi.FORMAT_LUT4, abi.FORMAT_INT8) or _LIB is None:
             return 0
         return int(_LIB.tq_dot_max_m(self.address, DTYPE_CODES[dtype]))

@@ -103,8 +103,8 @@ def _native_linear(x, packed, table, absmax, nested_codes, nested_absmax, nested
     if native_library.takes_fused(weight, x):
         return native_library.run_linear(weight, x, bias)
     b = native_library.checked_bias(bias, n, "blockwise_4bit_linear")
-    out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b)
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    out = tiled_linear(x.reshape(m, k), n, k, lambda n0, n1, w: native_library.dequantize_rows(weight, n0, n1, w), tile_dtype(x.dtype), b, x.dtype)
+    return out.reshape(*x.shape[:-1], n)
 
 
 TABLES = {name: codebook(name).contiguous() for name in ("nf4", "fp4")}
@@ -257,8 +257,8 @@ def int4_linear_cpu(x, packed, scale, shift, zero, n, k, group_size, code_base, 
             w.copy_(full[:, :k])
 
     b = native_library.checked_bias(bias, n, "int4_groupwise_linear")
-    out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b)
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    out = tiled_linear(x.reshape(m, k), n, k, dequant_rows, tile_dtype(x.dtype), b, x.dtype)
+    return out.reshape(*x.shape[:-1], n)
 
 
 # -- int8 activations (torchq.ops.int8act) ---------------------------------------------------------------
