@@ -28,17 +28,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_native_bf16_amx import CONFIGS, SHAPES, bf16_weight, check_bound, mode_under_test, outputs_within_bound, quantized
-from test_native_blockwise import NATIVE, needs_native
+from test_native_blockwise import NATIVE, avx512_bf16_runs, needs_native
 
 from torchq import native
 from torchq.backends.native_cpu import library
 
 HARDWARE = NATIVE and "avx512_bf16" in (native.status().features or ())
 MS = [5, 9, 16, 17, 25, 33, 70]
-
-
-def _hardware_here() -> bool:  # (the ISA may be capped per test)
-    return HARDWARE and native.status().isa == "avx512"
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +90,7 @@ def test_the_instructions_give_the_emulations_bits(name):
     saved = native.status().isa
     native.set_isa("avx512")
     try:
-        if not _hardware_here():
+        if not avx512_bf16_runs():
             pytest.skip("no AVX512_BF16 on this CPU (or TORCHQ_NATIVE_AVX512BF16=0)")
         for m, (k, n) in zip((25, 30, 40, 33), SHAPES):
             layer = quantized(name, n, k, seed=m)
@@ -139,7 +135,7 @@ def test_activations_it_cannot_take_go_to_the_other_paths(value, name):
 def test_panels_with_tiny_weights_sum_without_it(mode, name):
     """Weights near 2^-80 times activations near 2^-50: products near 2^-130, which vdpbf16ps would
     flush. Such panels take the portable loop over the same weights, so the outputs keep them."""
-    if mode == "hardware" and not _hardware_here():
+    if mode == "hardware" and not avx512_bf16_runs():
         pytest.skip("no AVX512_BF16 here (or the AVX-512 ISA is capped)")
     n, k = 40, 128
     layer = quantized(name, n, k, scale=2.0**-78, bias=False)
@@ -302,7 +298,7 @@ def test_on_amx_cpus_its_default_mode_leaves_prompts_to_amx():
     """On CPUs with AMX-BF16, torch.mm's bf16 GEMM runs on AMX: mode "on" takes at most
     BF16_DP_AMX_CPU_MAX_M rows (more go to the AMX GEMM's 5-64, then dequantized tiles +
     torch.mm), "all" every count, as "on" does on CPUs without AMX (the weights' dot_max_m says so)."""
-    if not _hardware_here():
+    if not avx512_bf16_runs():
         pytest.skip("no AVX512_BF16 on this CPU (or TORCHQ_NATIVE_AVX512BF16=0, or the AVX-512 ISA is capped)")
     layer, most = quantized("nf4", 40, 128), library.BF16_DP_AMX_CPU_MAX_M
     weights = _native_weights()

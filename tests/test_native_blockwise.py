@@ -343,9 +343,9 @@ def test_quantized_model_reports_the_kernel():
 # bf16 activations, 1-16 rows; each 128 positions' weights looked up as the reference's bf16 values.
 
 
-def _scaled_dot_path_runs() -> bool:
-    """Whether the AVX512_BF16 scaled dot kernel (either kind) serves calls here (else only its
-    emulation runs)."""
+def avx512_bf16_runs() -> bool:
+    """Whether the AVX512_BF16 kernels (the dot paths, the dot-product GEMM) serve calls here: the
+    CPU has the instruction and the active ISA is AVX-512 (else only their emulations run)."""
     st = native.status()
     return "avx512_bf16" in st.features and st.isa == "avx512"
 
@@ -408,7 +408,7 @@ def test_table_dot_one_hot_bound_and_fallbacks(mode, threads, quant_type, weight
     reference's products; rows whose absmax is inf, NaN, subnormal, below 2^-40 or above 2^100 take
     the table path (the reference's non-finite outputs), as do calls with activations below 2^-59
     or inf / NaN, the table kind switched off, and the decode paths' switch off."""
-    runs = mode == "emulated" or _scaled_dot_path_runs()
+    runs = mode == "emulated" or avx512_bf16_runs()
     n = 45
     if weights == "nested":
         packed, args, dense = weight(n, k, block, quant_type, nested=True, seed=k + block)
@@ -462,7 +462,7 @@ def test_table_dot_emulated_gives_the_kernels_bits(threads):
     the AVX512_BF16 kernel's bits for every row count, blocks of 64 to 256, K ending 64 positions
     into a chunk, odd N, plain and double-quantized absmax (groups of 256 blocks crossed inside a
     tile), NF4 and FP4, a bias and tiny and huge activations within the path's range."""
-    if not _scaled_dot_path_runs():
+    if not avx512_bf16_runs():
         pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
     gen = torch.Generator().manual_seed(5)
     for n, k, block in ((45, 576, 64), (64, 1152, 64), (17, 1152, 128), (33, 640, 64), (8, 512, 256), (300, 192, 64)):
@@ -510,7 +510,7 @@ def _floats(bits: list[int]) -> torch.Tensor:
 def test_table_dot_guard_admits_exactly_zero_and_magnitudes_from_2_minus_40_to_2_100(mode, count, data):
     """The table kind's guard, as the kernel of each mode computes it (the AVX-512 one 16 values at a
     time, masked at the end), on arbitrary bit patterns and the edge patterns at drawn positions."""
-    if mode == "on" and not _scaled_dot_path_runs():
+    if mode == "on" and not avx512_bf16_runs():
         pytest.skip("no AVX512_BF16 kernel here")
     admitted = data.draw(st.lists(st.integers(0x2B800000, 0x71800000) | st.just(0), min_size=count, max_size=count))
     signs = data.draw(st.lists(st.booleans(), min_size=count, max_size=count))
@@ -529,7 +529,7 @@ def test_table_dot_guard_rejects_each_edge_pattern_alone_and_checks_its_argument
     that has a kernel here; None where no kernel runs; a bad argument named."""
     if not NATIVE:
         pytest.skip("native library not built")
-    modes = ["emulated"] + (["on"] if _scaled_dot_path_runs() else [])
+    modes = ["emulated"] + (["on"] if avx512_bf16_runs() else [])
     for mode in modes:
         with native_library.lut4_scaled_dot(mode):
             for count in (1, 15, 16, 17, 33):

@@ -34,8 +34,8 @@ from test_native_blockwise import (
     NATIVE,
     _floats,
     _scaled_dot_calls,
-    _scaled_dot_path_runs,
     assert_within_bound,
+    avx512_bf16_runs,
     forced_tiles,
     needs_native,
 )
@@ -414,7 +414,7 @@ def test_int4_bf16_dot_path_rows_one_hot_bound_and_fallbacks(mode, g, k):
     (bit-exact one-hot). Elsewhere: the same checks on the paths the CPU has. With the bf16 AMX
     GEMM off: on AMX-BF16 CPUs it takes the rows from 5 (tests/test_native_bf16_amx.py)."""
     with library.bf16_amx("off"), library.lut4_dot(mode):
-        _dot_path_checks(k, g, mode == "emulated" or _scaled_dot_path_runs())
+        _dot_path_checks(k, g, mode == "emulated" or avx512_bf16_runs())
 
 
 def _dot_path_checks(k: int, g: int, runs: bool) -> None:
@@ -485,7 +485,7 @@ def test_int4_fp32_scale_scaled_dot_path_one_hot_bound_and_fallbacks(mode, threa
     CPU has; ``emulated`` runs the path's body on emulated instructions on every CPU (the bf16 AMX
     GEMM, which would take 5+ rows on AMX CPUs, is off)."""
     with library.bf16_amx("off"), library.lut4_scaled_dot(mode):
-        _scaled_dot_checks(g, k, domain, mode == "emulated" or _scaled_dot_path_runs())
+        _scaled_dot_checks(g, k, domain, mode == "emulated" or avx512_bf16_runs())
 
 
 def _scaled_dot_checks(g: int, k: int, domain: str, runs: bool) -> None:
@@ -552,7 +552,7 @@ def test_int4_fp32_scale_scaled_dot_path_emulated_gives_the_kernels_bits(threads
     count, groups of 32 to 256, K ending 32, 64 or 96 positions into a 128-position chunk, odd N, float and no zero points, a bias,
     tiny and huge activations within the path's range and a zero scale: so CPUs without the
     instruction test what it computes."""
-    if not _scaled_dot_path_runs():
+    if not avx512_bf16_runs():
         pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
     gen = torch.Generator().manual_seed(11)
     for n, k, g in ((45, 224, 32), (64, 576, 32), (9, 288, 32), (12, 576, 64), (17, 1152, 128), (33, 640, 64), (8, 512, 256)):
@@ -605,7 +605,7 @@ def test_int4_scaled_dot_guard_admits_exactly_zero_and_normal_values_up_to_2_100
     subnormal weight's difference rarely survives the bf16 output. Arrays of admitted values with
     edge patterns (and any bit pattern) put at drawn positions. On CPUs without the kernel "on" is
     skipped (the next test checks that it reports None)."""
-    if mode == "on" and not _scaled_dot_path_runs():
+    if mode == "on" and not avx512_bf16_runs():
         pytest.skip("no AVX512_BF16 kernel here (the edge-pattern test checks that 'on' reports None)")
     admitted = st.builds(lambda m, negative: m | (0x80000000 if negative else 0), st.integers(0x00800000, 0x71800000), st.booleans())
     scale_bits = data.draw(st.lists(admitted, min_size=count, max_size=count))
@@ -627,7 +627,7 @@ def test_int4_scaled_dot_guard_rejects_each_edge_pattern_alone_and_checks_its_ar
     only the admitted ones pass (so a bound moved by one float is caught); mismatched or non-fp32
     arguments raise naming the argument, and no kernel (the mode off, the decode paths off, "on"
     without AVX512_BF16) gives None."""
-    modes = ["emulated"] + (["on"] if _scaled_dot_path_runs() else [])
+    modes = ["emulated"] + (["on"] if avx512_bf16_runs() else [])
     for mode in modes:
         with library.lut4_scaled_dot(mode):
             for count in (1, 15, 16, 17, 33):
@@ -648,7 +648,7 @@ def test_int4_scaled_dot_guard_rejects_each_edge_pattern_alone_and_checks_its_ar
                 assert library.lut4_scaled_dot_values_ok(torch.ones(4)) is None
     with library.lut4_scaled_dot("off"):
         assert library.lut4_scaled_dot_values_ok(torch.ones(4)) is None
-    if not _scaled_dot_path_runs():
+    if not avx512_bf16_runs():
         with library.lut4_scaled_dot("on"):
             assert library.lut4_scaled_dot_values_ok(torch.ones(4)) is None
     with pytest.raises(TypeError, match="scales: expected a tensor, got NoneType"):
@@ -663,7 +663,7 @@ def test_int4_bf16_dot_path_emulated_gives_the_kernels_bits(threads):
     tree) gives the AVX512_BF16 kernel's bits for every row count, groups of 32 (pairs, and a last
     block alone) to 256, odd N, float and integer zero points, a bias, a zero scale and tiny and huge
     activations within the path's range: so CPUs without the instructions test what it computes."""
-    if not _scaled_dot_path_runs():
+    if not avx512_bf16_runs():
         pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
     gen = torch.Generator().manual_seed(12)
     for n, k, g in ((45, 224, 32), (64, 576, 32), (17, 1152, 128), (33, 640, 64), (8, 512, 256)):
@@ -836,11 +836,6 @@ def test_int8_weight_only_gemm_form_one_hot_bound_and_non_finite(isa, threads):
         assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
 
 
-def _int8_dot_path_runs() -> bool:
-    st = native.status()
-    return "avx512_bf16" in st.features and st.isa == "avx512"
-
-
 def _dot_calls(fn, *args):
     """fn(*args) and how many int8 weight-only calls took the bf16 dot path in it."""
     before = library.int8_dot_calls()
@@ -863,7 +858,7 @@ def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(mode, thread
     same checks run on the paths the CPU has; ``emulated`` runs the path's body on emulated
     instructions on every CPU (the bf16 AMX GEMM, which would take 5+ rows on AMX CPUs, is off)."""
     with library.bf16_amx("off"), library.int8_dot(mode):
-        _int8_dot_checks(k, mode == "emulated" or _int8_dot_path_runs())
+        _int8_dot_checks(k, mode == "emulated" or avx512_bf16_runs())
 
 
 @needs_native
@@ -873,7 +868,7 @@ def test_int8_weight_only_bf16_dot_path_emulated_gives_the_kernels_bits(threads)
     shuffle tree) gives the AVX512_BF16 kernel's bits, for every row count, odd K and N, a bias,
     tiny and huge activations within the path's range and a zero scale: so CPUs without the
     instruction test what it computes."""
-    if not _int8_dot_path_runs():
+    if not avx512_bf16_runs():
         pytest.skip("the CPU has no AVX512_BF16 (or the ISA is capped below AVX-512): no kernel to compare with")
     gen = torch.Generator().manual_seed(7)
     for n, k in ((45, 203), (64, 576), (17, 1100)):
