@@ -69,6 +69,7 @@ struct Tables {
       by_isa[ISA_AVX512].lut4.dequant_bf16 = kLut4Avx512Bf16.dequant;
       by_isa[ISA_AVX512].lut4.dot_bf16 = kLut4Avx512Bf16.dot_bf16;
       by_isa[ISA_AVX512].int8.dot_bf16 = kInt8Avx512Bf16Dot;
+      by_isa[ISA_AVX512].int8.dequant_bf16 = kInt8Avx512Bf16Dequant;
       by_isa[ISA_AVX512].lut4.scaled_dot = kLut4Avx512Bf16ScaledDot;
       by_isa[ISA_AVX512].bf16_dp_gemm = kBf16DpAvx512Bf16Gemm;
       by_isa[ISA_AVX512].bf16_dp_int8_gemm = kInt8Avx512Bf16DpGemm;

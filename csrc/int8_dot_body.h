@@ -90,5 +90,35 @@ struct Int8Dot {
   }
 };
 
+// Rows [n0, n1) of w as bf16 q * s (int8_linear.h, "bf16 dequantization"), row n at out + (n - n0) * K:
+// 32 codes at a time as fp32, times s, rounded to bf16 by Ops::store_bf16 (nearest even). Rows whose
+// scale fails int8_dot_scale, and fp32 outputs, take `exact` (the generic kernel). Ops: V (16 fp32
+// lanes); codes_f32(w, count, lo, hi): codes w[0..count) (count <= 32) as fp32, zero after, nothing
+// read past w + count; mul(V, float); store_bf16(dst, lo, hi, count): the first count of the 32
+// values rounded to bf16, nothing written past dst + count.
+template <class Ops>
+void int8_dequant_bf16(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16,
+                       Int8DequantFn exact) {
+  if (!bf16) {
+    exact(w, scale, K, n0, n1, out, bf16);
+    return;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    uint16_t* dst = static_cast<uint16_t*>(out) + (n - n0) * K;
+    const float s = scale[n];
+    if (!int8_dot_scale(s)) {
+      exact(w, scale, K, n, n + 1, dst, true);
+      continue;
+    }
+    const int8_t* row = w + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t count = K - k < 32 ? K - k : 32;
+      typename Ops::V lo, hi;
+      Ops::codes_f32(row + k, count, lo, hi);
+      Ops::store_bf16(dst + k, Ops::mul(lo, s), Ops::mul(hi, s), count);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tq

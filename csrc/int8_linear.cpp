@@ -14,6 +14,7 @@
 #include "bf16_dp_gemm.h"
 #include "common.h"
 #include "kernels.h"
+#include "stream_prefetch.h"
 #include "weight_abi.h"
 
 namespace tq {
@@ -150,7 +151,7 @@ void dequant_panel_row(const int8_t* panels, const float* scale, int64_t K, int6
   for (int64_t k0 = 0; k0 < K; k0 += kPiece) {
     const int64_t len = K - k0 < kPiece ? K - k0 : kPiece;
     for (int64_t k = 0; k < len; k += 4) memcpy(piece + k, row + (k0 + k) * 16, static_cast<size_t>(len - k < 4 ? len - k : 4));
-    kernels().int8.dequant_rows(piece, scale + n, len, 0, 1, static_cast<char*>(dst) + k0 * (bf16 ? 2 : 4), bf16);
+    int8_dequant_kernel()(piece, scale + n, len, 0, 1, static_cast<char*>(dst) + k0 * (bf16 ? 2 : 4), bf16);
   }
 }
 
@@ -161,6 +162,7 @@ void dequant_panel_row(const int8_t* panels, const float* scale, int64_t K, int6
 void dequant_panel_rows(const int8_t* panels, const float* scale, int64_t K, int64_t n0, int64_t n1, void* dst, bool bf16,
                         int64_t stride) {
   const Int8Kernels& kern = kernels().int8;
+  const Int8DequantFn dequant = int8_dequant_kernel();
   const int64_t row_bytes = stride * (bf16 ? 2 : 4);
   char* out = static_cast<char*>(dst);
   int8_t* scratch = n1 - n0 >= 16 ? static_cast<int8_t*>(aligned_alloc(64, static_cast<size_t>((16 * K + 63) / 64 * 64))) : nullptr;
@@ -172,9 +174,9 @@ void dequant_panel_rows(const int8_t* panels, const float* scale, int64_t K, int
     }
     kern.unpack_panels(panels, K, n, n + 16, scratch);
     if (stride == K) {
-      kern.dequant_rows(scratch, scale + n, K, 0, 16, out + (n - n0) * row_bytes, bf16);
+      dequant(scratch, scale + n, K, 0, 16, out + (n - n0) * row_bytes, bf16);
     } else {
-      for (int64_t r = 0; r < 16; ++r) kern.dequant_rows(scratch, scale + n, K, r, r + 1, out + (n - n0 + r) * row_bytes, bf16);
+      for (int64_t r = 0; r < 16; ++r) dequant(scratch, scale + n, K, r, r + 1, out + (n - n0 + r) * row_bytes, bf16);
     }
     n += 16;
   }
@@ -228,15 +230,19 @@ struct AmxDecode {
   const float* scale;
   int64_t K, Kp;
   bool panels;  // codes in panel order
+  int64_t N;    // the weight's rows
 };
 
 void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
   const AmxDecode& d = *static_cast<const AmxDecode*>(ctx);
-  const Int8DequantFn dequant = kernels().int8.dequant_rows;
+  const Int8DequantFn dequant = int8_dequant_kernel();
   if (d.panels) dequant_panel_rows(d.codes, d.scale, d.K, n0, n1, dst, true, d.Kp);
   for (int64_t n = n0; n < n1; ++n) {
     uint16_t* row = dst + (n - n0) * d.Kp;
-    if (!d.panels) dequant(d.codes, d.scale, d.K, n, n + 1, row, true);
+    if (!d.panels) {  // each row's bytes kStreamFarBytes ahead into L2 as the row is decoded
+      prefetch_l2(d.codes + n * d.K + kStreamFarBytes, d.K, d.codes + d.N * d.K);
+      dequant(d.codes, d.scale, d.K, n, n + 1, row, true);
+    }
     memset(row + d.K, 0, static_cast<size_t>(d.Kp - d.K) * 2);
   }
 }
@@ -260,7 +266,7 @@ int weight_only_linear(const tq_weight& w, const void* x, int dtype, int64_t M, 
   const int8_t* codes = w.codes;
   const float* scale = w.scales;
   const bool panels = w.codes_order == 1;
-  const AmxDecode decode{codes, scale, K, (K + 31) / 32 * 32, panels};
+  const AmxDecode decode{codes, scale, K, (K + 31) / 32 * 32, panels, N};
   if (dtype == DT_BF16 && M >= kBf16AmxMinM && M <= kBf16AmxMaxM && bf16_amx_active()) {
     const int status = bf16_amx_linear(static_cast<const uint16_t*>(x), M, K, decode.Kp, N, bias, amx_decode, &decode, out, threads, kSpinUs);
     if (status >= 0) return status;
@@ -428,17 +434,27 @@ Int8RowsFn int8_amx_gemm(bool panels) {
 Int8RowsFn int8_dot_kernel() {
   if (!(lut4_paths() & LUT4_DECODE)) return nullptr;
   const int mode = g_dot.load(std::memory_order_relaxed);
-  return mode == INT8_DOT_EMULATED ? kInt8EmulatedDot : mode == INT8_DOT_ON ? kernels().int8.dot_bf16 : nullptr;
+  return mode == INT8_DOT_EMULATED ? kInt8EmulatedDot : mode == INT8_DOT_ON || mode == INT8_DOT_ALL ? kernels().int8.dot_bf16 : nullptr;
 }
 
-bool int8_dot_rows(int64_t M, int dtype) { return dtype == DT_BF16 && M >= kInt8DotMinM && M <= kInt8DotMaxM && int8_dot_kernel(); }
+Int8DequantFn int8_dequant_kernel() {
+  const int mode = g_dot.load(std::memory_order_relaxed);
+  if (mode == INT8_DOT_EMULATED) return kInt8EmulatedDequant;
+  const Int8Kernels& k = kernels().int8;
+  return mode != INT8_DOT_OFF && k.dequant_bf16 ? k.dequant_bf16 : k.dequant_rows;
+}
+
+bool int8_dot_rows(int64_t M, int dtype) {
+  if (dtype != DT_BF16 || M < kInt8DotMinM || M > kInt8DotMaxM || !int8_dot_kernel()) return false;
+  return M >= kInt8DotAmxCpuMinM || g_dot.load(std::memory_order_relaxed) != INT8_DOT_ON || !amx_bf16_supported();
+}
 
 bool int8_weight_gemm_active() { return (lut4_paths() & LUT4_GEMM) && kernels().int8.weight_gemm; }
 
 // Rows [n0, n1) of the weight, q * s, into dst ([n1 - n0, K]) as fp32 or bf16.
 int int8_dequantize(const tq_weight& w, int64_t n0, int64_t n1, void* dst, bool bf16, int threads) {
   if (!valid_int8(w)) return BAD_ARGUMENT;
-  DequantJob job{kernels().int8.dequant_rows, w.codes, w.scales, w.k, n0, dst, bf16, w.codes_order == 1};
+  DequantJob job{int8_dequant_kernel(), w.codes, w.scales, w.k, n0, dst, bf16, w.codes_order == 1};
   parallel_for(n1 - n0, 1, threads, dequant_rows, &job);
   return OK;
 }
@@ -460,7 +476,7 @@ TQ_API int64_t tq_amx_int8_calls() { return tq::g_amx_calls.load(); }
 // ISA is capped below AVX-512) leaves the other paths serving every call.
 TQ_API int tq_set_int8_dot(int mode) {
   if (mode < 0) return tq::g_dot.load();
-  if (mode > tq::INT8_DOT_EMULATED) return -1;
+  if (mode > tq::INT8_DOT_ALL) return -1;
   return tq::g_dot.exchange(mode);
 }
 // How many int8 weight-only calls have taken the bf16 dot path since the library loaded.

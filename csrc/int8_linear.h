@@ -138,10 +138,13 @@ struct Int8Kernels {
   // The weight-only bf16 dot path (see below; null where the CPU lacks AVX512_BF16 or
   // TORCHQ_NATIVE_AVX512BF16=0): p.xb's bf16 rows, kInt8DotMinM <= M <= kInt8DotMaxM.
   Int8RowsFn dot_bf16 = nullptr;
+  // Rows as bf16 q * s (Int8DequantFn with bf16 true) where the CPU has AVX512_BF16 (null elsewhere,
+  // or TORCHQ_NATIVE_AVX512BF16=0): see "bf16 dequantization" below. int8_dequant_kernel() picks.
+  Int8DequantFn dequant_bf16 = nullptr;
 };
 // bf16 dot path (Int8Kernels.dot_bf16, int8_linear_avx512bf16.cpp): weight-only calls of bf16
 // activations, kInt8DotMinM <= M <= kInt8DotMaxM rows, where lut4_paths() allows the decode paths.
-// Every code is a bf16 value, so vdpbf16ps multiplies the codes with the activations exactly in
+// (On AMX CPUs from kInt8DotAmxCpuMinM rows: below.) Every code is a bf16 value, so vdpbf16ps multiplies the codes with the activations exactly in
 // fp32 and sums in fp32; each output is then scaled once: out = s * sum_k q x (+ bias). Against the
 // reference's sum_k (q * s) x that is the same products' sum in another order, with the weight's
 // one rounding (fp32(q * s)) moved to the end: within the same fp32 bound, and a one-hot row gives
@@ -170,8 +173,32 @@ static inline bool int8_dot_scale(float s) { return s == 0.0f || (__builtin_fabs
 // The AVX512_BF16 kernel, and its body on emulated instructions (int8_dot_emulated.cpp: the same
 // bits on any CPU). INT8_DOT_ON (the default) runs the first where the active table has it,
 // INT8_DOT_EMULATED the second on every ISA (tests), INT8_DOT_OFF neither (tq_set_int8_dot).
+// INT8_DOT_ALL runs the first for every row count above, also on AMX CPUs: in INT8_DOT_ON those take it
+// from kInt8DotAmxCpuMinM rows only.
 extern const Int8RowsFn kInt8Avx512Bf16Dot, kInt8EmulatedDot;
-enum Int8Dot : int { INT8_DOT_OFF = 0, INT8_DOT_ON = 1, INT8_DOT_EMULATED = 2 };
+enum Int8Dot : int { INT8_DOT_OFF = 0, INT8_DOT_ON = 1, INT8_DOT_EMULATED = 2, INT8_DOT_ALL = 3 };
+// The fewest rows the dot path takes in INT8_DOT_ON on CPUs with AMX-BF16 (amx_bf16_supported()),
+// where vdpbf16ps issues at about half the rate of an fp32 FMA: below, the fp32 row kernels won (one
+// Sapphire Rapids VM core, bf16, a new copy of the weight per call, SmolLM2's 3072 x 576 / 576 x 1536:
+// M = 2 253 / 159 us on the dot path against 165 / 85 on the rows, M = 4 363 / 206 against 205 / 104),
+// and from kBf16AmxMinM the bf16 AMX GEMM takes the calls first (rows the dot path keeps only where
+// the AMX GEMM is off).
+constexpr int64_t kInt8DotAmxCpuMinM = 5;
+// bf16 dequantization (Int8Kernels.dequant_bf16, int8_linear_avx512bf16.cpp; body: int8_dot_body.h):
+// rows as bf16 q * s for the bf16 AMX GEMM's panels (5-64 rows), the dequantized tiles (more) and
+// tq_dequantize_rows, the same bits as Int8Kernels.dequant_rows: each fp32 product q * s rounded to
+// nearest even by vcvtne2ps2bf16, 32 weights per instruction, where the generic kernel rounds with
+// five integer operations and a narrowing per 16. The instruction reads subnormal inputs as zero, so
+// it takes a row only where int8_dot_scale(s) holds (0, or finite and normal: every product is then
+// 0, normal, or inf); other rows, and fp32 outputs, take dequant_rows. One core of a Sapphire Rapids
+// VM, bf16 activations, SmolLM2's 3072 x 576, a new copy of the weight per call, on the AMX GEMM
+// (where the decode took 62% of the time): M = 8 478 -> 417 us, M = 16 507 -> 426; with the decode's
+// fetch 8 KB ahead into L2 (int8_linear.cpp: amx_decode) 334 and 354. Modes: tq_set_int8_dot's (the int8 AVX512_BF16
+// kernels): INT8_DOT_ON runs it where the table has it, INT8_DOT_EMULATED its body on arrays on any
+// CPU (int8_dot_emulated.cpp, the same bits), INT8_DOT_OFF dequant_rows.
+extern const Int8DequantFn kInt8Avx512Bf16Dequant, kInt8EmulatedDequant;
+// The kernel that turns rows into bf16 (or fp32) q * s now: see above.
+Int8DequantFn int8_dequant_kernel();
 // The VNNI panel kernel (Int8Kernels.panel_rows, int8_panel_body.h) and its body on emulated
 // instructions (int8_panel_emulated.cpp: the same bits on any CPU). INT8_PANEL_ON (the default) runs
 // the first where the active table has it (VNNI), INT8_PANEL_EMULATED the second on every ISA

@@ -1,5 +1,5 @@
 // The int8 weight-only bf16 dot path for AVX-512 with AVX512_BF16 (see int8_linear.h, "bf16 dot
-// path"; the body: int8_dot_body.h): int8 codes become bf16 words exactly (every integer in
+// path"; the body: int8_dot_body.h), and its bf16 dequantization (int8_linear.h): int8 codes become bf16 words exactly (every integer in
 // [-128, 127] is a bf16 value), vdpbf16ps multiplies them with the bf16 activations (products exact
 // in fp32) and sums in fp32, and each output is scaled once: out[m, n] = s[n] * sum_k q[n, k] x[m, k]
 // (+ bias[n]). cpu.cpp puts it into the AVX-512 table's int8.dot_bf16 on CPUs with AVX512_BF16
@@ -61,13 +61,35 @@ struct Int8DpOps : Int8DotOps {
   }
 };
 
+// int8_dequant_bf16's operations: vcvtne2ps2bf16 rounds 32 fp32 values to bf16 words.
+struct Int8DequantOps {
+  using V = __m512;
+  __attribute__((always_inline)) static void codes_f32(const int8_t* w, int64_t count, V& lo, V& hi) {
+    const __m256i b = count >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))
+                                  : _mm256_maskz_loadu_epi8((__mmask32)((1u << count) - 1u), w);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  }
+  __attribute__((always_inline)) static V mul(V v, float s) { return _mm512_mul_ps(v, _mm512_set1_ps(s)); }
+  __attribute__((always_inline)) static void store_bf16(uint16_t* dst, V lo, V hi, int64_t count) {
+    const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo, 16..31 from hi
+    if (count >= 32) _mm512_storeu_si512(dst, words);
+    else _mm512_mask_storeu_epi16(dst, (__mmask32)((1u << count) - 1u), words);
+  }
+};
+
 void dot_rows(const Int8Params& p, int64_t n0, int64_t n1) { Int8Dot<Int8DotOps>::rows(p, n0, n1, kInt8Avx512.weight_rows); }
+
+void dequant(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16) {
+  int8_dequant_bf16<Int8DequantOps>(w, scale, K, n0, n1, out, bf16, kInt8Avx512.dequant_rows);
+}
 
 void dp_gemm(const Bf16DpGemm& g, int64_t n0, int64_t n1) { Bf16DpBody<Int8DpOps, true>::gemm(g, n0, n1); }
 
 }  // namespace
 
 extern const Int8RowsFn kInt8Avx512Bf16Dot = &dot_rows;
+extern const Int8DequantFn kInt8Avx512Bf16Dequant = &dequant;
 // The bf16 dot-product GEMM's int8 form (bf16_dp_gemm.h): the codes' bf16 words as above.
 extern const Bf16DpGemmFn kInt8Avx512Bf16DpGemm = &dp_gemm;
 

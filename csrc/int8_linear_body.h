@@ -15,6 +15,7 @@
 #include "common.h"
 #include "gemm_f32_body.h"
 #include "int8_linear.h"
+#include "stream_prefetch.h"
 #include "tiling.h"
 
 namespace tq {
@@ -50,7 +51,7 @@ struct Int8Kernel {
     };
     for (int64_t k = 0; k < kfull; k += W) {
       // one line of the next tile per 16 weights of each row: NT lines per 64 weights
-      if ((W >= 16 || !(k & 15)) && ahead < ahead_end) _mm_prefetch(ahead, _MM_HINT_T0);
+      if (W >= 16 || !(k & 15)) prefetch_next(ahead, ahead_end);
       ahead += W * NT;
       step(w, k, k);
     }
@@ -240,7 +241,7 @@ struct Int8DotKernel {
     for (int64_t k = 0; k < kfull; k += kBytes) {
       if (kBytes >= 64 || !(k & 63)) {  // one line of each of the next tile's rows per 64 codes
         for (int t = 0; t < NT; ++t)
-          if (ahead + 64 * t < ahead_end) _mm_prefetch(ahead + 64 * t, _MM_HINT_T0);
+          prefetch_next(ahead + 64 * t, ahead_end);
         ahead += 64 * NT;
       }
       step(w, k, k);

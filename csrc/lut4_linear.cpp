@@ -12,6 +12,7 @@
 #include "bf16_dp_gemm.h"
 #include "common.h"
 #include "kernels.h"
+#include "stream_prefetch.h"
 #include "weight_abi.h"
 
 namespace tq {
@@ -232,9 +233,25 @@ struct AmxDecode {
   Lut4DequantFn dequant;
 };
 
+// Four rows at a time, each time fetching into L2 the codes and per-block values of the rows
+// kStreamFarBytes of codes ahead (rows of a few hundred bytes: the hardware prefetchers do not ramp
+// up on them).
 void amx_decode(const void* ctx, int64_t n0, int64_t n1, uint16_t* dst) {
   const AmxDecode& d = *static_cast<const AmxDecode*>(ctx);
-  d.dequant(*d.p, n0, n1, dst, true);
+  const Lut4Params& p = *d.p;
+  const int64_t row_bytes = p.K / 2, G = p.blocks_per_row, ahead = (kStreamFarBytes + row_bytes - 1) / row_bytes;
+  for (int64_t a = n0; a < n1; a += 4) {
+    const int64_t b = n1 - a < 4 ? n1 : a + 4, f = a + ahead, rows = b - a;
+    prefetch_l2(p.packed + f * row_bytes, rows * row_bytes, p.packed + p.N * row_bytes);
+    const auto values = [&](const void* base, int64_t esize) {
+      if (base) prefetch_l2(static_cast<const char*>(base) + f * G * esize, rows * G * esize, static_cast<const char*>(base) + p.N * G * esize);
+    };
+    values(p.absmax, 4);
+    values(p.nested_codes, 1);
+    values(p.shifts, 4);
+    values(p.zeros, 4);
+    d.dequant(p, a, b, dst + (a - n0) * p.K, true);
+  }
 }
 
 // out = x @ W.T (+ bias), x [M, K_in] and out [M, N] of `dtype`: converts and zero-pads the

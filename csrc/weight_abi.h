@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 // Bumped whenever an exported signature or the weight struct changes; torchq/native.py refuses a mismatch.
-#define TQ_ABI_VERSION 16
+#define TQ_ABI_VERSION 17
 
 enum tq_weight_format : int32_t { TQ_FORMAT_LUT4 = 1, TQ_FORMAT_INT8 = 2, TQ_FORMAT_INT8_DYNAMIC = 3, TQ_FORMAT_LUT4_INT8ACT = 4,
                                     TQ_FORMAT_INT8_STATIC = 5 };

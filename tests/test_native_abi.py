@@ -42,7 +42,7 @@ def header_fields() -> list[tuple[str, str]]:
 
 def test_the_library_describes_the_struct_the_header_declares_and_python_lays_out():
     lib = native_library.library()
-    assert lib.tq_abi_version() == native_library.ABI_VERSION == 16
+    assert lib.tq_abi_version() == native_library.ABI_VERSION == 17
     fields, size = native_abi.describe(lib)
     kinds = {"TQ_KIND_I32": 0, "TQ_KIND_I64": 1, "TQ_KIND_F32": 2, "TQ_KIND_PTR": 3}
     assert [(f.name, f.kind) for f in fields] == [(name, kinds[kind]) for name, kind in header_fields()]

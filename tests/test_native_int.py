@@ -49,6 +49,7 @@ from torchq.layouts.int4_native import _cached_native_weight
 from torchq.ops.int4 import INT4_GROUPWISE_GROUP_SIZES as GROUP_SIZES
 from torchq.ops.int4 import dequantize_int4_groupwise, int4_groupwise_linear
 from torchq.ops.int8 import int8_dynamic_linear, int8_weight_linear
+from torchq.ops.int8_panels import pack_panels
 from torchq.primitives import ZeroPointDomain
 
 
@@ -844,7 +845,7 @@ def _dot_calls(fn, *args):
 
 
 @needs_native
-@pytest.mark.parametrize("mode", ["on", "emulated"])
+@pytest.mark.parametrize("mode", ["all", "emulated"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("k", [32 * 18, 203, 3200])
 def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(mode, threads, k):
@@ -856,7 +857,8 @@ def test_int8_weight_only_bf16_dot_path_one_hot_bound_and_fallbacks(mode, thread
     or subnormal, and calls with activations below 2^-59 or inf / NaN, take the fp32 kernels (the
     reference's non-finite outputs); the panel layout gives the plain layout's bits. Elsewhere the
     same checks run on the paths the CPU has; ``emulated`` runs the path's body on emulated
-    instructions on every CPU (the bf16 AMX GEMM, which would take 5+ rows on AMX CPUs, is off)."""
+    instructions on every CPU (the bf16 AMX GEMM, which would take 5+ rows on AMX CPUs, is off).
+    Mode ``all`` (every row count also on AMX CPUs, where ``on`` starts at 5 rows: tested below)."""
     with library.bf16_amx("off"), library.int8_dot(mode):
         _int8_dot_checks(k, mode == "emulated" or avx512_bf16_runs())
 
@@ -882,10 +884,29 @@ def test_int8_weight_only_bf16_dot_path_emulated_gives_the_kernels_bits(threads)
             x = _bits_rows(m, k, gen, (0, 32, 33))  # lane 0: positions 0, 1, then 32, 33
             with library.bf16_amx("off"):
                 (on, calls_on), (emulated, calls_emulated) = (
-                    _dot_calls(_in_mode, mode, x, codes, scale, bias) for mode in ("on", "emulated"))
+                    _dot_calls(_in_mode, mode, x, codes, scale, bias) for mode in ("all", "emulated"))
             assert calls_on == calls_emulated == 1
             assert float(on[m // 2, n - 1]) == 1.0 + 2.0**-7  # the odd pair first
             assert torch.equal(on, emulated), (n, k, m)
+
+
+@needs_native
+def test_int8_weight_only_bf16_dot_path_starts_at_5_rows_on_amx_cpus():
+    """Mode "on": on CPUs with AMX-BF16 the dot path takes no call below 5 rows (the fp32 row kernels
+    are faster there: csrc/int8_linear.h, kInt8DotAmxCpuMinM), from 5 rows it does (where the AMX GEMM
+    is off); elsewhere every row count from 2. Mode "all" takes 2 rows on every CPU with the
+    instruction, "emulated" on every CPU. The outputs are within the bound either way."""
+    n, k = 45, 203
+    codes, scale, dense = int8_weight(n, k, seed=3)
+    runs, amx = avx512_bf16_runs(), library.bf16_amx_supported()
+    gen = torch.Generator().manual_seed(4)
+    with library.bf16_amx("off"):
+        for m in (2, 4, 5, 8):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            for mode, takes in (("on", runs and (m >= 5 or not amx)), ("all", runs), ("emulated", True)):
+                y, calls = _dot_calls(_in_mode, mode, x, codes, scale)
+                assert calls == takes, (mode, m)
+                assert_within_bound(y, x, dense, None, torch.bfloat16)
 
 
 def _in_mode(mode, *args):
@@ -1112,3 +1133,65 @@ def test_without_the_library_auto_choice_skips_the_native_layout_and_ops_warn():
     env = dict(os.environ, TORCHQ_NATIVE="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+# -- int8 rows as bf16: the AVX512_BF16 conversion (csrc/int8_linear.h, "bf16 dequantization") -----
+
+def _edge_scale_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes over the whole range and a scale of every kind: normal (tiny, huge: products overflow to
+    inf), 0, -0, inf, NaN, subnormal (its rows take the generic kernel)."""
+    codes, scale, _ = int8_weight(n, k, seed)
+    codes[0, : min(k, 4)] = torch.tensor([-128, 127, 0, -1], dtype=torch.int8)[: min(k, 4)]
+    edge = [2.0**-126, -2.0**-120, 1e38, -3e38, 0.0, -0.0, float("inf"), float("nan"), 1e-40, -2.0**-149, 1.0 + 2.0**-9]
+    scale[1 : 1 + len(edge)] = torch.tensor(edge)
+    return codes, scale
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_int8_bf16_dequantization_gives_the_same_bits_in_every_mode(threads):
+    """Rows as bf16 q * s through tq_dequantize_rows (the dequantized tiles' source), row-major and
+    in panel order, for K with and without a partial 32-chunk: the generic kernel ("off"), the
+    vcvtne2ps2bf16 kernel ("on" / "all", on CPUs with AVX512_BF16) and its emulated body ("emulated",
+    every CPU) give the same bits, which are torch's rounding of the fp32 products (the subnormal
+    scale's rows too: they take the generic kernel; NaN as the kernels' one NaN). Also through the bf16 AMX GEMM (emulated tiles:
+    every CPU), whose panels they decode."""
+    for n, k in ((20, 1), (20, 31), (33, 32), (17, 33), (40, 203), (16, 576)):
+        codes, scale = _edge_scale_weight(n, k, seed=n * k)
+        want = (codes.float() * scale[:, None]).to(torch.bfloat16)
+        outs = {}
+        for mode in library.INT8_DOT_MODES:
+            with library.int8_dot(mode):
+                for name, layout in (("plain", "plain"), ("panels", "panels")):
+                    weight = (library.int8_weight("t", codes.reshape(-1), scale, n, k) if layout == "plain"
+                              else _int8_panel_weight(codes, scale))
+                    out = torch.empty(n, k, dtype=torch.bfloat16)
+                    library.dequantize_rows(weight, 0, n, out)
+                    outs[mode, name] = out
+        nan = want.isnan()
+        for key, out in outs.items():
+            assert torch.equal(out.view(torch.int16), outs["off", "plain"].view(torch.int16)), (n, k, key)
+            assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16)), (n, k, key)
+            assert bool(out[nan].isnan().all())
+    n, k = 40, 203
+    codes, scale = _edge_scale_weight(n, k, seed=9)
+    finite = scale.isfinite() & (scale.abs() < 1e30)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with library.bf16_amx("emulated"):
+        ys = []
+        for mode in library.INT8_DOT_MODES:
+            with library.int8_dot(mode):
+                before = library.bf16_amx_calls()
+                ys.append(int8_weight_linear(x, codes, scale))
+                assert library.bf16_amx_calls() - before == 1
+    for y in ys[1:]:
+        assert torch.equal(y.view(torch.int16), ys[0].view(torch.int16))
+    dense = (codes.float() * scale[:, None]).to(torch.bfloat16).float()
+    assert_within_bound(ys[0][:, finite], x, dense[finite], None, torch.bfloat16)
+
+
+def _int8_panel_weight(codes: torch.Tensor, scale: torch.Tensor) -> library.NativeWeight:
+    """codes [n, k] in panel order (torchq's Int8VnniLayout) as a native weight (kept alive by it)."""
+    n, k = codes.shape
+    panels, sums = pack_panels(codes)
+    return library.int8_panel_weight("t", panels, sums, scale, n, k)

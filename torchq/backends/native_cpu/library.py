@@ -38,14 +38,14 @@ __all__ = [
     "int8_panel_weight",
 ]
 
-ABI_VERSION = 16
+ABI_VERSION = 17
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # tq_features bits: AVX-512 VNNI int8 kernels, AVX512_BF16 lut4 pair tables, the AMX int8 GEMM, the AMX bf16 GEMM
 # (each also needs an active AVX-512 ISA to run)
 FEATURE_NAMES = ("avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 INT8_AMX_MODES = ("off", "on", "emulated")  # tq_set_int8_amx
 BF16_AMX_MODES = ("off", "on", "emulated")  # tq_set_bf16_amx
-INT8_DOT_MODES = ("off", "on", "emulated")  # tq_set_int8_dot
+INT8_DOT_MODES = ("off", "on", "emulated", "all")  # tq_set_int8_dot
 INT8_PANEL_MODES = ("off", "on", "emulated")  # tq_set_int8_panel
 LUT4_SCALED_DOT_MODES = ("off", "on", "emulated")  # tq_set_lut4_scaled_dot
 LUT4_TABLE_DOT_MODES = ("off", "on")  # tq_set_lut4_table_dot
@@ -272,9 +272,13 @@ def int8_amx_calls() -> int:
 def int8_dot(mode: str) -> contextlib.AbstractContextManager[None]:
     """Within the block (process-wide), int8 weight-only's bf16 dot path for 2 to 32 rows of bf16
     activations (``csrc/int8_linear.h``): ``"on"`` (the default) on CPUs with AVX512_BF16 whose
-    AVX-512 ISA is active, ``"off"`` never (the fp32 row kernels or dequantized tiles serve those
-    rows), ``"emulated"`` its body on emulated instructions on any CPU, the same bits (for tests).
-    A decode path: ``lut4_paths(decode=False)`` turns it off in every mode."""
+    AVX-512 ISA is active, from 5 rows on CPUs with AMX-BF16 (below, the fp32 row kernels are
+    faster there); ``"all"`` every row count on those CPUs too; ``"off"`` never (the fp32 row
+    kernels or dequantized tiles serve those rows); ``"emulated"`` its body on emulated
+    instructions on any CPU, the same bits (for tests). A decode path: ``lut4_paths(decode=False)``
+    turns it off in every mode. The mode also picks how int8 rows become bf16 for the AMX GEMM and
+    the dequantized tiles (the same bits every way): ``vcvtne2ps2bf16`` where the CPU has it
+    (``"on"`` / ``"all"``), the emulated body (``"emulated"``), the generic kernel (``"off"``)."""
     return _mode("tq_set_int8_dot", INT8_DOT_MODES, mode)
 
 
