@@ -241,7 +241,7 @@ struct Int8DotKernel {
     for (int64_t k = 0; k < kfull; k += kBytes) {
       if (kBytes >= 64 || !(k & 63)) {  // one line of each of the next tile's rows per 64 codes
         for (int t = 0; t < NT; ++t)
-          prefetch_next(ahead + 64 * t, ahead_end);
+          if (ahead + 64 * t < ahead_end) _mm_prefetch(ahead + 64 * t, _MM_HINT_T0);
         ahead += 64 * NT;
       }
       step(w, k, k);
